@@ -1,0 +1,79 @@
+// The one schema file: every specdec_ext op is declared here with TORCH_LIBRARY, and the CPU
+// implementations are registered here. CUDA implementations register in bindings_cuda.cpp.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "cpu/verify_cpu.h"
+#include "ops_common.h"
+
+namespace specdec {
+
+std::tuple<at::Tensor, at::Tensor> chain_verify_cpu(const at::Tensor& ids, const at::Tensor& draft_probs,
+                                                    const at::Tensor& target_probs, const std::optional<at::Tensor>& n,
+                                                    const std::optional<at::Tensor>& u,
+                                                    const std::optional<at::Tensor>& so) {
+  VerifyTensors t = prepare_verify(ids, draft_probs, target_probs, n, std::nullopt, u, so, false);
+  cpu::chain_verify(t.args);
+  return {t.out_ids, t.num_accepted};
+}
+
+std::tuple<at::Tensor, at::Tensor> chain_verify_logits_cpu(const at::Tensor& ids, const at::Tensor& draft_logits,
+                                                           const at::Tensor& target_logits, const at::Tensor& temperature,
+                                                           const std::optional<at::Tensor>& n,
+                                                           const std::optional<at::Tensor>& u,
+                                                           const std::optional<at::Tensor>& so) {
+  VerifyTensors t = prepare_verify(ids, draft_logits, target_logits, n, temperature, u, so, true);
+  cpu::chain_verify_logits(t.args);
+  return {t.out_ids, t.num_accepted};
+}
+
+at::Tensor residual_sample_cpu(const at::Tensor& target_probs, const at::Tensor& draft_probs,
+                               const std::optional<at::Tensor>& u, const std::optional<at::Tensor>& so) {
+  ResidualTensors t = prepare_residual(target_probs, draft_probs, u, so);
+  cpu::residual_sample(t.args);
+  return t.out;
+}
+
+std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cpu(const at::Tensor& hidden, const at::Tensor& block_weight,
+                                                            const at::Tensor& block_bias, const at::Tensor& out_weight,
+                                                            const at::Tensor& out_bias, at::Tensor& cum_accept,
+                                                            int64_t step, int64_t k_min, int64_t k_max,
+                                                            double threshold) {
+  HeadTensors t = prepare_head(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
+                               threshold);
+  cpu::acceptance_head_step(t.args);
+  return {t.p_accept, t.stop};
+}
+
+TORCH_LIBRARY(specdec_ext, m) {
+  m.def(
+      "chain_verify(Tensor draft_token_ids, Tensor draft_probs, Tensor target_probs, Tensor? num_draft_tokens=None, "
+      "Tensor? uniforms=None, Tensor? philox_seed_offset=None) -> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def(
+      "chain_verify_logits(Tensor draft_token_ids, Tensor draft_logits, Tensor target_logits, Tensor temperature, "
+      "Tensor? num_draft_tokens=None, Tensor? uniforms=None, Tensor? philox_seed_offset=None) "
+      "-> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def(
+      "residual_sample(Tensor target_probs, Tensor draft_probs, Tensor? uniforms=None, "
+      "Tensor? philox_seed_offset=None) -> Tensor");
+  m.def(
+      "acceptance_head_step(Tensor hidden, Tensor block_weight, Tensor block_bias, Tensor out_weight, "
+      "Tensor out_bias, Tensor(a!) cum_accept, int step, int k_min, int k_max, float threshold) "
+      "-> (Tensor p_accept, Tensor stop)");
+}
+
+TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
+  m.impl("chain_verify", &chain_verify_cpu);
+  m.impl("chain_verify_logits", &chain_verify_logits_cpu);
+  m.impl("residual_sample", &residual_sample_cpu);
+  m.impl("acceptance_head_step", &acceptance_head_step_cpu);
+}
+
+}  // namespace specdec
+
+// `import specdec_ext._C` loads the library, which runs the registrations above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "specdec_ext ops (registered as torch.ops.specdec_ext)",
+                                   -1, nullptr};
+  return PyModule_Create(&def);
+}

@@ -1,0 +1,222 @@
+// Torch glue shared by the CPU registrations (ops.cpp) and the CUDA ones (bindings_cuda.cpp):
+// argument checks that name the argument, and conversion of tensors into the torch-free
+// argument blocks of kernels/args.h.
+#pragma once
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "kernels/args.h"
+
+namespace specdec {
+
+inline DType float_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+inline void check_index_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int32 or int64, got ",
+                   t.scalar_type());
+}
+
+inline void check_device(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
+}
+
+// Randomness: exactly one of uniforms [B, slots] float32 in (0, 1] or philox_seed_offset [2] int64.
+struct RandomTensors {
+  at::Tensor uniforms, seed_offset;
+  UniformSource source() const {
+    UniformSource s{};
+    if (uniforms.defined()) {
+      s.explicit_u = uniforms.data_ptr<float>();
+      s.stride = uniforms.dim() == 2 ? uniforms.size(1) : 1;
+    } else {
+      s.seed_offset = seed_offset.data_ptr<int64_t>();
+    }
+    return s;
+  }
+};
+
+inline RandomTensors check_random(const std::optional<at::Tensor>& uniforms, const std::optional<at::Tensor>& seed_offset,
+                                  at::IntArrayRef uniform_shape, const at::Tensor& ref, const char* op) {
+  TORCH_CHECK_VALUE(uniforms.has_value() != seed_offset.has_value(), op,
+                    ": pass exactly one of uniforms or philox_seed_offset");
+  RandomTensors r;
+  if (uniforms.has_value()) {
+    const at::Tensor& u = *uniforms;
+    TORCH_CHECK_TYPE(u.scalar_type() == at::kFloat, op, ": uniforms must be float32, got ", u.scalar_type());
+    TORCH_CHECK_VALUE(u.sizes() == uniform_shape, op, ": uniforms must have shape ", uniform_shape, ", got ", u.sizes());
+    check_device(u, ref, "uniforms", "the probabilities");
+    r.uniforms = u.contiguous();
+  } else {
+    const at::Tensor& so = *seed_offset;
+    TORCH_CHECK_TYPE(so.scalar_type() == at::kLong, op, ": philox_seed_offset must be int64, got ", so.scalar_type());
+    TORCH_CHECK_VALUE(so.dim() == 1 && so.size(0) == 2, op, ": philox_seed_offset must have shape [2], got ", so.sizes());
+    check_device(so, ref, "philox_seed_offset", "the probabilities");
+    r.seed_offset = so.contiguous();
+  }
+  return r;
+}
+
+// Everything chain_verify / chain_verify_logits need, checked; owns the contiguous copies.
+struct VerifyTensors {
+  at::Tensor ids, draft, target, num_draft, temperature, out_ids, num_accepted;
+  RandomTensors rnd;
+  VerifyArgs args;
+};
+
+inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at::Tensor& draft, const at::Tensor& target,
+                                    const std::optional<at::Tensor>& num_draft_tokens,
+                                    const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& uniforms,
+                                    const std::optional<at::Tensor>& seed_offset, bool logits) {
+  const char* op = logits ? "chain_verify_logits" : "chain_verify";
+  const char* dname = logits ? "draft_logits" : "draft_probs";
+  const char* tname = logits ? "target_logits" : "target_probs";
+  check_index_dtype(draft_token_ids, "draft_token_ids");
+  TORCH_CHECK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got shape ", draft_token_ids.sizes());
+  const int64_t B = draft_token_ids.size(0), K = draft_token_ids.size(1);
+  TORCH_CHECK_VALUE(K >= 1, op, ": the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0");
+  const DType dt = float_dtype(draft, dname);
+  TORCH_CHECK_TYPE(target.scalar_type() == draft.scalar_type(), op, ": ", tname, " has dtype ", target.scalar_type(),
+                   " but ", dname, " has ", draft.scalar_type());
+  TORCH_CHECK_VALUE(draft.dim() == 3 && draft.size(0) == B && draft.size(1) == K, op, ": ", dname,
+                    " must be [B, K, V] = [", B, ", ", K, ", V], got ", draft.sizes());
+  const int64_t V = draft.size(2);
+  TORCH_CHECK_VALUE(V >= 1, op, ": vocabulary size V must be >= 1");
+  TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == K + 1, op, ": ", tname,
+                    " must be [B, K+1, V] = [", B, ", ", K + 1, ", V], got ", target.sizes());
+  TORCH_CHECK_VALUE(target.size(2) == V, op, ": vocabulary mismatch: ", dname, " has V = ", V, " but ", tname, " has V = ",
+                    target.size(2));
+  check_device(draft_token_ids, target, "draft_token_ids", tname);
+  check_device(draft, target, dname, tname);
+  VerifyTensors t;
+  t.ids = draft_token_ids.to(at::kLong).contiguous();
+  t.draft = draft.contiguous();
+  t.target = target.contiguous();
+  if (num_draft_tokens.has_value()) {
+    const at::Tensor& n = *num_draft_tokens;
+    check_index_dtype(n, "num_draft_tokens");
+    TORCH_CHECK_VALUE(n.dim() == 1 && n.size(0) == B, op, ": num_draft_tokens must be [B] = [", B, "], got ", n.sizes());
+    check_device(n, target, "num_draft_tokens", tname);
+    t.num_draft = n.to(at::kLong).contiguous();
+    if (n.device().is_cpu() && B > 0) {
+      TORCH_CHECK_VALUE(t.num_draft.min().item<int64_t>() >= 0 && t.num_draft.max().item<int64_t>() <= K, op,
+                        ": num_draft_tokens must lie in [0, K] = [0, ", K, "]");
+    }
+  }
+  if (logits) {
+    TORCH_CHECK_VALUE(temperature.has_value(), op, ": temperature [B] is required");
+    const at::Tensor& tt = *temperature;
+    TORCH_CHECK_TYPE(tt.scalar_type() == at::kFloat, op, ": temperature must be float32, got ", tt.scalar_type());
+    TORCH_CHECK_VALUE(tt.dim() == 1 && tt.size(0) == B, op, ": temperature must be [B] = [", B, "], got ", tt.sizes());
+    check_device(tt, target, "temperature", tname);
+    t.temperature = tt.contiguous();
+    if (tt.device().is_cpu() && B > 0) {
+      TORCH_CHECK_VALUE(at::isfinite(t.temperature).all().item<bool>() && t.temperature.min().item<float>() >= 0.0f, op,
+                        ": temperature must be finite and >= 0 (0 means greedy)");
+    }
+  }
+  t.rnd = check_random(uniforms, seed_offset, {B, K + 1}, target, op);
+  t.out_ids = at::empty({B, K + 1}, target.options().dtype(at::kLong));
+  t.num_accepted = at::empty({B}, target.options().dtype(at::kLong));
+  VerifyArgs& a = t.args;
+  a.dtype = dt;
+  a.batch = B; a.k = K; a.vocab = V;
+  a.ids = t.ids.data_ptr<int64_t>();
+  a.draft = t.draft.data_ptr();
+  a.target = t.target.data_ptr();
+  a.num_draft = t.num_draft.defined() ? t.num_draft.data_ptr<int64_t>() : nullptr;
+  a.temperature = t.temperature.defined() ? t.temperature.data_ptr<float>() : nullptr;
+  a.rng = t.rnd.source();
+  a.out_ids = t.out_ids.data_ptr<int64_t>();
+  a.num_accepted = t.num_accepted.data_ptr<int64_t>();
+  return t;
+}
+
+struct ResidualTensors {
+  at::Tensor target, draft, out;
+  RandomTensors rnd;
+  ResidualArgs args;
+};
+
+inline ResidualTensors prepare_residual(const at::Tensor& target, const at::Tensor& draft,
+                                        const std::optional<at::Tensor>& uniforms,
+                                        const std::optional<at::Tensor>& seed_offset) {
+  const DType dt = float_dtype(target, "target_probs");
+  TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "residual_sample: draft_probs has dtype ",
+                   draft.scalar_type(), " but target_probs has ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 2, "residual_sample: target_probs must be [B, V], got ", target.sizes());
+  TORCH_CHECK_VALUE(draft.dim() == 2 && draft.size(0) == target.size(0), "residual_sample: draft_probs must be [B, V] = [",
+                    target.size(0), ", V], got ", draft.sizes());
+  TORCH_CHECK_VALUE(draft.size(1) == target.size(1), "residual_sample: vocabulary mismatch: target_probs has V = ",
+                    target.size(1), " but draft_probs has V = ", draft.size(1));
+  TORCH_CHECK_VALUE(target.size(1) >= 1, "residual_sample: vocabulary size V must be >= 1");
+  check_device(draft, target, "draft_probs", "target_probs");
+  ResidualTensors t;
+  t.target = target.contiguous();
+  t.draft = draft.contiguous();
+  t.rnd = check_random(uniforms, seed_offset, {target.size(0)}, target, "residual_sample");
+  t.out = at::empty({target.size(0)}, target.options().dtype(at::kLong));
+  t.args = ResidualArgs{dt, target.size(0), target.size(1), t.target.data_ptr(), t.draft.data_ptr(), t.rnd.source(),
+                        t.out.data_ptr<int64_t>()};
+  return t;
+}
+
+struct HeadTensors {
+  at::Tensor hidden, w, b, ow, ob, p_accept, stop;
+  HeadArgs args;
+};
+
+inline HeadTensors prepare_head(const at::Tensor& hidden, const at::Tensor& block_weight, const at::Tensor& block_bias,
+                                const at::Tensor& out_weight, const at::Tensor& out_bias, at::Tensor& cum_accept,
+                                int64_t step, int64_t k_min, int64_t k_max, double threshold) {
+  const char* op = "acceptance_head_step";
+  const DType dt = float_dtype(hidden, "hidden");
+  TORCH_CHECK_VALUE(hidden.dim() == 2, op, ": hidden must be [B, H], got ", hidden.sizes());
+  const int64_t B = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK_VALUE(block_weight.dim() == 3 && block_weight.size(1) == H && block_weight.size(2) == H, op,
+                    ": block_weight must be [L, H, H] with H = ", H, " (the hidden size of `hidden`), got ",
+                    block_weight.sizes());
+  const int64_t L = block_weight.size(0);
+  TORCH_CHECK_VALUE(block_bias.dim() == 2 && block_bias.size(0) == L && block_bias.size(1) == H, op,
+                    ": block_bias must be [L, H] = [", L, ", ", H, "], got ", block_bias.sizes());
+  TORCH_CHECK_VALUE(out_weight.dim() == 1 && out_weight.size(0) == H, op, ": out_weight must be [H] = [", H, "], got ",
+                    out_weight.sizes());
+  TORCH_CHECK_VALUE(out_bias.numel() == 1, op, ": out_bias must have one element, got ", out_bias.sizes());
+  TORCH_CHECK_VALUE(cum_accept.dim() == 1 && cum_accept.size(0) == B, op, ": cum_accept must be [B] = [", B, "], got ",
+                    cum_accept.sizes());
+  for (const at::Tensor* p : {&block_weight, &block_bias, &out_weight, &out_bias, static_cast<const at::Tensor*>(&cum_accept)}) {
+    TORCH_CHECK_TYPE(p->scalar_type() == at::kFloat, op, ": head weights and cum_accept must be float32, got ",
+                     p->scalar_type());
+    check_device(*p, hidden, "head weights and cum_accept", "hidden");
+  }
+  TORCH_CHECK_VALUE(cum_accept.is_contiguous(), op, ": cum_accept must be contiguous (it is updated in place)");
+  TORCH_CHECK_VALUE(step >= 1, op, ": step (number of candidates drafted so far) must be >= 1, got ", step);
+  TORCH_CHECK_VALUE(k_min >= 1 && k_min <= k_max, op, ": need 1 <= k_min <= k_max, got k_min = ", k_min,
+                    ", k_max = ", k_max);
+  TORCH_CHECK_VALUE(threshold >= 0.0 && threshold <= 1.0, op, ": stop threshold must lie in [0, 1], got ", threshold);
+  HeadTensors t;
+  t.hidden = hidden.contiguous();
+  t.w = block_weight.contiguous();
+  t.b = block_bias.contiguous();
+  t.ow = out_weight.contiguous();
+  t.ob = out_bias.contiguous();
+  t.p_accept = at::empty({B}, hidden.options().dtype(at::kFloat));
+  t.stop = at::empty({B}, hidden.options().dtype(at::kBool));
+  t.args = HeadArgs{dt, B, H, L, t.hidden.data_ptr(), t.w.data_ptr<float>(), t.b.data_ptr<float>(),
+                    t.ow.data_ptr<float>(), t.ob.data_ptr<float>(), cum_accept.data_ptr<float>(),
+                    t.p_accept.data_ptr<float>(), t.stop.data_ptr<bool>(), step, k_min, k_max,
+                    static_cast<float>(threshold)};
+  return t;
+}
+
+}  // namespace specdec

@@ -1,0 +1,53 @@
+"""Builds the one extension, specdec_ext._C.
+
+* Default: a CppExtension with the CPU kernels (csrc/ops.cpp, csrc/cpu/*.cpp).
+* With a CUDA build of torch and nvcc on PATH (or SPECDEC_CUDA=1): a CUDAExtension that adds
+  csrc/cuda/*.cu and csrc/bindings_cuda.cpp. Architectures come from TORCH_CUDA_ARCH_LIST,
+  default "8.0;9.0". SPECDEC_CUDA=0 forces the CPU-only build.
+* CPU flags: -O3 -fopenmp-simd (vectorised reductions without -ffast-math); on x86-64 also
+  AVX2/FMA/F16C. Override with SPECDEC_CPU_FLAGS (e.g. "-march=native" or "" for baseline x86-64).
+"""
+import glob
+import os
+import platform
+import shutil
+
+from setuptools import setup
+
+import torch
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    env = os.environ.get("SPECDEC_CUDA")
+    if env is not None:
+        return env == "1"
+    return torch.version.cuda is not None and shutil.which("nvcc") is not None
+
+
+def cpu_flags() -> list:
+    env = os.environ.get("SPECDEC_CPU_FLAGS")
+    if env is not None:
+        return env.split()
+    return ["-mavx2", "-mfma", "-mf16c"] if platform.machine() in ("x86_64", "AMD64") else []
+
+
+def extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-fopenmp-simd"] + cpu_flags()
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if not want_cuda():
+        sources = [s for s in sources if not s.endswith("bindings_cuda.cpp")]
+        return CppExtension("specdec_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    return CUDAExtension(
+        "specdec_ext._C", sources, include_dirs=include_dirs, define_macros=[("SPECDEC_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx + ["-DSPECDEC_WITH_CUDA"], "nvcc": nvcc},
+    )
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)})

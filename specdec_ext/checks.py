@@ -1,0 +1,153 @@
+"""Argument checks shared by the fake (meta) kernels and the pure-PyTorch reference.
+
+They mirror the C++ checks in ``csrc/ops_common.h``: every error names the argument and what was
+expected, as ``ValueError`` (shapes, values) or ``TypeError`` (dtypes). Value checks that need the
+data (NaN/Inf, id range) happen inside the kernels, on the rows they read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _float(t: torch.Tensor, name: str, op: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def _index(t: torch.Tensor, name: str, op: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{op}: {name} must be int32 or int64, got {t.dtype}")
+
+
+def _same_device(t: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str, op: str) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _random(uniforms, seed_offset, shape: tuple, ref: torch.Tensor, op: str) -> None:
+    if (uniforms is None) == (seed_offset is None):
+        raise ValueError(f"{op}: pass exactly one of uniforms or philox_seed_offset")
+    if uniforms is not None:
+        if uniforms.dtype != torch.float32:
+            raise TypeError(f"{op}: uniforms must be float32, got {uniforms.dtype}")
+        if tuple(uniforms.shape) != shape:
+            raise ValueError(f"{op}: uniforms must have shape {list(shape)}, got {list(uniforms.shape)}")
+        _same_device(uniforms, ref, "uniforms", "the probabilities", op)
+    else:
+        if seed_offset.dtype != torch.int64:
+            raise TypeError(f"{op}: philox_seed_offset must be int64, got {seed_offset.dtype}")
+        if tuple(seed_offset.shape) != (2,):
+            raise ValueError(f"{op}: philox_seed_offset must have shape [2], got {list(seed_offset.shape)}")
+        _same_device(seed_offset, ref, "philox_seed_offset", "the probabilities", op)
+
+
+def verify_shapes(draft_token_ids, draft, target, num_draft_tokens, temperature, uniforms, seed_offset,
+                  logits: bool) -> tuple[int, int, int]:
+    """Check chain_verify / chain_verify_logits arguments; return (B, K, V)."""
+    op = "chain_verify_logits" if logits else "chain_verify"
+    dname, tname = ("draft_logits", "target_logits") if logits else ("draft_probs", "target_probs")
+    _index(draft_token_ids, "draft_token_ids", op)
+    if draft_token_ids.dim() != 2:
+        raise ValueError(f"{op}: draft_token_ids must be [B, K], got shape {list(draft_token_ids.shape)}")
+    B, K = draft_token_ids.shape
+    if K < 1:
+        raise ValueError(f"{op}: the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0")
+    _float(draft, dname, op)
+    _float(target, tname, op)
+    if target.dtype != draft.dtype:
+        raise TypeError(f"{op}: {tname} has dtype {target.dtype} but {dname} has {draft.dtype}")
+    if draft.dim() != 3 or draft.shape[0] != B or draft.shape[1] != K:
+        raise ValueError(f"{op}: {dname} must be [B, K, V] = [{B}, {K}, V], got {list(draft.shape)}")
+    V = draft.shape[2]
+    if V < 1:
+        raise ValueError(f"{op}: vocabulary size V must be >= 1")
+    if target.dim() != 3 or target.shape[0] != B or target.shape[1] != K + 1:
+        raise ValueError(f"{op}: {tname} must be [B, K+1, V] = [{B}, {K + 1}, V], got {list(target.shape)}")
+    if target.shape[2] != V:
+        raise ValueError(f"{op}: vocabulary mismatch: {dname} has V = {V} but {tname} has V = {target.shape[2]}")
+    _same_device(draft_token_ids, target, "draft_token_ids", tname, op)
+    _same_device(draft, target, dname, tname, op)
+    if num_draft_tokens is not None:
+        _index(num_draft_tokens, "num_draft_tokens", op)
+        if tuple(num_draft_tokens.shape) != (B,):
+            raise ValueError(f"{op}: num_draft_tokens must be [B] = [{B}], got {list(num_draft_tokens.shape)}")
+        _same_device(num_draft_tokens, target, "num_draft_tokens", tname, op)
+        if num_draft_tokens.device.type == "cpu" and B > 0 and not _is_fake(num_draft_tokens):
+            if int(num_draft_tokens.min()) < 0 or int(num_draft_tokens.max()) > K:
+                raise ValueError(f"{op}: num_draft_tokens must lie in [0, K] = [0, {K}]")
+    if logits:
+        if temperature is None:
+            raise ValueError(f"{op}: temperature [B] is required")
+        if temperature.dtype != torch.float32:
+            raise TypeError(f"{op}: temperature must be float32, got {temperature.dtype}")
+        if tuple(temperature.shape) != (B,):
+            raise ValueError(f"{op}: temperature must be [B] = [{B}], got {list(temperature.shape)}")
+        _same_device(temperature, target, "temperature", tname, op)
+        if temperature.device.type == "cpu" and B > 0 and not _is_fake(temperature):
+            if not bool(torch.isfinite(temperature).all()) or float(temperature.min()) < 0:
+                raise ValueError(f"{op}: temperature must be finite and >= 0 (0 means greedy)")
+    _random(uniforms, seed_offset, (B, K + 1), target, op)
+    return B, K, V
+
+
+def residual_shapes(target, draft, uniforms, seed_offset) -> tuple[int, int]:
+    op = "residual_sample"
+    _float(target, "target_probs", op)
+    _float(draft, "draft_probs", op)
+    if draft.dtype != target.dtype:
+        raise TypeError(f"{op}: draft_probs has dtype {draft.dtype} but target_probs has {target.dtype}")
+    if target.dim() != 2:
+        raise ValueError(f"{op}: target_probs must be [B, V], got {list(target.shape)}")
+    B, V = target.shape
+    if draft.dim() != 2 or draft.shape[0] != B:
+        raise ValueError(f"{op}: draft_probs must be [B, V] = [{B}, V], got {list(draft.shape)}")
+    if draft.shape[1] != V:
+        raise ValueError(f"{op}: vocabulary mismatch: target_probs has V = {V} but draft_probs has V = {draft.shape[1]}")
+    if V < 1:
+        raise ValueError(f"{op}: vocabulary size V must be >= 1")
+    _same_device(draft, target, "draft_probs", "target_probs", op)
+    _random(uniforms, seed_offset, (B,), target, op)
+    return B, V
+
+
+def head_shapes(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max, threshold):
+    op = "acceptance_head_step"
+    _float(hidden, "hidden", op)
+    if hidden.dim() != 2:
+        raise ValueError(f"{op}: hidden must be [B, H], got {list(hidden.shape)}")
+    B, H = hidden.shape
+    if block_weight.dim() != 3 or tuple(block_weight.shape[1:]) != (H, H):
+        raise ValueError(f"{op}: block_weight must be [L, H, H] with H = {H} (the hidden size of `hidden`), "
+                         f"got {list(block_weight.shape)}")
+    L = block_weight.shape[0]
+    if tuple(block_bias.shape) != (L, H):
+        raise ValueError(f"{op}: block_bias must be [L, H] = [{L}, {H}], got {list(block_bias.shape)}")
+    if tuple(out_weight.shape) != (H,):
+        raise ValueError(f"{op}: out_weight must be [H] = [{H}], got {list(out_weight.shape)}")
+    if out_bias.numel() != 1:
+        raise ValueError(f"{op}: out_bias must have one element, got {list(out_bias.shape)}")
+    if tuple(cum_accept.shape) != (B,):
+        raise ValueError(f"{op}: cum_accept must be [B] = [{B}], got {list(cum_accept.shape)}")
+    for t in (block_weight, block_bias, out_weight, out_bias, cum_accept):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: head weights and cum_accept must be float32, got {t.dtype}")
+        _same_device(t, hidden, "head weights and cum_accept", "hidden", op)
+    if step < 1:
+        raise ValueError(f"{op}: step (number of candidates drafted so far) must be >= 1, got {step}")
+    if not 1 <= k_min <= k_max:
+        raise ValueError(f"{op}: need 1 <= k_min <= k_max, got k_min = {k_min}, k_max = {k_max}")
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"{op}: stop threshold must lie in [0, 1], got {threshold}")
+    return B, H
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" or type(t).__name__ == "FakeTensor"

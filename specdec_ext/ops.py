@@ -1,0 +1,260 @@
+"""Typed wrappers of the fused speculative-sampling ops, with fake (meta) kernels.
+
+The ops are registered by the C++ extension as ``torch.ops.specdec_ext.*`` (schemas in
+``csrc/ops.cpp``) with CPU kernels and, in a CUDA build, CUDA kernels. The fake kernels below
+let them trace under ``torch.compile`` and be captured in CUDA graphs. Without the compiled
+extension, every wrapper falls back to ``specdec_ext.reference`` (same results, slower).
+
+Randomness, for every sampling op, comes from exactly one of:
+
+* ``uniforms``: explicit float32 draws in (0, 1] (tests, replay). Slot ``i < n_b`` of row ``b`` is
+  the acceptance draw of candidate ``i``; slot ``n_b`` draws the final (residual or bonus) token.
+* ``philox_seed_offset``: an int64 ``[2]`` tensor (seed, offset) on the op's device; the kernel
+  draws Philox4x32-10 uniforms from it (same numbers on CPU and CUDA). Passing a device tensor that
+  you update between replays makes the op capturable in a CUDA graph.
+* ``generator`` (default: the device's default generator): draws ``philox_seed_offset`` with
+  ``torch.randint`` on the generator's device, which is capture-safe for CUDA generators.
+
+Method (lossless speculative sampling; Leviathan et al. 2023, Alg. 1 and Thm. 1; Chen et al. 2023,
+Alg. 2): candidate ``x_i ~ q_i`` is accepted iff ``u_i * q_i(x_i) <= p_i(x_i)``, i.e. with
+probability ``min(1, p_i/q_i)``. At the first rejection the output token is drawn from the
+residual distribution ``norm(max(0, p_i - q_i))`` (from ``p_i`` if the residual mass Z is 0);
+if all candidates are accepted a bonus token is drawn from ``p_{n_b}``. The emitted tokens then
+follow the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import checks, reference
+
+try:  # the compiled extension registers torch.ops.specdec_ext.*
+    from . import _C  # noqa: F401
+
+    HAS_EXTENSION = True
+except ImportError:  # pragma: no cover - exercised only on installs without a compiler
+    HAS_EXTENSION = False
+
+__all__ = [
+    "HAS_EXTENSION",
+    "chain_verify",
+    "chain_verify_logits",
+    "residual_sample",
+    "acceptance_head_step",
+    "draw_philox_seed_offset",
+]
+
+_CODES = {
+    -2: "draft_probs has a NaN, Inf or negative value in a row it reads",
+    -3: "target_probs has a NaN, Inf or negative value in a row it reads",
+    -4: "draft_token_ids has an id outside [0, V)",
+    -5: "uniforms must lie in (0, 1]",
+}
+
+
+def draw_philox_seed_offset(device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Draw an int64 ``[2]`` (seed, offset) tensor on ``device`` from ``generator`` (or the default one)."""
+    gen_device = generator.device if generator is not None else torch.device(device)
+    so = torch.randint(0, 2**62, (2,), dtype=torch.int64, generator=generator, device=gen_device)
+    return so.to(device, non_blocking=True)
+
+
+def _randomness(device, uniforms, philox_seed_offset, generator):
+    if uniforms is not None and philox_seed_offset is not None:
+        raise ValueError("pass at most one of uniforms or philox_seed_offset")
+    if uniforms is None and philox_seed_offset is None:
+        philox_seed_offset = draw_philox_seed_offset(device, generator)
+    return uniforms, philox_seed_offset
+
+
+def _raise_device_codes(num_accepted: torch.Tensor, op: str) -> None:
+    """CUDA kernels cannot raise: they write a negative code into num_accepted. Check it when we may sync."""
+    if num_accepted.device.type != "cuda" or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+        return
+    bad = num_accepted.min()
+    if int(bad) < 0:
+        raise ValueError(f"{op}: {_CODES.get(int(bad), 'invalid input')}")
+
+
+def chain_verify(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+    *,
+    uniforms: Optional[torch.Tensor] = None,
+    philox_seed_offset: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused chain verification: rejection sampling, residual resampling and bonus token, in one op.
+
+    Args:
+        draft_token_ids: ``[B, K]`` int32/int64, the K >= 1 candidates proposed by the draft.
+        draft_probs: ``[B, K, V]`` float32/bfloat16/float16, draft distributions q_i that produced them.
+        target_probs: ``[B, K+1, V]``, same dtype, target distributions p_0..p_K (p_K for the bonus token).
+        num_draft_tokens: optional ``[B]`` int32/int64 in [0, K]: row b verifies only its first n_b
+            candidates (ragged batch); n_b = 0 samples just the bonus token from p_0.
+        uniforms / philox_seed_offset / generator: randomness, see the module docstring; uniforms is
+            float32 ``[B, K+1]`` in (0, 1].
+
+    Returns:
+        ``(output_token_ids [B, K+1] int64, num_accepted [B] int64)``: row b holds its accepted prefix
+        (num_accepted[b] tokens), then the residual or bonus token, then -1 padding.
+
+    Raises:
+        ValueError: wrong shapes, vocabulary mismatch, K = 0, n_b outside [0, K], devices that differ,
+            NaN/Inf/negative probabilities or out-of-range ids in the rows read, uniforms outside (0, 1].
+        TypeError: unsupported dtypes.
+
+    Sums are accumulated in float64 (probabilities are read as float32).
+    """
+    uniforms, philox_seed_offset = _randomness(target_probs.device, uniforms, philox_seed_offset, generator)
+    if not HAS_EXTENSION:
+        return reference.chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens, uniforms,
+                                      philox_seed_offset)
+    out, num = torch.ops.specdec_ext.chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens,
+                                                  uniforms, philox_seed_offset)
+    _raise_device_codes(num, "chain_verify")
+    return out, num
+
+
+def chain_verify_logits(
+    draft_token_ids: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: torch.Tensor,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+    *,
+    uniforms: Optional[torch.Tensor] = None,
+    philox_seed_offset: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain verification from logits with the softmax fused in (no [B, K+1, V] probabilities written).
+
+    Row b uses p_i = softmax(target_logits[b, i] / T_b) and q_i = softmax(draft_logits[b, i] / T_b).
+    A row with ``temperature[b] == 0`` is verified greedily: candidate i is accepted iff it equals
+    argmax(target_logits[b, i]) (first index on ties), and the target's argmax is emitted at the
+    first mismatch (or as the bonus token). Greedy and sampled rows may share a batch.
+
+    Args:
+        draft_token_ids: ``[B, K]`` int32/int64.
+        draft_logits: ``[B, K, V]`` float32/bfloat16/float16.
+        target_logits: ``[B, K+1, V]``, same dtype.
+        temperature: ``[B]`` float32, >= 0.
+        num_draft_tokens, uniforms, philox_seed_offset, generator: as in :func:`chain_verify`.
+
+    Returns / Raises: as :func:`chain_verify` (NaN/Inf logits raise ValueError).
+    """
+    uniforms, philox_seed_offset = _randomness(target_logits.device, uniforms, philox_seed_offset, generator)
+    if not HAS_EXTENSION:
+        return reference.chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature,
+                                             num_draft_tokens, uniforms, philox_seed_offset)
+    out, num = torch.ops.specdec_ext.chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature,
+                                                         num_draft_tokens, uniforms, philox_seed_offset)
+    _raise_device_codes(num, "chain_verify_logits")
+    return out, num
+
+
+def residual_sample(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    *,
+    uniforms: Optional[torch.Tensor] = None,
+    philox_seed_offset: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """One draw per row from the residual distribution norm(max(0, p - q)) (Leviathan et al. 2023, Thm. 1).
+
+    Args:
+        target_probs: ``[B, V]`` float32/bfloat16/float16, p.
+        draft_probs: ``[B, V]``, same dtype, q.
+        uniforms: optional float32 ``[B]`` in (0, 1]; or philox_seed_offset / generator.
+
+    Returns:
+        ``[B]`` int64 token ids. When the residual mass Z is 0 (p = q up to rounding) the draw is from p.
+        Never an id with zero target mass.
+
+    Raises:
+        ValueError / TypeError: as :func:`chain_verify`.
+    """
+    uniforms, philox_seed_offset = _randomness(target_probs.device, uniforms, philox_seed_offset, generator)
+    if not HAS_EXTENSION:
+        return reference.residual_sample(target_probs, draft_probs, uniforms, philox_seed_offset)
+    out = torch.ops.specdec_ext.residual_sample(target_probs, draft_probs, uniforms, philox_seed_offset)
+    if out.device.type == "cuda":
+        _raise_device_codes(out, "residual_sample")
+    return out
+
+
+def acceptance_head_step(
+    hidden: torch.Tensor,
+    block_weight: torch.Tensor,
+    block_bias: torch.Tensor,
+    out_weight: torch.Tensor,
+    out_bias: torch.Tensor,
+    cum_accept: torch.Tensor,
+    step: int,
+    k_min: int,
+    k_max: int,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One SpecDec++ drafting step of the acceptance head, fused (Huang et al. 2024, Sec. 3.2).
+
+    Computes the head's acceptance probability p_hat = sigmoid(w_out . x_L + b_out), where
+    x_0 = hidden and x_l = x_{l-1} + SiLU(W_l x_{l-1} + b_l); updates ``cum_accept *= p_hat`` in
+    place; and decides stop = step >= K_max or (step >= K_min and 1 - cum_accept > h).
+
+    Args:
+        hidden: ``[B, H]`` float32/bfloat16/float16, the draft's last hidden state at the candidate.
+        block_weight: ``[L, H, H]`` float32 (out, in); block_bias: ``[L, H]`` float32.
+        out_weight: ``[H]`` float32; out_bias: ``[1]`` float32.
+        cum_accept: ``[B]`` float32, running product of p_hat over this round's candidates, updated in place.
+        step: candidates drafted so far in this round, including this one (>= 1).
+        k_min, k_max: candidate-length bounds, 1 <= k_min <= k_max (paper: [2, 20]).
+        threshold: stop threshold h in [0, 1] (paper: 0.3 or 0.7).
+
+    Returns:
+        ``(p_accept [B] float32, stop [B] bool)``.
+
+    Raises:
+        ValueError: shape mismatch (e.g. weights for another hidden size), bad bounds or threshold.
+        TypeError: unsupported dtypes.
+    """
+    if not HAS_EXTENSION:
+        return reference.acceptance_head_step(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept,
+                                              step, k_min, k_max, threshold)
+    return torch.ops.specdec_ext.acceptance_head_step(hidden, block_weight, block_bias, out_weight, out_bias,
+                                                      cum_accept, step, k_min, k_max, threshold)
+
+
+if HAS_EXTENSION:
+
+    @torch.library.register_fake("specdec_ext::chain_verify")
+    def _chain_verify_fake(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,
+                           philox_seed_offset=None):
+        B, K, _ = checks.verify_shapes(draft_token_ids, draft_probs, target_probs, num_draft_tokens, None, uniforms,
+                                       philox_seed_offset, logits=False)
+        return (target_probs.new_empty((B, K + 1), dtype=torch.int64), target_probs.new_empty((B,), dtype=torch.int64))
+
+    @torch.library.register_fake("specdec_ext::chain_verify_logits")
+    def _chain_verify_logits_fake(draft_token_ids, draft_logits, target_logits, temperature, num_draft_tokens=None,
+                                  uniforms=None, philox_seed_offset=None):
+        B, K, _ = checks.verify_shapes(draft_token_ids, draft_logits, target_logits, num_draft_tokens, temperature,
+                                       uniforms, philox_seed_offset, logits=True)
+        return (target_logits.new_empty((B, K + 1), dtype=torch.int64),
+                target_logits.new_empty((B,), dtype=torch.int64))
+
+    @torch.library.register_fake("specdec_ext::residual_sample")
+    def _residual_sample_fake(target_probs, draft_probs, uniforms=None, philox_seed_offset=None):
+        B, _ = checks.residual_shapes(target_probs, draft_probs, uniforms, philox_seed_offset)
+        return target_probs.new_empty((B,), dtype=torch.int64)
+
+    @torch.library.register_fake("specdec_ext::acceptance_head_step")
+    def _acceptance_head_step_fake(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min,
+                                   k_max, threshold):
+        B, _ = checks.head_shapes(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min,
+                                  k_max, threshold)
+        return hidden.new_empty((B,), dtype=torch.float32), hidden.new_empty((B,), dtype=torch.bool)

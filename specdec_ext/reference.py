@@ -1,0 +1,241 @@
+"""Pure-PyTorch reference of every specdec_ext op.
+
+This module is the tests' oracle and the fallback used when the compiled extension
+``specdec_ext._C`` is not available. It is written for clarity, one row at a time, and follows
+the kernels' conventions exactly:
+
+* uniforms lie in (0, 1]; slot ``i < n_b`` of row ``b`` is candidate ``i``'s acceptance draw and
+  slot ``n_b`` draws the final (residual or bonus) token;
+* Philox4x32-10 (``philox_uniforms``) yields the same uniforms as ``csrc/kernels/common.h``;
+* masses are float32, sums and prefix sums are float64, the inverse CDF picks the first index
+  whose prefix sum reaches ``u * Z``.
+
+Formulas: acceptance test and residual distribution from Leviathan et al. 2023 (Alg. 1,
+Thm. 1) / Chen et al. 2023 (Alg. 2); stopping rule from SpecDec++ (Huang et al. 2024, Sec. 3.2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+_MASK = 0xFFFFFFFF
+
+
+def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) 32-bit halves of m * c for c < 2**32, in int64 without overflow."""
+    p_lo = m * (c & 0xFFFF)
+    p_hi = m * (c >> 16)
+    t = p_lo + ((p_hi & 0xFFFF) << 16)
+    return t & _MASK, (t >> 32) + (p_hi >> 16)
+
+
+def philox_uniforms(seed: int, offset: int, batch: int, slots: int) -> torch.Tensor:
+    """Uniforms in (0, 1] from Philox4x32-10, float32 ``[batch, slots]``, equal to the kernels' draws.
+
+    Counter = (slot, row, offset_lo, offset_hi), key = (seed_lo, seed_hi); the first output word's
+    top 24 bits give ``(x + 1) / 2**24``.
+    """
+    seed &= (1 << 64) - 1
+    offset &= (1 << 64) - 1
+    rows = torch.arange(batch, dtype=torch.int64).view(-1, 1).expand(batch, slots)
+    cols = torch.arange(slots, dtype=torch.int64).view(1, -1).expand(batch, slots)
+    c0, c1 = cols.clone(), rows.clone()
+    c2 = torch.full_like(c0, offset & _MASK)
+    c3 = torch.full_like(c0, offset >> 32)
+    k0, k1 = seed & _MASK, seed >> 32
+    for _ in range(10):
+        lo0, hi0 = _mulhilo(_M0, c0)
+        lo1, hi1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+    return ((c0 >> 8) + 1).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def _uniforms(uniforms, philox_seed_offset, batch: int, slots: int) -> torch.Tensor:
+    if uniforms is not None:
+        return uniforms.detach().to("cpu", torch.float32).reshape(batch, slots)
+    so = philox_seed_offset.detach().cpu().tolist()
+    return philox_uniforms(int(so[0]), int(so[1]), batch, slots)
+
+
+def inverse_cdf(mass: torch.Tensor, u: float) -> int:
+    """First index whose float64 prefix sum of ``mass`` (float32, >= 0) reaches ``u * sum(mass)``.
+
+    Falls back to the last index with positive mass when rounding leaves the threshold unreached;
+    returns -1 if every mass is zero.
+    """
+    cum = torch.cumsum(mass.double(), 0)
+    threshold = float(u) * mass.double().sum().item()
+    idx = int(torch.searchsorted(cum, torch.tensor([threshold], dtype=torch.float64)).item())
+    if idx < mass.numel() and mass[idx] > 0:
+        return idx
+    nz = torch.nonzero(mass > 0)
+    return int(nz[-1].item()) if nz.numel() else -1
+
+
+def _check_row(x: torch.Tensor, name: str, op: str) -> None:
+    if not bool(torch.isfinite(x).all()) or bool((x < 0).any()):
+        raise ValueError(f"{op}: {name} has a NaN, Inf or negative value in a row it reads")
+
+
+def residual_or_target(p: torch.Tensor, q: torch.Tensor, u: float, op: str = "residual_sample") -> int:
+    """Sample from norm(max(0, p - q)) by inverse CDF; from p when the residual mass Z is 0."""
+    p, q = p.float(), q.float()
+    _check_row(p, "target_probs", op)
+    _check_row(q, "draft_probs", op)
+    residual = (p - q).clamp_min(0.0)
+    mass = residual if residual.double().sum().item() > 0 else p
+    j = inverse_cdf(mass, u)
+    if j < 0:
+        raise ValueError(f"{op}: every target and draft mass is zero in a row (target_probs sums to 0)")
+    return j
+
+
+def _check_u(u: float, op: str) -> float:
+    if not 0.0 < u <= 1.0:
+        raise ValueError(f"{op}: uniforms must lie in (0, 1]")
+    return u
+
+
+def chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,
+                 philox_seed_offset=None):
+    """Reference of ``specdec_ext.ops.chain_verify`` (same arguments, same outputs)."""
+    op = "chain_verify"
+    B, K, V = checks.verify_shapes(draft_token_ids, draft_probs, target_probs, num_draft_tokens, None, uniforms,
+                                   philox_seed_offset, logits=False)
+    u_all = _uniforms(uniforms, philox_seed_offset, B, K + 1)
+    ids = draft_token_ids.detach().cpu().long()
+    dp, tp = draft_probs.detach().cpu(), target_probs.detach().cpu()
+    n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
+    out = torch.full((B, K + 1), -1, dtype=torch.int64)
+    num_acc = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        n = int(n_all[b])
+        accepted = 0
+        while accepted < n:
+            tok = int(ids[b, accepted])
+            if not 0 <= tok < V:
+                raise ValueError(f"{op}: draft_token_ids has an id outside [0, V)")
+            q, p = dp[b, accepted, tok].float(), tp[b, accepted, tok].float()
+            _check_row(q.view(1), "draft_probs", op)
+            _check_row(p.view(1), "target_probs", op)
+            u = _check_u(float(u_all[b, accepted]), op)
+            if not bool(torch.tensor(u, dtype=torch.float32) * q <= p):
+                break
+            out[b, accepted] = tok
+            accepted += 1
+        u = _check_u(float(u_all[b, n]), op)
+        if accepted < n:
+            extra = residual_or_target(tp[b, accepted], dp[b, accepted], u, op)
+        else:
+            p = tp[b, n].float()
+            _check_row(p, "target_probs", op)
+            extra = inverse_cdf(p, u)
+            if extra < 0:
+                raise ValueError(f"{op}: every target and draft mass is zero in a row (target_probs sums to 0)")
+        out[b, accepted] = extra
+        num_acc[b] = accepted
+    dev = target_probs.device
+    return out.to(dev), num_acc.to(dev)
+
+
+def _softmax_row(x: torch.Tensor, temperature: float, name: str, op: str) -> torch.Tensor:
+    x = x.float()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{op}: {name} has a NaN or Inf value in a row it reads")
+    inv_t = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
+    s = x * inv_t
+    e = torch.exp(s - s.max())
+    inv_sum = torch.tensor(1.0 / e.double().sum().item(), dtype=torch.float32)
+    return e * inv_sum
+
+
+def chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature, num_draft_tokens=None,
+                        uniforms=None, philox_seed_offset=None):
+    """Reference of ``specdec_ext.ops.chain_verify_logits``; temperature 0 rows verify greedily."""
+    op = "chain_verify_logits"
+    B, K, V = checks.verify_shapes(draft_token_ids, draft_logits, target_logits, num_draft_tokens, temperature,
+                                   uniforms, philox_seed_offset, logits=True)
+    u_all = _uniforms(uniforms, philox_seed_offset, B, K + 1)
+    ids = draft_token_ids.detach().cpu().long()
+    dl, tl = draft_logits.detach().cpu(), target_logits.detach().cpu()
+    temps = temperature.detach().cpu().float()
+    n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
+    out = torch.full((B, K + 1), -1, dtype=torch.int64)
+    num_acc = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        n, t = int(n_all[b]), float(temps[b])
+        accepted, extra = 0, -1
+        if t == 0.0:
+            while True:
+                row = tl[b, accepted].float()
+                if not bool(torch.isfinite(row).all()):
+                    raise ValueError(f"{op}: target_logits has a NaN or Inf value in a row it reads")
+                best = int(torch.argmax(row))
+                if accepted == n or int(ids[b, accepted]) != best:
+                    extra = best
+                    break
+                out[b, accepted] = best
+                accepted += 1
+        else:
+            while accepted < n:
+                tok = int(ids[b, accepted])
+                if not 0 <= tok < V:
+                    raise ValueError(f"{op}: draft_token_ids has an id outside [0, V)")
+                p = _softmax_row(tl[b, accepted], t, "target_logits", op)
+                q = _softmax_row(dl[b, accepted], t, "draft_logits", op)
+                u = _check_u(float(u_all[b, accepted]), op)
+                if not bool(torch.tensor(u, dtype=torch.float32) * q[tok] <= p[tok]):
+                    u_final = _check_u(float(u_all[b, n]), op)
+                    residual = (p - q).clamp_min(0.0)
+                    extra = inverse_cdf(residual if residual.double().sum().item() > 0 else p, u_final)
+                    break
+                out[b, accepted] = tok
+                accepted += 1
+            if accepted == n:
+                u_final = _check_u(float(u_all[b, n]), op)
+                extra = inverse_cdf(_softmax_row(tl[b, n], t, "target_logits", op), u_final)
+        out[b, accepted] = extra
+        num_acc[b] = accepted
+    dev = target_logits.device
+    return out.to(dev), num_acc.to(dev)
+
+
+def residual_sample(target_probs, draft_probs, uniforms=None, philox_seed_offset=None):
+    """Reference of ``specdec_ext.ops.residual_sample``: one draw per row from norm(max(0, p - q))."""
+    B, _ = checks.residual_shapes(target_probs, draft_probs, uniforms, philox_seed_offset)
+    u_all = _uniforms(uniforms, philox_seed_offset, B, 1)
+    tp, dp = target_probs.detach().cpu(), draft_probs.detach().cpu()
+    out = torch.tensor([residual_or_target(tp[b], dp[b], _check_u(float(u_all[b, 0]), "residual_sample"))
+                        for b in range(B)], dtype=torch.int64)
+    return out.to(target_probs.device)
+
+
+def specdecpp_stop(cum_accept: torch.Tensor, step: int, k_min: int, k_max: int, threshold: float) -> torch.Tensor:
+    """SpecDec++ stopping rule (Sec. 3.2): stop iff step >= K_max, or step >= K_min and 1 - prod p_hat > h."""
+    if step >= k_max:
+        return torch.ones_like(cum_accept, dtype=torch.bool)
+    if step < k_min:
+        return torch.zeros_like(cum_accept, dtype=torch.bool)
+    return (1.0 - cum_accept) > threshold
+
+
+def acceptance_head_forward(hidden, block_weight, block_bias, out_weight, out_bias) -> torch.Tensor:
+    """Acceptance logit: L residual blocks x <- x + SiLU(W_l x + b_l), then w_out . x + b_out (float32, [B])."""
+    x = hidden.float()
+    for w, b in zip(block_weight, block_bias):
+        x = x + torch.nn.functional.silu(x @ w.T + b)
+    return x @ out_weight + out_bias.reshape(())
+
+
+def acceptance_head_step(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
+                         threshold):
+    """Reference of ``specdec_ext.ops.acceptance_head_step``; updates ``cum_accept`` in place."""
+    checks.head_shapes(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
+                       threshold)
+    p = torch.sigmoid(acceptance_head_forward(hidden, block_weight, block_bias, out_weight, out_bias))
+    cum_accept.mul_(p)
+    return p, specdecpp_stop(cum_accept, step, k_min, k_max, threshold)
