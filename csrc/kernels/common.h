@@ -5,6 +5,7 @@
 // same decisions from the same numbers: the same Philox uniforms, the same acceptance test,
 // the same stopping rule.
 #pragma once
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__CUDACC__)
@@ -65,13 +66,7 @@ SPECDEC_HD bool specdecpp_stop(float cum_accept, int64_t step, int64_t k_min, in
   return (1.0f - cum_accept) > threshold;
 }
 
-SPECDEC_HD float sigmoidf_(float x) {
-#if defined(__CUDACC__)
-  return 1.0f / (1.0f + __expf(-x));
-#else
-  return 1.0f / (1.0f + __builtin_expf(-x));
-#endif
-}
+SPECDEC_HD float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Codes written by kernels that cannot raise (CUDA) into num_accepted for a row with invalid input.
 enum InvalidInput : int64_t {

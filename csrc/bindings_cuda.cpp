@@ -1,0 +1,69 @@
+// CUDA registrations of the specdec_ext ops: the only file that needs torch's CUDA headers.
+// Checks and tensor->argument conversion are shared with the CPU registrations (ops_common.h);
+// the kernels themselves are torch-free (csrc/cuda/*.cu) and run on the current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "cuda/launchers.h"
+#include "ops_common.h"
+
+namespace specdec {
+namespace {
+
+void check_launch(cudaError_t e, const char* op) {
+  TORCH_CHECK(e == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(e));
+}
+
+std::tuple<at::Tensor, at::Tensor> chain_verify_cuda(const at::Tensor& ids, const at::Tensor& draft_probs,
+                                                     const at::Tensor& target_probs, const std::optional<at::Tensor>& n,
+                                                     const std::optional<at::Tensor>& u,
+                                                     const std::optional<at::Tensor>& so) {
+  const c10::cuda::CUDAGuard guard(target_probs.device());
+  VerifyTensors t = prepare_verify(ids, draft_probs, target_probs, n, std::nullopt, u, so, false);
+  check_launch(cuda::chain_verify(t.args, at::cuda::getCurrentCUDAStream()), "chain_verify");
+  return {t.out_ids, t.num_accepted};
+}
+
+std::tuple<at::Tensor, at::Tensor> chain_verify_logits_cuda(const at::Tensor& ids, const at::Tensor& draft_logits,
+                                                            const at::Tensor& target_logits,
+                                                            const at::Tensor& temperature,
+                                                            const std::optional<at::Tensor>& n,
+                                                            const std::optional<at::Tensor>& u,
+                                                            const std::optional<at::Tensor>& so) {
+  const c10::cuda::CUDAGuard guard(target_logits.device());
+  VerifyTensors t = prepare_verify(ids, draft_logits, target_logits, n, temperature, u, so, true);
+  check_launch(cuda::chain_verify_logits(t.args, at::cuda::getCurrentCUDAStream()), "chain_verify_logits");
+  return {t.out_ids, t.num_accepted};
+}
+
+at::Tensor residual_sample_cuda(const at::Tensor& target_probs, const at::Tensor& draft_probs,
+                                const std::optional<at::Tensor>& u, const std::optional<at::Tensor>& so) {
+  const c10::cuda::CUDAGuard guard(target_probs.device());
+  ResidualTensors t = prepare_residual(target_probs, draft_probs, u, so);
+  check_launch(cuda::residual_sample(t.args, at::cuda::getCurrentCUDAStream()), "residual_sample");
+  return t.out;
+}
+
+std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cuda(const at::Tensor& hidden, const at::Tensor& block_weight,
+                                                             const at::Tensor& block_bias, const at::Tensor& out_weight,
+                                                             const at::Tensor& out_bias, at::Tensor& cum_accept,
+                                                             int64_t step, int64_t k_min, int64_t k_max,
+                                                             double threshold) {
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  HeadTensors t = prepare_head(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
+                               threshold);
+  check_launch(cuda::acceptance_head_step(t.args, at::cuda::getCurrentCUDAStream()), "acceptance_head_step");
+  return {t.p_accept, t.stop};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
+  m.impl("chain_verify", &chain_verify_cuda);
+  m.impl("chain_verify_logits", &chain_verify_logits_cuda);
+  m.impl("residual_sample", &residual_sample_cuda);
+  m.impl("acceptance_head_step", &acceptance_head_step_cuda);
+}
+
+}  // namespace specdec

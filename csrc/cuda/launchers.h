@@ -1,0 +1,19 @@
+// Host launchers of the CUDA kernels (csrc/cuda/*.cu). Torch-free: raw pointers in the argument
+// blocks of kernels/args.h, a stream, a cudaError_t back. Philox seed/offset are read from device
+// memory inside the kernels, so every launch can be captured in a CUDA graph.
+//
+// CUDA kernels cannot raise: a row with invalid input gets num_accepted[b] (or out[b]) set to a
+// negative InvalidInput code (kernels/common.h), which the Python wrapper turns into a ValueError.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "kernels/args.h"
+
+namespace specdec {
+namespace cuda {
+cudaError_t chain_verify(const VerifyArgs& a, cudaStream_t stream);
+cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t stream);
+cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t stream);
+cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t stream);
+}  // namespace cuda
+}  // namespace specdec

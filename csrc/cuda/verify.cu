@@ -1,0 +1,454 @@
+// CUDA kernels of the specdec_ext ops. Torch-free (compiled by nvcc alone in CI).
+//
+// One thread block per batch row; 16-byte vectorised loads over the vocabulary; CUB block
+// reductions (residual mass Z, softmax max/sum, argmax) and block scans (inverse CDF, tile by
+// tile, stopping at the tile that reaches u * Z). Sums and prefix sums are double, like the CPU
+// kernels and the reference. Acceptance decisions use kernels/common.h, shared with the CPU.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cfloat>
+
+#include "cuda/launchers.h"
+
+namespace specdec {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kItems = 4;  // consecutive elements per thread in an inverse-CDF tile
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+// Visit every element of a row: f(j, value). 16-byte loads when the row is aligned.
+template <typename T, typename F>
+__device__ __forceinline__ void row_foreach(const T* row, int64_t V, F&& f) {
+  constexpr int VEC = 16 / sizeof(T);
+  const bool aligned = (reinterpret_cast<uintptr_t>(row) % 16) == 0;
+  const int64_t nvec = aligned ? V / VEC : 0;
+  for (int64_t i = threadIdx.x; i < nvec; i += blockDim.x) {
+    uint4 raw = reinterpret_cast<const uint4*>(row)[i];
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) f(i * VEC + k, to_f(e[k]));
+  }
+  for (int64_t j = nvec * VEC + threadIdx.x; j < V; j += blockDim.x) f(j, to_f(row[j]));
+}
+
+struct MaxOp {
+  template <typename X>
+  __device__ X operator()(const X& a, const X& b) const { return a > b ? a : b; }
+};
+struct MinOp {
+  template <typename X>
+  __device__ X operator()(const X& a, const X& b) const { return a < b ? a : b; }
+};
+
+using ReduceD = cub::BlockReduce<double, kThreads>;
+using ReduceF = cub::BlockReduce<float, kThreads>;
+using ScanD = cub::BlockScan<double, kThreads>;
+struct ArgMax {
+  float v;
+  int64_t j;
+};
+struct ArgMaxOp {
+  __device__ ArgMax operator()(const ArgMax& a, const ArgMax& b) const {
+    return (b.v > a.v || (b.v == a.v && b.j < a.j)) ? b : a;  // first index of the maximum
+  }
+};
+using ReduceArg = cub::BlockReduce<ArgMax, kThreads>;
+
+union SharedTemp {
+  typename ReduceD::TempStorage d;
+  typename ReduceF::TempStorage f;
+  typename ScanD::TempStorage scan;
+  typename ReduceArg::TempStorage arg;
+  typename cub::BlockReduce<int64_t, kThreads>::TempStorage i;
+};
+
+// ---------------------------------------------------------------- distributions over one row
+template <typename T>
+struct ProbRow {
+  const T* p;
+  __device__ float mass(int64_t j) const { return to_f(p[j]); }
+};
+
+template <typename T>
+struct ResidualRow {
+  const T* p;
+  const T* q;
+  __device__ float mass(int64_t j) const {
+    const float d = to_f(p[j]) - to_f(q[j]);
+    return d > 0.0f ? d : 0.0f;
+  }
+};
+
+struct Softmax {
+  float max;
+  float inv_sum;
+  bool ok;
+};
+
+template <typename T>
+struct SoftmaxRow {
+  const T* x;
+  float inv_t;
+  Softmax st;
+  __device__ float mass(int64_t j) const { return __expf(to_f(x[j]) * inv_t - st.max) * st.inv_sum; }
+};
+
+template <typename T>
+struct SoftmaxResidualRow {
+  SoftmaxRow<T> p, q;
+  __device__ float mass(int64_t j) const {
+    const float d = p.mass(j) - q.mass(j);
+    return d > 0.0f ? d : 0.0f;
+  }
+};
+
+template <typename T>
+__device__ Softmax softmax_stats(const T* x, int64_t V, float inv_t, SharedTemp& tmp) {
+  __shared__ float s_max;
+  __shared__ double s_sum;
+  float m = -FLT_MAX;
+  int bad = 0;
+  row_foreach(x, V, [&](int64_t, float v) {
+    bad |= !(v >= -FLT_MAX && v <= FLT_MAX);
+    m = fmaxf(m, v * inv_t);
+  });
+  bad = __syncthreads_or(bad);
+  float bm = ReduceF(tmp.f).Reduce(m, MaxOp());
+  if (threadIdx.x == 0) s_max = bm;
+  __syncthreads();
+  const float mx = s_max;
+  double s = 0.0;
+  row_foreach(x, V, [&](int64_t, float v) { s += __expf(v * inv_t - mx); });
+  double bs = ReduceD(tmp.d).Sum(s);
+  if (threadIdx.x == 0) s_sum = bs;
+  __syncthreads();
+  return {mx, static_cast<float>(1.0 / s_sum), bad == 0};
+}
+
+template <typename Row>
+__device__ double total_mass(const Row& row, int64_t V, SharedTemp& tmp) {
+  __shared__ double s_total;
+  double z = 0.0;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) z += row.mass(j);
+  const double bz = ReduceD(tmp.d).Sum(z);
+  if (threadIdx.x == 0) s_total = bz;
+  __syncthreads();
+  return s_total;
+}
+
+// First j with prefix(mass)[j] >= threshold and mass[j] > 0, tile by tile (kThreads * kItems
+// elements), stopping at the first tile that reaches the threshold. Falls back to the last j
+// with positive mass. Result valid in every thread.
+template <typename Row>
+__device__ int64_t inverse_cdf(const Row& row, int64_t V, double threshold, SharedTemp& tmp) {
+  __shared__ int64_t s_found;
+  __shared__ double s_cum;
+  if (threadIdx.x == 0) { s_found = INT64_MAX; s_cum = 0.0; }
+  __syncthreads();
+  constexpr int64_t kTile = static_cast<int64_t>(kThreads) * kItems;
+  for (int64_t t0 = 0; t0 < V; t0 += kTile) {
+    const int64_t j0 = t0 + static_cast<int64_t>(threadIdx.x) * kItems;
+    float m[kItems];
+    double local = 0.0;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      m[k] = (j0 + k < V) ? row.mass(j0 + k) : 0.0f;
+      local += m[k];
+    }
+    double excl, tile_total;
+    ScanD(tmp.scan).ExclusiveSum(local, excl, tile_total);
+    double cum = s_cum + excl;
+    int64_t mine = INT64_MAX;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      cum += m[k];
+      if (mine == INT64_MAX && m[k] > 0.0f && cum >= threshold) mine = j0 + k;
+    }
+    __syncthreads();
+    const int64_t first = cub::BlockReduce<int64_t, kThreads>(tmp.i).Reduce(mine, MinOp());
+    if (threadIdx.x == 0) { s_found = first; s_cum += tile_total; }
+    __syncthreads();
+    if (s_found != INT64_MAX) return s_found;
+  }
+  int64_t last = -1;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x)
+    if (row.mass(j) > 0.0f) last = j > last ? j : last;
+  const int64_t bl = cub::BlockReduce<int64_t, kThreads>(tmp.i).Reduce(last, MaxOp());
+  if (threadIdx.x == 0) s_found = bl;
+  __syncthreads();
+  return s_found;
+}
+
+template <typename T>
+__device__ bool row_valid(const T* p, int64_t V) {
+  int bad = 0;
+  row_foreach(p, V, [&](int64_t, float v) { bad |= !valid_prob(v); });
+  return __syncthreads_or(bad) == 0;
+}
+
+template <typename Row>
+__device__ int64_t sample_row(const Row& row, int64_t V, float u, SharedTemp& tmp) {
+  const double z = total_mass(row, V, tmp);
+  return inverse_cdf(row, V, static_cast<double>(u) * z, tmp);
+}
+
+__device__ __forceinline__ bool uniform_ok(float u) { return u > 0.0f && u <= 1.0f; }
+
+// ------------------------------------------------------------------------------- kernels
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chain_verify_kernel(VerifyArgs a) {
+  __shared__ SharedTemp tmp;
+  __shared__ int64_t s_accepted, s_code;
+  const int64_t b = blockIdx.x, K = a.k, V = a.vocab;
+  const UniformSource rng = a.rng.resolve();
+  const T* dp = static_cast<const T*>(a.draft);
+  const T* tp = static_cast<const T*>(a.target);
+  const int64_t n = a.num_draft ? a.num_draft[b] : K;
+  int64_t* out = a.out_ids + b * (K + 1);
+  for (int64_t j = threadIdx.x; j <= K; j += blockDim.x) out[j] = -1;
+  if (threadIdx.x == 0) {  // the acceptance tests read two numbers each: one thread walks the chain
+    int64_t acc = 0, code = (n < 0 || n > K) ? kInvalidTokenId : 0;
+    for (; code == 0 && acc < n; ++acc) {
+      const int64_t tok = a.ids[b * K + acc];
+      if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
+      const float q = to_f(dp[(b * K + acc) * V + tok]);
+      const float p = to_f(tp[(b * (K + 1) + acc) * V + tok]);
+      const float u = rng.at(b, acc);
+      if (!valid_prob(q)) code = kInvalidDraftProbs;
+      else if (!valid_prob(p)) code = kInvalidTargetProbs;
+      else if (!uniform_ok(u)) code = kInvalidUniform;
+      else if (!accept_candidate(u, q, p)) break;
+    }
+    s_accepted = acc;
+    s_code = code;
+  }
+  __syncthreads();
+  const int64_t acc = s_accepted;
+  int64_t code = s_code;
+  int64_t extra = -1;
+  const float u = rng.at(b, n);
+  if (code == 0 && !uniform_ok(u)) code = kInvalidUniform;
+  if (code == 0) {
+    const T* p = tp + (b * (K + 1) + acc) * V;
+    if (!row_valid(p, V)) {
+      code = kInvalidTargetProbs;
+    } else if (acc < n) {
+      const T* q = dp + (b * K + acc) * V;
+      if (!row_valid(q, V)) {
+        code = kInvalidDraftProbs;
+      } else {
+        ResidualRow<T> res{p, q};
+        const double z = total_mass(res, V, tmp);
+        extra = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(u) * z, tmp) : sample_row(ProbRow<T>{p}, V, u, tmp);
+      }
+    } else {
+      extra = sample_row(ProbRow<T>{p}, V, u, tmp);
+    }
+    if (code == 0 && extra < 0) code = kInvalidTargetProbs;
+  }
+  if (threadIdx.x == 0) {
+    if (code != 0) {
+      a.num_accepted[b] = code;
+      return;
+    }
+    for (int64_t i = 0; i < acc; ++i) out[i] = a.ids[b * K + i];
+    out[acc] = extra;
+    a.num_accepted[b] = acc;
+  }
+}
+
+template <typename T>
+__device__ int64_t block_argmax(const T* x, int64_t V, bool* ok, SharedTemp& tmp) {
+  __shared__ ArgMax s_best;
+  ArgMax best{-FLT_MAX, INT64_MAX};
+  int bad = 0;
+  row_foreach(x, V, [&](int64_t j, float v) {
+    bad |= !(v >= -FLT_MAX && v <= FLT_MAX);
+    if (v > best.v || (v == best.v && j < best.j)) best = {v, j};
+  });
+  bad = __syncthreads_or(bad);
+  const ArgMax r = ReduceArg(tmp.arg).Reduce(best, ArgMaxOp());
+  if (threadIdx.x == 0) s_best = r;
+  __syncthreads();
+  *ok = bad == 0;
+  return s_best.j;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chain_verify_logits_kernel(VerifyArgs a) {
+  __shared__ SharedTemp tmp;
+  const int64_t b = blockIdx.x, K = a.k, V = a.vocab;
+  const UniformSource rng = a.rng.resolve();
+  const T* dl = static_cast<const T*>(a.draft);
+  const T* tl = static_cast<const T*>(a.target);
+  const int64_t n = a.num_draft ? a.num_draft[b] : K;
+  const float temp = a.temperature[b];
+  int64_t* out = a.out_ids + b * (K + 1);
+  for (int64_t j = threadIdx.x; j <= K; j += blockDim.x) out[j] = -1;
+  __syncthreads();
+  int64_t acc = 0, extra = -1, code = (n < 0 || n > K) ? kInvalidTokenId : 0;
+  if (code == 0 && temp == 0.0f) {  // greedy row
+    for (;; ++acc) {
+      bool ok;
+      const int64_t best = block_argmax(tl + (b * (K + 1) + acc) * V, V, &ok, tmp);
+      if (!ok) { code = kInvalidTargetProbs; break; }
+      if (acc == n) { extra = best; break; }
+      const int64_t tok = a.ids[b * K + acc];
+      if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
+      if (tok != best) { extra = best; break; }
+    }
+  } else if (code == 0) {
+    const float inv_t = 1.0f / temp;
+    for (; acc < n; ++acc) {
+      const int64_t tok = a.ids[b * K + acc];
+      if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
+      SoftmaxRow<T> p{tl + (b * (K + 1) + acc) * V, inv_t, softmax_stats(tl + (b * (K + 1) + acc) * V, V, inv_t, tmp)};
+      SoftmaxRow<T> q{dl + (b * K + acc) * V, inv_t, softmax_stats(dl + (b * K + acc) * V, V, inv_t, tmp)};
+      if (!p.st.ok) { code = kInvalidTargetProbs; break; }
+      if (!q.st.ok) { code = kInvalidDraftProbs; break; }
+      const float u = rng.at(b, acc);
+      if (!uniform_ok(u)) { code = kInvalidUniform; break; }
+      if (!accept_candidate(u, q.mass(tok), p.mass(tok))) {
+        const float uf = rng.at(b, n);
+        if (!uniform_ok(uf)) { code = kInvalidUniform; break; }
+        SoftmaxResidualRow<T> res{p, q};
+        const double z = total_mass(res, V, tmp);
+        extra = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(uf) * z, tmp) : sample_row(p, V, uf, tmp);
+        break;
+      }
+    }
+    if (code == 0 && acc == n) {
+      const float uf = rng.at(b, n);
+      const T* row = tl + (b * (K + 1) + n) * V;
+      SoftmaxRow<T> p{row, inv_t, softmax_stats(row, V, inv_t, tmp)};
+      if (!uniform_ok(uf)) code = kInvalidUniform;
+      else if (!p.st.ok) code = kInvalidTargetProbs;
+      else extra = sample_row(p, V, uf, tmp);
+    }
+  }
+  if (code == 0 && extra < 0) code = kInvalidTargetProbs;
+  if (threadIdx.x == 0) {
+    if (code != 0) {
+      a.num_accepted[b] = code;
+      return;
+    }
+    for (int64_t i = 0; i < acc; ++i) out[i] = a.ids[b * K + i];
+    out[acc] = extra;
+    a.num_accepted[b] = acc;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) residual_sample_kernel(ResidualArgs a) {
+  __shared__ SharedTemp tmp;
+  const int64_t b = blockIdx.x, V = a.vocab;
+  const UniformSource rng = a.rng.resolve();
+  const T* p = static_cast<const T*>(a.target) + b * V;
+  const T* q = static_cast<const T*>(a.draft) + b * V;
+  const float u = rng.at(b, 0);
+  int64_t r;
+  if (!uniform_ok(u)) r = kInvalidUniform;
+  else if (!row_valid(p, V)) r = kInvalidTargetProbs;
+  else if (!row_valid(q, V)) r = kInvalidDraftProbs;
+  else {
+    ResidualRow<T> res{p, q};
+    const double z = total_mass(res, V, tmp);
+    r = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(u) * z, tmp) : sample_row(ProbRow<T>{p}, V, u, tmp);
+    if (r < 0) r = kInvalidTargetProbs;
+  }
+  if (threadIdx.x == 0) a.out[b] = r;
+}
+
+// Acceptance head: one block per row, x in shared memory, one warp per output feature.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) head_step_kernel(HeadArgs a) {
+  extern __shared__ float smem[];
+  __shared__ typename ReduceF::TempStorage red;
+  const int64_t b = blockIdx.x, H = a.hidden_size;
+  float* x = smem;
+  float* y = smem + H;
+  const T* h = static_cast<const T*>(a.hidden) + b * H;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) x[j] = to_f(h[j]);
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int64_t l = 0; l < a.num_layers; ++l) {
+    const float* W = a.block_weight + l * H * H;
+    for (int64_t i = warp; i < H; i += warps) {
+      float acc = 0.0f;
+      for (int64_t j = lane; j < H; j += 32) acc += W[i * H + j] * x[j];
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
+      if (lane == 0) {
+        acc += a.block_bias[l * H + i];
+        y[i] = x[i] + acc / (1.0f + __expf(-acc));
+      }
+    }
+    __syncthreads();
+    float* t = x; x = y; y = t;
+  }
+  float part = 0.0f;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) part += a.out_weight[j] * x[j];
+  const float logit = ReduceF(red).Sum(part);
+  if (threadIdx.x == 0) {
+    const float p = sigmoidf_(logit + a.out_bias[0]);
+    a.p_accept[b] = p;
+    const float c = a.cum_accept[b] * p;
+    a.cum_accept[b] = c;
+    a.stop[b] = specdecpp_stop(c, a.step, a.k_min, a.k_max, a.threshold);
+  }
+}
+
+template <template <typename> class Kernel, typename Args>
+cudaError_t launch(const Args& a, DType dtype, size_t smem, cudaStream_t stream) {
+  if (a.batch == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(a.batch)), block(kThreads);
+  switch (dtype) {
+    case DType::kFloat32: Kernel<float>::launch(grid, block, smem, stream, a); break;
+    case DType::kBFloat16: Kernel<__nv_bfloat16>::launch(grid, block, smem, stream, a); break;
+    case DType::kFloat16: Kernel<__half>::launch(grid, block, smem, stream, a); break;
+  }
+  return cudaGetLastError();
+}
+
+#define SPECDEC_KERNEL_LAUNCHER(NAME, KERNEL, ARGS)                                                  \
+  template <typename T>                                                                              \
+  struct NAME {                                                                                      \
+    static void launch(dim3 g, dim3 b, size_t smem, cudaStream_t s, const ARGS& a) {                 \
+      KERNEL<T><<<g, b, smem, s>>>(a);                                                               \
+    }                                                                                                \
+  };
+SPECDEC_KERNEL_LAUNCHER(VerifyK, chain_verify_kernel, VerifyArgs)
+SPECDEC_KERNEL_LAUNCHER(VerifyLogitsK, chain_verify_logits_kernel, VerifyArgs)
+SPECDEC_KERNEL_LAUNCHER(ResidualK, residual_sample_kernel, ResidualArgs)
+SPECDEC_KERNEL_LAUNCHER(HeadK, head_step_kernel, HeadArgs)
+
+}  // namespace
+
+cudaError_t chain_verify(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyK>(a, a.dtype, 0, s); }
+cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyLogitsK>(a, a.dtype, 0, s); }
+cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t s) { return launch<ResidualK>(a, a.dtype, 0, s); }
+cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t s) {
+  const size_t smem = 2 * static_cast<size_t>(a.hidden_size) * sizeof(float);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(head_step_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(head_step_kernel<__nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(head_step_kernel<__half>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  return launch<HeadK>(a, a.dtype, smem, s);
+}
+
+}  // namespace cuda
+}  // namespace specdec

@@ -1,0 +1,278 @@
+"""The fused ops against the pure-PyTorch reference: exact parity, opcheck, errors, fuzzing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdec_ext import ops, reference
+
+pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_case(B, K, V, dtype=torch.float32, seed=0, ragged=True, sharp=2.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * sharp, -1)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * sharp, -1)
+    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+    u = torch.rand(B, K + 1, generator=g).clamp_min(2**-24)
+    n = torch.randint(0, K + 1, (B,), generator=g) if ragged else None
+    return ids, q.to(dtype), p.to(dtype), n, u
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,K,V", [(1, 1, 1), (7, 3, 37), (33, 8, 1000), (4, 4, 32000)])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_chain_verify_matches_reference(dtype, B, K, V, ragged):
+    ids, q, p, n, u = make_case(B, K, V, dtype, seed=B * 131 + K, ragged=ragged)
+    got = ops.chain_verify(ids, q, p, n, uniforms=u)
+    want = reference.chain_verify(ids, q, p, n, u)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # layout: accepted prefix equals the candidates, one extra token, then -1 padding
+    out, num = got
+    for b in range(B):
+        a = int(num[b])
+        assert torch.equal(out[b, :a], ids[b, :a].long())
+        assert 0 <= int(out[b, a]) < V
+        assert bool((out[b, a + 1 :] == -1).all())
+        assert a <= (int(n[b]) if n is not None else K)
+
+
+@pytest.mark.parametrize("B,K,V", [(5, 3, 50), (16, 8, 4099)])
+def test_philox_paths_match_reference(B, K, V):
+    ids, q, p, n, _ = make_case(B, K, V, seed=7)
+    so = torch.tensor([2024, 11], dtype=torch.int64)
+    got = ops.chain_verify(ids, q, p, n, philox_seed_offset=so)
+    want = reference.chain_verify(ids, q, p, n, None, so)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    r = ops.residual_sample(p[:, 0], q[:, 0], philox_seed_offset=so)
+    assert torch.equal(r, reference.residual_sample(p[:, 0], q[:, 0], None, so))
+
+
+def test_generator_is_reproducible_and_advances():
+    ids, q, p, n, _ = make_case(64, 4, 100, seed=3)
+    a = ops.chain_verify(ids, q, p, n, generator=torch.Generator().manual_seed(5))
+    b = ops.chain_verify(ids, q, p, n, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a[0], b[0])
+    g = torch.Generator().manual_seed(5)
+    c1 = ops.chain_verify(ids, q, p, n, generator=g)
+    c2 = ops.chain_verify(ids, q, p, n, generator=g)
+    assert not torch.equal(c1[0], c2[0])
+
+
+def test_philox_reference_known_properties():
+    u = reference.philox_uniforms(1, 2, 4, 1000)
+    assert u.dtype == torch.float32 and bool((u > 0).all()) and bool((u <= 1).all())
+    assert abs(float(u.mean()) - 0.5) < 0.02
+    assert not torch.equal(reference.philox_uniforms(1, 2, 1, 8), reference.philox_uniforms(1, 3, 1, 8))
+
+
+def _logits_case(B, K, V, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    dl = (torch.randn(B, K, V, generator=g) * 2).to(dtype)
+    tl = (torch.randn(B, K + 1, V, generator=g) * 2).to(dtype)
+    ids = torch.multinomial(torch.softmax(dl.float().reshape(-1, V), -1), 1, generator=g).view(B, K)
+    # greedy rows get the target's argmax as candidates, with an occasional mismatch
+    temp = torch.tensor([0.0, 0.6, 1.0, 1.7] * B)[:B]
+    for b in range(0, B, 4):
+        ids[b] = tl[b, :K].float().argmax(-1)
+        if b % 8 == 0:
+            ids[b, K // 2] = (ids[b, K // 2] + 1) % V
+    u = torch.rand(B, K + 1, generator=g).clamp_min(2**-24)
+    n = torch.randint(0, K + 1, (B,), generator=g)
+    return ids, dl, tl, temp, n, u
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,K,V", [(8, 1, 5), (12, 4, 257), (16, 8, 32000)])
+def test_chain_verify_logits_matches_reference(dtype, B, K, V):
+    ids, dl, tl, temp, n, u = _logits_case(B, K, V, dtype, seed=V + K)
+    got = ops.chain_verify_logits(ids, dl, tl, temp, n, uniforms=u)
+    want = reference.chain_verify_logits(ids, dl, tl, temp, n, u)
+    # The kernel's exp differs from torch.exp by about 1 ulp, so an acceptance test within rounding
+    # of its boundary may go either way. Any disagreement must be such a tie.
+    for b in torch.nonzero((got[0] != want[0]).any(-1) | (got[1] != want[1])).flatten().tolist():
+        i = min(int(got[1][b]), int(want[1][b]))
+        assert float(temp[b]) > 0, f"greedy row {b} differs"
+        p = torch.softmax(tl[b, i].double() / float(temp[b]), -1)
+        q = torch.softmax(dl[b, i].double() / float(temp[b]), -1)
+        tok = int(ids[b, i])
+        margin = abs(float(u[b, i]) * float(q[tok]) - float(p[tok]))
+        assert margin < 1e-5 * max(float(p[tok]), 1e-30) + 1e-9, f"row {b} differs away from a tie ({margin})"
+    assert int(((got[0] != want[0]).any(-1)).sum()) <= 1
+
+
+def test_greedy_rows_are_argmax_chains():
+    ids, dl, tl, temp, n, u = _logits_case(32, 6, 300, torch.float32, seed=9)
+    temp = torch.zeros(32)
+    out, num = ops.chain_verify_logits(ids, dl, tl, temp, n, uniforms=u)
+    for b in range(32):
+        a = int(num[b])
+        am = tl[b].argmax(-1)
+        assert torch.equal(out[b, : a + 1], am[: a + 1])
+        if a < int(n[b]):
+            assert int(ids[b, a]) != int(am[a])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_sample_matches_reference(dtype):
+    _, q, p, _, u = make_case(50, 1, 3001, dtype, seed=11)
+    got = ops.residual_sample(p[:, 0], q[:, 0], uniforms=u[:, 0])
+    assert torch.equal(got, reference.residual_sample(p[:, 0], q[:, 0], u[:, 0]))
+
+
+def test_residual_falls_back_to_target_when_p_equals_q():
+    p = torch.softmax(torch.randn(20, 40), -1)
+    got = ops.residual_sample(p, p.clone(), uniforms=torch.rand(20).clamp_min(1e-6))
+    assert bool((p[torch.arange(20), got] > 0).all())
+
+
+def _head(B=6, H=32, L=3, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, generator=g).to(dtype), torch.randn(L, H, H, generator=g) * 0.2,
+            torch.randn(L, H, generator=g) * 0.1, torch.randn(H, generator=g) * 0.3, torch.randn(1, generator=g))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L", [0, 1, 3])
+def test_acceptance_head_step_matches_reference(dtype, L):
+    hid, w, b, ow, ob = _head(L=L, dtype=dtype)
+    c1 = torch.rand(hid.shape[0])
+    c2 = c1.clone()
+    p1, s1 = ops.acceptance_head_step(hid, w, b, ow, ob, c1, 3, 2, 20, 0.5)
+    p2, s2 = reference.acceptance_head_step(hid, w, b, ow, ob, c2, 3, 2, 20, 0.5)
+    torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c1, c2, rtol=1e-5, atol=1e-6)
+    near = ((1 - c2) - 0.5).abs() < 1e-5
+    assert torch.equal(s1[~near], s2[~near])
+
+
+def test_stop_rule_bounds():
+    hid, w, b, ow, ob = _head()
+    B = hid.shape[0]
+    # below k_min never stops, at k_max always stops, between follows 1 - prod > h
+    _, stop = ops.acceptance_head_step(hid, w, b, ow, ob, torch.zeros(B), 1, 2, 5, 0.0)
+    assert not bool(stop.any())
+    _, stop = ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(B), 5, 2, 5, 1.0)
+    assert bool(stop.all())
+    cum = torch.ones(B)
+    p, stop = ops.acceptance_head_step(hid, w, b, ow, ob, cum, 2, 2, 5, 0.3)
+    assert torch.equal(stop, (1 - p) > 0.3)
+
+
+# ----------------------------------------------------------------------------------- opcheck
+def test_opcheck_every_op():
+    ids, q, p, n, u = make_case(3, 2, 17)
+    so = torch.tensor([1, 2])
+    torch.library.opcheck(torch.ops.specdec_ext.chain_verify.default, (ids, q, p, n, u, None))
+    torch.library.opcheck(torch.ops.specdec_ext.chain_verify.default, (ids, q, p, None, None, so))
+    temp = torch.tensor([0.0, 0.7, 1.0])
+    torch.library.opcheck(torch.ops.specdec_ext.chain_verify_logits.default, (ids, q.log(), p.log(), temp, n, u, None))
+    torch.library.opcheck(torch.ops.specdec_ext.residual_sample.default, (p[:, 0], q[:, 0], u[:, 0], None))
+    hid, w, b, ow, ob = _head(B=3)
+    torch.library.opcheck(torch.ops.specdec_ext.acceptance_head_step.default,
+                          (hid, w, b, ow, ob, torch.ones(3), 2, 2, 20, 0.5))
+
+
+def test_ops_under_torch_compile():
+    ids, q, p, n, u = make_case(4, 3, 64)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(ids, q, p, n, u):
+        return torch.ops.specdec_ext.chain_verify(ids, q, p, n, u, None)
+
+    out, num = f(ids, q, p, n, u)
+    want = reference.chain_verify(ids, q, p, n, u)
+    assert torch.equal(out, want[0]) and torch.equal(num, want[1])
+
+
+# ------------------------------------------------------------------------------- bad input
+def _bad_cases():
+    ids, q, p, n, u = make_case(2, 3, 10, ragged=False)
+    nanp = p.clone()
+    nanp[:, :, :] = float("nan")
+    negq = q.clone()
+    negq[:, :, :] = -0.1
+    yield "K = 0", lambda: ops.chain_verify(ids[:, :0], q[:, :0], p[:, :1], uniforms=u[:, :1]), ValueError, "K"
+    yield "target K", lambda: ops.chain_verify(ids, q, p[:, :3], uniforms=u), ValueError, "target_probs must be [B, K+1, V]"
+    yield "draft shape", lambda: ops.chain_verify(ids, q[:1], p, uniforms=u), ValueError, "draft_probs must be [B, K, V]"
+    yield "vocab", lambda: ops.chain_verify(ids, q, p[..., :9], uniforms=u), ValueError, "vocabulary mismatch"
+    yield "dtype", lambda: ops.chain_verify(ids, q.double(), p.double(), uniforms=u), TypeError, "draft_probs must be float32"
+    yield "mixed dtype", lambda: ops.chain_verify(ids, q, p.half(), uniforms=u), TypeError, "target_probs has dtype"
+    yield "ids dtype", lambda: ops.chain_verify(ids.float(), q, p, uniforms=u), TypeError, "draft_token_ids must be int32"
+    yield "n > K", lambda: ops.chain_verify(ids, q, p, torch.tensor([4, 1]), uniforms=u), ValueError, "num_draft_tokens"
+    yield "n shape", lambda: ops.chain_verify(ids, q, p, torch.tensor([1]), uniforms=u), ValueError, "num_draft_tokens"
+    yield "nan target", lambda: ops.chain_verify(ids, q, nanp, uniforms=u), ValueError, "target_probs has a NaN"
+    yield "neg draft", lambda: ops.chain_verify(ids, negq, p, uniforms=u), ValueError, "draft_probs has a NaN"
+    yield "bad id", lambda: ops.chain_verify(ids + 100, q, p, uniforms=u), ValueError, "draft_token_ids has an id"
+    yield "u = 0", lambda: ops.chain_verify(ids, q, p, uniforms=torch.zeros_like(u)), ValueError, "uniforms must lie"
+    yield "u shape", lambda: ops.chain_verify(ids, q, p, uniforms=u[:, :2]), ValueError, "uniforms must have shape"
+    yield "both rng", lambda: ops.chain_verify(ids, q, p, uniforms=u, philox_seed_offset=torch.tensor([1, 2])), ValueError, "at most one"
+    yield "seed shape", lambda: ops.chain_verify(ids, q, p, philox_seed_offset=torch.tensor([1])), ValueError, "philox_seed_offset must have shape"
+    yield "meta device", lambda: ops.chain_verify(ids, q, p.to("meta"), uniforms=u), ValueError, "is on"
+    yield "temp missing", lambda: torch.ops.specdec_ext.chain_verify_logits(ids, q, p, torch.ones(3), None, u, None), ValueError, "temperature must be [B]"
+    yield "temp neg", lambda: ops.chain_verify_logits(ids, q, p, torch.tensor([-1.0, 1.0]), uniforms=u), ValueError, "temperature must be finite"
+    yield "inf logits", lambda: ops.chain_verify_logits(ids, q, p * float("inf"), torch.ones(2), uniforms=u), ValueError, "target_logits has a NaN"
+    yield "residual vocab", lambda: ops.residual_sample(p[:, 0], q[:, 0, :5], uniforms=u[:, 0]), ValueError, "vocabulary mismatch"
+    yield "residual zero", lambda: ops.residual_sample(torch.zeros(2, 4), torch.zeros(2, 4), uniforms=u[:, 0]), ValueError, "sums to 0"
+    hid, w, b, ow, ob = _head(B=2, H=8)
+    yield "head hidden size", lambda: ops.acceptance_head_step(torch.randn(2, 16), w, b, ow, ob, torch.ones(2), 1, 2, 20, 0.3), ValueError, "H = 16"
+    yield "head bounds", lambda: ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(2), 1, 5, 2, 0.3), ValueError, "k_min <= k_max"
+    yield "head step", lambda: ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(2), 0, 2, 5, 0.3), ValueError, "step"
+    yield "head threshold", lambda: ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(2), 1, 2, 5, 1.5), ValueError, "threshold"
+    yield "head dtype", lambda: ops.acceptance_head_step(hid, w.double(), b, ow, ob, torch.ones(2), 1, 2, 5, 0.3), TypeError, "float32"
+
+
+@pytest.mark.parametrize("name,call,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
+def test_bad_input_raises_clear_error(name, call, exc, msg):
+    with pytest.raises(exc, match=msg.replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
+        call()
+
+
+@pytest.mark.parametrize("name,call,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
+def test_reference_raises_the_same_errors(name, call, exc, msg, monkeypatch):
+    if name in ("temp missing", "meta device"):
+        pytest.skip("direct torch.ops call / meta tensors have no reference analogue")
+    monkeypatch.setattr(ops, "HAS_EXTENSION", False)
+    with pytest.raises(exc, match=msg.replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
+        call()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(0, 4), K=st.integers(1, 4), V=st.integers(1, 70),
+    dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+    poison=st.sampled_from([None, "nan", "inf", "neg", "zero", "id"]),
+    ragged=st.booleans(), logits=st.booleans(),
+)
+def test_fuzz_never_crashes(B, K, V, dtype, seed, poison, ragged, logits):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, K, V, generator=g)
+    p = torch.rand(B, K + 1, V, generator=g)
+    if poison == "nan" and p.numel():
+        p.view(-1)[torch.randint(0, p.numel(), (1,), generator=g)] = float("nan")
+    elif poison == "inf" and q.numel():
+        q.view(-1)[torch.randint(0, q.numel(), (1,), generator=g)] = float("inf")
+    elif poison == "neg":
+        p.neg_()
+    elif poison == "zero":
+        p.zero_()
+    ids = torch.randint(0, V + (3 if poison == "id" else 0), (B, K), generator=g)
+    n = torch.randint(0, K + 1, (B,), generator=g) if ragged else None
+    u = torch.rand(B, K + 1, generator=g).clamp_min(2**-24)
+    q, p = q.to(dtype), p.to(dtype)
+    try:
+        if logits:
+            out, num = ops.chain_verify_logits(ids, q, p, torch.rand(B, generator=g), n, uniforms=u)
+        else:
+            out, num = ops.chain_verify(ids, q, p, n, uniforms=u)
+    except (ValueError, TypeError):
+        return
+    assert out.shape == (B, K + 1) and num.shape == (B,)
+    assert bool(((num >= 0) & (num <= K)).all())
+    for b in range(B):
+        assert 0 <= int(out[b, int(num[b])]) < V
