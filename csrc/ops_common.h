@@ -108,9 +108,11 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
     TORCH_CHECK_VALUE(n.dim() == 1 && n.size(0) == B, op, ": num_draft_tokens must be [B] = [", B, "], got ", n.sizes());
     check_device(n, target, "num_draft_tokens", tname);
     t.num_draft = n.to(at::kLong).contiguous();
-    if (n.device().is_cpu() && B > 0) {
-      TORCH_CHECK_VALUE(t.num_draft.min().item<int64_t>() >= 0 && t.num_draft.max().item<int64_t>() <= K, op,
-                        ": num_draft_tokens must lie in [0, K] = [0, ", K, "]");
+    if (n.device().is_cpu()) {  // a loop over B values: no dispatcher calls on the hot path
+      const int64_t* nd = t.num_draft.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK_VALUE(nd[b] >= 0 && nd[b] <= K, op, ": num_draft_tokens must lie in [0, K] = [0, ", K,
+                          "], got ", nd[b], " in row ", b);
     }
   }
   if (logits) {
@@ -120,9 +122,11 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
     TORCH_CHECK_VALUE(tt.dim() == 1 && tt.size(0) == B, op, ": temperature must be [B] = [", B, "], got ", tt.sizes());
     check_device(tt, target, "temperature", tname);
     t.temperature = tt.contiguous();
-    if (tt.device().is_cpu() && B > 0) {
-      TORCH_CHECK_VALUE(at::isfinite(t.temperature).all().item<bool>() && t.temperature.min().item<float>() >= 0.0f, op,
-                        ": temperature must be finite and >= 0 (0 means greedy)");
+    if (tt.device().is_cpu()) {
+      const float* tp = t.temperature.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK_VALUE(tp[b] >= 0.0f && tp[b] <= 3.4028234663852886e38f, op,
+                          ": temperature must be finite and >= 0 (0 means greedy), got ", tp[b], " in row ", b);
     }
   }
   t.rnd = check_random(uniforms, seed_offset, {B, K + 1}, target, op);

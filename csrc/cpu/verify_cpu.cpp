@@ -1,5 +1,5 @@
 // CPU implementations of the specdec_ext ops: parallel over rows (at::parallel_for), vectorised
-// over the vocabulary (omp simd reductions, which GCC vectorises without -ffast-math), and never
+// over the vocabulary (fixed-lane accumulators that GCC vectorises without -ffast-math), and never
 // materialising anything of size V: one pass reduces the residual mass Z, one partial pass walks
 // the inverse CDF block by block until it reaches u * Z.
 #include "cpu/verify_cpu.h"
@@ -32,7 +32,7 @@ inline float ld(const T* p, int64_t j) {
 
 // exp(x) for x <= 0 (arguments are always shifted by the row maximum): Cody-Waite range
 // reduction and a degree-6 minimax polynomial (Cephes expf coefficients), about 1 ulp;
-// written with plain arithmetic so that omp simd loops vectorise it.
+// written with plain arithmetic so that element-wise loops vectorise it.
 inline float exp_nonpos(float x) {
   float xc = x < -87.0f ? -87.0f : x;
   float n = std::floor(xc * 1.44269504088896341f + 0.5f);
@@ -50,6 +50,85 @@ inline float exp_nonpos(float x) {
   return x < -87.0f ? 0.0f : y * scale;
 }
 
+// ------------------------------------------------------------------ vectorisable reductions
+// The mass of a chunk of kLanes elements is computed element-wise into a small array (a plain
+// map, which the compiler vectorises), then added into kLanes separate double accumulators, so
+// no reassociation is needed and no -ffast-math: the summation order is fixed and deterministic.
+constexpr int kLanes = 16;
+
+template <typename F>
+inline double sum_f64(int64_t b0, int64_t b1, const F& f) {
+  double acc[kLanes] = {};
+  int64_t j = b0;
+  for (; j + kLanes <= b1; j += kLanes) {
+    float v[kLanes];
+    for (int k = 0; k < kLanes; ++k) v[k] = f(j + k);
+    for (int k = 0; k < kLanes; ++k) acc[k] += static_cast<double>(v[k]);
+  }
+  double tail = 0.0;
+  for (; j < b1; ++j) tail += static_cast<double>(f(j));
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
+  return acc[0] + tail;
+}
+
+// Sum for a softmax normaliser: float lanes within blocks of kLanes * 32 elements (relative
+// error about 2e-6 per block), double across blocks. Halves the conversions of sum_f64, and is
+// used only where an error of that size is harmless (normalising exps of logits).
+template <typename F>
+inline double sum_blocked_f32(int64_t V, const F& f) {
+  constexpr int64_t kBlockElems = kLanes * 32;
+  double total = 0.0;
+  int64_t j = 0;
+  for (; j + kBlockElems <= V; j += kBlockElems) {
+    float acc[kLanes] = {};
+    for (int64_t i = j; i < j + kBlockElems; i += kLanes)
+      for (int k = 0; k < kLanes; ++k) acc[k] += f(i + k);
+    for (int w = kLanes / 2; w > 0; w /= 2)
+      for (int k = 0; k < w; ++k) acc[k] += acc[k + w];
+    total += static_cast<double>(acc[0]);
+  }
+  return total + sum_f64(j, V, f);
+}
+
+// max_j f(j) and whether every raw value passed `ok`.
+template <typename F, typename Ok>
+inline float max_f32(int64_t V, const F& f, const Ok& ok, bool* all_ok) {
+  float mx[kLanes];
+  int bad[kLanes] = {};
+  for (int k = 0; k < kLanes; ++k) mx[k] = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) {
+      mx[k] = std::max(mx[k], f(j + k));
+      bad[k] |= !ok(j + k);
+    }
+  float m = -std::numeric_limits<float>::infinity();
+  int b = 0;
+  for (; j < V; ++j) {
+    m = std::max(m, f(j));
+    b |= !ok(j);
+  }
+  for (int k = 0; k < kLanes; ++k) {
+    m = std::max(m, mx[k]);
+    b |= bad[k];
+  }
+  *all_ok = b == 0;
+  return m;
+}
+
+template <typename Ok>
+inline bool all_of(int64_t V, const Ok& ok) {
+  int bad[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes)
+    for (int k = 0; k < kLanes; ++k) bad[k] |= !ok(j + k);
+  int b = 0;
+  for (; j < V; ++j) b |= !ok(j);
+  for (int k = 0; k < kLanes; ++k) b |= bad[k];
+  return b == 0;
+}
+
 // ------------------------------------------------------------------ distributions over one row
 // Each distribution knows its mass at j (unnormalised, float32), its total mass (double) and
 // whether its inputs were valid.
@@ -64,10 +143,7 @@ template <typename T>
 struct ResidualRow {  // max(0, p - q), Sec. 2 of the SpecDec++ paper / Leviathan et al. Thm 1
   const T* p;
   const T* q;
-  float mass(int64_t j) const {
-    float d = ld(p, j) - ld(q, j);
-    return d > 0.0f ? d : 0.0f;
-  }
+  float mass(int64_t j) const { return std::max(ld(p, j) - ld(q, j), 0.0f); }  // branchless: vectorises
 };
 
 struct SoftmaxStats {
@@ -77,47 +153,47 @@ struct SoftmaxStats {
   bool ok;
 };
 
+// A softmax row whose exps were stored by softmax_stats_store: masses without recomputing exp.
+struct ExpRow {
+  const float* e;  // exp(x_j / T - max)
+  float inv_sum;
+  float mass(int64_t j) const { return e[j] * inv_sum; }
+};
+
+struct ExpResidualRow {  // max(0, p - q) from two stored rows
+  ExpRow p, q;
+  float mass(int64_t j) const { return std::max(p.mass(j) - q.mass(j), 0.0f); }
+};
+
+// softmax_stats that also stores e_j = exp(x_j / T - max) into `e` (a per-thread scratch row).
 template <typename T>
-SoftmaxStats softmax_stats(const T* x, int64_t V, float inv_t) {
-  float m = -std::numeric_limits<float>::infinity();
-  int bad = 0;
-#pragma omp simd reduction(max : m) reduction(| : bad)
-  for (int64_t j = 0; j < V; ++j) {
-    float v = ld(x, j);
-    bad |= !(v >= -3.4028234663852886e38f && v <= 3.4028234663852886e38f);
-    float s = v * inv_t;
-    m = s > m ? s : m;
-  }
-  double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < V; ++j) sum += exp_nonpos(ld(x, j) * inv_t - m);
-  return {m, sum, static_cast<float>(1.0 / sum), bad == 0};
+SoftmaxStats softmax_stats_store(const T* x, int64_t V, float inv_t, float* e) {
+  bool ok = true;
+  const float m = max_f32(
+      V, [&](int64_t j) { return ld(x, j) * inv_t; },
+      [&](int64_t j) {
+        const float v = ld(x, j);
+        return v >= -3.4028234663852886e38f && v <= 3.4028234663852886e38f;
+      },
+      &ok);
+  const double sum = sum_blocked_f32(V, [&](int64_t j) {
+    const float v = exp_nonpos(ld(x, j) * inv_t - m);
+    e[j] = v;
+    return v;
+  });
+  return {m, sum, static_cast<float>(1.0 / sum), ok};
 }
 
-template <typename T>
-struct SoftmaxRow {  // softmax(x / T), Eq. (1) with temperature
-  const T* x;
-  float inv_t;
-  SoftmaxStats st;
-  float mass(int64_t j) const { return exp_nonpos(ld(x, j) * inv_t - st.max) * st.inv_sum; }
-};
-
-template <typename T>
-struct SoftmaxResidualRow {  // max(0, softmax(t/T) - softmax(d/T)) without writing either
-  SoftmaxRow<T> p;
-  SoftmaxRow<T> q;
-  float mass(int64_t j) const {
-    float d = p.mass(j) - q.mass(j);
-    return d > 0.0f ? d : 0.0f;
-  }
-};
+// Two scratch rows of V floats per thread, kept between calls (grown on demand).
+inline float* scratch_rows(int64_t V) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < 2 * V) buf.resize(2 * V);
+  return buf.data();
+}
 
 template <typename Row>
 double total_mass(const Row& row, int64_t V) {
-  double z = 0.0;
-#pragma omp simd reduction(+ : z)
-  for (int64_t j = 0; j < V; ++j) z += row.mass(j);
-  return z;
+  return sum_f64(0, V, [&](int64_t j) { return row.mass(j); });
 }
 
 // Inverse CDF: the first j with cumsum(mass)[j] >= u * total, accumulating in double. Because
@@ -128,9 +204,7 @@ int64_t inverse_cdf(const Row& row, int64_t V, double threshold) {
   double cum = 0.0;
   for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
     const int64_t b1 = std::min(V, b0 + kBlock);
-    double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = b0; j < b1; ++j) s += row.mass(j);
+    const double s = sum_f64(b0, b1, [&](int64_t j) { return row.mass(j); });
     if (cum + s >= threshold) {
       for (int64_t j = b0; j < b1; ++j) {
         const float m = row.mass(j);
@@ -153,10 +227,7 @@ int64_t sample_row(const Row& row, int64_t V, float u) {
 
 template <typename T>
 bool row_valid(const T* p, int64_t V) {
-  int bad = 0;
-#pragma omp simd reduction(| : bad)
-  for (int64_t j = 0; j < V; ++j) bad |= !valid_prob(ld(p, j));
-  return bad == 0;
+  return all_of(V, [&](int64_t j) { return valid_prob(ld(p, j)); });
 }
 
 // Residual sample at a rejection, or from p when Z = 0 (p = q up to rounding). Returns an
@@ -278,21 +349,22 @@ static void chain_verify_logits_impl(const VerifyArgs& args) {
         }
       } else {
         const float inv_t = 1.0f / temp;
+        float* et = scratch_rows(V);
+        float* ed = et + V;
         for (; accepted < n; ++accepted) {
           const int64_t tok = a.ids[b * K + accepted];
           if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
-          const T* t_row = tl + (b * (K + 1) + accepted) * V;
-          const T* d_row = dl + (b * K + accepted) * V;
-          SoftmaxRow<T> p{t_row, inv_t, softmax_stats(t_row, V, inv_t)};
-          SoftmaxRow<T> q{d_row, inv_t, softmax_stats(d_row, V, inv_t)};
-          if (!p.st.ok) { code = kInvalidTargetProbs; break; }
-          if (!q.st.ok) { code = kInvalidDraftProbs; break; }
+          const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + accepted) * V, V, inv_t, et);
+          const SoftmaxStats sd = softmax_stats_store(dl + (b * K + accepted) * V, V, inv_t, ed);
+          if (!st.ok) { code = kInvalidTargetProbs; break; }
+          if (!sd.ok) { code = kInvalidDraftProbs; break; }
+          const ExpRow p{et, st.inv_sum}, q{ed, sd.inv_sum};
           const float u = a.rng.at(b, accepted);
           if (!uniform_ok(u)) { code = kInvalidUniform; break; }
           if (!accept_candidate(u, q.mass(tok), p.mass(tok))) {
             const float u_final = a.rng.at(b, n);
             if (!uniform_ok(u_final)) { code = kInvalidUniform; break; }
-            SoftmaxResidualRow<T> res{p, q};
+            const ExpResidualRow res{p, q};
             const double z = total_mass(res, V);
             extra = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(u_final) * z) : sample_row(p, V, u_final);
             break;
@@ -301,11 +373,10 @@ static void chain_verify_logits_impl(const VerifyArgs& args) {
         }
         if (code == 0 && accepted == n) {
           const float u_final = a.rng.at(b, n);
-          const T* t_row = tl + (b * (K + 1) + n) * V;
-          SoftmaxRow<T> p{t_row, inv_t, softmax_stats(t_row, V, inv_t)};
+          const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + n) * V, V, inv_t, et);
           if (!uniform_ok(u_final)) code = kInvalidUniform;
-          else if (!p.st.ok) code = kInvalidTargetProbs;
-          else extra = sample_row(p, V, u_final);
+          else if (!st.ok) code = kInvalidTargetProbs;
+          else extra = sample_row(ExpRow{et, st.inv_sum}, V, u_final);
         }
       }
       if (code == 0 && extra < 0) code = kInvalidTargetProbs;
