@@ -1,0 +1,7 @@
+"""The decoding loop: model runners and KV caches, verification, streaming, statistics."""
+
+from .generator import GenerationOutput, SpeculativeGenerator
+from .sampling import SamplingConfig
+from .stats import GenerationStats, RoundStats
+
+__all__ = ["SpeculativeGenerator", "GenerationOutput", "SamplingConfig", "GenerationStats", "RoundStats"]

@@ -1,0 +1,335 @@
+"""Speculative generation over a Hugging Face target/draft pair, with any candidate-length policy.
+
+One round (Leviathan et al. 2023, Alg. 1; SpecDec++ Alg. 1):
+
+1. the policy decides, candidate by candidate, how long each row drafts (``policies/``);
+2. the draft proposes one token per forward pass, with its KV cache;
+3. the target scores the last committed token and all candidates in one forward pass;
+4. one fused op (``ops.chain_verify``; greedy: ``ops.chain_verify_logits``) accepts a prefix and
+   emits the residual or bonus token, per row, with ragged candidate lengths;
+5. both caches roll back to the accepted prefix; the draft catches up on the tokens it has not
+   seen at the start of the next round; statistics record the round.
+
+Randomness is per row: row b draws from its own ``torch.Generator`` (seeded ``seed + b``), a fixed
+number of uniforms per round whatever it uses, so a row's output in a batch equals its output alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .. import ops
+from ..head import AcceptanceHead
+from ..policies import CandidateLengthPolicy, DraftStep, make_policy
+from .runner import CausalLMRunner
+from .sampling import SamplingConfig, process_logits, sample_with_uniforms
+from .stats import GenerationStats, RoundStats
+
+
+@dataclass
+class GenerationOutput:
+    """sequences: ``[B, T + L]`` int64, prompt then generated tokens, right-padded with ``pad_token_id``.
+    new_tokens: the generated token ids of each row. stats: :class:`GenerationStats`."""
+
+    sequences: torch.Tensor
+    new_tokens: list[list[int]]
+    stats: GenerationStats
+
+
+def vocab_size(model) -> int:
+    emb = model.get_output_embeddings()
+    if emb is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings: not a causal LM")
+    return emb.weight.shape[0]
+
+
+def hidden_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[1]
+
+
+def context_length(model) -> Optional[int]:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+class SpeculativeGenerator:
+    """Lossless speculative generation with a target and a draft model that share a vocabulary.
+
+    Args:
+        target: a ``transformers`` causal LM (any device / dtype; ``device_map="auto"`` works).
+        draft: a causal LM with the same vocabulary (not needed for ``policy="autoregressive"``).
+        policy: a :class:`~specdec_ext.policies.CandidateLengthPolicy` or a name: ``"autoregressive"``,
+            ``"fixed"`` (``k=``), ``"heuristic"``, ``"confidence"``, ``"adaedl"``, ``"specdecpp"`` (needs ``head``).
+        head: the :class:`~specdec_ext.head.AcceptanceHead` for ``specdecpp``.
+        **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.3``, ``k_min=2``, ``k_max=20``).
+
+    Raises:
+        ValueError: vocabulary mismatch between draft and target, a head for another hidden size,
+            models on the meta device, a speculative policy without a draft.
+    """
+
+    def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
+                 head: Optional[AcceptanceHead] = None, **policy_kwargs):
+        self.target = target
+        self.draft = draft
+        self.head = head
+        self.policy = self._make_policy(policy, head, policy_kwargs)
+
+    def _make_policy(self, policy, head, kwargs) -> CandidateLengthPolicy:
+        pol = make_policy(policy, head=head, **kwargs) if isinstance(policy, str) else policy
+        if not isinstance(pol, CandidateLengthPolicy):
+            raise TypeError(f"policy must be a name or a CandidateLengthPolicy, got {type(pol).__name__}")
+        if pol.speculative:
+            if self.draft is None:
+                raise ValueError(f"policy {pol.name!r} needs a draft model (draft=...)")
+            vt, vd = vocab_size(self.target), vocab_size(self.draft)
+            if vt != vd:
+                raise ValueError(f"vocabulary mismatch: the target has V = {vt} but the draft has V = {vd}; "
+                                 "speculative decoding needs a draft and target that share one tokenizer and vocabulary")
+            if pol.needs_hidden:
+                head_obj = getattr(pol, "head", None)
+                if head_obj is not None:
+                    head_obj.check_draft(hidden_size(self.draft))
+        return pol
+
+    # ------------------------------------------------------------------------------ checks
+    def _check_inputs(self, input_ids, attention_mask, max_new_tokens, policy):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError("input_ids must be an int64 (or int32) tensor of token ids [B, T]")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {list(input_ids.shape)}")
+        if input_ids.shape[0] == 0:
+            raise ValueError("input_ids has batch size 0")
+        if input_ids.shape[1] == 0:
+            raise ValueError("empty prompt: input_ids has no tokens (T = 0); give at least one token (e.g. BOS)")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have the shape of input_ids {list(input_ids.shape)}, "
+                             f"got {list(attention_mask.shape)}")
+        if not bool(attention_mask[:, -1].bool().all()):
+            raise ValueError("attention_mask: pad prompts on the left (the last position of every row must be a real token)")
+        if int(attention_mask.sum(-1).min()) == 0:
+            raise ValueError("empty prompt: a row of attention_mask has no real token")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        vt = vocab_size(self.target)
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vt:
+            raise ValueError(f"input_ids holds ids outside the vocabulary [0, {vt})")
+        models = [("target", self.target)] + ([("draft", self.draft)] if policy.speculative else [])
+        T = int(attention_mask.sum(-1).max())
+        for name, m in models:
+            ctx = context_length(m)
+            if ctx is not None and T >= ctx:
+                raise ValueError(f"the prompt has {T} tokens, longer than the {name} model's context of {ctx} tokens")
+            if ctx is not None and T + max_new_tokens > ctx:
+                raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {name} model's "
+                                 f"context of {ctx} tokens")
+        return input_ids.long(), attention_mask.long()
+
+    # ------------------------------------------------------------------------------ generate
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 max_new_tokens: int = 64, temperature: float = 1.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = None,
+                 seed: Union[int, Sequence[int]] = 0, streamer=None, pad_token_id: Optional[int] = None,
+                 policy: Union[str, CandidateLengthPolicy, None] = None, **policy_kwargs) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` per row.
+
+        Args:
+            input_ids: ``[B, T]`` (or ``[T]``) int64 prompt ids, left-padded when rows differ in length.
+            attention_mask: ``[B, T]``, 1 for real tokens (default: all ones).
+            max_new_tokens: >= 1.
+            temperature / top_k / top_p: applied identically to draft and target; temperature 0 is greedy.
+            eos_token_id: an id or ids that end a row (emitted, then nothing after it).
+            seed: row b uses ``seed + b`` (or ``seed[b]`` for a sequence).
+            streamer: a ``transformers`` streamer (``put``/``end``), batch size 1 only.
+            policy / **policy_kwargs: override the generator's policy for this call.
+
+        Returns: :class:`GenerationOutput`; ``stats`` holds per-round and per-call figures (ms, tokens/s).
+
+        Raises: ValueError / TypeError for bad input (empty prompt, prompt beyond the context,
+            max_new_tokens < 1, bad sampling settings, streamer with batch > 1).
+        """
+        pol = self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
+        cfg = SamplingConfig(temperature, top_k, top_p)
+        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens, pol)
+        B, T = input_ids.shape
+        if streamer is not None and B != 1:
+            raise ValueError("streamer supports batch size 1 only")
+        eos = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
+                                                   else {int(e) for e in eos_token_id})
+        seeds = [seed + b for b in range(B)] if isinstance(seed, int) else list(seed)
+        if len(seeds) != B:
+            raise ValueError(f"seed: need one seed per row ({B}), got {len(seeds)}")
+        rngs = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        stats = GenerationStats(policy=pol.describe(), batch_size=B)
+        t_start = time.perf_counter()
+
+        target = CausalLMRunner(self.target, "target")
+        draft = CausalLMRunner(self.draft, "draft") if pol.speculative else None
+        runners = [r for r in (target, draft) if r is not None]
+        for r in runners:
+            r.start(B)
+            if T > 1:
+                r.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), keep=1)
+        stats.prefill_ms = (time.perf_counter() - t_start) * 1e3
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+        rows = list(range(B))                         # original row of each live row
+        generated: list[list[int]] = [[] for _ in range(B)]
+        last = input_ids[:, -1].clone()               # last committed token of each live row (not in target cache)
+        pending = last.view(-1, 1)                    # tokens the draft has not seen yet
+        pending_valid = torch.ones_like(pending, dtype=torch.bool)
+        pol.reset(B, target.device)
+        try:
+            while rows:
+                remaining = torch.tensor([max_new_tokens - len(generated[r]) for r in rows])
+                if pol.speculative:
+                    emitted, pending, pending_valid = self._speculative_round(
+                        pol, cfg, target, draft, last, pending, pending_valid, remaining,
+                        [rngs[r] for r in rows], stats)
+                else:
+                    emitted = self._plain_step(cfg, target, last, [rngs[r] for r in rows], stats)
+                keep = []
+                for i, r in enumerate(rows):
+                    toks = emitted[i][: int(remaining[i])]
+                    for j, t in enumerate(toks):
+                        if t in eos:
+                            toks = toks[: j + 1]
+                            break
+                    generated[r].extend(toks)
+                    if streamer is not None and toks:
+                        streamer.put(torch.tensor(toks))
+                    stats.new_tokens += len(toks)
+                    if stats.rounds:
+                        stats.rounds[-1].emitted[i] = len(toks)
+                    done = len(generated[r]) >= max_new_tokens or (toks and toks[-1] in eos)
+                    if not done:
+                        keep.append(i)
+                if len(keep) < len(rows):
+                    idx = torch.tensor(keep, dtype=torch.int64)
+                    for r in runners:
+                        r.select_rows(idx)
+                    pol.select_rows(idx)
+                    rows = [rows[i] for i in keep]
+                    last = last[idx.to(last.device)]
+                    pending = pending[idx.to(pending.device)]
+                    pending_valid = pending_valid[idx.to(pending_valid.device)]
+        finally:
+            stats.target_calls = target.calls
+            stats.draft_calls = draft.calls if draft is not None else 0
+            for r in runners:
+                r.close()
+        if streamer is not None:
+            streamer.end()
+        stats.wall_ms = (time.perf_counter() - t_start) * 1e3
+        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+        L = max(len(g) for g in generated)
+        seq = torch.full((B, T + L), pad, dtype=torch.int64)
+        seq[:, :T] = input_ids.cpu()
+        for b, g in enumerate(generated):
+            seq[b, T : T + len(g)] = torch.tensor(g, dtype=torch.int64)
+        return GenerationOutput(seq, generated, stats)
+
+
+    # ------------------------------------------------------------------------------ rounds
+    def _uniforms(self, rngs, n: int) -> torch.Tensor:
+        """``[B, n]`` uniforms in (0, 1]: each row draws exactly n from its own generator."""
+        return torch.stack([1.0 - torch.rand(n, generator=g) for g in rngs])
+
+    def _plain_step(self, cfg, target, last, rngs, stats) -> list[list[int]]:
+        t0 = time.perf_counter()
+        logits, _ = target.forward(last.view(-1, 1), keep=1)
+        logits = logits[:, -1]
+        if cfg.greedy:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = sample_with_uniforms(process_logits(logits, cfg), self._uniforms(rngs, 1)[:, 0])
+        last.copy_(nxt.to(last.device))
+        ms = (time.perf_counter() - t0) * 1e3
+        n = last.shape[0]
+        stats.rounds.append(RoundStats([0] * n, [0] * n, [1] * n, 0.0, ms, ms))
+        return [[int(t)] for t in nxt.tolist()]
+
+    def _speculative_round(self, pol, cfg, target, draft, last, pending, pending_valid, remaining, rngs, stats):
+        B = last.shape[0]
+        kcap = pol.max_candidates
+        t0 = time.perf_counter()
+        u = None if cfg.greedy else self._uniforms(rngs, 2 * kcap + 1)
+        vdev = target.device
+        # per-row cap: never draft past max_new_tokens (or the policy's K_max)
+        cap = (remaining - 1).clamp(min=0, max=kcap)
+        n = torch.zeros(B, dtype=torch.int64)
+        stopped = cap <= 0
+        pol.begin_round()
+
+        logits, _ = draft.forward(pending, pending_valid, keep=1)
+        cands, qs = [], []
+        fed = 0
+        step = 0
+        need_probs = not cfg.greedy or pol.needs_probs
+        while True:
+            step += 1
+            last_logits = logits[:, -1]
+            if cfg.greedy:
+                x = last_logits.argmax(-1)
+                q = torch.softmax(last_logits, -1) if need_probs else None
+            else:
+                q = process_logits(last_logits, cfg)
+                x = sample_with_uniforms(q, u[:, step - 1])
+            cands.append(x)
+            qs.append(q if not cfg.greedy else None)
+            n = torch.where(stopped, n, torch.full_like(n, step))
+            info = DraftStep(step, B, q.gather(-1, x.view(-1, 1)).squeeze(-1) if q is not None else None, q)
+            if pol.needs_hidden:
+                logits, hid = draft.forward(x.view(-1, 1), keep=1, hidden=True)
+                fed += 1
+                info.hidden = hid[:, -1]
+            stop = pol.should_stop(info).cpu() | (step >= cap)
+            stopped = stopped | stop
+            if bool(stopped.all()) or step >= kcap:
+                break
+            if not pol.needs_hidden:
+                logits, _ = draft.forward(x.view(-1, 1), keep=1)
+                fed += 1
+        t1 = time.perf_counter()
+
+        K = len(cands)
+        cand = torch.stack(cands, 1).to(vdev)
+        t_logits, _ = target.forward(torch.cat([last.view(-1, 1).to(vdev), cand], 1), keep=K + 1)
+        n_dev = n.to(vdev)
+        if cfg.greedy:
+            out, acc = ops.chain_verify_logits(cand, t_logits[:, :K], t_logits, torch.zeros(B, device=vdev), n_dev,
+                                               uniforms=torch.ones(B, K + 1, device=vdev))
+        else:
+            p = process_logits(t_logits, cfg)
+            q = torch.stack([qq.to(vdev) for qq in qs], 1)
+            uv = u[:, kcap : kcap + K + 1].to(vdev)
+            out, acc = ops.chain_verify(cand, q, p, n_dev, uniforms=uv)
+        t2 = time.perf_counter()
+
+        acc_c = acc.cpu()
+        out_c = out.cpu()
+        emitted = [out_c[b, : int(acc_c[b]) + 1].tolist() for b in range(B)]
+        # roll back: the target saw [last, x_1..x_K]; it keeps last, x_1..x_acc
+        target.rollback(K - acc_c)
+        # the draft saw `fed` candidates; it keeps the accepted ones it saw
+        kept = torch.minimum(acc_c, torch.full_like(acc_c, fed))
+        draft.rollback(fed - kept)
+        extra = out_c[torch.arange(B), acc_c]
+        unseen = acc_c > fed  # x_K accepted but never fed: the draft catches up on it next round
+        new_pending = torch.stack([torch.where(unseen, cand.cpu()[:, K - 1], extra), extra], 1)
+        new_valid = torch.stack([unseen, torch.ones_like(unseen)], 1)
+        last.copy_(extra.to(last.device))
+        pol.end_round(n, acc_c)
+        t3 = time.perf_counter()
+        stats.rounds.append(RoundStats(n.tolist(), acc_c.tolist(), [len(e) for e in emitted],
+                                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t0) * 1e3))
+        return emitted, new_pending, new_valid

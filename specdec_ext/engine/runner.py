@@ -1,0 +1,107 @@
+"""A Hugging Face causal LM with its KV cache, attention mask and per-row positions.
+
+Rows of a batch keep their own length without per-row cache surgery: every fed position stays in
+the (shared-length) ``DynamicCache``; positions a row rejects are masked out (attention mask 0) and
+do not advance that row's position ids. The tail that every row rejected is cropped for real, so
+with batch size 1 this is plain cropping. Only the models are touched here; policies never are.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers import DynamicCache
+
+
+def model_device(model) -> torch.device:
+    emb = model.get_input_embeddings()
+    return emb.weight.device
+
+
+class CausalLMRunner:
+    def __init__(self, model, name: str):
+        self.model = model
+        self.name = name
+        self.device = model_device(model)
+        if self.device.type == "meta":
+            raise ValueError(f"the {name} model is on the meta device (weights not loaded): no way to run it")
+        self.cache: Optional[DynamicCache] = None
+        self.mask: Optional[torch.Tensor] = None      # [B, C] int64
+        self.next_pos: Optional[torch.Tensor] = None  # [B] int64
+        self.calls = 0
+        self._hidden: Optional[torch.Tensor] = None
+        self._hook = None
+
+    # ------------------------------------------------------------------------------------
+    def start(self, batch_size: int) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+
+    def close(self) -> None:
+        self.cache = self.mask = self.next_pos = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
+                hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Feed ``tokens`` ``[B, n]`` (``valid`` ``[B, n]`` bool marks real tokens; others become holes).
+
+        Returns float32 logits of the last ``keep`` positions ``[B, keep, V]`` and, if ``hidden``, the
+        input of the LM head at those positions ``[B, keep, H]``.
+        """
+        tokens = tokens.to(self.device)
+        B, n = tokens.shape
+        if valid is None:
+            valid = torch.ones(B, n, dtype=torch.bool, device=self.device)
+        valid = valid.to(self.device)
+        steps = valid.long().cumsum(-1)
+        position_ids = self.next_pos.unsqueeze(1) + (steps - 1).clamp_min(0)
+        self.mask = torch.cat([self.mask, valid.long()], dim=1)
+        if hidden and self._hook is None:
+            self._hook = self.model.get_output_embeddings().register_forward_pre_hook(self._capture)
+        self._hidden = None
+        out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+        self.calls += 1
+        self.next_pos = self.next_pos + steps[:, -1]
+        h = None
+        if hidden:
+            h = self._hidden[:, -keep:]
+        return out.logits[:, -keep:].float(), h
+
+    def _capture(self, module, args):
+        self._hidden = args[0]
+
+    def rollback(self, n_remove: torch.Tensor) -> None:
+        """Drop the last ``n_remove[b]`` positions of row b (all fed in this round, all valid)."""
+        n_remove = n_remove.to(self.device)
+        C = self.length
+        cols = torch.arange(C, device=self.device).unsqueeze(0)
+        drop = cols >= (C - n_remove).unsqueeze(1)
+        self.mask = self.mask.masked_fill(drop, 0)
+        self.next_pos = self.next_pos - n_remove
+        common = int(n_remove.min()) if n_remove.numel() else 0
+        if common > 0:
+            self.cache.crop(-common)
+            self.mask = self.mask[:, : C - common]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        idx = index.to(self.device)
+        self.cache.batch_select_indices(idx)
+        self.mask = self.mask[idx]
+        self.next_pos = self.next_pos[idx]
+        # columns masked in every remaining row at the tail can go
+        if self.mask.numel():
+            valid_cols = self.mask.any(0).nonzero()
+            last = int(valid_cols.max()) + 1 if valid_cols.numel() else 0
+            if last < self.length:
+                self.cache.crop(-(self.length - last))
+                self.mask = self.mask[:, :last]

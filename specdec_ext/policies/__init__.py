@@ -1,0 +1,7 @@
+"""Candidate-length policies: how many tokens the draft proposes per round."""
+
+from .base import CandidateLengthPolicy, DraftStep
+from .builtin import AdaEDL, Autoregressive, Confidence, FixedK, Heuristic, SpecDecPP, make_policy
+
+__all__ = ["CandidateLengthPolicy", "DraftStep", "Autoregressive", "FixedK", "Heuristic", "Confidence", "AdaEDL",
+           "SpecDecPP", "make_policy"]

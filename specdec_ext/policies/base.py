@@ -1,0 +1,67 @@
+"""The candidate-length policy interface.
+
+The engine asks a policy, after each drafted candidate, whether each row should stop drafting;
+at the end of a round it reports how many candidates each row drafted and how many the target
+accepted. A policy never touches models or caches. State is per row, so that a row's decisions
+in a batch equal its decisions alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class DraftStep:
+    """What the engine knows after drafting candidate ``step`` (1-based) of a round.
+
+    token_prob: ``[B]`` float32, q(x) of the candidate just drafted under the draft's processed distribution
+        (softmax at temperature 1 when decoding greedily); given when sampling or when ``needs_probs``.
+    probs: ``[B, V]`` float32, that draft distribution q; given likewise.
+    hidden: ``[B, H]``, the draft's last hidden state at the candidate's position (only for policies
+        with ``needs_hidden``; the candidate has then been fed to the draft).
+    """
+
+    step: int
+    batch_size: int
+    token_prob: Optional[torch.Tensor] = None
+    probs: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
+
+
+class CandidateLengthPolicy:
+    """Base class. Subclasses set ``name`` and ``max_candidates`` and implement ``should_stop``."""
+
+    name = "policy"
+    speculative = True      # False: plain target-only decoding
+    needs_hidden = False    # True: the engine feeds each candidate to the draft before asking
+    needs_probs = False     # True: token_prob / probs are needed even when decoding greedily
+    max_candidates = 1      # an upper bound on the candidates per round (K_max)
+
+    def reset(self, batch_size: int, device: torch.device) -> None:
+        """Start a generation call with ``batch_size`` rows."""
+
+    def begin_round(self) -> None:
+        """Start a draft round for the live rows."""
+
+    def should_stop(self, info: DraftStep) -> torch.Tensor:
+        """``[B]`` bool: stop drafting after this candidate. Rows past ``max_candidates`` always stop."""
+        raise NotImplementedError
+
+    def end_round(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Feedback after verification: candidates drafted and accepted per row (``[B]`` int64)."""
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the state of rows ``index`` only (finished rows leave the batch)."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+def _check_k(name: str, value: int, low: int = 1) -> int:
+    if not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value

@@ -1,0 +1,214 @@
+"""The engine: greedy equality with target-only decoding, batches, EOS, streaming, stats, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_ext import AcceptanceHead, SpeculativeGenerator
+from specdec_ext.policies import FixedK
+from models import make_pair, make_target
+
+POLICIES = [("autoregressive", {}), ("fixed", {"k": 1}), ("fixed", {"k": 4}), ("heuristic", {}), ("confidence", {}),
+            ("adaedl", {}), ("specdecpp", {"threshold": 0.3}), ("specdecpp", {"threshold": 0.7, "k_min": 1, "k_max": 6})]
+PIDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for n, kw in POLICIES]
+
+
+def head_for(draft, bias=1.5, seed=0):
+    torch.manual_seed(seed)
+    head = AcceptanceHead(draft.get_output_embeddings().weight.shape[1], num_layers=2)
+    with torch.no_grad():
+        head.out.bias.fill_(bias)
+    return head
+
+
+def prompts(B, V, T=6, seed=0, ragged=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, V, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    if ragged and B > 1:
+        for b in range(1, B):
+            mask[b, : b % (T - 1)] = 0
+            ids[b, : b % (T - 1)] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def pair(request):
+    return make_pair(request.param)
+
+
+@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+@pytest.mark.parametrize("B", [1, 3])
+def test_greedy_equals_target_only(pair, name, kw, B):
+    target, draft = pair
+    V = target.config.vocab_size
+    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), **kw)
+    accepted = discarded = 0
+    for seed in range(3):
+        ids, mask = prompts(B, V, seed=seed)
+        ref = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=1,
+                              eos_token_id=None)
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=24, temperature=0, pad_token_id=1)
+        assert torch.equal(out.sequences, ref), f"{name}: greedy output differs from target-only decoding (seed {seed})"
+        accepted += out.stats.accepted
+        discarded += out.stats.discarded
+    if name != "autoregressive":
+        # the cases must exercise speculation: accepted candidates and rejected ones
+        assert accepted > 0, "no candidate was ever accepted"
+        assert discarded > 0, "no candidate was ever rejected"
+
+
+@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+def test_batch_equals_rows_alone(name, kw):
+    target, draft = make_pair("llama")
+    V = target.config.vocab_size
+    ids, mask = prompts(4, V, seed=3)
+    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), **kw)
+    out = gen.generate(ids, attention_mask=mask, max_new_tokens=20, temperature=1.0, seed=11)
+    for b in range(4):
+        real = ids[b, mask[b].bool()].unsqueeze(0)
+        alone = gen.generate(real, max_new_tokens=20, temperature=1.0, seed=11 + b)
+        assert out.new_tokens[b] == alone.new_tokens[0], f"row {b} differs between batch and alone"
+
+
+def test_eos_and_max_new_tokens_end_where_target_only_does():
+    target, draft = make_pair("llama", noise=0.1)
+    V = target.config.vocab_size
+    ids, mask = prompts(3, V, seed=5)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=1,
+                          eos_token_id=None)
+    # choose as EOS a token that target-only greedy emits mid-way in row 0
+    eos = int(ref[0, ids.shape[1] + 5])
+    ref_eos = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=1,
+                              eos_token_id=eos)
+    for name, kw in POLICIES:
+        gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), **kw)
+        out = gen.generate(ids, attention_mask=mask, max_new_tokens=30, temperature=0, eos_token_id=eos, pad_token_id=1)
+        assert torch.equal(out.sequences, ref_eos[:, : out.sequences.shape[1]]), name
+        assert bool((ref_eos[:, out.sequences.shape[1]:] == 1).all()), name
+        for toks in out.new_tokens:
+            assert len(toks) <= 30 and (eos not in toks[:-1])
+    for m in (1, 2, 7):
+        out = SpeculativeGenerator(target, draft, policy="fixed", k=5).generate(ids, attention_mask=mask, max_new_tokens=m,
+                                                                               temperature=0)
+        assert all(len(t) == m for t in out.new_tokens)
+        assert torch.equal(out.sequences, ref[:, : ids.shape[1] + m])
+
+
+class Collect:
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_prompt_then_every_token():
+    target, draft = make_pair("gpt2")
+    ids, _ = prompts(1, target.config.vocab_size)
+    s = Collect()
+    out = SpeculativeGenerator(target, draft, policy="fixed", k=3).generate(ids, max_new_tokens=16, temperature=0,
+                                                                           streamer=s)
+    assert s.ended and s.chunks[0] == ids[0].tolist()
+    assert sum(s.chunks[1:], []) == out.new_tokens[0]
+    assert len(s.chunks) - 1 == len(out.stats.rounds)  # one chunk per round
+
+
+def test_streamer_with_transformers_text_streamer():
+    from transformers import TextIteratorStreamer
+
+    class Tok:  # the smallest tokenizer the streamer needs
+        def decode(self, ids, **kw):
+            return "".join(chr(65 + (int(i) % 26)) for i in ids)
+
+    target, draft = make_pair("llama")
+    ids, _ = prompts(1, target.config.vocab_size)
+    streamer = TextIteratorStreamer(Tok(), skip_prompt=True)
+    out = SpeculativeGenerator(target, draft, policy="fixed", k=2).generate(ids, max_new_tokens=10, temperature=0,
+                                                                           streamer=streamer)
+    assert "".join(streamer) == Tok().decode(out.new_tokens[0])
+
+
+def test_statistics_are_consistent():
+    target, draft = make_pair("llama")
+    ids, mask = prompts(3, target.config.vocab_size)
+    out = SpeculativeGenerator(target, draft, policy="fixed", k=4).generate(ids, attention_mask=mask, max_new_tokens=25,
+                                                                           temperature=0)
+    st = out.stats
+    assert st.new_tokens == sum(len(t) for t in out.new_tokens) == 75
+    assert st.target_calls == len(st.rounds) + 1  # one prefill
+    assert all(n == 4 or e < 5 for r in st.rounds for n, e in zip(r.candidates, r.emitted))
+    assert st.accepted == sum(sum(r.accepted) for r in st.rounds)
+    assert st.discarded == st.drafted - st.accepted
+    rates = st.acceptance_rate_per_position()
+    assert len(rates) >= 1 and all(0.0 <= a <= 1.0 for a in rates)
+    assert st.wall_ms >= st.draft_ms + st.verify_ms > 0
+    assert st.tokens_per_s > 0
+    s = st.summary()
+    assert s["rounds"] == len(st.rounds) and s["new_tokens"] == 75
+
+
+def test_policy_object_and_per_call_override():
+    target, draft = make_pair("llama")
+    ids, _ = prompts(1, target.config.vocab_size)
+    gen = SpeculativeGenerator(target, draft, policy=FixedK(2))
+    a = gen.generate(ids, max_new_tokens=12, temperature=0)
+    b = gen.generate(ids, max_new_tokens=12, temperature=0, policy="fixed", k=5)
+    assert a.new_tokens == b.new_tokens
+    assert max(max(r.candidates) for r in a.stats.rounds) <= 2
+    assert max(max(r.candidates) for r in b.stats.rounds) <= 5
+
+
+def test_top_k_top_p_greedy_equivalents():
+    target, draft = make_pair("llama")
+    ids, _ = prompts(2, target.config.vocab_size, ragged=False)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3)
+    # top_k = 1 is greedy whatever the temperature
+    a = gen.generate(ids, max_new_tokens=15, temperature=0.8, top_k=1, seed=1)
+    b = gen.generate(ids, max_new_tokens=15, temperature=0)
+    assert a.new_tokens == b.new_tokens
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_bad_input_errors():
+    target, draft = make_pair("llama")
+    V = target.config.vocab_size
+    ids, _ = prompts(1, V)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        SpeculativeGenerator(target, make_target(vocab=V + 3), policy="fixed")
+    with pytest.raises(ValueError, match="another draft model"):
+        SpeculativeGenerator(target, draft, policy="specdecpp", head=AcceptanceHead(7))
+    with pytest.raises(ValueError, match="needs an acceptance head"):
+        SpeculativeGenerator(target, draft, policy="specdecpp")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpeculativeGenerator(target, None, policy="fixed")
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="context"):
+        gen.generate(torch.randint(0, V, (1, 300)), max_new_tokens=4)
+    with pytest.raises(ValueError, match="context"):
+        gen.generate(ids, max_new_tokens=255)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        gen.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        gen.generate(ids, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        gen.generate(ids, top_p=0.0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gen.generate(ids + V)
+    with pytest.raises(ValueError, match="left"):
+        gen.generate(ids, attention_mask=torch.cat([torch.ones(1, 5), torch.zeros(1, 1)], 1).long())
+    with pytest.raises(ValueError, match="batch size 1"):
+        gen.generate(ids.repeat(2, 1), streamer=Collect())
+    with pytest.raises(ValueError, match="unknown policy"):
+        SpeculativeGenerator(target, draft, policy="magic")
+    with pytest.raises(ValueError, match="k \\(candidate length\\) must be"):
+        SpeculativeGenerator(target, draft, policy="fixed", k=0)
+    with pytest.raises(ValueError, match="meta device"):
+        meta = make_target().to("meta")
+        SpeculativeGenerator(target, meta, policy="fixed").generate(ids, max_new_tokens=3)
