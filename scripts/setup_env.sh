@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set-up shared by the README's two commands: a virtualenv in .venv (it sees an already installed
+# torch through --system-site-packages), torch==2.13.0 only when no torch is importable, then this
+# project built with --no-build-isolation so that its extension compiles against that torch.
+# Source it: `. scripts/setup_env.sh`. Idempotent; a second run only rebuilds what changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SPECDEC_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating virtualenv $VENV"
+  "$PY" -m venv --system-site-packages "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+if ! python -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] no torch found: installing torch==2.13.0"
+  python -m pip install -q "torch==2.13.0"
+fi
+python -m pip install -q "setuptools>=64" wheel ninja
+echo "[setup] building and installing specdec_ext (torch $(python -c 'import torch; print(torch.__version__)'))"
+python -m pip install -q --no-build-isolation -e "$ROOT[test]"
+python -c "import specdec_ext.ops as o; assert o.HAS_EXTENSION, 'the C++ extension did not build'; print('[setup] specdec_ext', __import__('specdec_ext').__version__, 'with compiled ops')"

