@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-DATASETS = ("humaneval", "stdlib")
+DATASETS = ("humaneval", "stdlib", "stdlib-train")
 
 
 def humaneval_prompts() -> list[str]:
@@ -22,13 +22,14 @@ def humaneval_prompts() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
-def stdlib_prompts(limit: Optional[int] = None) -> list[str]:
+def stdlib_prompts(limit: Optional[int] = None, split: str = "held_out") -> list[str]:
     """Function headers (decorators, signature and docstring) of top-level functions in the
-    held-out standard-library files of the bundled pair's split (``zoo.corpus``), sorted by path."""
+    standard-library files of one split of the bundled pair's corpus (``zoo.corpus``: ``held_out``
+    for evaluation, ``train`` for training the head), sorted by path."""
     from .zoo.corpus import read_source, split_files
 
     out = []
-    for path in split_files()["held_out"]:
+    for path in split_files()[split]:
         try:
             tree = ast.parse(read_source(path))
         except SyntaxError:
@@ -58,11 +59,13 @@ def jsonl_prompts(path: str, field: str = "prompt") -> list[str]:
 
 
 def load_prompts(name: str, limit: Optional[int] = None) -> list[str]:
-    """Prompts by data set name (``humaneval``, ``stdlib``) or a path to a ``.jsonl`` file."""
+    """Prompts by data set name (``humaneval``, ``stdlib``, ``stdlib-train``) or a path to a ``.jsonl`` file."""
     if name == "humaneval":
         prompts = humaneval_prompts()
     elif name == "stdlib":
         prompts = stdlib_prompts(limit)
+    elif name == "stdlib-train":
+        prompts = stdlib_prompts(limit, split="train")
     elif name.endswith(".jsonl") and Path(name).exists():
         prompts = jsonl_prompts(name)
     else:

@@ -287,7 +287,8 @@ class SpeculativeGenerator:
             cands.append(x)
             qs.append(q if not cfg.greedy else None)
             n = torch.where(stopped, n, torch.full_like(n, step))
-            info = DraftStep(step, B, q.gather(-1, x.view(-1, 1)).squeeze(-1) if q is not None else None, q)
+            info = DraftStep(step, B, q.gather(-1, x.view(-1, 1)).squeeze(-1) if q is not None else None, q,
+                             tokens=x)
             if pol.needs_hidden:
                 logits, hid = draft.forward(x.view(-1, 1), keep=1, hidden=True)
                 fed += 1

@@ -30,6 +30,7 @@ class DraftStep:
     token_prob: Optional[torch.Tensor] = None
     probs: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
+    tokens: Optional[torch.Tensor] = None   # [B] int64, the candidate ids just drafted
 
 
 class CandidateLengthPolicy:

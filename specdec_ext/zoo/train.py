@@ -6,7 +6,9 @@ Stages, each resumable from its last checkpoint under ``work_dir`` and skipped w
 2. target: ``LlamaForCausalLM`` 8 layers x 512 (about 29.5M parameters), next-token cross-entropy,
    bf16 autocast, AdamW, linear warm-up then cosine decay;
 3. draft: ``LlamaForCausalLM`` 2 layers x 256, distilled from the target's logits with forward
-   KL(p_target || q_draft) at temperature 1.
+   KL(p_target || q_draft) at temperature 1;
+4. head: the SpecDec++ acceptance head, trained with the same pipeline as ``specdec train-head``
+   on function headers of the corpus's training split (HumanEval is kept for evaluation).
 
 The finished models are written in bf16 safetensors (with the tokenizer) to ``out_dir/target`` and
 ``out_dir/draft``; ``out_dir/zoo_meta.json`` records parameters, tokens seen, wall time and held-out loss.
@@ -198,9 +200,30 @@ def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=
         meta["draft"] = stats
         _save(draft, work_dir / "tokenizer", out_dir / "draft")
         log(f"[draft] {stats}")
+    if not (out_dir / "head" / "config.json").exists():
+        meta["head"] = train_pair_head(out_dir, work_dir, cfg.seed, log=log)
     meta["recipe_wall_minutes_this_run"] = (time.time() - t_start) / 60
     meta_path.write_text(json.dumps(meta, indent=2))
     return meta
+
+
+def train_pair_head(out_dir: Path, work_dir: Path, seed: int = 0, num_prompts: int = 600, log=print) -> dict:
+    """Stage 4: the acceptance head of the pair in ``out_dir`` (written to ``out_dir/head``); its data
+    set is kept in ``work_dir/head_data.safetensors`` so the head can be retrained without the target."""
+    from ..data import load_prompts
+    from ..head.data import HeadDataConfig
+    from ..head.pipeline import run_pipeline
+    from ..head.train import HeadTrainConfig
+    from . import load_models
+
+    pair = load_models(out_dir / "target", out_dir / "draft")
+    prompts = load_prompts("stdlib-train", limit=num_prompts)
+    t0 = time.time()
+    report = run_pipeline(pair.target, pair.draft, pair.tokenizer, prompts, out_dir / "head",
+                          HeadDataConfig(max_new_tokens=96, batch_size=16, seed=seed), HeadTrainConfig(seed=seed),
+                          data_file=work_dir / "head_data.safetensors", target_name="specdec_ext/zoo target",
+                          draft_name="specdec_ext/zoo draft", log=log)
+    return {"held_out": report["held_out"], "minutes": (time.time() - t0) / 60, "prompts": len(prompts)}
 
 
 def main(argv=None):

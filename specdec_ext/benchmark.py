@@ -1,0 +1,293 @@
+"""End-to-end benchmark: candidate-length policies side by side with plain decoding and Hugging Face's
+assisted generation, on the same models, prompts and seeds, in one process.
+
+Methods run prompt by prompt in a rotating order (so drift on the machine hits all alike). For every
+run the figures come from that run: wall time, tokens, forward passes of each model (counted with
+hooks, the same way for our loop and for ``transformers``), and for our engine its round statistics.
+Greedy runs of every method must produce the same text; a difference is reported instead of a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from .engine import SpeculativeGenerator
+from .policies import CandidateLengthPolicy, DraftStep, make_policy
+
+
+class CallCounter:
+    """Counts forward calls of a module and the time spent inside them (hooks), for any generation
+    loop, so that ours and ``transformers``' are measured the same way."""
+
+    def __init__(self, module):
+        self.n = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self._sync = next(module.parameters()).device.type == "cuda"
+        self._h = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, *a):
+        if self._sync:
+            torch.cuda.synchronize()
+        self.n += 1
+        self._t0 = time.perf_counter()
+
+    def _post(self, *a):
+        if self._sync:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - self._t0
+
+    def close(self):
+        for h in self._h:
+            h.remove()
+
+
+class Oracle(CandidateLengthPolicy):
+    """Upper bound for candidate-length policies under greedy decoding: drafts exactly up to and
+    including the first candidate the target rejects (known from a recorded target-only run)."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[list[int]], max_k: int = 64):
+        self.reference = reference
+        self.max_candidates = max_k
+        self.needs_tokens = True
+
+    def reset(self, batch_size, device):
+        if batch_size != len(self.reference):
+            raise ValueError("Oracle: one reference sequence per row is needed")
+        self.pos = [0] * batch_size
+        self.rows = list(range(batch_size))
+
+    def should_stop(self, info: DraftStep):
+        out = torch.zeros(info.batch_size, dtype=torch.bool)
+        for i, r in enumerate(self.rows):
+            ref = self.reference[r]
+            j = self.pos[i] + info.step - 1
+            out[i] = j >= len(ref) or int(info.tokens[i]) != ref[j]
+        return out
+
+    def end_round(self, num_drafted, num_accepted):
+        for i in range(len(self.rows)):
+            self.pos[i] += int(num_accepted[i]) + 1
+
+    def select_rows(self, index):
+        keep = index.tolist()
+        self.rows = [self.rows[i] for i in keep]
+        self.pos = [self.pos[i] for i in keep]
+
+
+@dataclass
+class Method:
+    """A way to generate: our engine with a policy, or ``transformers``' generate (plain or assisted)."""
+
+    name: str
+    kind: str                               # "ours" | "hf"
+    policy: Optional[Callable[..., CandidateLengthPolicy]] = None
+    hf_assistant: Optional[dict] = None     # assistant generation config for kind == "hf" (None: plain generate)
+    family: str = ""                        # for tables and plots: plain, fixed, specdecpp, ...
+    param: Optional[float] = None           # K or h
+
+
+def standard_methods(head=None, ks=(1, 2, 3, 4, 5, 6, 7, 8), thresholds=(0.1, 0.3, 0.5, 0.7, 0.9), hf=True,
+                     hf_ks=(2, 4, 6, 8), k_bounds=(2, 20), adaptive=True, oracle=True) -> list[Method]:
+    m = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain")]
+    if hf:
+        m.append(Method("hf plain", "hf", None, None, family="hf-plain"))
+    for k in ks:
+        m.append(Method(f"fixed K={k}", "ours", (lambda k=k, **_: make_policy("fixed", k=k)), family="fixed", param=k))
+    if head is not None:
+        for h in thresholds:
+            m.append(Method(f"specdec++ h={h:g}", "ours",
+                            (lambda h=h, **_: make_policy("specdecpp", head=head, threshold=h, k_min=k_bounds[0],
+                                                          k_max=k_bounds[1])), family="specdecpp", param=h))
+    if adaptive:
+        m.append(Method("heuristic", "ours", lambda **_: make_policy("heuristic"), family="heuristic"))
+        m.append(Method("confidence 0.4", "ours", lambda **_: make_policy("confidence"), family="confidence"))
+        m.append(Method("adaedl", "ours", lambda **_: make_policy("adaedl"), family="adaedl"))
+    if hf:
+        for k in hf_ks:
+            m.append(Method(f"hf assisted K={k}", "hf", None, {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
+                                                                 "assistant_confidence_threshold": 0.0},
+                            family="hf-fixed", param=k))
+        m.append(Method("hf assisted heuristic", "hf", None, {"num_assistant_tokens": 5,
+                                                               "num_assistant_tokens_schedule": "heuristic_transient",
+                                                               "assistant_confidence_threshold": 0.0}, family="hf-heuristic"))
+        m.append(Method("hf assisted confidence", "hf", None, {"num_assistant_tokens": 20,
+                                                                "num_assistant_tokens_schedule": "constant",
+                                                                "assistant_confidence_threshold": 0.4}, family="hf-confidence"))
+    if oracle:
+        m.append(Method("oracle", "ours", None, family="oracle"))
+    return m
+
+
+@dataclass
+class RunRecord:
+    method: str
+    prompt: int
+    new_tokens: int
+    wall_s: float
+    target_calls: int
+    draft_calls: int
+    tokens: list[int] = field(repr=False, default_factory=list)
+    forward_s: float = 0.0                  # time inside target and draft forward calls
+    engine: Optional[dict] = None           # our GenerationStats.summary()
+    rounds: Optional[list] = field(default=None, repr=False)  # (candidates, accepted) per round, for replay
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, reference) -> RunRecord:
+    target, draft = pair.target, pair.draft
+    ct, cd = CallCounter(target), CallCounter(draft)
+    try:
+        t0 = time.perf_counter()
+        if method.kind == "ours":
+            if method.family == "oracle":
+                policy = Oracle([reference])
+            else:
+                policy = method.policy()
+            gen = SpeculativeGenerator(target, draft if policy.speculative else None, policy=policy)
+            out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos)
+            wall = time.perf_counter() - t0
+            toks = out.new_tokens[0]
+            rec = RunRecord(method.name, -1, len(toks), wall, ct.n, cd.n, tokens=toks, engine=out.stats.summary(),
+                            rounds=[(r.candidates[0], r.accepted[0]) for r in out.stats.rounds])
+        else:
+            kw = dict(max_new_tokens=max_new_tokens, pad_token_id=eos, eos_token_id=eos)
+            if temperature == 0:
+                kw["do_sample"] = False
+            else:
+                kw.update(do_sample=True, temperature=temperature, top_k=0)
+                torch.manual_seed(seed)
+            if method.hf_assistant is not None:
+                for k, v in method.hf_assistant.items():
+                    setattr(draft.generation_config, k, v)
+                kw["assistant_model"] = draft
+            with torch.inference_mode():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            wall = time.perf_counter() - t0
+            toks = out[0, ids.shape[1]:].tolist()
+            rec = RunRecord(method.name, -1, len(toks), wall, ct.n, cd.n, tokens=toks)
+    finally:
+        ct.close()
+        cd.close()
+    rec.forward_s = ct.seconds + cd.seconds
+    return rec
+
+
+def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_tokens: int = 128, temperature: float = 0.0,
+                  seed: int = 0, progress: bool = True, warmup: bool = True) -> list[RunRecord]:
+    """Every method on every prompt, rotating the order per prompt. The first method must be plain decoding."""
+    tok = pair.tokenizer
+    eos = tok.eos_token_id
+    encoded = [torch.tensor([tok(p, add_special_tokens=False)["input_ids"]]) for p in prompts]
+    if warmup:  # first calls pay for allocation and lazy initialisation
+        for m in methods:
+            if m.family != "oracle":
+                _run(m, pair, encoded[0][:, :16], 8, temperature, seed, eos, None)
+    records: list[RunRecord] = []
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress, unit="run")
+    for i, ids in enumerate(encoded):
+        reference = None
+        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        # the oracle needs plain decoding's tokens of this prompt: run it after plain
+        order = [m for m in order if m.family != "oracle"] + [m for m in order if m.family == "oracle"]
+        for m in order:
+            if m.family == "oracle":
+                if temperature != 0:
+                    bar.update(1)
+                    continue
+                reference = next(r.tokens for r in records if r.prompt == i and r.method == methods[0].name)
+            rec = _run(m, pair, ids, max_new_tokens, temperature, seed + i, eos, reference)
+            rec.prompt = i
+            records.append(rec)
+            bar.update(1)
+    bar.close()
+    return records
+
+
+def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "plain", greedy: bool = True) -> list[dict]:
+    """Per method: median tokens/s and speedup over ``baseline`` (per-prompt ratios, median and IQR),
+    calls per token, accepted length, discard and verification rates, per-round overhead; plus any
+    greedy text mismatch against the baseline."""
+    by = {}
+    for r in records:
+        by.setdefault(r.method, {})[r.prompt] = r
+    base = by[baseline]
+    rows = []
+    for m in methods:
+        runs = by.get(m.name, {})
+        if not runs:
+            continue
+        prompts = sorted(runs)
+        ratios = [runs[p].tokens_per_s / base[p].tokens_per_s for p in prompts if p in base]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+        tokens = sum(runs[p].new_tokens for p in prompts)
+        mism = [p for p in prompts if greedy and p in base and runs[p].tokens != base[p].tokens]
+        row = {"method": m.name, "family": m.family, "param": m.param, "prompts": len(prompts),
+               "tokens_per_s": statistics.median(r.tokens_per_s for r in runs.values()),
+               "speedup": statistics.median(ratios), "speedup_q1": q[0], "speedup_q3": q[2],
+               "target_calls_per_token": sum(runs[p].target_calls for p in prompts) / tokens,
+               "draft_calls_per_token": sum(runs[p].draft_calls for p in prompts) / tokens,
+               "greedy_mismatches": mism,
+               # wall time outside model forwards, per target call (= per round), same hooks for every loop
+               "loop_overhead_ms_per_round": statistics.median(
+                   1e3 * (runs[p].wall_s - runs[p].forward_s) / max(1, runs[p].target_calls) for p in prompts)}
+        eng = [runs[p].engine for p in prompts if runs[p].engine]
+        if eng:
+            ver = sum(e["rounds"] for e in eng)
+            row.update({
+                "mean_accepted_length": sum(e["mean_accepted_length"] * e["rounds"] for e in eng) / max(1, ver),
+                "mean_candidate_length": sum(e["mean_candidate_length"] * e["rounds"] for e in eng) / max(1, ver),
+                "discard_rate": sum(e["discarded"] for e in eng) / tokens,
+                "verification_rate": sum(e["rounds"] for e in eng) / tokens,
+                "overhead_ms_per_round": statistics.median(e["overhead_ms_per_round"] for e in eng),
+            })
+        rows.append(row)
+    return rows
+
+
+def machine_description(pair) -> dict:
+    def params(m):
+        return sum(p.numel() for p in m.parameters())
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "target": {"params": params(pair.target), "dtype": str(pair.target.dtype),
+                       "layers": pair.target.config.num_hidden_layers, "hidden": pair.target.config.hidden_size},
+            "draft": {"params": params(pair.draft), "dtype": str(pair.draft.dtype),
+                      "layers": pair.draft.config.num_hidden_layers, "hidden": pair.draft.config.hidden_size}}
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| method | tokens/s | speedup (IQR) | mean accepted length | target calls / token | draft calls / token "
+            "| loop overhead (ms / round) | greedy text |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
+        same = "same" if not r["greedy_mismatches"] else f"DIFFERS on {len(r['greedy_mismatches'])} prompts"
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× ({r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}) "
+                     f"| {acc} | {r['target_calls_per_token']:.3f} | {r['draft_calls_per_token']:.3f} "
+                     f"| {r['loop_overhead_ms_per_round']:.2f} | {same} |")
+    return "\n".join(lines)
+
+
+def save_json(path, records: list[RunRecord], rows: list[dict], meta: dict) -> None:
+    raw = [{"method": r.method, "prompt": r.prompt, "new_tokens": r.new_tokens, "wall_s": r.wall_s,
+            "target_calls": r.target_calls, "draft_calls": r.draft_calls, "forward_s": r.forward_s,
+            "engine": r.engine, "rounds": r.rounds,
+            "tokens": r.tokens} for r in records]
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "summary": rows, "runs": raw}, f, indent=1)

@@ -1,0 +1,127 @@
+"""``specdec bench``: the benchmark suite's command line, outputs (JSON, Markdown, PNG) and the
+cost-model replay."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .benchmark import format_table, machine_description, run_benchmark, save_json, standard_methods, summarize
+
+
+def add_arguments(p):
+    p.add_argument("--dataset", default="humaneval", help="humaneval, stdlib, or a .jsonl file")
+    p.add_argument("--prompts", type=int, default=None, help="number of prompts (default: all; --quick: 6)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a few prompts and methods: minutes, for the README")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' own generate / assisted generation")
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--cost-ratios", default="0.05,0.1,0.2", help="draft/target cost ratios for the replay")
+
+
+def cost_model_replay(records, rows, ratios: list[float]) -> list[dict]:
+    """Speedup each method would reach if a draft forward cost c target forwards and verifying
+    K + 1 tokens cost one target forward (as on a GPU): tokens / (target calls + c * draft calls),
+    from the calls recorded in this run; plain decoding is 1 target call per token."""
+    out = []
+    for row in rows:
+        recs = [r for r in records if r.method == row["method"]]
+        tokens = sum(r.new_tokens for r in recs)
+        tc = sum(r.target_calls for r in recs)
+        dc = sum(r.draft_calls for r in recs)
+        out.append({"method": row["method"], **{f"c={c:g}": tokens / (tc + c * dc) for c in ratios}})
+    return out
+
+
+def plots(rows, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    spp = sorted([r for r in rows if r["family"] == "specdecpp"], key=lambda r: r["param"])
+    fixed = sorted([r for r in rows if r["family"] == "fixed"], key=lambda r: r["param"])
+    if spp:
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+        ax.plot([r["param"] for r in spp], [r["tokens_per_s"] for r in spp], "o-", color="C3", label="SpecDec++")
+        for i, r in enumerate(fixed):
+            ax.axhline(r["tokens_per_s"], color=plt.cm.Blues(0.35 + 0.6 * i / max(1, len(fixed))), lw=1, ls="--")
+            ax.annotate(f"K={r['param']:g}", (1.0, r["tokens_per_s"]), fontsize=6, xytext=(2, 0), textcoords="offset points")
+        plain = [r for r in rows if r["family"] == "plain"]
+        if plain:
+            ax.axhline(plain[0]["tokens_per_s"], color="black", lw=1.2, label="plain decoding")
+        ax.set_xlabel("stop threshold h")
+        ax.set_ylabel("tokens/s (median over prompts)")
+        ax.set_title("SpecDec++ vs fixed candidate length K (dashed)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "tokens_per_s_vs_threshold.png")
+        plt.close(fig)
+        made.append("tokens_per_s_vs_threshold.png")
+    if spp or fixed:
+        fig, ax = plt.subplots(figsize=(5, 4), dpi=120)
+        for fam, rs, style, name in (("fixed", fixed, "s-", "fixed K"), ("specdecpp", spp, "o-", "SpecDec++")):
+            if rs:
+                ax.plot([r["verification_rate"] for r in rs], [r["discard_rate"] for r in rs], style, label=name)
+                for r in rs:
+                    ax.annotate(f"{'K' if fam == 'fixed' else 'h'}={r['param']:g}", (r["verification_rate"], r["discard_rate"]),
+                                fontsize=6, xytext=(3, 3), textcoords="offset points")
+        orc = [r for r in rows if r["family"] == "oracle"]
+        if orc and "verification_rate" in orc[0]:
+            ax.plot([orc[0]["verification_rate"]], [orc[0]["discard_rate"]], "k*", ms=10, label="oracle")
+        ax.set_xlabel("verification rate (target calls per token)")
+        ax.set_ylabel("discard rate (discarded draft tokens per token)")
+        ax.set_title("Pareto front (SpecDec++ Fig. 3 style)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "pareto.png")
+        plt.close(fig)
+        made.append("pareto.png")
+    return made
+
+
+def main(args):
+    from .cli import _models
+    from .data import load_prompts
+
+    t0 = time.time()
+    pair = _models(args, need_head=True)
+    n = args.prompts if args.prompts is not None else (6 if args.quick else None)
+    prompts = load_prompts(args.dataset, limit=n)
+    if args.quick:
+        methods = standard_methods(pair.head, ks=(2, 4, 6), thresholds=(0.3, 0.7), hf=not args.no_hf, hf_ks=(4,),
+                                   adaptive=False)
+        methods = [m for m in methods if m.family not in ("hf-heuristic", "hf-confidence")]
+    else:
+        methods = standard_methods(pair.head, hf=not args.no_hf)
+    print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
+          f"{args.max_new_tokens} new tokens, temperature {args.temperature}")
+    records = run_benchmark(pair, prompts, methods, args.max_new_tokens, args.temperature, args.seed)
+    rows = summarize(records, methods, greedy=args.temperature == 0)
+    ratios = [float(c) for c in args.cost_ratios.split(",")]
+    replay = cost_model_replay(records, rows, ratios)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.dataset}{'-quick' if args.quick else ''}"
+    meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+            "duration_s": time.time() - t0, "command": "specdec bench " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("dataset", "prompts", "max_new_tokens", "temperature") and v is not None)
+            + (" --quick" if args.quick else ""), "cost_model_replay": replay}
+    save_json(args.out / f"bench-{tag}.json", records, rows, meta)
+    table = format_table(rows)
+    rep_lines = ["| method | " + " | ".join(f"speedup at c = {c:g}" for c in ratios) + " |",
+                 "|---|" + "---|" * len(ratios)]
+    rep_lines += [f"| {r['method']} | " + " | ".join(f"{r[f'c={c:g}']:.2f}×" for c in ratios) + " |" for r in replay]
+    made = plots(rows, args.out)
+    md = (f"{table}\n\nCost-model replay (draft/target cost ratio c; verification of K+1 tokens = 1 target call):\n\n"
+          + "\n".join(rep_lines) + "\n")
+    (args.out / f"bench-{tag}.md").write_text(md)
+    print("\n" + md)
+    print(f"wrote {args.out / f'bench-{tag}.json'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))
+    print(f"duration {time.time() - t0:.0f} s")
