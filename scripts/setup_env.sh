@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up shared by the README's two commands: a virtualenv in .venv (it sees an already installed
-# torch through --system-site-packages), torch==2.13.0 only when no torch is importable, then this
-# project built with --no-build-isolation so that its extension compiles against that torch.
+# torch through --system-site-packages; SPECDEC_VENV_ARGS="" makes an isolated one), torch==2.13.0
+# only when no torch is importable, then this project built with --no-build-isolation so that its
+# extension compiles against that torch.
 # Source it: `. scripts/setup_env.sh`. Idempotent; a second run only rebuilds what changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,7 +10,8 @@ VENV="${SPECDEC_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating virtualenv $VENV"
-  "$PY" -m venv --system-site-packages "$VENV"
+  # shellcheck disable=SC2086
+  "$PY" -m venv ${SPECDEC_VENV_ARGS---system-site-packages} "$VENV"
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
