@@ -1,0 +1,104 @@
+"""CUDA kernels against the CPU kernels and the reference; chi-square on CUDA; CUDA-graph capture.
+Skipped without a CUDA device (and without a CUDA build of the extension)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_ext import ops, reference
+from stats import assert_follows
+from test_lossless_ops import case, check_positions
+from test_ops import _head, _logits_case, make_case
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built"),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def cuda(*ts):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,K,V", [(1, 1, 1), (7, 3, 37), (33, 8, 1000), (4, 4, 32000), (2, 2, 128256)])
+def test_chain_verify_cuda_equals_cpu(dtype, B, K, V):
+    ids, q, p, n, u = make_case(B, K, V, dtype, seed=B + K)
+    want = ops.chain_verify(ids, q, p, n, uniforms=u)
+    got = ops.chain_verify(*cuda(ids, q, p, n), uniforms=u.cuda())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    so = torch.tensor([5, 6])
+    want = ops.chain_verify(ids, q, p, n, philox_seed_offset=so)
+    got = ops.chain_verify(*cuda(ids, q, p, n), philox_seed_offset=so.cuda())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chain_verify_logits_cuda_matches_reference(dtype):
+    ids, dl, tl, temp, n, u = _logits_case(16, 6, 5000, dtype, seed=1)
+    got = ops.chain_verify_logits(*cuda(ids, dl, tl, temp, n), uniforms=u.cuda())
+    want = reference.chain_verify_logits(ids, dl, tl, temp, n, u)
+    greedy = temp == 0
+    assert torch.equal(got[0].cpu()[greedy], want[0][greedy])
+    assert int((got[0].cpu() != want[0]).any(-1).sum()) <= 1  # rounding-level ties only
+
+
+def test_residual_and_head_cuda():
+    _, q, p, _, u = make_case(40, 1, 3001, seed=2)
+    assert torch.equal(ops.residual_sample(*cuda(p[:, 0], q[:, 0]), uniforms=u[:, 0].cuda()).cpu(),
+                       ops.residual_sample(p[:, 0], q[:, 0], uniforms=u[:, 0]))
+    hid, w, b, ow, ob = _head(B=9, H=256)
+    c1, c2 = torch.rand(9), None
+    c2 = c1.clone().cuda()
+    p1, s1 = ops.acceptance_head_step(hid, w, b, ow, ob, c1, 2, 2, 20, 0.4)
+    p2, s2 = ops.acceptance_head_step(*cuda(hid, w, b, ow, ob), c2, 2, 2, 20, 0.4)
+    torch.testing.assert_close(p2.cpu(), p1, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c2.cpu(), c1, rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_invalid_input_raises():
+    ids, q, p, n, u = make_case(2, 3, 10, ragged=False)
+    with pytest.raises(ValueError, match="target_probs has a NaN"):
+        ops.chain_verify(*cuda(ids, q, p * float("nan")), uniforms=u.cuda())
+
+
+@pytest.mark.parametrize("name", ["random", "adversarial", "one-hot target"])
+def test_chain_verify_cuda_is_lossless(name):
+    K, V, N = 3, 37, 12000
+    q, p = case(name, K, V, seed=1)
+    ids = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=torch.Generator().manual_seed(i))
+                       for i in range(K)], 1)
+    out, num = ops.chain_verify(ids.cuda(), q.float().cuda().expand(N, K, V), p.float().cuda().expand(N, K + 1, V),
+                                philox_seed_offset=torch.tensor([3, 4], device="cuda"))
+    check_positions(out.cpu(), num.cpu(), p, f"cuda {name}")
+
+
+def test_residual_cuda_follows_residual():
+    V, N = 40, 20000
+    q, p = case("adversarial", 1, V, seed=2)
+    got = ops.residual_sample(p[0].float().cuda().expand(N, V).contiguous(), q[0].float().cuda().expand(N, V).contiguous(),
+                              philox_seed_offset=torch.tensor([9, 0], device="cuda"))
+    assert_follows(got.cpu(), (p[0] - q[0]).clamp_min(0), "cuda residual")
+
+
+def test_verify_captured_in_cuda_graph_equals_eager():
+    ids, q, p, n, _ = make_case(8, 4, 2048, seed=4)
+    ids, q, p, n = cuda(ids, q, p, n)
+    so = torch.tensor([1, 0], device="cuda")
+    static = {}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        torch.ops.specdec_ext.chain_verify(ids, q, p, n, None, so)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static["out"], static["num"] = torch.ops.specdec_ext.chain_verify(ids, q, p, n, None, so)
+    for offset in range(3):
+        so.copy_(torch.tensor([1, offset], device="cuda"))
+        g.replay()
+        eager = torch.ops.specdec_ext.chain_verify(ids, q, p, n, None, so.clone())
+        assert torch.equal(static["out"], eager[0]) and torch.equal(static["num"], eager[1])
