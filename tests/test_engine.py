@@ -40,10 +40,14 @@ def pair(request):
 
 @pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
 @pytest.mark.parametrize("B", [1, 3])
-def test_greedy_equals_target_only(pair, name, kw, B):
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
+def test_greedy_equals_target_only(pair, name, kw, B, fast_draft):
     target, draft = pair
     V = target.config.vocab_size
-    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), **kw)
+    if fast_draft and target.config.model_type != "llama":
+        pytest.skip("the lean draft runner is for Llama drafts")
+    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), fast_draft=fast_draft, **kw)
+    assert gen.fast_draft == fast_draft
     accepted = discarded = 0
     for seed in range(3):
         ids, mask = prompts(B, V, seed=seed)
@@ -60,11 +64,12 @@ def test_greedy_equals_target_only(pair, name, kw, B):
 
 
 @pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
-def test_batch_equals_rows_alone(name, kw):
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
+def test_batch_equals_rows_alone(name, kw, fast_draft):
     target, draft = make_pair("llama")
     V = target.config.vocab_size
     ids, mask = prompts(4, V, seed=3)
-    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), **kw)
+    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), fast_draft=fast_draft, **kw)
     out = gen.generate(ids, attention_mask=mask, max_new_tokens=20, temperature=1.0, seed=11)
     for b in range(4):
         real = ids[b, mask[b].bool()].unsqueeze(0)

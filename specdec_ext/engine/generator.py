@@ -25,6 +25,7 @@ import torch
 from .. import ops
 from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, DraftStep, make_policy
+from . import fast_llama
 from .runner import CausalLMRunner
 from .sampling import SamplingConfig, process_logits, sample_with_uniforms
 from .stats import GenerationStats, RoundStats
@@ -64,6 +65,9 @@ class SpeculativeGenerator:
         policy: a :class:`~specdec_ext.policies.CandidateLengthPolicy` or a name: ``"autoregressive"``,
             ``"fixed"`` (``k=``), ``"heuristic"``, ``"confidence"``, ``"adaedl"``, ``"specdecpp"`` (needs ``head``).
         head: the :class:`~specdec_ext.head.AcceptanceHead` for ``specdecpp``.
+        fast_draft: run a Llama-architecture draft with the lean runner of ``engine/fast_llama.py``
+            (same function, a fraction of ``transformers``' per-step overhead); other drafts, or
+            ``False``, use ``transformers``' forward. The target always uses ``transformers``' forward.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.3``, ``k_min=2``, ``k_max=20``).
 
     Raises:
@@ -72,10 +76,11 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
-                 head: Optional[AcceptanceHead] = None, **policy_kwargs):
+                 head: Optional[AcceptanceHead] = None, fast_draft: bool = True, **policy_kwargs):
         self.target = target
         self.draft = draft
         self.head = head
+        self.fast_draft = fast_draft and draft is not None and fast_llama.supports(draft)
         self.policy = self._make_policy(policy, head, policy_kwargs)
 
     def _make_policy(self, policy, head, kwargs) -> CandidateLengthPolicy:
@@ -172,7 +177,9 @@ class SpeculativeGenerator:
         t_start = time.perf_counter()
 
         target = CausalLMRunner(self.target, "target")
-        draft = CausalLMRunner(self.draft, "draft") if pol.speculative else None
+        draft = None
+        if pol.speculative:
+            draft = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")
         runners = [r for r in (target, draft) if r is not None]
         for r in runners:
             r.start(B)

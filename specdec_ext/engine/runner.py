@@ -19,13 +19,19 @@ def model_device(model) -> torch.device:
     return emb.weight.device
 
 
+def usable_device(model, name: str) -> torch.device:
+    """The device of ``model``'s input embeddings; ValueError if its weights are not loaded (meta)."""
+    device = model_device(model)
+    if device.type == "meta":
+        raise ValueError(f"the {name} model is on the meta device (weights not loaded): no way to run it")
+    return device
+
+
 class CausalLMRunner:
     def __init__(self, model, name: str):
         self.model = model
         self.name = name
-        self.device = model_device(model)
-        if self.device.type == "meta":
-            raise ValueError(f"the {name} model is on the meta device (weights not loaded): no way to run it")
+        self.device = usable_device(model, name)
         self.cache: Optional[DynamicCache] = None
         self.mask: Optional[torch.Tensor] = None      # [B, C] int64
         self.next_pos: Optional[torch.Tensor] = None  # [B] int64

@@ -1,0 +1,167 @@
+"""A lean forward pass for Llama-architecture *draft* models, with a preallocated KV cache.
+
+A small draft's step is dominated by per-module Python and dispatcher overhead, not arithmetic
+(on the bundled pair the 2 x 256 draft spends about 1 ms per token in ``transformers``' forward for
+about 0.1 ms of work). This runner computes the same function with a handful of fused matmuls per
+layer (QKV and gate/up concatenated), reading the model's own weights, and keeps the KV cache in
+preallocated buffers where rollback only moves a length.
+
+It is used only for the draft: the draft's numbers need not match ``transformers`` bit for bit,
+because the verifier uses exactly the q the draft sampled from (losslessness only needs that), while
+the target always runs ``transformers``' own forward. It has the interface of ``CausalLMRunner``
+(rows of a batch keep their own positions; rejected positions become attention-mask holes).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .runner import usable_device
+
+
+def supports(model) -> bool:
+    """True for Llama-architecture causal LMs this runner reproduces (no biases, SiLU MLP, static RoPE)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) != "llama":
+        return False
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if "dynamic" in str(rope.get("rope_type", "default")):
+        return False
+    return hasattr(model, "model") and hasattr(model.model, "rotary_emb")
+
+
+class FastLlamaRunner:
+    def __init__(self, model, name: str = "draft"):
+        if not supports(model):
+            raise ValueError(f"FastLlamaRunner: {type(model).__name__} is not a supported Llama model")
+        cfg = model.config
+        self.model, self.name = model, name
+        base = model.model
+        self.device = usable_device(model, name)
+        self.dtype = base.embed_tokens.weight.dtype
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_pos = cfg.max_position_embeddings
+        with torch.no_grad():
+            self.embed = base.embed_tokens.weight
+            self.layers = []
+            for layer in base.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.layers.append((
+                    layer.input_layernorm.weight,
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous(),
+                    a.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous(),
+                    m.down_proj.weight,
+                ))
+            self.final_norm = base.norm.weight
+            self.lm_head = model.get_output_embeddings().weight
+            pos = torch.arange(self.max_pos, device=self.device).unsqueeze(0)
+            cos, sin = base.rotary_emb(self.embed[:1].unsqueeze(0), pos)
+            self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_pos, head_dim]
+        self.calls = 0
+        self.k = self.v = None
+        self.C = 0
+
+    # ------------------------------------------------------------------------------ state
+    def start(self, batch_size: int, capacity: int = 256) -> None:
+        shape = (batch_size, self.n_kv, capacity, self.head_dim)
+        self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.C = 0
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+
+    def close(self) -> None:
+        self.k = self.v = self.mask = self.next_pos = None
+
+    @property
+    def length(self) -> int:
+        return self.C
+
+    def _reserve(self, n: int) -> None:
+        cap = self.k[0].shape[2]
+        if self.C + n <= cap:
+            return
+        new = max(2 * cap, self.C + n)
+        for i in range(len(self.layers)):
+            for buf in (self.k, self.v):
+                old = buf[i]
+                grown = torch.empty(old.shape[:2] + (new,) + old.shape[3:], dtype=old.dtype, device=old.device)
+                grown[:, :, : self.C] = old[:, :, : self.C]
+                buf[i] = grown
+
+    def _rms(self, x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _rope(self, x, cos, sin):  # x [B, h, n, d]; cos/sin [B, 1, n, d]
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
+                hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        tokens = tokens.to(self.device)
+        B, n = tokens.shape
+        valid = torch.ones(B, n, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()
+        steps = valid.long().cumsum(-1)
+        pos = (self.next_pos.unsqueeze(1) + (steps - 1).clamp_min(0)).clamp_max(self.max_pos - 1)
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        self._reserve(n)
+        C0, C1 = self.C, self.C + n
+        self.mask = torch.cat([self.mask, valid], 1)
+        # query i (absolute column C0 + i) sees valid keys at columns <= C0 + i
+        causal = torch.arange(C1, device=self.device).unsqueeze(0) <= (C0 + torch.arange(n, device=self.device)).unsqueeze(1)
+        attn_mask = (self.mask.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # [B, 1, n, C1]
+        x = F.embedding(tokens, self.embed)
+        hq, hk, d = self.n_heads, self.n_kv, self.head_dim
+        for li, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
+            h = self._rms(x, w_in)
+            qkv = F.linear(h, w_qkv).view(B, n, hq + 2 * hk, d).transpose(1, 2)
+            q, k, v = qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            self.k[li][:, :, C0:C1] = k
+            self.v[li][:, :, C0:C1] = v
+            o = F.scaled_dot_product_attention(q, self.k[li][:, :, :C1], self.v[li][:, :, :C1], attn_mask=attn_mask,
+                                               enable_gqa=hq != hk)
+            x = x + F.linear(o.transpose(1, 2).reshape(B, n, hq * d), w_o)
+            h = self._rms(x, w_post)
+            g, u = F.linear(h, w_gu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, w_down)
+        hn = self._rms(x[:, -keep:], self.final_norm)
+        logits = F.linear(hn, self.lm_head).float()
+        self.C = C1
+        self.next_pos = self.next_pos + steps[:, -1]
+        self.calls += 1
+        return logits, (hn if hidden else None)
+
+    def rollback(self, n_remove: torch.Tensor) -> None:
+        n_remove = n_remove.to(self.device)
+        cols = torch.arange(self.C, device=self.device).unsqueeze(0)
+        self.mask = self.mask & ~(cols >= (self.C - n_remove).unsqueeze(1))
+        self.next_pos = self.next_pos - n_remove
+        common = int(n_remove.min()) if n_remove.numel() else 0
+        if common > 0:
+            self.C -= common
+            self.mask = self.mask[:, : self.C]
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        idx = index.to(self.device)
+        self.k = [t.index_select(0, idx) for t in self.k]
+        self.v = [t.index_select(0, idx) for t in self.v]
+        self.mask = self.mask[idx]
+        self.next_pos = self.next_pos[idx]
+        if self.mask.numel():
+            cols = self.mask.any(0).nonzero()
+            self.C = int(cols.max()) + 1 if cols.numel() else 0
+            self.mask = self.mask[:, : self.C]
