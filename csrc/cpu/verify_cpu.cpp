@@ -271,128 +271,125 @@ int64_t greedy_argmax(const T* x, int64_t V, bool* ok) {
 }  // namespace
 
 // ------------------------------------------------------------------------------------ ops
+struct RowResult {
+  int64_t accepted = 0;  // accepted candidates
+  int64_t extra = -1;    // the residual or bonus token
+  int64_t code = 0;      // an InvalidInput code, 0 if the row is valid
+};
+
+// The per-row frame shared by both verify ops: rows in parallel, outputs -1-padded, the accepted
+// prefix (written by `row`), then the extra token; the first invalid row's code is returned.
+template <typename F>
+int64_t verify_rows(const VerifyArgs& a, F&& row) {
+  std::atomic<int64_t> error{0};
+  at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = a.num_draft ? a.num_draft[b] : a.k;
+      int64_t* out = a.out_ids + b * (a.k + 1);
+      std::fill(out, out + a.k + 1, int64_t(-1));
+      RowResult r = row(b, n, out);
+      if (r.code == 0 && r.extra < 0) r.code = r.extra;  // -1: every mass zero; < -1: an InvalidInput code
+      if (r.code != 0) {
+        int64_t zero = 0;
+        error.compare_exchange_strong(zero, r.code);
+        continue;
+      }
+      out[r.accepted] = r.extra;
+      a.num_accepted[b] = r.accepted;
+    }
+  });
+  return error.load();
+}
+
 template <typename T>
 static void chain_verify_impl(const VerifyArgs& args) {
   VerifyArgs a = args;
   a.rng = args.rng.resolve();
-  const int64_t B = a.batch, K = a.k, V = a.vocab;
+  const int64_t K = a.k, V = a.vocab;
   const T* dp = static_cast<const T*>(a.draft);
   const T* tp = static_cast<const T*>(a.target);
-  std::atomic<int64_t> error{0};
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = a.num_draft ? a.num_draft[b] : K;
-      int64_t* out = a.out_ids + b * (K + 1);
-      std::fill(out, out + K + 1, int64_t(-1));
-      int64_t accepted = 0, extra = 0, code = 0;
-      for (; accepted < n; ++accepted) {
-        const int64_t tok = a.ids[b * K + accepted];
-        if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
-        const float q = ld(dp + (b * K + accepted) * V, tok);
-        const float p = ld(tp + (b * (K + 1) + accepted) * V, tok);
-        if (!valid_prob(q)) { code = kInvalidDraftProbs; break; }
-        if (!valid_prob(p)) { code = kInvalidTargetProbs; break; }
-        const float u = a.rng.at(b, accepted);
-        if (!uniform_ok(u)) { code = kInvalidUniform; break; }
-        if (!accept_candidate(u, q, p)) break;
-        out[accepted] = tok;
-      }
-      if (code == 0) {
-        const float u = a.rng.at(b, n);
-        if (!uniform_ok(u)) {
-          code = kInvalidUniform;
-        } else if (accepted < n) {  // rejection: residual distribution norm(max(0, p - q))
-          extra = residual_or_target(tp + (b * (K + 1) + accepted) * V, dp + (b * K + accepted) * V, V, u);
-        } else {  // every candidate accepted: bonus token from the target's next distribution
-          const T* p = tp + (b * (K + 1) + n) * V;
-          extra = row_valid(p, V) ? sample_row(ProbRow<T>{p}, V, u) : kInvalidTargetProbs;
-        }
-        if (extra < 0) code = extra;
-      }
-      if (code != 0) {
-        int64_t zero = 0;
-        error.compare_exchange_strong(zero, code);
-        continue;
-      }
-      out[accepted] = extra;
-      a.num_accepted[b] = accepted;
+  const int64_t error = verify_rows(a, [&](int64_t b, int64_t n, int64_t* out) {
+    RowResult r;
+    for (; r.accepted < n; ++r.accepted) {
+      const int64_t tok = a.ids[b * K + r.accepted];
+      if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
+      const float q = ld(dp + (b * K + r.accepted) * V, tok);
+      const float p = ld(tp + (b * (K + 1) + r.accepted) * V, tok);
+      if (!valid_prob(q)) return RowResult{0, -1, kInvalidDraftProbs};
+      if (!valid_prob(p)) return RowResult{0, -1, kInvalidTargetProbs};
+      const float u = a.rng.at(b, r.accepted);
+      if (!uniform_ok(u)) return RowResult{0, -1, kInvalidUniform};
+      if (!accept_candidate(u, q, p)) break;
+      out[r.accepted] = tok;
     }
+    const float u = a.rng.at(b, n);
+    if (!uniform_ok(u)) return RowResult{0, -1, kInvalidUniform};
+    if (r.accepted < n) {  // rejection: residual distribution norm(max(0, p - q))
+      r.extra = residual_or_target(tp + (b * (K + 1) + r.accepted) * V, dp + (b * K + r.accepted) * V, V, u);
+    } else {  // every candidate accepted: bonus token from the target's next distribution
+      const T* p = tp + (b * (K + 1) + n) * V;
+      r.extra = row_valid(p, V) ? sample_row(ProbRow<T>{p}, V, u) : int64_t(kInvalidTargetProbs);
+    }
+    return r;
   });
-  if (error.load() != 0) check_code(error.load(), "chain_verify");
+  if (error != 0) check_code(error, "chain_verify");
 }
 
 template <typename T>
 static void chain_verify_logits_impl(const VerifyArgs& args) {
   VerifyArgs a = args;
   a.rng = args.rng.resolve();
-  const int64_t B = a.batch, K = a.k, V = a.vocab;
+  const int64_t K = a.k, V = a.vocab;
   const T* dl = static_cast<const T*>(a.draft);
   const T* tl = static_cast<const T*>(a.target);
-  std::atomic<int64_t> error{0};
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = a.num_draft ? a.num_draft[b] : K;
-      const float temp = a.temperature[b];
-      int64_t* out = a.out_ids + b * (K + 1);
-      std::fill(out, out + K + 1, int64_t(-1));
-      int64_t accepted = 0, extra = -1, code = 0;
-      if (temp == 0.0f) {  // greedy verification: accept iff the candidate is the target's argmax
-        for (;; ++accepted) {
-          bool ok = true;
-          const int64_t best = greedy_argmax(tl + (b * (K + 1) + accepted) * V, V, &ok);
-          if (!ok) { code = kInvalidTargetProbs; break; }
-          if (accepted == n) { extra = best; break; }
-          const int64_t tok = a.ids[b * K + accepted];
-          if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
-          if (tok != best) { extra = best; break; }
-          out[accepted] = tok;
-        }
-      } else {
-        const float inv_t = 1.0f / temp;
-        float* et = scratch_rows(V);
-        float* ed = et + V;
-        for (; accepted < n; ++accepted) {
-          const int64_t tok = a.ids[b * K + accepted];
-          if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
-          const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + accepted) * V, V, inv_t, et);
-          const SoftmaxStats sd = softmax_stats_store(dl + (b * K + accepted) * V, V, inv_t, ed);
-          if (!st.ok) { code = kInvalidTargetProbs; break; }
-          if (!sd.ok) { code = kInvalidDraftProbs; break; }
-          const ExpRow p{et, st.inv_sum}, q{ed, sd.inv_sum};
-          const float u = a.rng.at(b, accepted);
-          if (!uniform_ok(u)) { code = kInvalidUniform; break; }
-          if (!accept_candidate(u, q.mass(tok), p.mass(tok))) {
-            const float u_final = a.rng.at(b, n);
-            if (!uniform_ok(u_final)) { code = kInvalidUniform; break; }
-            const ExpResidualRow res{p, q};
-            const double z = total_mass(res, V);
-            extra = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(u_final) * z) : sample_row(p, V, u_final);
-            break;
-          }
-          out[accepted] = tok;
-        }
-        if (code == 0 && accepted == n) {
-          const float u_final = a.rng.at(b, n);
-          const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + n) * V, V, inv_t, et);
-          if (!uniform_ok(u_final)) code = kInvalidUniform;
-          else if (!st.ok) code = kInvalidTargetProbs;
-          else extra = sample_row(ExpRow{et, st.inv_sum}, V, u_final);
-        }
+  const int64_t error = verify_rows(a, [&](int64_t b, int64_t n, int64_t* out) {
+    RowResult r;
+    const float temp = a.temperature[b];
+    if (temp == 0.0f) {  // greedy verification: accept iff the candidate is the target's argmax
+      for (;; ++r.accepted) {
+        bool ok = true;
+        const int64_t best = greedy_argmax(tl + (b * (K + 1) + r.accepted) * V, V, &ok);
+        if (!ok) return RowResult{0, -1, kInvalidTargetProbs};
+        if (r.accepted == n) { r.extra = best; return r; }
+        const int64_t tok = a.ids[b * K + r.accepted];
+        if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
+        if (tok != best) { r.extra = best; return r; }
+        out[r.accepted] = tok;
       }
-      if (code == 0 && extra < 0) code = kInvalidTargetProbs;
-      if (code != 0) {
-        int64_t zero = 0;
-        error.compare_exchange_strong(zero, code);
-        continue;
-      }
-      out[accepted] = extra;
-      a.num_accepted[b] = accepted;
     }
+    const float inv_t = 1.0f / temp;
+    float* et = scratch_rows(V);
+    float* ed = et + V;
+    for (; r.accepted < n; ++r.accepted) {
+      const int64_t tok = a.ids[b * K + r.accepted];
+      if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
+      const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + r.accepted) * V, V, inv_t, et);
+      const SoftmaxStats sd = softmax_stats_store(dl + (b * K + r.accepted) * V, V, inv_t, ed);
+      if (!st.ok) return RowResult{0, -1, kInvalidTargetProbs};
+      if (!sd.ok) return RowResult{0, -1, kInvalidDraftProbs};
+      const ExpRow p{et, st.inv_sum}, q{ed, sd.inv_sum};
+      const float u = a.rng.at(b, r.accepted);
+      if (!uniform_ok(u)) return RowResult{0, -1, kInvalidUniform};
+      if (!accept_candidate(u, q.mass(tok), p.mass(tok))) {
+        const float u_final = a.rng.at(b, n);
+        if (!uniform_ok(u_final)) return RowResult{0, -1, kInvalidUniform};
+        const ExpResidualRow res{p, q};
+        const double z = total_mass(res, V);
+        r.extra = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(u_final) * z) : sample_row(p, V, u_final);
+        return r;
+      }
+      out[r.accepted] = tok;
+    }
+    const float u_final = a.rng.at(b, n);
+    if (!uniform_ok(u_final)) return RowResult{0, -1, kInvalidUniform};
+    const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + n) * V, V, inv_t, et);
+    if (!st.ok) return RowResult{0, -1, kInvalidTargetProbs};
+    r.extra = sample_row(ExpRow{et, st.inv_sum}, V, u_final);
+    return r;
   });
-  const int64_t e = error.load();
-  if (e == kInvalidTargetProbs) TORCH_CHECK_VALUE(false, "chain_verify_logits: target_logits has a NaN or Inf value in a row it reads");
-  if (e == kInvalidDraftProbs) TORCH_CHECK_VALUE(false, "chain_verify_logits: draft_logits has a NaN or Inf value in a row it reads");
-  if (e != 0) check_code(e, "chain_verify_logits");
+  TORCH_CHECK_VALUE(error != kInvalidTargetProbs, "chain_verify_logits: target_logits has a NaN or Inf value in a row it reads");
+  TORCH_CHECK_VALUE(error != kInvalidDraftProbs, "chain_verify_logits: draft_logits has a NaN or Inf value in a row it reads");
+  if (error != 0) check_code(error, "chain_verify_logits");
 }
 
 template <typename T>

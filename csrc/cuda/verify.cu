@@ -202,6 +202,21 @@ __device__ int64_t sample_row(const Row& row, int64_t V, float u, SharedTemp& tm
 __device__ __forceinline__ bool uniform_ok(float u) { return u > 0.0f && u <= 1.0f; }
 
 // ------------------------------------------------------------------------------- kernels
+// Row b's outputs: the accepted prefix, the extra token, -1 padding (written at kernel start), or
+// the InvalidInput code in num_accepted[b].
+__device__ __forceinline__ void finish_row(const VerifyArgs& a, int64_t b, int64_t acc, int64_t extra, int64_t code) {
+  if (threadIdx.x != 0) return;
+  if (code == 0 && extra < 0) code = kInvalidTargetProbs;
+  if (code != 0) {
+    a.num_accepted[b] = code;
+    return;
+  }
+  int64_t* out = a.out_ids + b * (a.k + 1);
+  for (int64_t i = 0; i < acc; ++i) out[i] = a.ids[b * a.k + i];
+  out[acc] = extra;
+  a.num_accepted[b] = acc;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) chain_verify_kernel(VerifyArgs a) {
   __shared__ SharedTemp tmp;
@@ -251,17 +266,8 @@ __global__ void __launch_bounds__(kThreads) chain_verify_kernel(VerifyArgs a) {
     } else {
       extra = sample_row(ProbRow<T>{p}, V, u, tmp);
     }
-    if (code == 0 && extra < 0) code = kInvalidTargetProbs;
   }
-  if (threadIdx.x == 0) {
-    if (code != 0) {
-      a.num_accepted[b] = code;
-      return;
-    }
-    for (int64_t i = 0; i < acc; ++i) out[i] = a.ids[b * K + i];
-    out[acc] = extra;
-    a.num_accepted[b] = acc;
-  }
+  finish_row(a, b, acc, extra, code);
 }
 
 template <typename T>
@@ -333,16 +339,7 @@ __global__ void __launch_bounds__(kThreads) chain_verify_logits_kernel(VerifyArg
       else extra = sample_row(p, V, uf, tmp);
     }
   }
-  if (code == 0 && extra < 0) code = kInvalidTargetProbs;
-  if (threadIdx.x == 0) {
-    if (code != 0) {
-      a.num_accepted[b] = code;
-      return;
-    }
-    for (int64_t i = 0; i < acc; ++i) out[i] = a.ids[b * K + i];
-    out[acc] = extra;
-    a.num_accepted[b] = acc;
-  }
+  finish_row(a, b, acc, extra, code);
 }
 
 template <typename T>

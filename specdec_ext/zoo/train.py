@@ -51,7 +51,7 @@ class ZooConfig:
     seed: int = 0
     vocab_size: int = 8192
     target: StageConfig = field(
-        default_factory=lambda: StageConfig(8, 512, 1376, 8, steps=2300, batch_size=8, seq_len=512, lr=1.5e-3, min_lr=1e-4, warmup=100)
+        default_factory=lambda: StageConfig(8, 512, 1376, 8, steps=1700, batch_size=8, seq_len=512, lr=1.5e-3, min_lr=1e-4, warmup=100)
     )
     draft: StageConfig = field(
         default_factory=lambda: StageConfig(2, 256, 704, 4, steps=900, batch_size=8, seq_len=512, lr=3e-3, min_lr=1e-4, warmup=50)
