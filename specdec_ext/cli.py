@@ -150,6 +150,16 @@ def cmd_zoo_train(args):
     zoo_main(["--out", str(args.out), "--work-dir", str(args.work_dir), "--seed", str(args.seed)])
 
 
+def cmd_zoo_report(args):
+    from .zoo.report import format_report, pair_report
+
+    r = pair_report(args.prompts)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(r, indent=2))
+    print(format_report(r))
+    print(f"\n(wrote {args.out}; {r['threads']} threads)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specdec", description="Speculative decoding and SpecDec++ (specdec_ext).")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -216,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     zt.add_argument("--work-dir", type=Path, default=Path(".zoo_work"))
     zt.add_argument("--seed", type=int, default=0)
     zt.set_defaults(fn=cmd_zoo_train)
+    zr = zs.add_parser("report", help="measure the bundled pair: decode times, greedy agreement, losses, head metrics")
+    zr.add_argument("--prompts", type=int, default=40, help="HumanEval prompts for the agreement measurement")
+    zr.add_argument("--out", type=Path, default=Path("bench/results/zoo_report.json"))
+    zr.add_argument("--threads", type=int, default=None)
+    zr.set_defaults(fn=cmd_zoo_report)
     return ap
 
 

@@ -168,6 +168,20 @@ def test_policy_object_and_per_call_override():
     assert max(max(r.candidates) for r in b.stats.rounds) <= 5
 
 
+def test_draft_and_target_in_different_dtypes():
+    target, draft = make_pair("llama")
+    draft = draft.to(torch.bfloat16)
+    V = target.config.vocab_size
+    ids, mask = prompts(2, V)
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1, eos_token_id=None)
+    for fast in (True, False):
+        for name, kw in (("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.5})):
+            gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), fast_draft=fast, **kw)
+            out = gen.generate(ids, attention_mask=mask, max_new_tokens=20, temperature=0, pad_token_id=1)
+            assert torch.equal(out.sequences, ref), (fast, name)
+            assert out.stats.accepted > 0
+
+
 def test_top_k_top_p_greedy_equivalents():
     target, draft = make_pair("llama")
     ids, _ = prompts(2, target.config.vocab_size, ragged=False)

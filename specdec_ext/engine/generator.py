@@ -194,7 +194,7 @@ class SpeculativeGenerator:
         last = input_ids[:, -1].clone()               # last committed token of each live row (not in target cache)
         pending = last.view(-1, 1)                    # tokens the draft has not seen yet
         pending_valid = torch.ones_like(pending, dtype=torch.bool)
-        pol.reset(B, target.device)
+        pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
         try:
             while rows:
                 remaining = torch.tensor([max_new_tokens - len(generated[r]) for r in rows])
@@ -254,7 +254,7 @@ class SpeculativeGenerator:
     def _plain_step(self, cfg, target, last, rngs, stats) -> list[list[int]]:
         t0 = time.perf_counter()
         logits, _ = target.forward(last.view(-1, 1), keep=1)
-        logits = logits[:, -1]
+        logits = logits[:, -1].to(target.device)
         if cfg.greedy:
             nxt = logits.argmax(-1)
         else:
@@ -312,6 +312,7 @@ class SpeculativeGenerator:
         K = len(cands)
         cand = torch.stack(cands, 1).to(vdev)
         t_logits, _ = target.forward(torch.cat([last.view(-1, 1).to(vdev), cand], 1), keep=K + 1)
+        t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one
         n_dev = n.to(vdev)
         if cfg.greedy:
             out, acc = ops.chain_verify_logits(cand, t_logits[:, :K], t_logits, torch.zeros(B, device=vdev), n_dev,
