@@ -1,0 +1,77 @@
+"""The benchmark's machinery on a tiny pair: every method runs, greedy texts agree, the oracle is an
+upper bound on accepted length per draft call, summaries and the cost-model replay are consistent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec_ext.benchmark import (Oracle, format_table, run_benchmark, save_json, standard_methods, summarize)
+from specdec_ext.benchmark_cli import cost_model_replay
+from specdec_ext.zoo import ModelPair
+from models import make_pair
+from test_engine import head_for
+from test_head import DigitTokenizer
+
+
+@pytest.fixture(scope="module")
+def run():
+    target, draft = make_pair("llama", vocab=64, noise=0.3)
+    pair = ModelPair(target, draft, DigitTokenizer(), head_for(draft))
+    prompts = ["5 9 12 33 7", "40 41 2 8 16 23", "3 3 3 9"]
+    methods = standard_methods(pair.head, ks=(1, 3), thresholds=(0.3,), hf_ks=(3,))
+    records = run_benchmark(pair, prompts, methods, max_new_tokens=20, progress=False)
+    return pair, prompts, methods, records
+
+
+def test_every_method_ran_and_greedy_texts_agree(run):
+    pair, prompts, methods, records = run
+    rows = summarize(records, methods)
+    assert {r["method"] for r in rows} == {m.name for m in methods}
+    for r in rows:
+        assert r["greedy_mismatches"] == [], r["method"]
+        assert r["prompts"] == len(prompts)
+        assert r["tokens_per_s"] > 0 and r["target_calls_per_token"] > 0
+    plain = next(r for r in rows if r["method"] == "plain")
+    assert plain["speedup"] == 1.0 and plain["draft_calls_per_token"] == 0
+
+
+def test_oracle_drafts_exactly_to_the_first_rejection(run):
+    _, _, methods, records = run
+    for r in records:
+        if r.method == "oracle":
+            for cand, acc in r.rounds[:-1]:  # the last round may be cut by max_new_tokens
+                assert cand == acc + 1 or cand == acc, (cand, acc)
+    rows = {r["method"]: r for r in summarize(records, methods)}
+    # the oracle wastes at most one draft token per round
+    assert rows["oracle"]["discard_rate"] <= rows["oracle"]["verification_rate"] + 1e-9
+
+
+def test_table_json_and_cost_model(run, tmp_path):
+    _, _, methods, records = run
+    rows = summarize(records, methods)
+    table = format_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "DIFFERS" not in table
+    replay = cost_model_replay(records, rows, [0.0, 0.1])
+    for r in replay:
+        recs = [x for x in records if x.method == r["method"]]
+        tokens = sum(x.new_tokens for x in recs)
+        assert abs(r["c=0"] - tokens / sum(x.target_calls for x in recs)) < 1e-9
+        assert r["c=0.1"] <= r["c=0"] + 1e-12
+    save_json(tmp_path / "b.json", records, rows, {"x": 1})
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert len(data["runs"]) == len(records) and data["summary"][0]["method"] == rows[0]["method"]
+
+
+def test_mismatch_replaces_speed_in_table(run):
+    _, _, methods, records = run
+    rows = summarize(records, methods)
+    rows[1] = dict(rows[1], greedy_mismatches=[2])
+    assert "text differs from plain decoding on prompts [2]" in format_table(rows)
+
+
+def test_oracle_rejects_wrong_batch():
+    with pytest.raises(ValueError, match="one reference sequence per row"):
+        Oracle([[1, 2]]).reset(2, torch.device("cpu"))
