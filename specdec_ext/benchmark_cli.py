@@ -95,7 +95,7 @@ def main(args):
     n = args.prompts if args.prompts is not None else (6 if args.quick else None)
     prompts = load_prompts(args.dataset, limit=n)
     if args.quick:
-        methods = standard_methods(pair.head, ks=(2, 4, 6), thresholds=(0.3, 0.7), hf=not args.no_hf, hf_ks=(4,),
+        methods = standard_methods(pair.head, ks=(2, 3, 4), thresholds=(0.95, 0.99), hf=not args.no_hf, hf_ks=(2, 4),
                                    adaptive=False)
         methods = [m for m in methods if m.family not in ("hf-heuristic", "hf-confidence")]
     else:

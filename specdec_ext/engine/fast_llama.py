@@ -14,6 +14,7 @@ the target always runs ``transformers``' own forward. It has the interface of ``
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -68,6 +69,7 @@ class FastLlamaRunner:
             cos, sin = base.rotary_emb(self.embed[:1].unsqueeze(0), pos)
             self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [max_pos, head_dim]
         self.calls = 0
+        self.seconds = 0.0  # wall time inside forward()
         self.k = self.v = None
         self.C = 0
 
@@ -108,8 +110,15 @@ class FastLlamaRunner:
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
+    def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
                 hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         tokens = tokens.to(self.device)
         B, n = tokens.shape

@@ -232,6 +232,8 @@ class SpeculativeGenerator:
         finally:
             stats.target_calls = target.calls
             stats.draft_calls = draft.calls if draft is not None else 0
+            stats.target_forward_ms = target.seconds * 1e3
+            stats.draft_forward_ms = draft.seconds * 1e3 if draft is not None else 0.0
             for r in runners:
                 r.close()
         if streamer is not None:

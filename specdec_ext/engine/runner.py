@@ -8,6 +8,7 @@ with batch size 1 this is plain cropping. Only the models are touched here; poli
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -36,6 +37,7 @@ class CausalLMRunner:
         self.mask: Optional[torch.Tensor] = None      # [B, C] int64
         self.next_pos: Optional[torch.Tensor] = None  # [B] int64
         self.calls = 0
+        self.seconds = 0.0  # wall time inside forward()
         self._hidden: Optional[torch.Tensor] = None
         self._hook = None
 
@@ -55,8 +57,15 @@ class CausalLMRunner:
     def length(self) -> int:
         return self.mask.shape[1]
 
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
+    def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
                 hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Feed ``tokens`` ``[B, n]`` (``valid`` ``[B, n]`` bool marks real tokens; others become holes).
 
