@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .runner import usable_device
+from .runner import TimedRunner, usable_device
 
 
 def supports(model) -> bool:
@@ -36,7 +36,7 @@ def supports(model) -> bool:
     return hasattr(model, "model") and hasattr(model.model, "rotary_emb")
 
 
-class FastLlamaRunner:
+class FastLlamaRunner(TimedRunner):
     def __init__(self, model, name: str = "draft"):
         if not supports(model):
             raise ValueError(f"FastLlamaRunner: {type(model).__name__} is not a supported Llama model")
@@ -109,13 +109,6 @@ class FastLlamaRunner:
         half = x.shape[-1] // 2
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
-
-    def forward(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self._forward(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,

@@ -28,7 +28,21 @@ def usable_device(model, name: str) -> torch.device:
     return device
 
 
-class CausalLMRunner:
+class TimedRunner:
+    """Base of the model runners: ``forward`` feeds tokens (see ``_forward``) and adds the wall time
+    spent inside the call to ``seconds``."""
+
+    seconds = 0.0
+
+    def forward(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class CausalLMRunner(TimedRunner):
     def __init__(self, model, name: str):
         self.model = model
         self.name = name
@@ -56,13 +70,6 @@ class CausalLMRunner:
     @property
     def length(self) -> int:
         return self.mask.shape[1]
-
-    def forward(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self._forward(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
 
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
