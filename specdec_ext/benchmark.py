@@ -59,7 +59,6 @@ class Oracle(CandidateLengthPolicy):
     def __init__(self, reference: list[list[int]], max_k: int = 64):
         self.reference = reference
         self.max_candidates = max_k
-        self.needs_tokens = True
 
     def reset(self, batch_size, device):
         if batch_size != len(self.reference):

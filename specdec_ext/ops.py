@@ -184,8 +184,7 @@ def residual_sample(
     if not HAS_EXTENSION:
         return reference.residual_sample(target_probs, draft_probs, uniforms, philox_seed_offset)
     out = torch.ops.specdec_ext.residual_sample(target_probs, draft_probs, uniforms, philox_seed_offset)
-    if out.device.type == "cuda":
-        _raise_device_codes(out, "residual_sample")
+    _raise_device_codes(out, "residual_sample")
     return out
 
 

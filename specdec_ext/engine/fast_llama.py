@@ -71,34 +71,28 @@ class FastLlamaRunner(TimedRunner):
         self.calls = 0
         self.seconds = 0.0  # wall time inside forward()
         self.k = self.v = None
-        self.C = 0
 
     # ------------------------------------------------------------------------------ state
     def start(self, batch_size: int, capacity: int = 256) -> None:
         shape = (batch_size, self.n_kv, capacity, self.head_dim)
         self.k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.C = 0
         self.mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
 
     def close(self) -> None:
         self.k = self.v = self.mask = self.next_pos = None
 
-    @property
-    def length(self) -> int:
-        return self.C
-
     def _reserve(self, n: int) -> None:
         cap = self.k[0].shape[2]
-        if self.C + n <= cap:
+        if self.length + n <= cap:
             return
-        new = max(2 * cap, self.C + n)
+        new = max(2 * cap, self.length + n)
         for i in range(len(self.layers)):
             for buf in (self.k, self.v):
                 old = buf[i]
                 grown = torch.empty(old.shape[:2] + (new,) + old.shape[3:], dtype=old.dtype, device=old.device)
-                grown[:, :, : self.C] = old[:, :, : self.C]
+                grown[:, :, : self.length] = old[:, :, : self.length]
                 buf[i] = grown
 
     def _rms(self, x, w):
@@ -120,7 +114,7 @@ class FastLlamaRunner(TimedRunner):
         pos = (self.next_pos.unsqueeze(1) + (steps - 1).clamp_min(0)).clamp_max(self.max_pos - 1)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         self._reserve(n)
-        C0, C1 = self.C, self.C + n
+        C0, C1 = self.length, self.length + n
         self.mask = torch.cat([self.mask, valid], 1)
         # query i (absolute column C0 + i) sees valid keys at columns <= C0 + i
         causal = torch.arange(C1, device=self.device).unsqueeze(0) <= (C0 + torch.arange(n, device=self.device)).unsqueeze(1)
@@ -142,28 +136,15 @@ class FastLlamaRunner(TimedRunner):
             x = x + F.linear(F.silu(g) * u, w_down)
         hn = self._rms(x[:, -keep:], self.final_norm)
         logits = F.linear(hn, self.lm_head).float()
-        self.C = C1
         self.next_pos = self.next_pos + steps[:, -1]
         self.calls += 1
         return logits, (hn if hidden else None)
 
-    def rollback(self, n_remove: torch.Tensor) -> None:
-        n_remove = n_remove.to(self.device)
-        cols = torch.arange(self.C, device=self.device).unsqueeze(0)
-        self.mask = self.mask & ~(cols >= (self.C - n_remove).unsqueeze(1))
-        self.next_pos = self.next_pos - n_remove
-        common = int(n_remove.min()) if n_remove.numel() else 0
-        if common > 0:
-            self.C -= common
-            self.mask = self.mask[:, : self.C]
+    def _crop_to(self, length: int) -> None:
+        pass  # positions beyond the mask's width are simply overwritten by the next forward
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)
         self.k = [t.index_select(0, idx) for t in self.k]
         self.v = [t.index_select(0, idx) for t in self.v]
-        self.mask = self.mask[idx]
-        self.next_pos = self.next_pos[idx]
-        if self.mask.numel():
-            cols = self.mask.any(0).nonzero()
-            self.C = int(cols.max()) + 1 if cols.numel() else 0
-            self.mask = self.mask[:, : self.C]
+        self._select_mask_rows(idx)

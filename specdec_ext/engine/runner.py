@@ -30,7 +30,11 @@ def usable_device(model, name: str) -> torch.device:
 
 class TimedRunner:
     """Base of the model runners: ``forward`` feeds tokens (see ``_forward``) and adds the wall time
-    spent inside the call to ``seconds``."""
+    spent inside the call to ``seconds``. The attention-mask bookkeeping of rows with holes lives here;
+    subclasses only crop their own KV storage (``_crop_to``).
+
+    State: ``mask`` ``[B, C]`` (nonzero = valid position; its width is the cache length) and
+    ``next_pos`` ``[B]`` (each row's count of valid positions, i.e. its next position id)."""
 
     seconds = 0.0
 
@@ -40,6 +44,36 @@ class TimedRunner:
             return self._forward(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - t0
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def _crop_to(self, length: int) -> None:
+        raise NotImplementedError
+
+    def _trim(self, length: int) -> None:
+        if length < self.length:
+            self._crop_to(length)
+            self.mask = self.mask[:, :length]
+
+    def rollback(self, n_remove: torch.Tensor) -> None:
+        """Drop the last ``n_remove[b]`` positions of row b (all fed in this round, all valid): they become
+        holes, and the tail that every row dropped is cropped for real."""
+        n_remove = n_remove.to(self.device)
+        C = self.length
+        cols = torch.arange(C, device=self.device).unsqueeze(0)
+        self.mask = self.mask.masked_fill(cols >= (C - n_remove).unsqueeze(1), 0)
+        self.next_pos = self.next_pos - n_remove
+        self._trim(C - (int(n_remove.min()) if n_remove.numel() else 0))
+
+    def _select_mask_rows(self, idx: torch.Tensor) -> None:
+        """Keep rows ``idx`` of the mask and positions, then drop tail columns that are holes in every row."""
+        self.mask = self.mask[idx]
+        self.next_pos = self.next_pos[idx]
+        if self.mask.numel():
+            valid_cols = self.mask.any(0).nonzero()
+            self._trim(int(valid_cols.max()) + 1 if valid_cols.numel() else 0)
 
 
 class CausalLMRunner(TimedRunner):
@@ -66,10 +100,6 @@ class CausalLMRunner(TimedRunner):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
 
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
@@ -102,28 +132,10 @@ class CausalLMRunner(TimedRunner):
     def _capture(self, module, args):
         self._hidden = args[0]
 
-    def rollback(self, n_remove: torch.Tensor) -> None:
-        """Drop the last ``n_remove[b]`` positions of row b (all fed in this round, all valid)."""
-        n_remove = n_remove.to(self.device)
-        C = self.length
-        cols = torch.arange(C, device=self.device).unsqueeze(0)
-        drop = cols >= (C - n_remove).unsqueeze(1)
-        self.mask = self.mask.masked_fill(drop, 0)
-        self.next_pos = self.next_pos - n_remove
-        common = int(n_remove.min()) if n_remove.numel() else 0
-        if common > 0:
-            self.cache.crop(-common)
-            self.mask = self.mask[:, : C - common]
+    def _crop_to(self, length: int) -> None:
+        self.cache.crop(length - self.length)
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)
         self.cache.batch_select_indices(idx)
-        self.mask = self.mask[idx]
-        self.next_pos = self.next_pos[idx]
-        # columns masked in every remaining row at the tail can go
-        if self.mask.numel():
-            valid_cols = self.mask.any(0).nonzero()
-            last = int(valid_cols.max()) + 1 if valid_cols.numel() else 0
-            if last < self.length:
-                self.cache.crop(-(self.length - last))
-                self.mask = self.mask[:, :last]
+        self._select_mask_rows(idx)
