@@ -211,7 +211,8 @@ def acceptance_head_step(
         block_weight: ``[L, H, H]`` float32 (out, in); block_bias: ``[L, H]`` float32.
         out_weight: ``[H]`` float32; out_bias: ``[1]`` float32.
         cum_accept: ``[B]`` float32, running product of p_hat over this round's candidates, updated in place.
-        step: candidates drafted so far in this round, including this one (>= 1).
+        step: the round's candidate length K if drafting stopped now (>= 1); the engine passes the
+            candidates scored so far plus one (see :class:`~specdec_ext.policies.SpecDecPP`).
         k_min, k_max: candidate-length bounds, 1 <= k_min <= k_max (paper: [2, 20]).
         threshold: stop threshold h in [0, 1] (paper: 0.3 or 0.7).
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -231,3 +233,54 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="meta device"):
         meta = make_target().to("meta")
         SpeculativeGenerator(target, meta, policy="fixed").generate(ids, max_new_tokens=3)
+
+
+def constant_head(draft, p_accept: float):
+    """A head whose prediction is p_accept whatever the hidden state (zero weights, biased output)."""
+    head = AcceptanceHead(draft.get_output_embeddings().weight.shape[1], num_layers=1)
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.zero_()
+        head.out.bias.fill_(math.log(p_accept / (1 - p_accept)))
+    return head
+
+
+def specdecpp_length(p_accept, h, k_min, k_max):
+    """The round length the SpecDec++ rule gives with a constant prediction, worked out by hand: the
+    test after scoring k candidates stops when k + 1 >= k_max, or k + 1 >= k_min and 1 - p^k > h; the
+    round then has k + 1 candidates (the last one drawn from the same draft forward)."""
+    if k_max == 1:
+        return 1
+    k = 1
+    while not (k + 1 >= k_max or (k + 1 >= k_min and 1 - p_accept**k > h)):
+        k += 1
+    return k + 1
+
+
+@pytest.mark.parametrize("p_accept,h,k_min,k_max,expected", [
+    (0.8, 0.5, 2, 20, 5), (0.8, 0.5, 7, 20, 7), (0.8, 0.5, 2, 3, 3), (0.3, 0.5, 2, 20, 2),
+    (0.99, 0.5, 1, 6, 6), (0.99, 0.5, 1, 1, 1)])
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
+def test_specdecpp_round_lengths_follow_the_stop_rule(p_accept, h, k_min, k_max, expected, fast_draft):
+    assert specdecpp_length(p_accept, h, k_min, k_max) == expected
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=constant_head(draft, p_accept),
+                               fast_draft=fast_draft, threshold=h, k_min=k_min, k_max=k_max)
+    ids, mask = prompts(3, target.config.vocab_size)
+    max_new = 40
+    out = gen.generate(ids, attention_mask=mask, max_new_tokens=max_new, temperature=0, pad_token_id=1)
+    remaining = [max_new] * 3
+    rounds_checked = 0
+    calls = 1  # the prompt's prefill
+    for r in out.stats.rounds:
+        live = [b for b in range(3) if remaining[b] > 0]
+        assert len(r.candidates) == len(live)
+        for i, b in enumerate(live):
+            want = min(expected, remaining[b] - 1)  # never draft past max_new_tokens
+            assert r.candidates[i] == want, (r, b, remaining[b])
+            remaining[b] -= r.emitted[i]
+        calls += max(1, max(r.candidates))
+        rounds_checked += 1
+    assert remaining == [0, 0, 0] and rounds_checked >= 4
+    # K draft forwards per round of K candidates, as for a fixed K: no forward beyond the last candidate
+    assert out.stats.draft_calls == calls

@@ -56,10 +56,10 @@ SPECDEC_HD float philox_uniform(uint64_t seed, uint64_t offset, uint32_t row, ui
 // accept candidate x with probability min(1, p(x)/q(x)), written without a division.
 SPECDEC_HD bool accept_candidate(float u, float q, float p) { return u * q <= p; }
 
-// SpecDec++ stopping rule (Huang et al. 2024, Sec. 3.2, Eq. 4): after `step` candidates (1-based)
-// with running product cum_accept of predicted acceptance probabilities, stop drafting when the
-// predicted probability that at least one candidate is rejected exceeds the stop threshold h,
-// but never before k_min candidates and always at k_max.
+// SpecDec++ stopping rule (Huang et al. 2024, Sec. 3.2, Eq. 4): with running product cum_accept
+// of predicted acceptance probabilities, stop drafting when the predicted probability that at
+// least one candidate is rejected exceeds the stop threshold h, keeping the round's candidate
+// length `step` (the length if it stopped now, 1-based) within [k_min, k_max].
 SPECDEC_HD bool specdecpp_stop(float cum_accept, int64_t step, int64_t k_min, int64_t k_max, float threshold) {
   if (step >= k_max) return true;
   if (step < k_min) return false;

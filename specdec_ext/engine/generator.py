@@ -284,6 +284,7 @@ class SpeculativeGenerator:
         fed = 0
         step = 0
         need_probs = not cfg.greedy or pol.needs_probs
+        last_next = torch.zeros(B, dtype=torch.bool)  # needs_hidden policies: the next candidate is the last
         while True:
             step += 1
             last_logits = logits[:, -1]
@@ -298,17 +299,17 @@ class SpeculativeGenerator:
             n = torch.where(stopped, n, torch.full_like(n, step))
             info = DraftStep(step, B, q.gather(-1, x.view(-1, 1)).squeeze(-1) if q is not None else None, q,
                              tokens=x)
-            if pol.needs_hidden:
-                logits, hid = draft.forward(x.view(-1, 1), keep=1, hidden=True)
-                fed += 1
-                info.hidden = hid[:, -1]
-            stop = pol.should_stop(info).cpu() | (step >= cap)
-            stopped = stopped | stop
+            stop = last_next if pol.needs_hidden else pol.should_stop(info).cpu()
+            stopped = stopped | stop | (step >= cap)
             if bool(stopped.all()) or step >= kcap:
                 break
-            if not pol.needs_hidden:
-                logits, _ = draft.forward(x.view(-1, 1), keep=1)
-                fed += 1
+            # feed x to the draft: the same forward gives the next candidate's distribution and, for
+            # needs_hidden policies, the hidden state at x on which they decide whether x + 1 is the last
+            logits, hid = draft.forward(x.view(-1, 1), keep=1, hidden=pol.needs_hidden)
+            fed += 1
+            if pol.needs_hidden:
+                info.hidden = hid[:, -1]
+                last_next = last_next | pol.should_stop(info).cpu()
         t1 = time.perf_counter()
 
         K = len(cands)

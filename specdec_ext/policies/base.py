@@ -23,6 +23,13 @@ class DraftStep:
     probs: ``[B, V]`` float32, that draft distribution q; given likewise.
     hidden: ``[B, H]``, the draft's last hidden state at the candidate's position (only for policies
         with ``needs_hidden``; the candidate has then been fed to the draft).
+
+    Policies with ``needs_hidden`` decide one step later than the others: the forward pass that
+    feeds candidate ``step`` to the draft also yields the draft's distribution for candidate
+    ``step + 1``, so ``should_stop`` returning True ends the round with ``step + 1`` candidates, the
+    last one drawn from that distribution with no further draft forward. This is the order of the
+    SpecDec++ reference implementation (the stop test after drafting Y_s covers Y_1..Y_{s-1}), and
+    it costs the same K draft forwards per round as a fixed candidate length K.
     """
 
     step: int
@@ -38,7 +45,7 @@ class CandidateLengthPolicy:
 
     name = "policy"
     speculative = True      # False: plain target-only decoding
-    needs_hidden = False    # True: the engine feeds each candidate to the draft before asking
+    needs_hidden = False    # True: asked after each candidate is fed to the draft; stop = one more, then stop
     needs_probs = False     # True: token_prob / probs are needed even when decoding greedily
     max_candidates = 1      # an upper bound on the candidates per round (K_max)
 
@@ -49,7 +56,8 @@ class CandidateLengthPolicy:
         """Start a draft round for the live rows."""
 
     def should_stop(self, info: DraftStep) -> torch.Tensor:
-        """``[B]`` bool: stop drafting after this candidate. Rows past ``max_candidates`` always stop."""
+        """``[B]`` bool: stop drafting after this candidate (``needs_hidden``: after the next one).
+        Rows at ``max_candidates`` always stop."""
         raise NotImplementedError
 
     def end_round(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:

@@ -102,9 +102,14 @@ class AdaEDL(CandidateLengthPolicy):
 
 class SpecDecPP(CandidateLengthPolicy):
     """SpecDec++ (Huang, Guo, Wang 2024, Sec. 3.2): the acceptance head predicts p_hat_i for each
-    candidate; drafting stops when 1 - prod_i p_hat_i > threshold (the stop threshold h), never
-    before ``k_min`` candidates and always at ``k_max`` (paper: h in {0.3, 0.7}, bounds [2, 20]).
-    Each step runs through the fused ``acceptance_head_step`` op."""
+    candidate from the draft's hidden state at it; drafting stops when 1 - prod_i p_hat_i > threshold
+    (the stop threshold h), with the candidate length K held within [``k_min``, ``k_max``]
+    (paper: h in {0.3, 0.7}, bounds [2, 20]). Each step runs through the fused ``acceptance_head_step`` op.
+
+    As in the paper's reference implementation, a round ends with one candidate beyond those the head
+    has scored: the forward pass that scores Y_k already gives the draft's distribution for Y_{k+1},
+    so stopping after Y_k's score yields K = k + 1 candidates at K draft forwards (see
+    :class:`~specdec_ext.policies.DraftStep`). Hence the smallest K the head chooses is 2."""
 
     needs_hidden = True
 
@@ -132,7 +137,8 @@ class SpecDecPP(CandidateLengthPolicy):
     def should_stop(self, info):
         w, b, ow, ob = self._weights
         hidden = info.hidden.to(w.device)
-        _, stop = ops.acceptance_head_step(hidden, w, b, ow, ob, self.cum_accept, info.step, self.k_min,
+        # the bounds apply to the round's length if it stopped now: this candidate plus the next one
+        _, stop = ops.acceptance_head_step(hidden, w, b, ow, ob, self.cum_accept, info.step + 1, self.k_min,
                                            self.max_candidates, self.threshold)
         return stop
 

@@ -44,6 +44,8 @@ class StageConfig:
     warmup: int
     weight_decay: float = 0.1
     ckpt_every: int = 100
+    restart_at: int = 0       # > 0: the first cosine phase ends here and a second one (a warm restart,
+    restart_lr: float = 0.0   # Loshchilov & Hutter 2017) warms up to restart_lr and decays to min_lr at `steps`
 
 
 @dataclass
@@ -54,7 +56,8 @@ class ZooConfig:
         default_factory=lambda: StageConfig(8, 512, 1376, 8, steps=1700, batch_size=8, seq_len=512, lr=1.5e-3, min_lr=1e-4, warmup=100)
     )
     draft: StageConfig = field(
-        default_factory=lambda: StageConfig(2, 256, 704, 4, steps=900, batch_size=8, seq_len=512, lr=3e-3, min_lr=1e-4, warmup=50)
+        default_factory=lambda: StageConfig(2, 256, 704, 4, steps=2800, batch_size=8, seq_len=512, lr=3e-3, min_lr=1e-4,
+                                            warmup=50, restart_at=900, restart_lr=1.5e-3)
     )
 
 
@@ -77,10 +80,19 @@ def make_config(stage: StageConfig, vocab_size: int, eos_id: int):
 
 
 def lr_at(step: int, s: StageConfig) -> float:
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
-    frac = min(1.0, (step - s.warmup) / max(1, s.steps - s.warmup))
-    return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * frac))
+    """Linear warm-up then cosine decay to ``min_lr``; with ``restart_at`` two such phases
+    (peak ``lr`` until ``restart_at``, then peak ``restart_lr`` until ``steps``)."""
+    start, end, peak = 0, s.steps, s.lr
+    if s.restart_at:
+        if step < s.restart_at:
+            end = s.restart_at
+        else:
+            start, peak = s.restart_at, s.restart_lr
+    t = step - start
+    if t < s.warmup:
+        return peak * (t + 1) / s.warmup
+    frac = min(1.0, (t - s.warmup) / max(1, end - start - s.warmup))
+    return s.min_lr + 0.5 * (peak - s.min_lr) * (1 + math.cos(math.pi * frac))
 
 
 def sample_batch(stream: np.ndarray, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
@@ -164,6 +176,14 @@ def _save(model, tok_dir: Path, out: Path):
         shutil.copy(f, out / f.name)
 
 
+def _stage_due(out_dir: Path, meta: dict, name: str, stage: StageConfig) -> bool:
+    """A stage runs when its model is missing, or was saved after fewer steps than the recipe asks
+    for (it then resumes from its checkpoint in the work directory and trains on)."""
+    if not (out_dir / name / "config.json").exists():
+        return True
+    return int(meta.get(name, {}).get("steps", stage.steps)) < stage.steps
+
+
 def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=print) -> dict:
     """Run every stage; returns the metadata written to ``out_dir/zoo_meta.json``."""
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -179,7 +199,8 @@ def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=
     meta_path = out_dir / "zoo_meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"config": asdict(cfg), "corpus": corpus}
 
-    if not (out_dir / "target" / "config.json").exists():
+    meta["config"] = asdict(cfg)
+    if _stage_due(out_dir, meta, "target", cfg.target):
         torch.manual_seed(cfg.seed)
         target = LlamaForCausalLM(make_config(cfg.target, len(tok), tok.eos_token_id))
         stats = _train_stage("target", cfg.target, target, train, held, work_dir, cfg.seed, log=log)
@@ -192,14 +213,18 @@ def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=
     for p in target.parameters():
         p.requires_grad_(False)
 
-    if not (out_dir / "draft" / "config.json").exists():
+    if _stage_due(out_dir, meta, "draft", cfg.draft):
         torch.manual_seed(cfg.seed + 1)
         draft = LlamaForCausalLM(make_config(cfg.draft, len(tok), tok.eos_token_id))
         stats = _train_stage("draft", cfg.draft, draft, train, held, work_dir, cfg.seed + 1, teacher=target, log=log)
         stats["params"] = sum(p.numel() for p in draft.parameters())
         meta["draft"] = stats
         _save(draft, work_dir / "tokenizer", out_dir / "draft")
+        meta_path.write_text(json.dumps(meta, indent=2))
         log(f"[draft] {stats}")
+        # the head and its data set were made with the old draft's q and hidden states
+        shutil.rmtree(out_dir / "head", ignore_errors=True)
+        (work_dir / "head_data.safetensors").unlink(missing_ok=True)
     if not (out_dir / "head" / "config.json").exists():
         meta["head"] = train_pair_head(out_dir, work_dir, cfg.seed, log=log)
     meta["recipe_wall_minutes_this_run"] = (time.time() - t_start) / 60
