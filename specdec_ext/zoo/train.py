@@ -56,7 +56,7 @@ class ZooConfig:
         default_factory=lambda: StageConfig(8, 512, 1376, 8, steps=1700, batch_size=8, seq_len=512, lr=1.5e-3, min_lr=1e-4, warmup=100)
     )
     draft: StageConfig = field(
-        default_factory=lambda: StageConfig(2, 256, 704, 4, steps=2800, batch_size=8, seq_len=512, lr=3e-3, min_lr=1e-4,
+        default_factory=lambda: StageConfig(2, 256, 704, 4, steps=2200, batch_size=8, seq_len=512, lr=3e-3, min_lr=1e-4,
                                             warmup=50, restart_at=900, restart_lr=1.5e-3)
     )
 
