@@ -96,8 +96,17 @@ class Method:
     param: Optional[float] = None           # K or h
 
 
-def standard_methods(head=None, ks=(1, 2, 3, 4, 5, 6), thresholds=(0.5, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995),
-                     hf=True, hf_ks=(2, 3, 4), k_bounds=(2, 20), adaptive=True, oracle=True) -> list[Method]:
+DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
+DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.9, 0.95, 0.98, 0.99)
+
+
+def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(2, 20),
+                     adaptive=True, oracle=True) -> list[Method]:
+    """The benchmark's methods: plain decoding (ours and ``transformers``'), fixed K for each of ``ks``,
+    SpecDec++ for each stop threshold in ``thresholds`` with bounds ``k_bounds``, the heuristic /
+    confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks`` (default: ``ks``)
+    with its constant, heuristic and confidence schedules, and the greedy oracle."""
+    hf_ks = ks if hf_ks is None else hf_ks
     m = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain")]
     if hf:
         m.append(Method("hf plain", "hf", None, None, family="hf-plain"))
@@ -241,7 +250,7 @@ def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "
                "speedup": statistics.median(ratios), "speedup_q1": q[0], "speedup_q3": q[2],
                "target_calls_per_token": sum(runs[p].target_calls for p in prompts) / tokens,
                "draft_calls_per_token": sum(runs[p].draft_calls for p in prompts) / tokens,
-               "greedy_mismatches": mism,
+               "greedy_mismatches": mism, "greedy_checked": greedy,
                # wall time outside model forwards, per target call (= per round), same hooks for every loop
                "loop_overhead_ms_per_round": statistics.median(
                    1e3 * (runs[p].wall_s - runs[p].forward_s) / max(1, runs[p].target_calls) for p in prompts)}
@@ -283,7 +292,7 @@ def format_table(rows: list[dict]) -> str:
             same = "DIFFERS"
         else:
             speed = f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}× ({r['speedup_q1']:.2f}–{r['speedup_q3']:.2f})"
-            same = "same"
+            same = "same" if r.get("greedy_checked", True) else "– (sampling)"
         lines.append(f"| {r['method']} | {speed} | {acc} | {r['target_calls_per_token']:.3f} | "
                      f"{r['draft_calls_per_token']:.3f} | {r['loop_overhead_ms_per_round']:.2f} | {same} |")
     return "\n".join(lines)

@@ -3,13 +3,28 @@ cost-model replay."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from .benchmark import format_table, machine_description, run_benchmark, save_json, standard_methods, summarize
+from .benchmark import (DEFAULT_KS, DEFAULT_THRESHOLDS, format_table, machine_description, run_benchmark, save_json,
+                        standard_methods, summarize)
+
+
+def _numbers(kind):
+    def parse(text: str):
+        try:
+            values = tuple(kind(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}")
+        if not values:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return values
+
+    return parse
 
 
 def add_arguments(p):
@@ -22,6 +37,11 @@ def add_arguments(p):
     p.add_argument("--no-hf", action="store_true", help="skip transformers' own generate / assisted generation")
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--cost-ratios", default="0.05,0.1,0.2", help="draft/target cost ratios for the replay")
+    p.add_argument("--ks", type=_numbers(int), default=DEFAULT_KS, help="fixed candidate lengths K (default 1..8)")
+    p.add_argument("--thresholds", type=_numbers(float), default=DEFAULT_THRESHOLDS,
+                   help="SpecDec++ stop thresholds h (default %(default)s)")
+    p.add_argument("--hf-ks", type=_numbers(int), default=None,
+                   help="K values for transformers' assisted generation (default: the --ks values)")
 
 
 def cost_model_replay(records, rows, ratios: list[float]) -> list[dict]:
@@ -38,7 +58,7 @@ def cost_model_replay(records, rows, ratios: list[float]) -> list[dict]:
     return out
 
 
-def plots(rows, out: Path) -> list[str]:
+def plots(rows, out: Path, prefix: str = "") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,9 +81,9 @@ def plots(rows, out: Path) -> list[str]:
         ax.set_title("SpecDec++ vs fixed candidate length K (dashed)", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "tokens_per_s_vs_threshold.png")
+        fig.savefig(out / f"{prefix}tokens_per_s_vs_threshold.png")
         plt.close(fig)
-        made.append("tokens_per_s_vs_threshold.png")
+        made.append(f"{prefix}tokens_per_s_vs_threshold.png")
     if spp or fixed:
         fig, ax = plt.subplots(figsize=(5, 4), dpi=120)
         for fam, rs, style, name in (("fixed", fixed, "s-", "fixed K"), ("specdecpp", spp, "o-", "SpecDec++")):
@@ -80,9 +100,9 @@ def plots(rows, out: Path) -> list[str]:
         ax.set_title("Pareto front (SpecDec++ Fig. 3 style)", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "pareto.png")
+        fig.savefig(out / f"{prefix}pareto.png")
         plt.close(fig)
-        made.append("pareto.png")
+        made.append(f"{prefix}pareto.png")
     return made
 
 
@@ -99,7 +119,8 @@ def main(args):
                                    adaptive=False)
         methods = [m for m in methods if m.family not in ("hf-heuristic", "hf-confidence")]
     else:
-        methods = standard_methods(pair.head, hf=not args.no_hf)
+        methods = standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=not args.no_hf,
+                                   hf_ks=args.hf_ks)
     print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}")
     records = run_benchmark(pair, prompts, methods, args.max_new_tokens, args.temperature, args.seed)
@@ -107,18 +128,20 @@ def main(args):
     ratios = [float(c) for c in args.cost_ratios.split(",")]
     replay = cost_model_replay(records, rows, ratios)
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.dataset}{'-quick' if args.quick else ''}"
+    tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}{'-quick' if args.quick else ''}"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
             "duration_s": time.time() - t0, "command": "specdec bench " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("dataset", "prompts", "max_new_tokens", "temperature") and v is not None)
+            + "".join(f" --{k.replace('_', '-')} {','.join(f'{x:g}' for x in v)}" for k, v in vars(args).items()
+                      if k in ("ks", "thresholds", "hf_ks") and v is not None and not args.quick)
             + (" --quick" if args.quick else ""), "cost_model_replay": replay}
     save_json(args.out / f"bench-{tag}.json", records, rows, meta)
     table = format_table(rows)
     rep_lines = ["| method | " + " | ".join(f"speedup at c = {c:g}" for c in ratios) + " |",
                  "|---|" + "---|" * len(ratios)]
     rep_lines += [f"| {r['method']} | " + " | ".join(f"{r[f'c={c:g}']:.2f}×" for c in ratios) + " |" for r in replay]
-    made = plots(rows, args.out)
+    made = plots(rows, args.out, prefix=f"{tag}-")
     md = (f"{table}\n\nCost-model replay (draft/target cost ratio c; verification of K+1 tokens = 1 target call):\n\n"
           + "\n".join(rep_lines) + "\n")
     (args.out / f"bench-{tag}.md").write_text(md)

@@ -75,3 +75,27 @@ def test_mismatch_replaces_speed_in_table(run):
 def test_oracle_rejects_wrong_batch():
     with pytest.raises(ValueError, match="one reference sequence per row"):
         Oracle([[1, 2]]).reset(2, torch.device("cpu"))
+
+
+def test_sampled_runs_are_not_reported_as_greedy_checked(run):
+    _, _, methods, records = run
+    table = format_table(summarize(records, methods, greedy=False))
+    assert "| same |" not in table and table.count("– (sampling)") == len(methods)
+
+
+def test_cli_sweeps_parse_and_reject_bad_lists():
+    import argparse
+
+    from specdec_ext.benchmark import DEFAULT_KS
+    from specdec_ext.benchmark_cli import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["--ks", "1,2,8", "--thresholds", "0.3,0.9"])
+    assert args.ks == (1, 2, 8) and args.thresholds == (0.3, 0.9) and args.hf_ks is None
+    assert ap.parse_args([]).ks == DEFAULT_KS == tuple(range(1, 9))
+    for bad in (["--ks", "two"], ["--thresholds", ""]):
+        with pytest.raises(SystemExit):
+            ap.parse_args(bad)
+    methods = standard_methods(None, ks=(1, 2), hf_ks=None)
+    assert [m.param for m in methods if m.family == "hf-fixed"] == [1, 2]
