@@ -28,7 +28,7 @@ def _numbers(kind):
 
 
 def add_arguments(p):
-    p.add_argument("--dataset", default="humaneval", help="humaneval, stdlib, or a .jsonl file")
+    p.add_argument("--dataset", default="humaneval", help="humaneval, stdlib, a .jsonl file, or a text file of prompts separated by blank lines")
     p.add_argument("--prompts", type=int, default=None, help="number of prompts (default: all; --quick: 6)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -134,8 +134,7 @@ def cmd_train_head(args):
     target = AutoModelForCausalLM.from_pretrained(args.target, local_files_only=True, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, local_files_only=True, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    prompts = load_prompts(args.prompts, limit=args.limit) if not Path(args.prompts).is_file() or args.prompts.endswith(".jsonl") \
-        else [p for p in Path(args.prompts).read_text().split("\n\n") if p.strip()]
+    prompts = load_prompts(args.prompts, limit=args.limit)
     report = run_pipeline(target, draft, tok, prompts, args.out,
                           HeadDataConfig(args.max_new_tokens, args.temperature, args.mix_ratio, batch_size=args.batch_size,
                                          seed=args.seed),

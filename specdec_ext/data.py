@@ -58,16 +58,29 @@ def jsonl_prompts(path: str, field: str = "prompt") -> list[str]:
     return rows
 
 
+def text_prompts(path: str) -> list[str]:
+    """Prompts from a text file, separated by blank lines."""
+    return [p for p in Path(path).read_text(encoding="utf-8").split("\n\n") if p.strip()]
+
+
 def load_prompts(name: str, limit: Optional[int] = None) -> list[str]:
-    """Prompts by data set name (``humaneval``, ``stdlib``, ``stdlib-train``) or a path to a ``.jsonl`` file."""
+    """Prompts by data set name (``humaneval``, ``stdlib``, ``stdlib-train``), or a path to a ``.jsonl``
+    file (one ``{"prompt": ...}`` object per line) or to a text file of prompts separated by blank lines.
+
+    Raises: ValueError for an unknown name or a file that holds no prompt."""
     if name == "humaneval":
         prompts = humaneval_prompts()
     elif name == "stdlib":
         prompts = stdlib_prompts(limit)
     elif name == "stdlib-train":
         prompts = stdlib_prompts(limit, split="train")
-    elif name.endswith(".jsonl") and Path(name).exists():
+    elif name.endswith(".jsonl") and Path(name).is_file():
         prompts = jsonl_prompts(name)
+    elif Path(name).is_file():
+        prompts = text_prompts(name)
     else:
-        raise ValueError(f"unknown data set {name!r}: expected one of {DATASETS} or a path to a .jsonl file")
+        raise ValueError(f"unknown data set {name!r}: expected one of {DATASETS}, a .jsonl file or a text file "
+                         "of prompts separated by blank lines")
+    if not prompts:
+        raise ValueError(f"data set {name!r} holds no prompt")
     return prompts[:limit] if limit is not None else prompts

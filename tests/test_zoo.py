@@ -36,6 +36,21 @@ def test_stdlib_prompts_are_held_out_function_headers():
     assert len(prompts) == 5 and all(p.lstrip().startswith(("def ", "async def ", "@")) for p in prompts)
 
 
+def test_prompt_files_jsonl_and_blank_line_separated(tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f():"}\n\n{"prompt": "x = 1"}\n')
+    assert load_prompts(str(tmp_path / "p.jsonl")) == ["def f():", "x = 1"]
+    (tmp_path / "p.txt").write_text("def f():\n    return 1\n\n\nclass A:\n    pass\n")
+    assert load_prompts(str(tmp_path / "p.txt"), limit=5) == ["def f():\n    return 1", "\nclass A:\n    pass\n"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match="no 'prompt' key"):
+        load_prompts(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        load_prompts(str(tmp_path / "empty.txt"))
+    with pytest.raises(ValueError, match="unknown data set 'nope'"):
+        load_prompts("nope")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_specdecpp_greedy_equals_target_only_on_humaneval(pair, index):
