@@ -9,6 +9,7 @@ Greedy runs of every method must produce the same text; a difference is reported
 
 from __future__ import annotations
 
+import gzip
 import json
 import platform
 import statistics
@@ -303,5 +304,17 @@ def save_json(path, records: list[RunRecord], rows: list[dict], meta: dict) -> N
             "target_calls": r.target_calls, "draft_calls": r.draft_calls, "forward_s": r.forward_s,
             "engine": r.engine, "rounds": r.rounds,
             "tokens": r.tokens} for r in records]
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "summary": rows, "runs": raw}, f, indent=1)
+    data = {"meta": meta, "summary": rows, "runs": raw}
+    if str(path).endswith(".gz"):  # a full run's per-round traces are tens of MB as text
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            json.dump(data, f)
+    else:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
+def load_results(path) -> dict:
+    """A file written by :func:`save_json` (``.json`` or ``.json.gz``): ``{"meta", "summary", "runs"}``."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)

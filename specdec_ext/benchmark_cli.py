@@ -136,7 +136,7 @@ def main(args):
             + "".join(f" --{k.replace('_', '-')} {','.join(f'{x:g}' for x in v)}" for k, v in vars(args).items()
                       if k in ("ks", "thresholds", "hf_ks") and v is not None and not args.quick)
             + (" --quick" if args.quick else ""), "cost_model_replay": replay}
-    save_json(args.out / f"bench-{tag}.json", records, rows, meta)
+    save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_table(rows)
     rep_lines = ["| method | " + " | ".join(f"speedup at c = {c:g}" for c in ratios) + " |",
                  "|---|" + "---|" * len(ratios)]
@@ -146,5 +146,5 @@ def main(args):
           + "\n".join(rep_lines) + "\n")
     (args.out / f"bench-{tag}.md").write_text(md)
     print("\n" + md)
-    print(f"wrote {args.out / f'bench-{tag}.json'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))
+    print(f"wrote {args.out / f'bench-{tag}.json.gz'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))
     print(f"duration {time.time() - t0:.0f} s")

@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--k", type=int, default=2, help="fixed K (default: the best K of the README's benchmark)")
-    d.add_argument("--threshold", type=float, default=0.5, help="SpecDec++ stop threshold h (the benchmark's best)")
+    d.add_argument("--threshold", type=float, default=0.3, help="SpecDec++ stop threshold h (the benchmark's best)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--show", type=int, default=2, help="completions to print")
     d.set_defaults(fn=cmd_demo)

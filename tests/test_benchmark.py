@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from specdec_ext.benchmark import (Oracle, format_table, run_benchmark, save_json, standard_methods, summarize)
+from specdec_ext.benchmark import (Oracle, format_table, load_results, run_benchmark, save_json, standard_methods,
+                                   summarize)
 from specdec_ext.benchmark_cli import cost_model_replay
 from specdec_ext.zoo import ModelPair
 from models import make_pair
@@ -63,6 +64,8 @@ def test_table_json_and_cost_model(run, tmp_path):
     save_json(tmp_path / "b.json", records, rows, {"x": 1})
     data = json.loads((tmp_path / "b.json").read_text())
     assert len(data["runs"]) == len(records) and data["summary"][0]["method"] == rows[0]["method"]
+    save_json(tmp_path / "b.json.gz", records, rows, {"x": 1})
+    assert load_results(tmp_path / "b.json.gz") == load_results(tmp_path / "b.json") == data
 
 
 def test_mismatch_replaces_speed_in_table(run):
