@@ -44,6 +44,21 @@ def add_arguments(p):
                    help="K values for transformers' assisted generation (default: the --ks values)")
 
 
+def _command_line(args) -> str:
+    """The ``specdec bench`` command that reproduces this run's settings (recorded in the results)."""
+    parts = ["specdec bench"]
+    for key in ("dataset", "prompts", "max_new_tokens", "temperature"):
+        if getattr(args, key) is not None:
+            parts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
+    if args.quick:
+        parts.append("--quick")
+    else:
+        for key in ("ks", "thresholds", "hf_ks"):
+            if getattr(args, key) is not None:
+                parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
+    return " ".join(parts)
+
+
 def cost_model_replay(records, rows, ratios: list[float]) -> list[dict]:
     """Speedup each method would reach if a draft forward cost c target forwards and verifying
     K + 1 tokens cost one target forward (as on a GPU): tokens / (target calls + c * draft calls),
@@ -131,11 +146,7 @@ def main(args):
     tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}{'-quick' if args.quick else ''}"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-            "duration_s": time.time() - t0, "command": "specdec bench " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k in ("dataset", "prompts", "max_new_tokens", "temperature") and v is not None)
-            + "".join(f" --{k.replace('_', '-')} {','.join(f'{x:g}' for x in v)}" for k, v in vars(args).items()
-                      if k in ("ks", "thresholds", "hf_ks") and v is not None and not args.quick)
-            + (" --quick" if args.quick else ""), "cost_model_replay": replay}
+            "duration_s": time.time() - t0, "command": _command_line(args), "cost_model_replay": replay}
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_table(rows)
     rep_lines = ["| method | " + " | ".join(f"speedup at c = {c:g}" for c in ratios) + " |",

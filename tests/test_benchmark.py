@@ -90,7 +90,7 @@ def test_cli_sweeps_parse_and_reject_bad_lists():
     import argparse
 
     from specdec_ext.benchmark import DEFAULT_KS
-    from specdec_ext.benchmark_cli import add_arguments
+    from specdec_ext.benchmark_cli import _command_line, add_arguments
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -100,5 +100,8 @@ def test_cli_sweeps_parse_and_reject_bad_lists():
     for bad in (["--ks", "two"], ["--thresholds", ""]):
         with pytest.raises(SystemExit):
             ap.parse_args(bad)
+    assert _command_line(ap.parse_args(["--ks", "1,2,8", "--max-new-tokens", "64"])) == (
+        "specdec bench --dataset humaneval --max-new-tokens 64 --temperature 0.0 --ks 1,2,8 "
+        "--thresholds 0.3,0.5,0.7,0.9,0.95,0.98,0.99")
     methods = standard_methods(None, ks=(1, 2), hf_ks=None)
     assert [m.param for m in methods if m.family == "hf-fixed"] == [1, 2]

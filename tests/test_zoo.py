@@ -64,3 +64,20 @@ def test_specdecpp_greedy_equals_target_only_on_humaneval(pair, index):
     ref = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
                                eos_token_id=None, pad_token_id=pair.tokenizer.eos_token_id)
     assert out.new_tokens[0] == ref[0, ids.shape[1]:].tolist()
+
+
+def test_lr_schedule_with_warm_restart_and_stage_extension(tmp_path):
+    from specdec_ext.zoo.train import StageConfig, _stage_due, lr_at
+
+    one = StageConfig(2, 8, 16, 2, steps=300, batch_size=1, seq_len=8, lr=1e-3, min_lr=1e-5, warmup=10)
+    two = StageConfig(2, 8, 16, 2, steps=300, batch_size=1, seq_len=8, lr=1e-3, min_lr=1e-5, warmup=10,
+                      restart_at=100, restart_lr=5e-4)
+    assert lr_at(9, one) == lr_at(9, two) == 1e-3                       # same warm-up
+    assert abs(lr_at(99, two) - 1e-5) < 1e-6 < lr_at(99, one) - 1e-5   # first phase ends at restart_at
+    assert lr_at(100, two) == 5e-4 / 10 and lr_at(109, two) == 5e-4     # second warm-up to restart_lr
+    assert abs(lr_at(299, two) - 1e-5) < 1e-6 and abs(lr_at(299, one) - 1e-5) < 1e-6
+    (tmp_path / "draft").mkdir()
+    assert _stage_due(tmp_path, {}, "draft", two)                        # no saved model
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    assert _stage_due(tmp_path, {"draft": {"steps": 100}}, "draft", two)  # saved after fewer steps
+    assert not _stage_due(tmp_path, {"draft": {"steps": 300}}, "draft", two)
