@@ -73,6 +73,20 @@ def cost_model_replay(records, rows, ratios: list[float]) -> list[dict]:
     return out
 
 
+def _save_plot(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> str:
+    """Label, save and close one figure; returns the file name."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.name
+
+
 def plots(rows, out: Path, prefix: str = "") -> list[str]:
     import matplotlib
 
@@ -91,14 +105,8 @@ def plots(rows, out: Path, prefix: str = "") -> list[str]:
         plain = [r for r in rows if r["family"] == "plain"]
         if plain:
             ax.axhline(plain[0]["tokens_per_s"], color="black", lw=1.2, label="plain decoding")
-        ax.set_xlabel("stop threshold h")
-        ax.set_ylabel("tokens/s (median over prompts)")
-        ax.set_title("SpecDec++ vs fixed candidate length K (dashed)", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{prefix}tokens_per_s_vs_threshold.png")
-        plt.close(fig)
-        made.append(f"{prefix}tokens_per_s_vs_threshold.png")
+        made.append(_save_plot(fig, ax, "stop threshold h", "tokens/s (median over prompts)",
+                               "SpecDec++ vs fixed candidate length K (dashed)", out / f"{prefix}tokens_per_s_vs_threshold.png"))
     if spp or fixed:
         fig, ax = plt.subplots(figsize=(5, 4), dpi=120)
         for fam, rs, style, name in (("fixed", fixed, "s-", "fixed K"), ("specdecpp", spp, "o-", "SpecDec++")):
@@ -110,14 +118,9 @@ def plots(rows, out: Path, prefix: str = "") -> list[str]:
         orc = [r for r in rows if r["family"] == "oracle"]
         if orc and "verification_rate" in orc[0]:
             ax.plot([orc[0]["verification_rate"]], [orc[0]["discard_rate"]], "k*", ms=10, label="oracle")
-        ax.set_xlabel("verification rate (target calls per token)")
-        ax.set_ylabel("discard rate (discarded draft tokens per token)")
-        ax.set_title("Pareto front (SpecDec++ Fig. 3 style)", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / f"{prefix}pareto.png")
-        plt.close(fig)
-        made.append(f"{prefix}pareto.png")
+        made.append(_save_plot(fig, ax, "verification rate (target calls per token)",
+                               "discard rate (discarded draft tokens per token)", "Pareto front (SpecDec++ Fig. 3 style)",
+                               out / f"{prefix}pareto.png"))
     return made
 
 

@@ -197,7 +197,7 @@ def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=
     train = np.load(work_dir / "train.npy")
     held = np.load(work_dir / "held_out.npy")
     meta_path = out_dir / "zoo_meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"config": asdict(cfg), "corpus": corpus}
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"corpus": corpus}
 
     meta["config"] = asdict(cfg)
     if _stage_due(out_dir, meta, "target", cfg.target):
