@@ -18,9 +18,9 @@ void check_launch(cudaError_t e, const char* op) {
 std::tuple<at::Tensor, at::Tensor> chain_verify_cuda(const at::Tensor& ids, const at::Tensor& draft_probs,
                                                      const at::Tensor& target_probs, const std::optional<at::Tensor>& n,
                                                      const std::optional<at::Tensor>& u,
-                                                     const std::optional<at::Tensor>& so) {
+                                                     const std::optional<at::Tensor>& so, bool validate) {
   const c10::cuda::CUDAGuard guard(target_probs.device());
-  VerifyTensors t = prepare_verify(ids, draft_probs, target_probs, n, std::nullopt, u, so, false);
+  VerifyTensors t = prepare_verify(ids, draft_probs, target_probs, n, std::nullopt, u, so, false, validate);
   check_launch(cuda::chain_verify(t.args, at::cuda::getCurrentCUDAStream()), "chain_verify");
   return {t.out_ids, t.num_accepted};
 }
@@ -30,9 +30,9 @@ std::tuple<at::Tensor, at::Tensor> chain_verify_logits_cuda(const at::Tensor& id
                                                             const at::Tensor& temperature,
                                                             const std::optional<at::Tensor>& n,
                                                             const std::optional<at::Tensor>& u,
-                                                            const std::optional<at::Tensor>& so) {
+                                                            const std::optional<at::Tensor>& so, bool validate) {
   const c10::cuda::CUDAGuard guard(target_logits.device());
-  VerifyTensors t = prepare_verify(ids, draft_logits, target_logits, n, temperature, u, so, true);
+  VerifyTensors t = prepare_verify(ids, draft_logits, target_logits, n, temperature, u, so, true, validate);
   check_launch(cuda::chain_verify_logits(t.args, at::cuda::getCurrentCUDAStream()), "chain_verify_logits");
   return {t.out_ids, t.num_accepted};
 }
@@ -45,14 +45,15 @@ at::Tensor residual_sample_cuda(const at::Tensor& target_probs, const at::Tensor
   return t.out;
 }
 
-std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cuda(const at::Tensor& hidden, const at::Tensor& block_weight,
-                                                             const at::Tensor& block_bias, const at::Tensor& out_weight,
-                                                             const at::Tensor& out_bias, at::Tensor& cum_accept,
-                                                             int64_t step, int64_t k_min, int64_t k_max,
-                                                             double threshold) {
-  const c10::cuda::CUDAGuard guard(hidden.device());
-  HeadTensors t = prepare_head(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
-                               threshold);
+std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cuda(
+    const std::optional<at::Tensor>& hidden, const std::optional<at::Tensor>& features,
+    const std::optional<at::Tensor>& feature_weight, const std::optional<at::Tensor>& feature_bias,
+    const at::Tensor& block_weight, const at::Tensor& block_bias, const at::Tensor& out_weight,
+    const at::Tensor& out_bias, at::Tensor& cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
+    double threshold) {
+  const c10::cuda::CUDAGuard guard(out_weight.device());
+  HeadTensors t = prepare_head(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
+                               out_bias, cum_accept, candidate_length, k_min, k_max, threshold);
   check_launch(cuda::acceptance_head_step(t.args, at::cuda::getCurrentCUDAStream()), "acceptance_head_step");
   return {t.p_accept, t.stop};
 }

@@ -11,8 +11,8 @@ namespace specdec {
 std::tuple<at::Tensor, at::Tensor> chain_verify_cpu(const at::Tensor& ids, const at::Tensor& draft_probs,
                                                     const at::Tensor& target_probs, const std::optional<at::Tensor>& n,
                                                     const std::optional<at::Tensor>& u,
-                                                    const std::optional<at::Tensor>& so) {
-  VerifyTensors t = prepare_verify(ids, draft_probs, target_probs, n, std::nullopt, u, so, false);
+                                                    const std::optional<at::Tensor>& so, bool validate) {
+  VerifyTensors t = prepare_verify(ids, draft_probs, target_probs, n, std::nullopt, u, so, false, validate);
   cpu::chain_verify(t.args);
   return {t.out_ids, t.num_accepted};
 }
@@ -21,8 +21,8 @@ std::tuple<at::Tensor, at::Tensor> chain_verify_logits_cpu(const at::Tensor& ids
                                                            const at::Tensor& target_logits, const at::Tensor& temperature,
                                                            const std::optional<at::Tensor>& n,
                                                            const std::optional<at::Tensor>& u,
-                                                           const std::optional<at::Tensor>& so) {
-  VerifyTensors t = prepare_verify(ids, draft_logits, target_logits, n, temperature, u, so, true);
+                                                           const std::optional<at::Tensor>& so, bool validate) {
+  VerifyTensors t = prepare_verify(ids, draft_logits, target_logits, n, temperature, u, so, true, validate);
   cpu::chain_verify_logits(t.args);
   return {t.out_ids, t.num_accepted};
 }
@@ -34,13 +34,14 @@ at::Tensor residual_sample_cpu(const at::Tensor& target_probs, const at::Tensor&
   return t.out;
 }
 
-std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cpu(const at::Tensor& hidden, const at::Tensor& block_weight,
-                                                            const at::Tensor& block_bias, const at::Tensor& out_weight,
-                                                            const at::Tensor& out_bias, at::Tensor& cum_accept,
-                                                            int64_t step, int64_t k_min, int64_t k_max,
-                                                            double threshold) {
-  HeadTensors t = prepare_head(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
-                               threshold);
+std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cpu(
+    const std::optional<at::Tensor>& hidden, const std::optional<at::Tensor>& features,
+    const std::optional<at::Tensor>& feature_weight, const std::optional<at::Tensor>& feature_bias,
+    const at::Tensor& block_weight, const at::Tensor& block_bias, const at::Tensor& out_weight,
+    const at::Tensor& out_bias, at::Tensor& cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
+    double threshold) {
+  HeadTensors t = prepare_head(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
+                               out_bias, cum_accept, candidate_length, k_min, k_max, threshold);
   cpu::acceptance_head_step(t.args);
   return {t.p_accept, t.stop};
 }
@@ -48,17 +49,19 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cpu(const at::Tensor& hi
 TORCH_LIBRARY(specdec_ext, m) {
   m.def(
       "chain_verify(Tensor draft_token_ids, Tensor draft_probs, Tensor target_probs, Tensor? num_draft_tokens=None, "
-      "Tensor? uniforms=None, Tensor? philox_seed_offset=None) -> (Tensor output_token_ids, Tensor num_accepted)");
+      "Tensor? uniforms=None, Tensor? philox_seed_offset=None, bool validate=False) "
+      "-> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "chain_verify_logits(Tensor draft_token_ids, Tensor draft_logits, Tensor target_logits, Tensor temperature, "
-      "Tensor? num_draft_tokens=None, Tensor? uniforms=None, Tensor? philox_seed_offset=None) "
+      "Tensor? num_draft_tokens=None, Tensor? uniforms=None, Tensor? philox_seed_offset=None, bool validate=False) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
       "residual_sample(Tensor target_probs, Tensor draft_probs, Tensor? uniforms=None, "
       "Tensor? philox_seed_offset=None) -> Tensor");
   m.def(
-      "acceptance_head_step(Tensor hidden, Tensor block_weight, Tensor block_bias, Tensor out_weight, "
-      "Tensor out_bias, Tensor(a!) cum_accept, int step, int k_min, int k_max, float threshold) "
+      "acceptance_head_step(Tensor? hidden, Tensor? features, Tensor? feature_weight, Tensor? feature_bias, "
+      "Tensor block_weight, Tensor block_bias, Tensor out_weight, Tensor out_bias, Tensor(a!) cum_accept, "
+      "int candidate_length, int k_min, int k_max, float threshold) "
       "-> (Tensor p_accept, Tensor stop)");
 }
 

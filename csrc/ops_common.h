@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "kernels/args.h"
 
@@ -77,7 +78,7 @@ struct VerifyTensors {
 inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at::Tensor& draft, const at::Tensor& target,
                                     const std::optional<at::Tensor>& num_draft_tokens,
                                     const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& uniforms,
-                                    const std::optional<at::Tensor>& seed_offset, bool logits) {
+                                    const std::optional<at::Tensor>& seed_offset, bool logits, bool validate) {
   const char* op = logits ? "chain_verify_logits" : "chain_verify";
   const char* dname = logits ? "draft_logits" : "draft_probs";
   const char* tname = logits ? "target_logits" : "target_probs";
@@ -111,7 +112,7 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
     if (n.device().is_cpu()) {  // a loop over B values: no dispatcher calls on the hot path
       const int64_t* nd = t.num_draft.data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b)
-        TORCH_CHECK_VALUE(nd[b] >= 0 && nd[b] <= K, op, ": num_draft_tokens must lie in [0, K] = [0, ", K,
+        TORCH_CHECK_VALUE(nd[b] >= 0 && nd[b] <= K, op, ": ", error_message(kInvalidNumDraft, logits), " = [0, ", K,
                           "], got ", nd[b], " in row ", b);
     }
   }
@@ -124,9 +125,12 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
     t.temperature = tt.contiguous();
     if (tt.device().is_cpu()) {
       const float* tp = t.temperature.data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b)
+      for (int64_t b = 0; b < B; ++b) {
         TORCH_CHECK_VALUE(tp[b] >= 0.0f && tp[b] <= 3.4028234663852886e38f, op,
                           ": temperature must be finite and >= 0 (0 means greedy), got ", tp[b], " in row ", b);
+        TORCH_CHECK_VALUE(tp[b] == 0.0f || tp[b] >= kMinTemperature, op, ": ", error_message(kInvalidTemperature, true),
+                          ", got ", tp[b], " in row ", b);
+      }
     }
   }
   t.rnd = check_random(uniforms, seed_offset, {B, K + 1}, target, op);
@@ -143,6 +147,7 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
   a.rng = t.rnd.source();
   a.out_ids = t.out_ids.data_ptr<int64_t>();
   a.num_accepted = t.num_accepted.data_ptr<int64_t>();
+  a.validate = validate;
   return t;
 }
 
@@ -176,50 +181,96 @@ inline ResidualTensors prepare_residual(const at::Tensor& target, const at::Tens
 }
 
 struct HeadTensors {
-  at::Tensor hidden, w, b, ow, ob, p_accept, stop;
+  at::Tensor hidden, features, fw, fb, w, b, ow, ob, p_accept, stop;
   HeadArgs args;
 };
 
-inline HeadTensors prepare_head(const at::Tensor& hidden, const at::Tensor& block_weight, const at::Tensor& block_bias,
-                                const at::Tensor& out_weight, const at::Tensor& out_bias, at::Tensor& cum_accept,
-                                int64_t step, int64_t k_min, int64_t k_max, double threshold) {
+// acceptance_head_step: x_0 = hidden + feature_weight @ features + feature_bias (either part may be
+// absent), L residual blocks, the output layer. H is the head's width (out_weight's length).
+inline HeadTensors prepare_head(const std::optional<at::Tensor>& hidden, const std::optional<at::Tensor>& features,
+                                const std::optional<at::Tensor>& feature_weight,
+                                const std::optional<at::Tensor>& feature_bias, const at::Tensor& block_weight,
+                                const at::Tensor& block_bias, const at::Tensor& out_weight, const at::Tensor& out_bias,
+                                at::Tensor& cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
+                                double threshold) {
   const char* op = "acceptance_head_step";
-  const DType dt = float_dtype(hidden, "hidden");
-  TORCH_CHECK_VALUE(hidden.dim() == 2, op, ": hidden must be [B, H], got ", hidden.sizes());
-  const int64_t B = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK_VALUE(hidden.has_value() || features.has_value(), op,
+                    ": pass hidden [B, H], features [B, F], or both (the head reads nothing otherwise)");
+  TORCH_CHECK_VALUE(out_weight.dim() == 1, op, ": out_weight must be [H], got ", out_weight.sizes());
+  const int64_t H = out_weight.size(0);
+  const at::Tensor& ref = hidden.has_value() ? *hidden : *features;
+  const char* ref_name = hidden.has_value() ? "hidden" : "features";
+  TORCH_CHECK_VALUE(ref.dim() == 2, op, ": ", ref_name, " must be [B, ", hidden.has_value() ? "H" : "F", "], got ",
+                    ref.sizes());
+  const int64_t B = ref.size(0);
+  DType dt = DType::kFloat32;
+  if (hidden.has_value()) {
+    dt = float_dtype(*hidden, "hidden");
+    TORCH_CHECK_VALUE(hidden->size(1) == H, op, ": hidden must be [B, H] with H = ", H,
+                      " (the head's width, out_weight's length), got ", hidden->sizes(),
+                      ": this head belongs to a draft with another hidden size");
+  }
+  int64_t F = 0;
+  if (features.has_value()) {
+    const at::Tensor& f = *features;
+    TORCH_CHECK_TYPE(f.scalar_type() == at::kFloat, op, ": features must be float32, got ", f.scalar_type());
+    TORCH_CHECK_VALUE(f.dim() == 2 && f.size(0) == B, op, ": features must be [B, F] with B = ", B, ", got ", f.sizes());
+    F = f.size(1);
+    TORCH_CHECK_VALUE(feature_weight.has_value() && feature_bias.has_value(), op,
+                      ": features need feature_weight [H, F] and feature_bias [H]");
+    TORCH_CHECK_VALUE(feature_weight->dim() == 2 && feature_weight->size(0) == H && feature_weight->size(1) == F, op,
+                      ": feature_weight must be [H, F] = [", H, ", ", F, "], got ", feature_weight->sizes());
+    TORCH_CHECK_VALUE(feature_bias->dim() == 1 && feature_bias->size(0) == H, op, ": feature_bias must be [H] = [", H,
+                      "], got ", feature_bias->sizes());
+  } else {
+    TORCH_CHECK_VALUE(!feature_weight.has_value() && !feature_bias.has_value(), op,
+                      ": feature_weight / feature_bias given without features");
+  }
   TORCH_CHECK_VALUE(block_weight.dim() == 3 && block_weight.size(1) == H && block_weight.size(2) == H, op,
-                    ": block_weight must be [L, H, H] with H = ", H, " (the hidden size of `hidden`), got ",
-                    block_weight.sizes());
+                    ": block_weight must be [L, H, H] with H = ", H, ", got ", block_weight.sizes());
   const int64_t L = block_weight.size(0);
   TORCH_CHECK_VALUE(block_bias.dim() == 2 && block_bias.size(0) == L && block_bias.size(1) == H, op,
                     ": block_bias must be [L, H] = [", L, ", ", H, "], got ", block_bias.sizes());
-  TORCH_CHECK_VALUE(out_weight.dim() == 1 && out_weight.size(0) == H, op, ": out_weight must be [H] = [", H, "], got ",
-                    out_weight.sizes());
   TORCH_CHECK_VALUE(out_bias.numel() == 1, op, ": out_bias must have one element, got ", out_bias.sizes());
   TORCH_CHECK_VALUE(cum_accept.dim() == 1 && cum_accept.size(0) == B, op, ": cum_accept must be [B] = [", B, "], got ",
                     cum_accept.sizes());
-  for (const at::Tensor* p : {&block_weight, &block_bias, &out_weight, &out_bias, static_cast<const at::Tensor*>(&cum_accept)}) {
+  std::vector<const at::Tensor*> f32 = {&block_weight, &block_bias, &out_weight, &out_bias, &cum_accept};
+  if (feature_weight.has_value()) f32.push_back(&*feature_weight);
+  if (feature_bias.has_value()) f32.push_back(&*feature_bias);
+  for (const at::Tensor* p : f32) {
     TORCH_CHECK_TYPE(p->scalar_type() == at::kFloat, op, ": head weights and cum_accept must be float32, got ",
                      p->scalar_type());
-    check_device(*p, hidden, "head weights and cum_accept", "hidden");
+    check_device(*p, ref, "head weights and cum_accept", ref_name);
   }
+  if (hidden.has_value() && features.has_value()) check_device(*features, *hidden, "features", "hidden");
   TORCH_CHECK_VALUE(cum_accept.is_contiguous(), op, ": cum_accept must be contiguous (it is updated in place)");
-  TORCH_CHECK_VALUE(step >= 1, op, ": step (number of candidates drafted so far) must be >= 1, got ", step);
+  TORCH_CHECK_VALUE(candidate_length >= 1, op,
+                    ": candidate_length (the round's candidate length K if drafting stopped now) must be >= 1, got ",
+                    candidate_length);
   TORCH_CHECK_VALUE(k_min >= 1 && k_min <= k_max, op, ": need 1 <= k_min <= k_max, got k_min = ", k_min,
                     ", k_max = ", k_max);
   TORCH_CHECK_VALUE(threshold >= 0.0 && threshold <= 1.0, op, ": stop threshold must lie in [0, 1], got ", threshold);
   HeadTensors t;
-  t.hidden = hidden.contiguous();
+  if (hidden.has_value()) t.hidden = hidden->contiguous();
+  if (features.has_value()) {
+    t.features = features->contiguous();
+    t.fw = feature_weight->contiguous();
+    t.fb = feature_bias->contiguous();
+  }
   t.w = block_weight.contiguous();
   t.b = block_bias.contiguous();
   t.ow = out_weight.contiguous();
   t.ob = out_bias.contiguous();
-  t.p_accept = at::empty({B}, hidden.options().dtype(at::kFloat));
-  t.stop = at::empty({B}, hidden.options().dtype(at::kBool));
-  t.args = HeadArgs{dt, B, H, L, t.hidden.data_ptr(), t.w.data_ptr<float>(), t.b.data_ptr<float>(),
-                    t.ow.data_ptr<float>(), t.ob.data_ptr<float>(), cum_accept.data_ptr<float>(),
-                    t.p_accept.data_ptr<float>(), t.stop.data_ptr<bool>(), step, k_min, k_max,
-                    static_cast<float>(threshold)};
+  t.p_accept = at::empty({B}, ref.options().dtype(at::kFloat));
+  t.stop = at::empty({B}, ref.options().dtype(at::kBool));
+  t.args = HeadArgs{dt, B, H, L, F,
+                    t.hidden.defined() ? t.hidden.data_ptr() : nullptr,
+                    t.features.defined() ? t.features.data_ptr<float>() : nullptr,
+                    t.fw.defined() ? t.fw.data_ptr<float>() : nullptr,
+                    t.fb.defined() ? t.fb.data_ptr<float>() : nullptr,
+                    t.w.data_ptr<float>(), t.b.data_ptr<float>(), t.ow.data_ptr<float>(), t.ob.data_ptr<float>(),
+                    cum_accept.data_ptr<float>(), t.p_accept.data_ptr<float>(), t.stop.data_ptr<bool>(),
+                    candidate_length, k_min, k_max, static_cast<float>(threshold)};
   return t;
 }
 

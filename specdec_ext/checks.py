@@ -118,30 +118,58 @@ def residual_shapes(target, draft, uniforms, seed_offset) -> tuple[int, int]:
     return B, V
 
 
-def head_shapes(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max, threshold):
+def head_shapes(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias,
+                cum_accept, candidate_length, k_min, k_max, threshold):
+    """Shape, dtype and device checks of ``acceptance_head_step``; returns (B, H)."""
     op = "acceptance_head_step"
-    _float(hidden, "hidden", op)
-    if hidden.dim() != 2:
-        raise ValueError(f"{op}: hidden must be [B, H], got {list(hidden.shape)}")
-    B, H = hidden.shape
+    if hidden is None and features is None:
+        raise ValueError(f"{op}: pass hidden [B, H], features [B, F], or both (the head reads nothing otherwise)")
+    if out_weight.dim() != 1:
+        raise ValueError(f"{op}: out_weight must be [H], got {list(out_weight.shape)}")
+    H = out_weight.shape[0]
+    ref, ref_name = (hidden, "hidden") if hidden is not None else (features, "features")
+    if ref.dim() != 2:
+        raise ValueError(f"{op}: {ref_name} must be [B, {'H' if hidden is not None else 'F'}], got {list(ref.shape)}")
+    B = ref.shape[0]
+    if hidden is not None:
+        _float(hidden, "hidden", op)
+        if hidden.shape[1] != H:
+            raise ValueError(f"{op}: hidden must be [B, H] with H = {H} (the head's width, out_weight's length), got "
+                             f"{list(hidden.shape)}: this head belongs to a draft with another hidden size")
+    if features is not None:
+        if features.dtype != torch.float32:
+            raise TypeError(f"{op}: features must be float32, got {features.dtype}")
+        if features.dim() != 2 or features.shape[0] != B:
+            raise ValueError(f"{op}: features must be [B, F] with B = {B}, got {list(features.shape)}")
+        F = features.shape[1]
+        if feature_weight is None or feature_bias is None:
+            raise ValueError(f"{op}: features need feature_weight [H, F] and feature_bias [H]")
+        if tuple(feature_weight.shape) != (H, F):
+            raise ValueError(f"{op}: feature_weight must be [H, F] = [{H}, {F}], got {list(feature_weight.shape)}")
+        if tuple(feature_bias.shape) != (H,):
+            raise ValueError(f"{op}: feature_bias must be [H] = [{H}], got {list(feature_bias.shape)}")
+    elif feature_weight is not None or feature_bias is not None:
+        raise ValueError(f"{op}: feature_weight / feature_bias given without features")
     if block_weight.dim() != 3 or tuple(block_weight.shape[1:]) != (H, H):
-        raise ValueError(f"{op}: block_weight must be [L, H, H] with H = {H} (the hidden size of `hidden`), "
-                         f"got {list(block_weight.shape)}")
+        raise ValueError(f"{op}: block_weight must be [L, H, H] with H = {H}, got {list(block_weight.shape)}")
     L = block_weight.shape[0]
     if tuple(block_bias.shape) != (L, H):
         raise ValueError(f"{op}: block_bias must be [L, H] = [{L}, {H}], got {list(block_bias.shape)}")
-    if tuple(out_weight.shape) != (H,):
-        raise ValueError(f"{op}: out_weight must be [H] = [{H}], got {list(out_weight.shape)}")
     if out_bias.numel() != 1:
         raise ValueError(f"{op}: out_bias must have one element, got {list(out_bias.shape)}")
     if tuple(cum_accept.shape) != (B,):
         raise ValueError(f"{op}: cum_accept must be [B] = [{B}], got {list(cum_accept.shape)}")
-    for t in (block_weight, block_bias, out_weight, out_bias, cum_accept):
+    weights = [block_weight, block_bias, out_weight, out_bias, cum_accept]
+    weights += [t for t in (feature_weight, feature_bias) if t is not None]
+    for t in weights:
         if t.dtype != torch.float32:
             raise TypeError(f"{op}: head weights and cum_accept must be float32, got {t.dtype}")
-        _same_device(t, hidden, "head weights and cum_accept", "hidden", op)
-    if step < 1:
-        raise ValueError(f"{op}: step (number of candidates drafted so far) must be >= 1, got {step}")
+        _same_device(t, ref, "head weights and cum_accept", ref_name, op)
+    if hidden is not None and features is not None:
+        _same_device(features, hidden, "features", "hidden", op)
+    if candidate_length < 1:
+        raise ValueError(f"{op}: candidate_length (the round's candidate length K if drafting stopped now) must be "
+                         f">= 1, got {candidate_length}")
     if not 1 <= k_min <= k_max:
         raise ValueError(f"{op}: need 1 <= k_min <= k_max, got k_min = {k_min}, k_max = {k_max}")
     if not 0.0 <= threshold <= 1.0:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from . import checks, reference
+from . import checks, errors, reference
 
 try:  # the compiled extension registers torch.ops.specdec_ext.*
     from . import _C  # noqa: F401
@@ -47,14 +47,6 @@ __all__ = [
     "draw_philox_seed_offset",
 ]
 
-_CODES = {
-    -2: "draft_probs has a NaN, Inf or negative value in a row it reads",
-    -3: "target_probs has a NaN, Inf or negative value in a row it reads",
-    -4: "draft_token_ids has an id outside [0, V)",
-    -5: "uniforms must lie in (0, 1]",
-}
-
-
 def draw_philox_seed_offset(device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Draw an int64 ``[2]`` (seed, offset) tensor on ``device`` from ``generator`` (or the default one)."""
     gen_device = generator.device if generator is not None else torch.device(device)
@@ -70,13 +62,13 @@ def _randomness(device, uniforms, philox_seed_offset, generator):
     return uniforms, philox_seed_offset
 
 
-def _raise_device_codes(num_accepted: torch.Tensor, op: str) -> None:
+def _raise_device_codes(num_accepted: torch.Tensor, op: str, logits: bool = False) -> None:
     """CUDA kernels cannot raise: they write a negative code into num_accepted. Check it when we may sync."""
     if num_accepted.device.type != "cuda" or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return
     bad = num_accepted.min()
     if int(bad) < 0:
-        raise ValueError(f"{op}: {_CODES.get(int(bad), 'invalid input')}")
+        raise ValueError(f"{op}: {errors.message(int(bad), logits)}")
 
 
 def chain_verify(
@@ -88,6 +80,7 @@ def chain_verify(
     uniforms: Optional[torch.Tensor] = None,
     philox_seed_offset: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused chain verification: rejection sampling, residual resampling and bonus token, in one op.
 
@@ -99,14 +92,23 @@ def chain_verify(
             candidates (ragged batch); n_b = 0 samples just the bonus token from p_0.
         uniforms / philox_seed_offset / generator: randomness, see the module docstring; uniforms is
             float32 ``[B, K+1]`` in (0, 1].
+        validate: check every row the op may read (target rows 0..n_b, draft rows 0..n_b - 1) in full,
+            for debugging; by default (see "Checked" below) an accepted candidate's rows are read, and
+            checked, only at its token.
 
     Returns:
         ``(output_token_ids [B, K+1] int64, num_accepted [B] int64)``: row b holds its accepted prefix
         (num_accepted[b] tokens), then the residual or bonus token, then -1 padding.
 
+    Checked: the rows read in full (p and q at a rejection, p for the bonus token) must be finite, >= 0
+    and sum to 1 within 1e-3 (float32), 1e-2 (float16) or 2e-2 (bfloat16): unnormalised rows are refused,
+    not renormalised, since the acceptance test min(1, p/q) would be wrong for them; at an accepted
+    candidate, p(x) and q(x) must be finite and >= 0. A candidate with p(x) = 0 is never accepted.
+
     Raises:
         ValueError: wrong shapes, vocabulary mismatch, K = 0, n_b outside [0, K], devices that differ,
-            NaN/Inf/negative probabilities or out-of-range ids in the rows read, uniforms outside (0, 1].
+            a checked row or value that is NaN/Inf/negative or does not sum to 1, out-of-range ids,
+            uniforms outside (0, 1] (messages: ``specdec_ext.errors``, the same on CPU and CUDA).
         TypeError: unsupported dtypes.
 
     Sums are accumulated in float64 (probabilities are read as float32).
@@ -114,9 +116,9 @@ def chain_verify(
     uniforms, philox_seed_offset = _randomness(target_probs.device, uniforms, philox_seed_offset, generator)
     if not HAS_EXTENSION:
         return reference.chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens, uniforms,
-                                      philox_seed_offset)
+                                      philox_seed_offset, validate)
     out, num = torch.ops.specdec_ext.chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens,
-                                                  uniforms, philox_seed_offset)
+                                                  uniforms, philox_seed_offset, validate)
     _raise_device_codes(num, "chain_verify")
     return out, num
 
@@ -131,6 +133,7 @@ def chain_verify_logits(
     uniforms: Optional[torch.Tensor] = None,
     philox_seed_offset: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain verification from logits with the softmax fused in (no [B, K+1, V] probabilities written).
 
@@ -143,18 +146,22 @@ def chain_verify_logits(
         draft_token_ids: ``[B, K]`` int32/int64.
         draft_logits: ``[B, K, V]`` float32/bfloat16/float16.
         target_logits: ``[B, K+1, V]``, same dtype.
-        temperature: ``[B]`` float32, >= 0.
-        num_draft_tokens, uniforms, philox_seed_offset, generator: as in :func:`chain_verify`.
+        temperature: ``[B]`` float32: 0 (greedy) or >= 1e-6 (``errors.MIN_TEMPERATURE``; float32 cannot
+            sample at a smaller one, which is refused rather than silently treated as greedy).
+        num_draft_tokens, uniforms, philox_seed_offset, generator, validate: as in :func:`chain_verify`.
 
-    Returns / Raises: as :func:`chain_verify` (NaN/Inf logits raise ValueError).
+    Logits may be ``-inf`` (masked tokens: top-k, top-p, grammars); NaN and ``+inf`` are refused, and so is
+    a row that is ``-inf`` everywhere. The softmax is computed as exp((x - max) / T), stable at any allowed T.
+
+    Returns / Raises: as :func:`chain_verify`.
     """
     uniforms, philox_seed_offset = _randomness(target_logits.device, uniforms, philox_seed_offset, generator)
     if not HAS_EXTENSION:
         return reference.chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature,
-                                             num_draft_tokens, uniforms, philox_seed_offset)
+                                             num_draft_tokens, uniforms, philox_seed_offset, validate)
     out, num = torch.ops.specdec_ext.chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature,
-                                                         num_draft_tokens, uniforms, philox_seed_offset)
-    _raise_device_codes(num, "chain_verify_logits")
+                                                         num_draft_tokens, uniforms, philox_seed_offset, validate)
+    _raise_device_codes(num, "chain_verify_logits", logits=True)
     return out, num
 
 
@@ -177,6 +184,8 @@ def residual_sample(
         ``[B]`` int64 token ids. When the residual mass Z is 0 (p = q up to rounding) the draw is from p.
         Never an id with zero target mass.
 
+    Both rows are read in full and checked as :func:`chain_verify` checks the rows it reads in full.
+
     Raises:
         ValueError / TypeError: as :func:`chain_verify`.
     """
@@ -188,31 +197,42 @@ def residual_sample(
     return out
 
 
+_HEAD_NAN = ("acceptance_head_step: a row gives a NaN or Inf acceptance probability or running product "
+             "(hidden, features or cum_accept hold a NaN or Inf); a NaN would silently disable the stop rule")
+
+
 def acceptance_head_step(
-    hidden: torch.Tensor,
+    hidden: Optional[torch.Tensor],
+    features: Optional[torch.Tensor],
+    feature_weight: Optional[torch.Tensor],
+    feature_bias: Optional[torch.Tensor],
     block_weight: torch.Tensor,
     block_bias: torch.Tensor,
     out_weight: torch.Tensor,
     out_bias: torch.Tensor,
     cum_accept: torch.Tensor,
-    step: int,
+    candidate_length: int,
     k_min: int,
     k_max: int,
     threshold: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One SpecDec++ drafting step of the acceptance head, fused (Huang et al. 2024, Sec. 3.2).
+    """One SpecDec++ drafting step of the acceptance head, fused (Huang et al. 2024, Sec. 3.2, Eq. 4).
 
     Computes the head's acceptance probability p_hat = sigmoid(w_out . x_L + b_out), where
-    x_0 = hidden and x_l = x_{l-1} + SiLU(W_l x_{l-1} + b_l); updates ``cum_accept *= p_hat`` in
-    place; and decides stop = step >= K_max or (step >= K_min and 1 - cum_accept > h).
+    x_0 = hidden + W_f features + b_f and x_l = x_{l-1} + SiLU(W_l x_{l-1} + b_l); updates
+    ``cum_accept *= p_hat`` in place; and decides
+    stop = K >= K_max or (K >= K_min and 1 - cum_accept > h), with K = ``candidate_length``.
 
     Args:
-        hidden: ``[B, H]`` float32/bfloat16/float16, the draft's last hidden state at the candidate.
+        hidden: ``[B, H]`` float32/bfloat16/float16, a draft hidden state (which one depends on the head:
+            :class:`~specdec_ext.head.AcceptanceHead`), or None for a head that reads only ``features``.
+        features: ``[B, F]`` float32 draft-confidence features (``head.confidence_features``), or None.
+        feature_weight: ``[H, F]`` float32 and feature_bias ``[H]`` float32 (None without features); the
+            features' normalisation is folded into them (:meth:`AcceptanceHead.fused_weights`).
         block_weight: ``[L, H, H]`` float32 (out, in); block_bias: ``[L, H]`` float32.
-        out_weight: ``[H]`` float32; out_bias: ``[1]`` float32.
+        out_weight: ``[H]`` float32 (H, the head's width, is its length); out_bias: ``[1]`` float32.
         cum_accept: ``[B]`` float32, running product of p_hat over this round's candidates, updated in place.
-        step: the round's candidate length K if drafting stopped now (>= 1); the engine passes the
-            candidates scored so far plus one (see :class:`~specdec_ext.policies.SpecDecPP`).
+        candidate_length: the round's candidate length K if drafting stopped after this step (>= 1).
         k_min, k_max: candidate-length bounds, 1 <= k_min <= k_max (paper: [2, 20]).
         threshold: stop threshold h in [0, 1] (paper: 0.3 or 0.7).
 
@@ -220,28 +240,35 @@ def acceptance_head_step(
         ``(p_accept [B] float32, stop [B] bool)``.
 
     Raises:
-        ValueError: shape mismatch (e.g. weights for another hidden size), bad bounds or threshold.
+        ValueError: shape mismatch (e.g. a head for another hidden size), bad bounds or threshold, neither
+            hidden nor features, or a row whose p_hat or running product is NaN/Inf (NaN in hidden,
+            features or cum_accept); on CUDA that row gets p_accept = NaN and stop = True, and the error
+            is raised when the call may synchronise (not under graph capture or compilation).
         TypeError: unsupported dtypes.
     """
+    args = (hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias,
+            cum_accept, candidate_length, k_min, k_max, threshold)
     if not HAS_EXTENSION:
-        return reference.acceptance_head_step(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept,
-                                              step, k_min, k_max, threshold)
-    return torch.ops.specdec_ext.acceptance_head_step(hidden, block_weight, block_bias, out_weight, out_bias,
-                                                      cum_accept, step, k_min, k_max, threshold)
+        return reference.acceptance_head_step(*args)
+    p, stop = torch.ops.specdec_ext.acceptance_head_step(*args)
+    if p.device.type == "cuda" and not (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()):
+        if bool(torch.isnan(p).any()):
+            raise ValueError(_HEAD_NAN)
+    return p, stop
 
 
 if HAS_EXTENSION:
 
     @torch.library.register_fake("specdec_ext::chain_verify")
     def _chain_verify_fake(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,
-                           philox_seed_offset=None):
+                           philox_seed_offset=None, validate=False):
         B, K, _ = checks.verify_shapes(draft_token_ids, draft_probs, target_probs, num_draft_tokens, None, uniforms,
                                        philox_seed_offset, logits=False)
         return (target_probs.new_empty((B, K + 1), dtype=torch.int64), target_probs.new_empty((B,), dtype=torch.int64))
 
     @torch.library.register_fake("specdec_ext::chain_verify_logits")
     def _chain_verify_logits_fake(draft_token_ids, draft_logits, target_logits, temperature, num_draft_tokens=None,
-                                  uniforms=None, philox_seed_offset=None):
+                                  uniforms=None, philox_seed_offset=None, validate=False):
         B, K, _ = checks.verify_shapes(draft_token_ids, draft_logits, target_logits, num_draft_tokens, temperature,
                                        uniforms, philox_seed_offset, logits=True)
         return (target_logits.new_empty((B, K + 1), dtype=torch.int64),
@@ -253,8 +280,8 @@ if HAS_EXTENSION:
         return target_probs.new_empty((B,), dtype=torch.int64)
 
     @torch.library.register_fake("specdec_ext::acceptance_head_step")
-    def _acceptance_head_step_fake(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min,
-                                   k_max, threshold):
-        B, _ = checks.head_shapes(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min,
-                                  k_max, threshold)
-        return hidden.new_empty((B,), dtype=torch.float32), hidden.new_empty((B,), dtype=torch.bool)
+    def _acceptance_head_step_fake(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
+                                   out_bias, cum_accept, candidate_length, k_min, k_max, threshold):
+        B, _ = checks.head_shapes(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
+                                  out_bias, cum_accept, candidate_length, k_min, k_max, threshold)
+        return out_weight.new_empty((B,), dtype=torch.float32), out_weight.new_empty((B,), dtype=torch.bool)

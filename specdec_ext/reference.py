@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks
+from . import checks, errors
 
 _M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
 _MASK = 0xFFFFFFFF
@@ -76,85 +76,136 @@ def inverse_cdf(mass: torch.Tensor, u: float) -> int:
     return int(nz[-1].item()) if nz.numel() else -1
 
 
-def _check_row(x: torch.Tensor, name: str, op: str) -> None:
+def _raise(op: str, code: int, logits: bool = False):
+    raise ValueError(f"{op}: {errors.message(code, logits)}")
+
+
+def _tolerance(t: torch.Tensor) -> float:
+    return errors.SUM_TOLERANCE[str(t.dtype).replace("torch.", "")]
+
+
+def _check_value(x: torch.Tensor, code: int, op: str) -> None:
+    """A probability read at one token: finite and >= 0."""
     if not bool(torch.isfinite(x).all()) or bool((x < 0).any()):
-        raise ValueError(f"{op}: {name} has a NaN, Inf or negative value in a row it reads")
+        _raise(op, code)
 
 
-def residual_or_target(p: torch.Tensor, q: torch.Tensor, u: float, op: str = "residual_sample") -> int:
+def _check_prob_row(x: torch.Tensor, bad: int, sum_code: int, op: str, tol: float) -> None:
+    """A probability row read in full: finite, >= 0, summing to 1 within ``tol`` (0: kZeroMass)."""
+    xf = x.float()
+    if not bool(torch.isfinite(xf).all()) or bool((xf < 0).any()):
+        _raise(op, bad)
+    s = xf.double().sum().item()
+    if s == 0.0:
+        _raise(op, _ZERO)
+    if abs(s - 1.0) > tol:
+        _raise(op, sum_code)
+
+
+_C = {name: code for name, code, _, _ in errors.ERRORS}
+_DRAFT, _TARGET, _TOKEN, _UNIFORM, _ZERO = _C["kInvalidDraft"], _C["kInvalidTarget"], _C["kInvalidTokenId"], \
+    _C["kInvalidUniform"], _C["kZeroMass"]
+_NUM, _DSUM, _TSUM, _DMASK, _TMASK, _TEMP = _C["kInvalidNumDraft"], _C["kDraftSum"], _C["kTargetSum"], \
+    _C["kMaskedDraft"], _C["kMaskedTarget"], _C["kInvalidTemperature"]
+
+
+def residual_or_target(p: torch.Tensor, q: torch.Tensor, u: float, op: str = "residual_sample", tol: float = 1e-3) -> int:
     """Sample from norm(max(0, p - q)) by inverse CDF; from p when the residual mass Z is 0."""
+    _check_prob_row(p, _TARGET, _TSUM, op, tol)
+    _check_prob_row(q, _DRAFT, _DSUM, op, tol)
     p, q = p.float(), q.float()
-    _check_row(p, "target_probs", op)
-    _check_row(q, "draft_probs", op)
     residual = (p - q).clamp_min(0.0)
     mass = residual if residual.double().sum().item() > 0 else p
     j = inverse_cdf(mass, u)
     if j < 0:
-        raise ValueError(f"{op}: every target and draft mass is zero in a row (target_probs sums to 0)")
+        _raise(op, _ZERO)
     return j
 
 
 def _check_u(u: float, op: str) -> float:
     if not 0.0 < u <= 1.0:
-        raise ValueError(f"{op}: uniforms must lie in (0, 1]")
+        _raise(op, _UNIFORM)
     return u
 
 
+def _accept(u: float, q: torch.Tensor, p: torch.Tensor) -> bool:
+    """The kernels' acceptance test (kernels/common.h): p > 0 and u * q <= p, in float32."""
+    return bool(p > 0) and bool(torch.tensor(u, dtype=torch.float32) * q <= p)
+
+
 def chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,
-                 philox_seed_offset=None):
-    """Reference of ``specdec_ext.ops.chain_verify`` (same arguments, same outputs)."""
+                 philox_seed_offset=None, validate=False):
+    """Reference of ``specdec_ext.ops.chain_verify`` (same arguments, same outputs, same checks)."""
     op = "chain_verify"
     B, K, V = checks.verify_shapes(draft_token_ids, draft_probs, target_probs, num_draft_tokens, None, uniforms,
                                    philox_seed_offset, logits=False)
     u_all = _uniforms(uniforms, philox_seed_offset, B, K + 1)
     ids = draft_token_ids.detach().cpu().long()
     dp, tp = draft_probs.detach().cpu(), target_probs.detach().cpu()
+    tol = _tolerance(target_probs)
     n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
     out = torch.full((B, K + 1), -1, dtype=torch.int64)
     num_acc = torch.zeros(B, dtype=torch.int64)
     for b in range(B):
         n = int(n_all[b])
+        if not 0 <= n <= K:
+            raise ValueError(f"{op}: {errors.message(_NUM)} = [0, {K}], got {n} in row {b}")
+        if validate:
+            for i in range(n + 1):
+                _check_prob_row(tp[b, i], _TARGET, _TSUM, op, tol)
+                if i < n:
+                    _check_prob_row(dp[b, i], _DRAFT, _DSUM, op, tol)
         accepted = 0
         while accepted < n:
             tok = int(ids[b, accepted])
             if not 0 <= tok < V:
-                raise ValueError(f"{op}: draft_token_ids has an id outside [0, V)")
+                _raise(op, _TOKEN)
             q, p = dp[b, accepted, tok].float(), tp[b, accepted, tok].float()
-            _check_row(q.view(1), "draft_probs", op)
-            _check_row(p.view(1), "target_probs", op)
+            _check_value(q, _DRAFT, op)
+            _check_value(p, _TARGET, op)
             u = _check_u(float(u_all[b, accepted]), op)
-            if not bool(torch.tensor(u, dtype=torch.float32) * q <= p):
+            if not _accept(u, q, p):
                 break
             out[b, accepted] = tok
             accepted += 1
         u = _check_u(float(u_all[b, n]), op)
         if accepted < n:
-            extra = residual_or_target(tp[b, accepted], dp[b, accepted], u, op)
+            extra = residual_or_target(tp[b, accepted], dp[b, accepted], u, op, tol)
         else:
-            p = tp[b, n].float()
-            _check_row(p, "target_probs", op)
-            extra = inverse_cdf(p, u)
-            if extra < 0:
-                raise ValueError(f"{op}: every target and draft mass is zero in a row (target_probs sums to 0)")
+            _check_prob_row(tp[b, n], _TARGET, _TSUM, op, tol)
+            extra = inverse_cdf(tp[b, n].float(), u)
         out[b, accepted] = extra
         num_acc[b] = accepted
     dev = target_probs.device
     return out.to(dev), num_acc.to(dev)
 
 
-def _softmax_row(x: torch.Tensor, temperature: float, name: str, op: str) -> torch.Tensor:
+def _softmax_row(x: torch.Tensor, temperature: float, bad: int, masked: int, op: str) -> torch.Tensor:
+    """softmax(x / T) as the kernels compute it: exp((x - max) * (1 / T)) in float32, float64 normaliser.
+    -inf entries are masked tokens; NaN and +inf are invalid; a row that is -inf everywhere is refused."""
     x = x.float()
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{op}: {name} has a NaN or Inf value in a row it reads")
+    if bool(torch.isnan(x).any()) or bool((x == float("inf")).any()):
+        _raise(op, bad, logits=True)
+    m = x.max()
+    if not bool(m > -3.4028234663852886e38):
+        _raise(op, masked, logits=True)
     inv_t = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
-    s = x * inv_t
-    e = torch.exp(s - s.max())
+    e = torch.exp(((x - m) * inv_t).clamp_max(0.0))
     inv_sum = torch.tensor(1.0 / e.double().sum().item(), dtype=torch.float32)
     return e * inv_sum
 
 
+def _greedy_row(x: torch.Tensor, op: str) -> int:
+    x = x.float()
+    if bool(torch.isnan(x).any()) or bool((x == float("inf")).any()):
+        _raise(op, _TARGET, logits=True)
+    if not bool(x.max() > -3.4028234663852886e38):
+        _raise(op, _TMASK, logits=True)
+    return int(torch.argmax(x))
+
+
 def chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature, num_draft_tokens=None,
-                        uniforms=None, philox_seed_offset=None):
+                        uniforms=None, philox_seed_offset=None, validate=False):
     """Reference of ``specdec_ext.ops.chain_verify_logits``; temperature 0 rows verify greedily."""
     op = "chain_verify_logits"
     B, K, V = checks.verify_shapes(draft_token_ids, draft_logits, target_logits, num_draft_tokens, temperature,
@@ -168,14 +219,28 @@ def chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperatur
     num_acc = torch.zeros(B, dtype=torch.int64)
     for b in range(B):
         n, t = int(n_all[b]), float(temps[b])
+        if not 0 <= n <= K:
+            raise ValueError(f"{op}: {errors.message(_NUM, True)} = [0, {K}], got {n} in row {b}")
+        if not (t >= 0.0 and t == t and t != float("inf")):
+            raise ValueError(f"{op}: temperature must be finite and >= 0 (0 means greedy), got {t} in row {b}")
+        if t != 0.0 and bool(torch.tensor(t, dtype=torch.float32) < torch.tensor(errors.MIN_TEMPERATURE, dtype=torch.float32)):
+            raise ValueError(f"{op}: {errors.message(_TEMP, True)}, got {t} in row {b}")
+        if validate:
+            for i in range(n + 1):
+                _softmax_row(tl[b, i], t or 1.0, _TARGET, _TMASK, op)
+                if i < n and t != 0.0:
+                    _softmax_row(dl[b, i], t, _DRAFT, _DMASK, op)
         accepted, extra = 0, -1
         if t == 0.0:
             while True:
-                row = tl[b, accepted].float()
-                if not bool(torch.isfinite(row).all()):
-                    raise ValueError(f"{op}: target_logits has a NaN or Inf value in a row it reads")
-                best = int(torch.argmax(row))
-                if accepted == n or int(ids[b, accepted]) != best:
+                best = _greedy_row(tl[b, accepted], op)
+                if accepted == n:
+                    extra = best
+                    break
+                tok = int(ids[b, accepted])
+                if not 0 <= tok < V:
+                    _raise(op, _TOKEN, True)
+                if tok != best:
                     extra = best
                     break
                 out[b, accepted] = best
@@ -184,11 +249,11 @@ def chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperatur
             while accepted < n:
                 tok = int(ids[b, accepted])
                 if not 0 <= tok < V:
-                    raise ValueError(f"{op}: draft_token_ids has an id outside [0, V)")
-                p = _softmax_row(tl[b, accepted], t, "target_logits", op)
-                q = _softmax_row(dl[b, accepted], t, "draft_logits", op)
+                    _raise(op, _TOKEN, True)
+                p = _softmax_row(tl[b, accepted], t, _TARGET, _TMASK, op)
+                q = _softmax_row(dl[b, accepted], t, _DRAFT, _DMASK, op)
                 u = _check_u(float(u_all[b, accepted]), op)
-                if not bool(torch.tensor(u, dtype=torch.float32) * q[tok] <= p[tok]):
+                if not _accept(u, q[tok], p[tok]):
                     u_final = _check_u(float(u_all[b, n]), op)
                     residual = (p - q).clamp_min(0.0)
                     extra = inverse_cdf(residual if residual.double().sum().item() > 0 else p, u_final)
@@ -197,7 +262,7 @@ def chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperatur
                 accepted += 1
             if accepted == n:
                 u_final = _check_u(float(u_all[b, n]), op)
-                extra = inverse_cdf(_softmax_row(tl[b, n], t, "target_logits", op), u_final)
+                extra = inverse_cdf(_softmax_row(tl[b, n], t, _TARGET, _TMASK, op), u_final)
         out[b, accepted] = extra
         num_acc[b] = accepted
     dev = target_logits.device
@@ -209,33 +274,50 @@ def residual_sample(target_probs, draft_probs, uniforms=None, philox_seed_offset
     B, _ = checks.residual_shapes(target_probs, draft_probs, uniforms, philox_seed_offset)
     u_all = _uniforms(uniforms, philox_seed_offset, B, 1)
     tp, dp = target_probs.detach().cpu(), draft_probs.detach().cpu()
-    out = torch.tensor([residual_or_target(tp[b], dp[b], _check_u(float(u_all[b, 0]), "residual_sample"))
-                        for b in range(B)], dtype=torch.int64)
+    tol = _tolerance(target_probs)
+    out = torch.tensor([residual_or_target(tp[b], dp[b], _check_u(float(u_all[b, 0]), "residual_sample"),
+                                           "residual_sample", tol) for b in range(B)], dtype=torch.int64)
     return out.to(target_probs.device)
 
 
-def specdecpp_stop(cum_accept: torch.Tensor, step: int, k_min: int, k_max: int, threshold: float) -> torch.Tensor:
-    """SpecDec++ stopping rule (Sec. 3.2): stop iff step >= K_max, or step >= K_min and 1 - prod p_hat > h."""
-    if step >= k_max:
+def specdecpp_stop(cum_accept: torch.Tensor, candidate_length: int, k_min: int, k_max: int,
+                   threshold: float) -> torch.Tensor:
+    """SpecDec++ stopping rule (Sec. 3.2, Eq. 4): stop iff K >= K_max, or K >= K_min and 1 - prod p_hat > h,
+    where K = ``candidate_length`` is the round's candidate length if drafting stopped now."""
+    if candidate_length >= k_max:
         return torch.ones_like(cum_accept, dtype=torch.bool)
-    if step < k_min:
+    if candidate_length < k_min:
         return torch.zeros_like(cum_accept, dtype=torch.bool)
     return (1.0 - cum_accept) > threshold
 
 
-def acceptance_head_forward(hidden, block_weight, block_bias, out_weight, out_bias) -> torch.Tensor:
-    """Acceptance logit: L residual blocks x <- x + SiLU(W_l x + b_l), then w_out . x + b_out (float32, [B])."""
-    x = hidden.float()
+def acceptance_head_forward(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
+                            out_bias) -> torch.Tensor:
+    """Acceptance logit (float32, ``[B]``): x_0 = hidden + W_f features + b_f (either part may be None),
+    L residual blocks x <- x + SiLU(W_l x + b_l), then w_out . x + b_out."""
+    B = (hidden if hidden is not None else features).shape[0]
+    x = torch.zeros(B, out_weight.shape[0], dtype=torch.float32, device=out_weight.device)
+    if hidden is not None:
+        x = x + hidden.float()
+    if features is not None:
+        x = x + features @ feature_weight.T + feature_bias
     for w, b in zip(block_weight, block_bias):
         x = x + torch.nn.functional.silu(x @ w.T + b)
     return x @ out_weight + out_bias.reshape(())
 
 
-def acceptance_head_step(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
-                         threshold):
+def acceptance_head_step(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
+                         out_bias, cum_accept, candidate_length, k_min, k_max, threshold):
     """Reference of ``specdec_ext.ops.acceptance_head_step``; updates ``cum_accept`` in place."""
-    checks.head_shapes(hidden, block_weight, block_bias, out_weight, out_bias, cum_accept, step, k_min, k_max,
-                       threshold)
-    p = torch.sigmoid(acceptance_head_forward(hidden, block_weight, block_bias, out_weight, out_bias))
+    checks.head_shapes(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias,
+                       cum_accept, candidate_length, k_min, k_max, threshold)
+    logit = acceptance_head_forward(hidden, features, feature_weight, feature_bias, block_weight, block_bias,
+                                    out_weight, out_bias)
+    p = torch.sigmoid(logit)
     cum_accept.mul_(p)
-    return p, specdecpp_stop(cum_accept, step, k_min, k_max, threshold)
+    bad = ~(torch.isfinite(logit) & torch.isfinite(cum_accept))
+    if bool(bad.any()):
+        raise ValueError(f"acceptance_head_step: row {int(bad.nonzero()[0])} gives a NaN or Inf acceptance probability "
+                         "or running product (hidden, features or cum_accept hold a NaN or Inf); a NaN would silently "
+                         "disable the stop rule")
+    return p, specdecpp_stop(cum_accept, candidate_length, k_min, k_max, threshold)

@@ -50,13 +50,24 @@ def test_residual_and_head_cuda():
     _, q, p, _, u = make_case(40, 1, 3001, seed=2)
     assert torch.equal(ops.residual_sample(*cuda(p[:, 0], q[:, 0]), uniforms=u[:, 0].cuda()).cpu(),
                        ops.residual_sample(p[:, 0], q[:, 0], uniforms=u[:, 0]))
-    hid, w, b, ow, ob = _head(B=9, H=256)
-    c1, c2 = torch.rand(9), None
-    c2 = c1.clone().cuda()
-    p1, s1 = ops.acceptance_head_step(hid, w, b, ow, ob, c1, 2, 2, 20, 0.4)
-    p2, s2 = ops.acceptance_head_step(*cuda(hid, w, b, ow, ob), c2, 2, 2, 20, 0.4)
-    torch.testing.assert_close(p2.cpu(), p1, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(c2.cpu(), c1, rtol=1e-4, atol=1e-5)
+    for F in (0, 3):
+        head = _head(B=9, H=256, F=F)
+        c1 = torch.rand(9)
+        c2 = c1.clone().cuda()
+        p1, s1 = ops.acceptance_head_step(*head, c1, 2, 2, 20, 0.4)
+        p2, s2 = ops.acceptance_head_step(*[t.cuda() if t is not None else None for t in head], c2, 2, 2, 20, 0.4)
+        torch.testing.assert_close(p2.cpu(), p1, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(c2.cpu(), c1, rtol=1e-4, atol=1e-5)
+
+
+def test_cuda_head_nan_raises_and_stops():
+    head = [t.cuda() if t is not None else None for t in _head(B=3, H=64, F=3)]
+    head[0][1, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ops.acceptance_head_step(*head, torch.ones(3, device="cuda"), 2, 1, 20, 0.5)
+    # the raw op (no Python check) marks the row: p = NaN and stop = True
+    p, stop = torch.ops.specdec_ext.acceptance_head_step(*head, torch.ones(3, device="cuda"), 2, 1, 20, 0.5)
+    assert bool(torch.isnan(p[1]).item()) and bool(stop[1].item())
 
 
 def test_cuda_invalid_input_raises():

@@ -131,37 +131,71 @@ def test_residual_falls_back_to_target_when_p_equals_q():
     assert bool((p[torch.arange(20), got] > 0).all())
 
 
-def _head(B=6, H=32, L=3, dtype=torch.float32, seed=0):
+def _head(B=6, H=32, L=3, dtype=torch.float32, seed=0, F=0):
+    """(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, generator=g).to(dtype), torch.randn(L, H, H, generator=g) * 0.2,
-            torch.randn(L, H, generator=g) * 0.1, torch.randn(H, generator=g) * 0.3, torch.randn(1, generator=g))
+    hid = torch.randn(B, H, generator=g).to(dtype)
+    feats = (torch.rand(B, F, generator=g), torch.randn(H, F, generator=g) * 0.5, torch.randn(H, generator=g) * 0.1) \
+        if F else (None, None, None)
+    return (hid, *feats, torch.randn(L, H, H, generator=g) * 0.2, torch.randn(L, H, generator=g) * 0.1,
+            torch.randn(H, generator=g) * 0.3, torch.randn(1, generator=g))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("L", [0, 1, 3])
-def test_acceptance_head_step_matches_reference(dtype, L):
-    hid, w, b, ow, ob = _head(L=L, dtype=dtype)
-    c1 = torch.rand(hid.shape[0])
+@pytest.mark.parametrize("inputs", ["hidden", "hidden+features", "features"])
+def test_acceptance_head_step_matches_reference(dtype, L, inputs):
+    args = list(_head(L=L, dtype=dtype, F=0 if inputs == "hidden" else 3))
+    if inputs == "features":
+        args[0] = None
+    c1 = torch.rand(6)
     c2 = c1.clone()
-    p1, s1 = ops.acceptance_head_step(hid, w, b, ow, ob, c1, 3, 2, 20, 0.5)
-    p2, s2 = reference.acceptance_head_step(hid, w, b, ow, ob, c2, 3, 2, 20, 0.5)
+    p1, s1 = ops.acceptance_head_step(*args, c1, 3, 2, 20, 0.5)
+    p2, s2 = reference.acceptance_head_step(*args, c2, 3, 2, 20, 0.5)
     torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(c1, c2, rtol=1e-5, atol=1e-6)
     near = ((1 - c2) - 0.5).abs() < 1e-5
     assert torch.equal(s1[~near], s2[~near])
 
 
+def test_acceptance_head_features_change_the_prediction():
+    # a control for the test above: the features are really read (p differs when they change)
+    args = list(_head(F=3))
+    p1, _ = ops.acceptance_head_step(*args, torch.ones(6), 1, 1, 20, 0.5)
+    args[1] = args[1] + 1.0
+    p2, _ = ops.acceptance_head_step(*args, torch.ones(6), 1, 1, 20, 0.5)
+    assert (p1 - p2).abs().min() > 1e-4
+
+
 def test_stop_rule_bounds():
-    hid, w, b, ow, ob = _head()
-    B = hid.shape[0]
+    head = _head()
+    B = head[0].shape[0]
     # below k_min never stops, at k_max always stops, between follows 1 - prod > h
-    _, stop = ops.acceptance_head_step(hid, w, b, ow, ob, torch.zeros(B), 1, 2, 5, 0.0)
+    _, stop = ops.acceptance_head_step(*head, torch.zeros(B), 1, 2, 5, 0.0)
     assert not bool(stop.any())
-    _, stop = ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(B), 5, 2, 5, 1.0)
+    _, stop = ops.acceptance_head_step(*head, torch.ones(B), 5, 2, 5, 1.0)
     assert bool(stop.all())
     cum = torch.ones(B)
-    p, stop = ops.acceptance_head_step(hid, w, b, ow, ob, cum, 2, 2, 5, 0.3)
+    p, stop = ops.acceptance_head_step(*head, cum, 2, 2, 5, 0.3)
     assert torch.equal(stop, (1 - p) > 0.3)
+
+
+@pytest.mark.parametrize("fn", [ops.acceptance_head_step, reference.acceptance_head_step], ids=["op", "reference"])
+@pytest.mark.parametrize("where", ["hidden", "features", "cum_accept"])
+def test_acceptance_head_nan_input_raises(fn, where):
+    # a NaN p_hat compares false in the stop rule and would silently keep drafting to K_max
+    args = list(_head(B=3, F=3))
+    cum = torch.ones(3)
+    if where == "hidden":
+        args[0] = args[0].clone()
+        args[0][1, 4] = float("nan")
+    elif where == "features":
+        args[1] = args[1].clone()
+        args[1][2, 0] = float("inf")
+    else:
+        cum[0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fn(*args, cum, 2, 1, 20, 0.5)
 
 
 # ----------------------------------------------------------------------------------- opcheck
@@ -173,9 +207,11 @@ def test_opcheck_every_op():
     temp = torch.tensor([0.0, 0.7, 1.0])
     torch.library.opcheck(torch.ops.specdec_ext.chain_verify_logits.default, (ids, q.log(), p.log(), temp, n, u, None))
     torch.library.opcheck(torch.ops.specdec_ext.residual_sample.default, (p[:, 0], q[:, 0], u[:, 0], None))
-    hid, w, b, ow, ob = _head(B=3)
-    torch.library.opcheck(torch.ops.specdec_ext.acceptance_head_step.default,
-                          (hid, w, b, ow, ob, torch.ones(3), 2, 2, 20, 0.5))
+    for F in (0, 3):
+        torch.library.opcheck(torch.ops.specdec_ext.acceptance_head_step.default,
+                              (*_head(B=3, F=F), torch.ones(3), 2, 2, 20, 0.5))
+    features_only = (None, *_head(B=3, F=3)[1:])
+    torch.library.opcheck(torch.ops.specdec_ext.acceptance_head_step.default, (*features_only, torch.ones(3), 2, 2, 20, 0.5))
 
 
 def test_ops_under_torch_compile():
@@ -220,12 +256,19 @@ def _bad_cases():
     yield "residual vocab", lambda: ops.residual_sample(p[:, 0], q[:, 0, :5], uniforms=u[:, 0]), ValueError, "vocabulary mismatch"
     yield "target zero", lambda: ops.chain_verify(ids, q, torch.zeros_like(p), uniforms=u), ValueError, "sums to 0"
     yield "residual zero", lambda: ops.residual_sample(torch.zeros(2, 4), torch.zeros(2, 4), uniforms=u[:, 0]), ValueError, "sums to 0"
-    hid, w, b, ow, ob = _head(B=2, H=8)
-    yield "head hidden size", lambda: ops.acceptance_head_step(torch.randn(2, 16), w, b, ow, ob, torch.ones(2), 1, 2, 20, 0.3), ValueError, "H = 16"
-    yield "head bounds", lambda: ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(2), 1, 5, 2, 0.3), ValueError, "k_min <= k_max"
-    yield "head step", lambda: ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(2), 0, 2, 5, 0.3), ValueError, "step"
-    yield "head threshold", lambda: ops.acceptance_head_step(hid, w, b, ow, ob, torch.ones(2), 1, 2, 5, 1.5), ValueError, "threshold"
-    yield "head dtype", lambda: ops.acceptance_head_step(hid, w.double(), b, ow, ob, torch.ones(2), 1, 2, 5, 0.3), TypeError, "float32"
+    head = _head(B=2, H=8)
+    hid, _, _, _, w, b, ow, ob = head
+    fhead = _head(B=2, H=8, F=3)
+    yield "head hidden size", lambda: ops.acceptance_head_step(torch.randn(2, 16), *head[1:], torch.ones(2), 1, 2, 20, 0.3), ValueError, "H = 8"
+    yield "head bounds", lambda: ops.acceptance_head_step(*head, torch.ones(2), 1, 5, 2, 0.3), ValueError, "k_min <= k_max"
+    yield "head candidate_length", lambda: ops.acceptance_head_step(*head, torch.ones(2), 0, 2, 5, 0.3), ValueError, "candidate_length"
+    yield "head threshold", lambda: ops.acceptance_head_step(*head, torch.ones(2), 1, 2, 5, 1.5), ValueError, "threshold"
+    yield "head dtype", lambda: ops.acceptance_head_step(hid, None, None, None, w.double(), b, ow, ob, torch.ones(2), 1, 2, 5, 0.3), TypeError, "float32"
+    yield "head no input", lambda: ops.acceptance_head_step(None, None, None, None, w, b, ow, ob, torch.ones(2), 1, 2, 5, 0.3), ValueError, "pass hidden [B, H], features [B, F]"
+    yield "head features F", lambda: ops.acceptance_head_step(fhead[0], fhead[1][:, :2], *fhead[2:], torch.ones(2), 1, 2, 5, 0.3), ValueError, "feature_weight must be"
+    yield "head features dtype", lambda: ops.acceptance_head_step(fhead[0], fhead[1].double(), *fhead[2:], torch.ones(2), 1, 2, 5, 0.3), TypeError, "features must be float32"
+    yield "head features no weight", lambda: ops.acceptance_head_step(fhead[0], fhead[1], None, None, *fhead[4:], torch.ones(2), 1, 2, 5, 0.3), ValueError, "need feature_weight"
+    yield "head weight no features", lambda: ops.acceptance_head_step(fhead[0], None, *fhead[2:], torch.ones(2), 1, 2, 5, 0.3), ValueError, "without features"
 
 
 @pytest.mark.parametrize("name,call,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
@@ -277,3 +320,126 @@ def test_fuzz_never_crashes(B, K, V, dtype, seed, poison, ragged, logits):
     assert bool(((num >= 0) & (num <= K)).all())
     for b in range(B):
         assert 0 <= int(out[b, int(num[b])]) < V
+
+
+# ------------------------------------------------------------------ checks of the rows the ops read
+BOTH = [ops.chain_verify, reference.chain_verify]
+BOTH_IDS = ["op", "reference"]
+
+
+@pytest.mark.parametrize("fn", BOTH, ids=BOTH_IDS)
+@pytest.mark.parametrize("which,scale", [("target", 2.0), ("draft", 0.5)])
+def test_unnormalised_rows_are_refused(fn, which, scale):
+    """Rows read in full (residual / bonus) must sum to 1 within the dtype's tolerance: scaled rows would
+    change the acceptance probability min(1, p/q) and so the output distribution."""
+    ids, q, p, _, u = make_case(4, 3, 50, ragged=False)
+    if which == "target":
+        p = p * scale
+    else:
+        q = q * scale
+    with pytest.raises(ValueError, match=f"a {which}_probs row it reads does not sum to 1"):
+        fn(ids, q, p, uniforms=torch.full_like(u, 0.999))  # every candidate rejected: both rows read in full
+
+
+@pytest.mark.parametrize("fn", BOTH, ids=BOTH_IDS)
+def test_validate_checks_rows_read_only_at_a_token(fn):
+    """By default an accepted candidate's rows are read at its token only; validate=True reads them all."""
+    ids, q, p, _, u = make_case(3, 3, 40, ragged=False)
+    p = p.clone()
+    accepted_row = p[:, 0].clone()
+    for b in range(3):  # a NaN in target row 0 away from the candidate, which is accepted (u tiny)
+        j = (int(ids[b, 0]) + 1) % 40
+        accepted_row[b, j] = float("nan")
+    p[:, 0] = accepted_row
+    tiny = torch.full_like(u, 1e-7)
+    out, n = fn(ids, q, p, uniforms=tiny)
+    assert bool((n >= 1).all())
+    with pytest.raises(ValueError, match="target_probs has a NaN"):
+        fn(ids, q, p, uniforms=tiny, validate=True)
+
+
+@pytest.mark.parametrize("fn", BOTH, ids=BOTH_IDS)
+def test_candidate_with_zero_target_mass_is_never_emitted(fn):
+    """p(x) = q(x) = 0 at the candidate: u * 0 <= 0 would accept it; the target gives it no mass."""
+    V = 6
+    q = torch.full((1, 1, V), 1.0 / (V - 1))
+    q[0, 0, 2] = 0.0
+    p = torch.softmax(torch.randn(1, 2, V), -1)
+    p[0, 0, 2] = 0.0
+    p[0, 0] /= p[0, 0].sum()
+    ids = torch.tensor([[2]])
+    for uu in (1e-7, 0.5, 1.0):
+        out, n = fn(ids, q, p, uniforms=torch.full((1, 2), uu))
+        assert int(n[0]) == 0 and int(out[0, 0]) != 2
+
+
+@pytest.mark.parametrize("fn", BOTH, ids=BOTH_IDS)
+def test_nan_or_inf_at_an_accepted_candidate_raises(fn):
+    ids, q, p, _, u = make_case(2, 2, 30, ragged=False)
+    p = p.clone()
+    p[0, 0, int(ids[0, 0])] = float("inf")
+    with pytest.raises(ValueError, match="target_probs has a NaN, Inf or negative"):
+        fn(ids, q, p, uniforms=torch.full_like(u, 1e-7))
+
+
+LOGITS = [ops.chain_verify_logits, reference.chain_verify_logits]
+
+
+@pytest.mark.parametrize("T", [1e-3, 1e-6, 1e-9, 1e-12])
+def test_tiny_temperatures_agree_with_the_reference_and_act_greedy(T):
+    """The softmax is exp((x - max) / T): stable down to the floor; at T far below the logits' gaps the
+    draw is the target's argmax (the greedy answer), on the op and the reference alike."""
+    ids, dl, tl, _, _, u = _logits_case(6, 3, 40, torch.float32, seed=2)
+    temp = torch.full((6,), T)
+    if T < 1e-6:
+        for fn in LOGITS:
+            with pytest.raises(ValueError, match="temperature must be 0 .greedy decoding. or at least 1e-06"):
+                fn(ids, dl, tl, temp, uniforms=u)
+        return
+    got = ops.chain_verify_logits(ids, dl, tl, temp, uniforms=u)
+    want = reference.chain_verify_logits(ids, dl, tl, temp, uniforms=u)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if T <= 1e-6:
+        greedy = ops.chain_verify_logits(ids, dl, tl, torch.zeros(6), uniforms=u)
+        assert torch.equal(got[0], greedy[0])
+
+
+def test_engine_refuses_tiny_temperatures_with_the_same_message():
+    from specdec_ext.engine.sampling import SamplingConfig
+
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy decoding. or at least 1e-06"):
+        SamplingConfig(1e-40)
+    SamplingConfig(1e-6)
+
+
+@pytest.mark.parametrize("fn", LOGITS, ids=BOTH_IDS)
+def test_masked_logits_work_and_fully_masked_rows_are_refused(fn):
+    """-inf is the masking value of top-k / top-p / grammars: masked tokens are never emitted."""
+    ids, dl, tl, temp, n, u = _logits_case(8, 3, 30, torch.float32, seed=4)
+    temp = torch.ones(8)
+    mask = torch.zeros(30, dtype=torch.bool)
+    mask[10:] = True  # only tokens 0..9 allowed
+    dl, tl = dl.masked_fill(mask, float("-inf")), tl.masked_fill(mask, float("-inf"))
+    ids = ids % 10
+    out, num = fn(ids, dl, tl, temp, uniforms=u)
+    emitted = out[out >= 0]
+    assert bool((emitted < 10).all())
+    if fn is ops.chain_verify_logits:
+        want = reference.chain_verify_logits(ids, dl, tl, temp, uniforms=u)
+        assert torch.equal(out, want[0])
+    tl2 = tl.clone()
+    tl2[3, 0] = float("-inf")
+    with pytest.raises(ValueError, match="a target_logits row it reads is -inf everywhere"):
+        fn(ids, dl, tl2, temp, uniforms=torch.full_like(u, 0.999), validate=True)
+    with pytest.raises(ValueError, match="target_logits has a NaN or \\+Inf"):
+        fn(ids, dl, tl.masked_fill(mask, float("inf")), temp, uniforms=u)
+
+
+def test_error_messages_come_from_one_table():
+    """csrc/kernels/errors.h is generated from specdec_ext/errors.py; the committed header must match."""
+    from pathlib import Path
+
+    from specdec_ext import errors
+
+    header = Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "errors.h"
+    assert header.read_text() == errors.header(), "regenerate: python -m specdec_ext.errors > csrc/kernels/errors.h"

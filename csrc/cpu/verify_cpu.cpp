@@ -147,15 +147,15 @@ struct ResidualRow {  // max(0, p - q), Sec. 2 of the SpecDec++ paper / Leviatha
 };
 
 struct SoftmaxStats {
-  float max;     // max_j x_j / T
-  double sum;    // sum_j exp(x_j / T - max)
+  float max;     // max_j x_j (raw logits)
+  double sum;    // sum_j exp((x_j - max) / T)
   float inv_sum; // (float)(1 / sum)
-  bool ok;
+  int64_t code;  // 0, or bad_code (a NaN or +Inf logit) / masked_code (every logit -inf)
 };
 
 // A softmax row whose exps were stored by softmax_stats_store: masses without recomputing exp.
 struct ExpRow {
-  const float* e;  // exp(x_j / T - max)
+  const float* e;  // exp((x_j - max) / T)
   float inv_sum;
   float mass(int64_t j) const { return e[j] * inv_sum; }
 };
@@ -165,23 +165,26 @@ struct ExpResidualRow {  // max(0, p - q) from two stored rows
   float mass(int64_t j) const { return std::max(p.mass(j) - q.mass(j), 0.0f); }
 };
 
-// softmax_stats that also stores e_j = exp(x_j / T - max) into `e` (a per-thread scratch row).
+// Logits may be -inf (masked tokens: top-k, top-p, grammars); NaN and +Inf are invalid.
+inline bool logit_ok(float v) { return v <= 3.4028234663852886e38f; }
+
+// softmax_stats that also stores e_j = exp((x_j - max) / T) into `e` (a per-thread scratch row).
+// Written as (x - max) * (1 / T), never x / T - max / T: no multiply-add for the compiler to contract
+// into an FMA, whose unrounded product would make the maximum's argument a positive rounding error
+// (at T = 1e-12 about 6e4) instead of 0. Every argument is <= 0.
 template <typename T>
-SoftmaxStats softmax_stats_store(const T* x, int64_t V, float inv_t, float* e) {
+SoftmaxStats softmax_stats_store(const T* x, int64_t V, float inv_t, float* e, int64_t bad_code, int64_t masked_code) {
   bool ok = true;
   const float m = max_f32(
-      V, [&](int64_t j) { return ld(x, j) * inv_t; },
-      [&](int64_t j) {
-        const float v = ld(x, j);
-        return v >= -3.4028234663852886e38f && v <= 3.4028234663852886e38f;
-      },
-      &ok);
+      V, [&](int64_t j) { return ld(x, j); }, [&](int64_t j) { return logit_ok(ld(x, j)); }, &ok);
+  if (!ok) return {m, 0.0, 0.0f, bad_code};
+  if (!(m > -3.4028234663852886e38f)) return {m, 0.0, 0.0f, masked_code};
   const double sum = sum_blocked_f32(V, [&](int64_t j) {
-    const float v = exp_nonpos(ld(x, j) * inv_t - m);
+    const float v = exp_nonpos(std::min((ld(x, j) - m) * inv_t, 0.0f));
     e[j] = v;
     return v;
   });
-  return {m, sum, static_cast<float>(1.0 / sum), ok};
+  return {m, sum, static_cast<float>(1.0 / sum), 0};
 }
 
 // Two scratch rows of V floats per thread, kept between calls (grown on demand).
@@ -225,17 +228,27 @@ int64_t sample_row(const Row& row, int64_t V, float u) {
   return inverse_cdf(row, V, static_cast<double>(u) * total_mass(row, V));
 }
 
+// One pass over a probability row read in full: 0 if every entry is finite and >= 0 and the row sums
+// to 1 within `tol`; else bad_code (NaN/Inf/negative: mapped to NaN, which poisons the sum), kZeroMass
+// (sums to 0) or sum_code.
 template <typename T>
-bool row_valid(const T* p, int64_t V) {
-  return all_of(V, [&](int64_t j) { return valid_prob(ld(p, j)); });
+int64_t check_prob_row(const T* p, int64_t V, float tol, int64_t bad_code, int64_t sum_code) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const double s = sum_f64(0, V, [&](int64_t j) {
+    const float v = ld(p, j);
+    return valid_prob(v) ? v : nan;
+  });
+  if (!(s - s == 0.0)) return bad_code;
+  if (s == 0.0) return kZeroMass;
+  return std::fabs(s - 1.0) <= tol ? 0 : sum_code;
 }
 
 // Residual sample at a rejection, or from p when Z = 0 (p = q up to rounding). Returns an
 // InvalidInput code (< 0) when an input row is invalid.
 template <typename T>
-int64_t residual_or_target(const T* p, const T* q, int64_t V, float u) {
-  if (!row_valid(p, V)) return kInvalidTargetProbs;
-  if (!row_valid(q, V)) return kInvalidDraftProbs;
+int64_t residual_or_target(const T* p, const T* q, int64_t V, float u, float tol) {
+  if (const int64_t c = check_prob_row(p, V, tol, kInvalidTarget, kTargetSum)) return c;
+  if (const int64_t c = check_prob_row(q, V, tol, kInvalidDraft, kDraftSum)) return c;
   ResidualRow<T> res{p, q};
   const double z = total_mass(res, V);
   if (z > 0.0) return inverse_cdf(res, V, static_cast<double>(u) * z);
@@ -243,28 +256,24 @@ int64_t residual_or_target(const T* p, const T* q, int64_t V, float u) {
   return sample_row(pr, V, u);
 }
 
-inline void check_code(int64_t code, const char* what) {
-  TORCH_CHECK_VALUE(code != kInvalidDraftProbs, what, ": draft_probs has a NaN, Inf or negative value in a row it reads");
-  TORCH_CHECK_VALUE(code != kInvalidTargetProbs, what, ": target_probs has a NaN, Inf or negative value in a row it reads");
-  TORCH_CHECK_VALUE(code != kInvalidTokenId, what, ": draft_token_ids has an id outside [0, V)");
-  TORCH_CHECK_VALUE(code != kInvalidUniform, what, ": uniforms must lie in (0, 1]");
-  TORCH_CHECK_VALUE(code >= 0, what, ": every target and draft mass is zero in a row (target_probs sums to 0)");
+inline void check_code(int64_t code, const char* what, bool logits) {
+  TORCH_CHECK_VALUE(code >= 0, what, ": ", error_message(code, logits));
 }
 
 inline bool uniform_ok(float u) { return u > 0.0f && u <= 1.0f; }
 
 template <typename T>
-int64_t greedy_argmax(const T* x, int64_t V, bool* ok) {
-  // First index of the maximum (torch.argmax's convention); NaN/Inf flagged.
+int64_t greedy_argmax(const T* x, int64_t V, int64_t* code) {
+  // First index of the maximum (torch.argmax's convention); NaN/+Inf and fully masked rows flagged.
   int64_t best = 0;
   float bv = ld(x, 0);
   bool good = true;
   for (int64_t j = 0; j < V; ++j) {
     const float v = ld(x, j);
-    good &= (v >= -3.4028234663852886e38f && v <= 3.4028234663852886e38f);
+    good &= logit_ok(v);
     if (v > bv) { bv = v; best = j; }
   }
-  *ok = good;
+  *code = !good ? int64_t(kInvalidTarget) : (bv > -3.4028234663852886e38f ? 0 : int64_t(kMaskedTarget));
   return best;
 }
 
@@ -288,7 +297,7 @@ int64_t verify_rows(const VerifyArgs& a, F&& row) {
       int64_t* out = a.out_ids + b * (a.k + 1);
       std::fill(out, out + a.k + 1, int64_t(-1));
       RowResult r = row(b, n, out);
-      if (r.code == 0 && r.extra < 0) r.code = r.extra;  // -1: every mass zero; < -1: an InvalidInput code
+      if (r.code == 0 && r.extra < 0) r.code = r.extra == -1 ? int64_t(kZeroMass) : r.extra;  // -1: every mass zero
       if (r.code != 0) {
         int64_t zero = 0;
         error.compare_exchange_strong(zero, r.code);
@@ -306,17 +315,28 @@ static void chain_verify_impl(const VerifyArgs& args) {
   VerifyArgs a = args;
   a.rng = args.rng.resolve();
   const int64_t K = a.k, V = a.vocab;
+  const float tol = sum_tolerance(a.dtype);
   const T* dp = static_cast<const T*>(a.draft);
   const T* tp = static_cast<const T*>(a.target);
   const int64_t error = verify_rows(a, [&](int64_t b, int64_t n, int64_t* out) {
     RowResult r;
-    for (; r.accepted < n; ++r.accepted) {
+    if (n < 0 || n > K) return RowResult{0, -1, kInvalidNumDraft};
+    if (a.validate) {  // every row the op may read, in full
+      for (int64_t i = 0; i <= n; ++i) {
+        if (const int64_t c = check_prob_row(tp + (b * (K + 1) + i) * V, V, tol, kInvalidTarget, kTargetSum))
+          return RowResult{0, -1, c};
+        if (i < n)
+          if (const int64_t c = check_prob_row(dp + (b * K + i) * V, V, tol, kInvalidDraft, kDraftSum))
+            return RowResult{0, -1, c};
+      }
+    }
+    for (; r.accepted < n; ++r.accepted) {  // an accepted candidate's rows are read at its token only
       const int64_t tok = a.ids[b * K + r.accepted];
       if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
       const float q = ld(dp + (b * K + r.accepted) * V, tok);
       const float p = ld(tp + (b * (K + 1) + r.accepted) * V, tok);
-      if (!valid_prob(q)) return RowResult{0, -1, kInvalidDraftProbs};
-      if (!valid_prob(p)) return RowResult{0, -1, kInvalidTargetProbs};
+      if (!valid_prob(q)) return RowResult{0, -1, kInvalidDraft};
+      if (!valid_prob(p)) return RowResult{0, -1, kInvalidTarget};
       const float u = a.rng.at(b, r.accepted);
       if (!uniform_ok(u)) return RowResult{0, -1, kInvalidUniform};
       if (!accept_candidate(u, q, p)) break;
@@ -324,15 +344,16 @@ static void chain_verify_impl(const VerifyArgs& args) {
     }
     const float u = a.rng.at(b, n);
     if (!uniform_ok(u)) return RowResult{0, -1, kInvalidUniform};
-    if (r.accepted < n) {  // rejection: residual distribution norm(max(0, p - q))
-      r.extra = residual_or_target(tp + (b * (K + 1) + r.accepted) * V, dp + (b * K + r.accepted) * V, V, u);
+    if (r.accepted < n) {  // rejection: residual distribution norm(max(0, p - q)); both rows read in full
+      r.extra = residual_or_target(tp + (b * (K + 1) + r.accepted) * V, dp + (b * K + r.accepted) * V, V, u, tol);
     } else {  // every candidate accepted: bonus token from the target's next distribution
       const T* p = tp + (b * (K + 1) + n) * V;
-      r.extra = row_valid(p, V) ? sample_row(ProbRow<T>{p}, V, u) : int64_t(kInvalidTargetProbs);
+      const int64_t c = check_prob_row(p, V, tol, kInvalidTarget, kTargetSum);
+      r.extra = c == 0 ? sample_row(ProbRow<T>{p}, V, u) : c;
     }
     return r;
   });
-  if (error != 0) check_code(error, "chain_verify");
+  if (error != 0) check_code(error, "chain_verify", false);
 }
 
 template <typename T>
@@ -344,12 +365,27 @@ static void chain_verify_logits_impl(const VerifyArgs& args) {
   const T* tl = static_cast<const T*>(a.target);
   const int64_t error = verify_rows(a, [&](int64_t b, int64_t n, int64_t* out) {
     RowResult r;
+    if (n < 0 || n > K) return RowResult{0, -1, kInvalidNumDraft};
     const float temp = a.temperature[b];
+    if (temp != 0.0f && !(temp >= kMinTemperature && logit_ok(temp))) return RowResult{0, -1, kInvalidTemperature};
+    if (a.validate) {  // every row the op may read, in full
+      float* scratch = scratch_rows(V);
+      for (int64_t i = 0; i <= n; ++i) {
+        const float inv = temp == 0.0f ? 1.0f : 1.0f / temp;
+        if (const int64_t c = softmax_stats_store(tl + (b * (K + 1) + i) * V, V, inv, scratch, kInvalidTarget,
+                                                  kMaskedTarget).code)
+          return RowResult{0, -1, c};
+        if (i < n && temp != 0.0f)
+          if (const int64_t c = softmax_stats_store(dl + (b * K + i) * V, V, inv, scratch, kInvalidDraft,
+                                                    kMaskedDraft).code)
+            return RowResult{0, -1, c};
+      }
+    }
     if (temp == 0.0f) {  // greedy verification: accept iff the candidate is the target's argmax
       for (;; ++r.accepted) {
-        bool ok = true;
-        const int64_t best = greedy_argmax(tl + (b * (K + 1) + r.accepted) * V, V, &ok);
-        if (!ok) return RowResult{0, -1, kInvalidTargetProbs};
+        int64_t code = 0;
+        const int64_t best = greedy_argmax(tl + (b * (K + 1) + r.accepted) * V, V, &code);
+        if (code != 0) return RowResult{0, -1, code};
         if (r.accepted == n) { r.extra = best; return r; }
         const int64_t tok = a.ids[b * K + r.accepted];
         if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
@@ -363,10 +399,12 @@ static void chain_verify_logits_impl(const VerifyArgs& args) {
     for (; r.accepted < n; ++r.accepted) {
       const int64_t tok = a.ids[b * K + r.accepted];
       if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
-      const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + r.accepted) * V, V, inv_t, et);
-      const SoftmaxStats sd = softmax_stats_store(dl + (b * K + r.accepted) * V, V, inv_t, ed);
-      if (!st.ok) return RowResult{0, -1, kInvalidTargetProbs};
-      if (!sd.ok) return RowResult{0, -1, kInvalidDraftProbs};
+      const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + r.accepted) * V, V, inv_t, et, kInvalidTarget,
+                                                  kMaskedTarget);
+      if (st.code != 0) return RowResult{0, -1, st.code};
+      const SoftmaxStats sd = softmax_stats_store(dl + (b * K + r.accepted) * V, V, inv_t, ed, kInvalidDraft,
+                                                  kMaskedDraft);
+      if (sd.code != 0) return RowResult{0, -1, sd.code};
       const ExpRow p{et, st.inv_sum}, q{ed, sd.inv_sum};
       const float u = a.rng.at(b, r.accepted);
       if (!uniform_ok(u)) return RowResult{0, -1, kInvalidUniform};
@@ -382,14 +420,13 @@ static void chain_verify_logits_impl(const VerifyArgs& args) {
     }
     const float u_final = a.rng.at(b, n);
     if (!uniform_ok(u_final)) return RowResult{0, -1, kInvalidUniform};
-    const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + n) * V, V, inv_t, et);
-    if (!st.ok) return RowResult{0, -1, kInvalidTargetProbs};
+    const SoftmaxStats st = softmax_stats_store(tl + (b * (K + 1) + n) * V, V, inv_t, et, kInvalidTarget,
+                                                kMaskedTarget);
+    if (st.code != 0) return RowResult{0, -1, st.code};
     r.extra = sample_row(ExpRow{et, st.inv_sum}, V, u_final);
     return r;
   });
-  TORCH_CHECK_VALUE(error != kInvalidTargetProbs, "chain_verify_logits: target_logits has a NaN or Inf value in a row it reads");
-  TORCH_CHECK_VALUE(error != kInvalidDraftProbs, "chain_verify_logits: draft_logits has a NaN or Inf value in a row it reads");
-  if (error != 0) check_code(error, "chain_verify_logits");
+  if (error != 0) check_code(error, "chain_verify_logits", true);
 }
 
 template <typename T>
@@ -402,7 +439,9 @@ static void residual_sample_impl(const ResidualArgs& args) {
   at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float u = a.rng.at(b, 0);
-      int64_t r = uniform_ok(u) ? residual_or_target(tp + b * a.vocab, dp + b * a.vocab, a.vocab, u) : int64_t(kInvalidUniform);
+      int64_t r = uniform_ok(u) ? residual_or_target(tp + b * a.vocab, dp + b * a.vocab, a.vocab, u, sum_tolerance(a.dtype))
+                                : int64_t(kInvalidUniform);
+      if (r == -1) r = kZeroMass;
       if (r < 0) {
         int64_t zero = 0;
         error.compare_exchange_strong(zero, r);
@@ -411,7 +450,7 @@ static void residual_sample_impl(const ResidualArgs& args) {
       a.out[b] = r;
     }
   });
-  if (error.load() != 0) check_code(error.load(), "residual_sample");
+  if (error.load() != 0) check_code(error.load(), "residual_sample", false);
 }
 
 #define SPECDEC_DISPATCH(dtype, FN, ARGS)                                            \
@@ -425,16 +464,31 @@ void chain_verify(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_
 void chain_verify_logits(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_logits_impl, a); }
 void residual_sample(const ResidualArgs& a) { SPECDEC_DISPATCH(a.dtype, residual_sample_impl, a); }
 
-// SpecDec++ acceptance-head step (Sec. 3.2): L residual blocks x <- x + SiLU(W_l x + b_l), an
-// output layer to the acceptance logit, the sigmoid, the running product, the stopping rule.
+// SpecDec++ acceptance-head step (Sec. 3.2): the input x_0 = hidden + W_f features + b_f, L residual
+// blocks x <- x + SiLU(W_l x + b_l), an output layer to the acceptance logit, the sigmoid, the running
+// product, the stopping rule. A row whose p_hat or running product is not finite raises (a NaN would
+// otherwise compare false in the stopping rule and silently disable it).
 template <typename T>
 static void head_step_impl(const HeadArgs& a) {
-  const int64_t H = a.hidden_size;
+  const int64_t H = a.hidden_size, F = a.num_features;
+  std::atomic<int64_t> bad_row{-1};
   at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> x(H), y(H);
     for (int64_t b = begin; b < end; ++b) {
-      const T* h = static_cast<const T*>(a.hidden) + b * H;
-      for (int64_t j = 0; j < H; ++j) x[j] = static_cast<float>(h[j]);
+      if (a.hidden != nullptr) {
+        const T* h = static_cast<const T*>(a.hidden) + b * H;
+        for (int64_t j = 0; j < H; ++j) x[j] = static_cast<float>(h[j]);
+      } else {
+        std::fill(x.begin(), x.end(), 0.0f);
+      }
+      if (F > 0) {
+        const float* f = a.features + b * F;
+        for (int64_t i = 0; i < H; ++i) {
+          float acc = a.feature_bias[i];
+          for (int64_t j = 0; j < F; ++j) acc += a.feature_weight[i * F + j] * f[j];
+          x[i] += acc;
+        }
+      }
       for (int64_t l = 0; l < a.num_layers; ++l) {
         const float* W = a.block_weight + l * H * H;
         const float* bias = a.block_bias + l * H;
@@ -452,11 +506,19 @@ static void head_step_impl(const HeadArgs& a) {
 #pragma omp simd reduction(+ : logit)
       for (int64_t j = 0; j < H; ++j) logit += a.out_weight[j] * x[j];
       const float p = 1.0f / (1.0f + std::exp(-logit));
+      const float c = a.cum_accept[b] * p;
       a.p_accept[b] = p;
-      a.cum_accept[b] *= p;
-      a.stop[b] = specdecpp_stop(a.cum_accept[b], a.step, a.k_min, a.k_max, a.threshold);
+      a.cum_accept[b] = c;
+      a.stop[b] = specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold);
+      if (!finite_f(logit) || !finite_f(c)) {
+        int64_t none = -1;
+        bad_row.compare_exchange_strong(none, b);
+      }
     }
   });
+  const int64_t r = bad_row.load();
+  TORCH_CHECK_VALUE(r < 0, "acceptance_head_step: row ", r, " gives a NaN or Inf acceptance probability or running product ",
+                    "(hidden, features or cum_accept hold a NaN or Inf); a NaN would silently disable the stop rule");
 }
 
 void acceptance_head_step(const HeadArgs& a) { SPECDEC_DISPATCH(a.dtype, head_step_impl, a); }

@@ -87,17 +87,23 @@ struct ResidualRow {
 };
 
 struct Softmax {
-  float max;
+  float max;      // max_j x_j (raw logits)
   float inv_sum;
-  bool ok;
+  int64_t code;   // 0, or bad_code (NaN / +Inf logit), or masked_code (every logit -inf)
 };
+
+// Logits may be -inf (masked tokens); NaN and +Inf are invalid.
+__device__ __forceinline__ bool logit_ok(float v) { return v <= FLT_MAX; }
+
+// exp((x - max) / T), written as (x - max) * (1 / T) so no multiply-add can be contracted (as on the CPU).
+__device__ __forceinline__ float softmax_exp(float x, float mx, float inv_t) { return __expf(fminf((x - mx) * inv_t, 0.0f)); }
 
 template <typename T>
 struct SoftmaxRow {
   const T* x;
   float inv_t;
   Softmax st;
-  __device__ float mass(int64_t j) const { return __expf(to_f(x[j]) * inv_t - st.max) * st.inv_sum; }
+  __device__ float mass(int64_t j) const { return softmax_exp(to_f(x[j]), st.max, inv_t) * st.inv_sum; }
 };
 
 template <typename T>
@@ -110,26 +116,29 @@ struct SoftmaxResidualRow {
 };
 
 template <typename T>
-__device__ Softmax softmax_stats(const T* x, int64_t V, float inv_t, SharedTemp& tmp) {
+__device__ Softmax softmax_stats(const T* x, int64_t V, float inv_t, SharedTemp& tmp, int64_t bad_code,
+                                 int64_t masked_code) {
   __shared__ float s_max;
   __shared__ double s_sum;
-  float m = -FLT_MAX;
+  float m = -INFINITY;
   int bad = 0;
   row_foreach(x, V, [&](int64_t, float v) {
-    bad |= !(v >= -FLT_MAX && v <= FLT_MAX);
-    m = fmaxf(m, v * inv_t);
+    bad |= !logit_ok(v);
+    m = fmaxf(m, v);
   });
   bad = __syncthreads_or(bad);
   float bm = ReduceF(tmp.f).Reduce(m, MaxOp());
   if (threadIdx.x == 0) s_max = bm;
   __syncthreads();
   const float mx = s_max;
+  if (bad) return {mx, 0.0f, bad_code};
+  if (!(mx > -FLT_MAX)) return {mx, 0.0f, masked_code};
   double s = 0.0;
-  row_foreach(x, V, [&](int64_t, float v) { s += __expf(v * inv_t - mx); });
+  row_foreach(x, V, [&](int64_t, float v) { s += softmax_exp(v, mx, inv_t); });
   double bs = ReduceD(tmp.d).Sum(s);
   if (threadIdx.x == 0) s_sum = bs;
   __syncthreads();
-  return {mx, static_cast<float>(1.0 / s_sum), bad == 0};
+  return {mx, static_cast<float>(1.0 / s_sum), 0};
 }
 
 template <typename Row>
@@ -186,11 +195,24 @@ __device__ int64_t inverse_cdf(const Row& row, int64_t V, double threshold, Shar
   return s_found;
 }
 
+// A probability row read in full: 0 if finite, >= 0 and summing to 1 within tol; else bad_code, kZeroMass
+// or sum_code (as the CPU kernels). Result valid in every thread.
 template <typename T>
-__device__ bool row_valid(const T* p, int64_t V) {
+__device__ int64_t check_prob_row(const T* p, int64_t V, float tol, int64_t bad_code, int64_t sum_code, SharedTemp& tmp) {
+  __shared__ double s_sum;
+  double s = 0.0;
   int bad = 0;
-  row_foreach(p, V, [&](int64_t, float v) { bad |= !valid_prob(v); });
-  return __syncthreads_or(bad) == 0;
+  row_foreach(p, V, [&](int64_t, float v) {
+    bad |= !valid_prob(v);
+    s += v;
+  });
+  bad = __syncthreads_or(bad);
+  const double bs = ReduceD(tmp.d).Sum(s);
+  if (threadIdx.x == 0) s_sum = bs;
+  __syncthreads();
+  if (bad) return bad_code;
+  if (s_sum == 0.0) return kZeroMass;
+  return fabs(s_sum - 1.0) <= tol ? 0 : sum_code;
 }
 
 template <typename Row>
@@ -206,7 +228,7 @@ __device__ __forceinline__ bool uniform_ok(float u) { return u > 0.0f && u <= 1.
 // the InvalidInput code in num_accepted[b].
 __device__ __forceinline__ void finish_row(const VerifyArgs& a, int64_t b, int64_t acc, int64_t extra, int64_t code) {
   if (threadIdx.x != 0) return;
-  if (code == 0 && extra < 0) code = kInvalidTargetProbs;
+  if (code == 0 && extra < 0) code = kZeroMass;
   if (code != 0) {
     a.num_accepted[b] = code;
     return;
@@ -222,48 +244,54 @@ __global__ void __launch_bounds__(kThreads) chain_verify_kernel(VerifyArgs a) {
   __shared__ SharedTemp tmp;
   __shared__ int64_t s_accepted, s_code;
   const int64_t b = blockIdx.x, K = a.k, V = a.vocab;
+  const float tol = sum_tolerance(a.dtype);
   const UniformSource rng = a.rng.resolve();
   const T* dp = static_cast<const T*>(a.draft);
   const T* tp = static_cast<const T*>(a.target);
   const int64_t n = a.num_draft ? a.num_draft[b] : K;
   int64_t* out = a.out_ids + b * (K + 1);
   for (int64_t j = threadIdx.x; j <= K; j += blockDim.x) out[j] = -1;
+  int64_t code = (n < 0 || n > K) ? int64_t(kInvalidNumDraft) : 0;
+  if (code == 0 && a.validate) {  // every row the op may read, in full
+    for (int64_t i = 0; code == 0 && i <= n; ++i) {
+      code = check_prob_row(tp + (b * (K + 1) + i) * V, V, tol, kInvalidTarget, kTargetSum, tmp);
+      if (code == 0 && i < n) code = check_prob_row(dp + (b * K + i) * V, V, tol, kInvalidDraft, kDraftSum, tmp);
+    }
+  }
   if (threadIdx.x == 0) {  // the acceptance tests read two numbers each: one thread walks the chain
-    int64_t acc = 0, code = (n < 0 || n > K) ? kInvalidTokenId : 0;
-    for (; code == 0 && acc < n; ++acc) {
+    int64_t acc = 0, c = code;
+    for (; c == 0 && acc < n; ++acc) {
       const int64_t tok = a.ids[b * K + acc];
-      if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
+      if (tok < 0 || tok >= V) { c = kInvalidTokenId; break; }
       const float q = to_f(dp[(b * K + acc) * V + tok]);
       const float p = to_f(tp[(b * (K + 1) + acc) * V + tok]);
       const float u = rng.at(b, acc);
-      if (!valid_prob(q)) code = kInvalidDraftProbs;
-      else if (!valid_prob(p)) code = kInvalidTargetProbs;
-      else if (!uniform_ok(u)) code = kInvalidUniform;
+      if (!valid_prob(q)) c = kInvalidDraft;
+      else if (!valid_prob(p)) c = kInvalidTarget;
+      else if (!uniform_ok(u)) c = kInvalidUniform;
       else if (!accept_candidate(u, q, p)) break;
     }
     s_accepted = acc;
-    s_code = code;
+    s_code = c;
   }
   __syncthreads();
   const int64_t acc = s_accepted;
-  int64_t code = s_code;
+  code = s_code;
   int64_t extra = -1;
-  const float u = rng.at(b, n);
+  const float u = code == 0 ? rng.at(b, n) : 1.0f;
   if (code == 0 && !uniform_ok(u)) code = kInvalidUniform;
   if (code == 0) {
     const T* p = tp + (b * (K + 1) + acc) * V;
-    if (!row_valid(p, V)) {
-      code = kInvalidTargetProbs;
-    } else if (acc < n) {
+    code = check_prob_row(p, V, tol, kInvalidTarget, kTargetSum, tmp);
+    if (code == 0 && acc < n) {  // rejection: residual distribution; both rows read in full
       const T* q = dp + (b * K + acc) * V;
-      if (!row_valid(q, V)) {
-        code = kInvalidDraftProbs;
-      } else {
+      code = check_prob_row(q, V, tol, kInvalidDraft, kDraftSum, tmp);
+      if (code == 0) {
         ResidualRow<T> res{p, q};
         const double z = total_mass(res, V, tmp);
         extra = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(u) * z, tmp) : sample_row(ProbRow<T>{p}, V, u, tmp);
       }
-    } else {
+    } else if (code == 0) {
       extra = sample_row(ProbRow<T>{p}, V, u, tmp);
     }
   }
@@ -271,20 +299,20 @@ __global__ void __launch_bounds__(kThreads) chain_verify_kernel(VerifyArgs a) {
 }
 
 template <typename T>
-__device__ int64_t block_argmax(const T* x, int64_t V, bool* ok, SharedTemp& tmp) {
+__device__ int64_t block_argmax(const T* x, int64_t V, int64_t* code, SharedTemp& tmp) {
   __shared__ ArgMax s_best;
-  ArgMax best{-FLT_MAX, INT64_MAX};
+  ArgMax best{-INFINITY, INT64_MAX};
   int bad = 0;
   row_foreach(x, V, [&](int64_t j, float v) {
-    bad |= !(v >= -FLT_MAX && v <= FLT_MAX);
+    bad |= !logit_ok(v);
     if (v > best.v || (v == best.v && j < best.j)) best = {v, j};
   });
   bad = __syncthreads_or(bad);
   const ArgMax r = ReduceArg(tmp.arg).Reduce(best, ArgMaxOp());
   if (threadIdx.x == 0) s_best = r;
   __syncthreads();
-  *ok = bad == 0;
-  return s_best.j;
+  *code = bad ? int64_t(kInvalidTarget) : (s_best.v > -FLT_MAX ? 0 : int64_t(kMaskedTarget));
+  return s_best.j == INT64_MAX ? 0 : s_best.j;
 }
 
 template <typename T>
@@ -299,26 +327,36 @@ __global__ void __launch_bounds__(kThreads) chain_verify_logits_kernel(VerifyArg
   int64_t* out = a.out_ids + b * (K + 1);
   for (int64_t j = threadIdx.x; j <= K; j += blockDim.x) out[j] = -1;
   __syncthreads();
-  int64_t acc = 0, extra = -1, code = (n < 0 || n > K) ? kInvalidTokenId : 0;
+  int64_t acc = 0, extra = -1, code = (n < 0 || n > K) ? int64_t(kInvalidNumDraft) : 0;
+  if (code == 0 && temp != 0.0f && !(temp >= kMinTemperature && logit_ok(temp))) code = kInvalidTemperature;
+  const float inv_t = temp == 0.0f ? 1.0f : 1.0f / temp;
+  if (code == 0 && a.validate) {  // every row the op may read, in full
+    for (int64_t i = 0; code == 0 && i <= n; ++i) {
+      code = softmax_stats(tl + (b * (K + 1) + i) * V, V, inv_t, tmp, kInvalidTarget, kMaskedTarget).code;
+      if (code == 0 && i < n && temp != 0.0f)
+        code = softmax_stats(dl + (b * K + i) * V, V, inv_t, tmp, kInvalidDraft, kMaskedDraft).code;
+    }
+  }
   if (code == 0 && temp == 0.0f) {  // greedy row
     for (;; ++acc) {
-      bool ok;
-      const int64_t best = block_argmax(tl + (b * (K + 1) + acc) * V, V, &ok, tmp);
-      if (!ok) { code = kInvalidTargetProbs; break; }
+      int64_t c = 0;
+      const int64_t best = block_argmax(tl + (b * (K + 1) + acc) * V, V, &c, tmp);
+      if (c != 0) { code = c; break; }
       if (acc == n) { extra = best; break; }
       const int64_t tok = a.ids[b * K + acc];
       if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
       if (tok != best) { extra = best; break; }
     }
   } else if (code == 0) {
-    const float inv_t = 1.0f / temp;
     for (; acc < n; ++acc) {
       const int64_t tok = a.ids[b * K + acc];
       if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
-      SoftmaxRow<T> p{tl + (b * (K + 1) + acc) * V, inv_t, softmax_stats(tl + (b * (K + 1) + acc) * V, V, inv_t, tmp)};
-      SoftmaxRow<T> q{dl + (b * K + acc) * V, inv_t, softmax_stats(dl + (b * K + acc) * V, V, inv_t, tmp)};
-      if (!p.st.ok) { code = kInvalidTargetProbs; break; }
-      if (!q.st.ok) { code = kInvalidDraftProbs; break; }
+      SoftmaxRow<T> p{tl + (b * (K + 1) + acc) * V, inv_t,
+                      softmax_stats(tl + (b * (K + 1) + acc) * V, V, inv_t, tmp, kInvalidTarget, kMaskedTarget)};
+      if (p.st.code != 0) { code = p.st.code; break; }
+      SoftmaxRow<T> q{dl + (b * K + acc) * V, inv_t,
+                      softmax_stats(dl + (b * K + acc) * V, V, inv_t, tmp, kInvalidDraft, kMaskedDraft)};
+      if (q.st.code != 0) { code = q.st.code; break; }
       const float u = rng.at(b, acc);
       if (!uniform_ok(u)) { code = kInvalidUniform; break; }
       if (!accept_candidate(u, q.mass(tok), p.mass(tok))) {
@@ -333,9 +371,9 @@ __global__ void __launch_bounds__(kThreads) chain_verify_logits_kernel(VerifyArg
     if (code == 0 && acc == n) {
       const float uf = rng.at(b, n);
       const T* row = tl + (b * (K + 1) + n) * V;
-      SoftmaxRow<T> p{row, inv_t, softmax_stats(row, V, inv_t, tmp)};
+      SoftmaxRow<T> p{row, inv_t, softmax_stats(row, V, inv_t, tmp, kInvalidTarget, kMaskedTarget)};
       if (!uniform_ok(uf)) code = kInvalidUniform;
-      else if (!p.st.ok) code = kInvalidTargetProbs;
+      else if (p.st.code != 0) code = p.st.code;
       else extra = sample_row(p, V, uf, tmp);
     }
   }
@@ -350,29 +388,38 @@ __global__ void __launch_bounds__(kThreads) residual_sample_kernel(ResidualArgs 
   const T* p = static_cast<const T*>(a.target) + b * V;
   const T* q = static_cast<const T*>(a.draft) + b * V;
   const float u = rng.at(b, 0);
-  int64_t r;
-  if (!uniform_ok(u)) r = kInvalidUniform;
-  else if (!row_valid(p, V)) r = kInvalidTargetProbs;
-  else if (!row_valid(q, V)) r = kInvalidDraftProbs;
-  else {
+  const float tol = sum_tolerance(a.dtype);
+  int64_t r = uniform_ok(u) ? 0 : int64_t(kInvalidUniform);
+  if (r == 0) r = check_prob_row(p, V, tol, kInvalidTarget, kTargetSum, tmp);
+  if (r == 0) r = check_prob_row(q, V, tol, kInvalidDraft, kDraftSum, tmp);
+  if (r == 0) {
     ResidualRow<T> res{p, q};
     const double z = total_mass(res, V, tmp);
     r = z > 0.0 ? inverse_cdf(res, V, static_cast<double>(u) * z, tmp) : sample_row(ProbRow<T>{p}, V, u, tmp);
-    if (r < 0) r = kInvalidTargetProbs;
+    if (r < 0) r = kZeroMass;
   }
   if (threadIdx.x == 0) a.out[b] = r;
 }
 
-// Acceptance head: one block per row, x in shared memory, one warp per output feature.
+// Acceptance head: one block per row, x in shared memory, one warp per output feature. The input is
+// x_0 = hidden + W_f features + b_f. A kernel cannot raise: a row whose p_hat or running product is not
+// finite gets p_accept = NaN and stop = true (drafting stops), and the Python wrapper raises on it.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) head_step_kernel(HeadArgs a) {
   extern __shared__ float smem[];
   __shared__ typename ReduceF::TempStorage red;
-  const int64_t b = blockIdx.x, H = a.hidden_size;
+  const int64_t b = blockIdx.x, H = a.hidden_size, F = a.num_features;
   float* x = smem;
   float* y = smem + H;
-  const T* h = static_cast<const T*>(a.hidden) + b * H;
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) x[j] = to_f(h[j]);
+  const T* h = a.hidden != nullptr ? static_cast<const T*>(a.hidden) + b * H : nullptr;
+  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+    float v = h != nullptr ? to_f(h[i]) : 0.0f;
+    if (F > 0) {
+      v += a.feature_bias[i];
+      for (int64_t j = 0; j < F; ++j) v += a.feature_weight[i * F + j] * a.features[b * F + j];
+    }
+    x[i] = v;
+  }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int64_t l = 0; l < a.num_layers; ++l) {
@@ -392,13 +439,14 @@ __global__ void __launch_bounds__(kThreads) head_step_kernel(HeadArgs a) {
   }
   float part = 0.0f;
   for (int64_t j = threadIdx.x; j < H; j += blockDim.x) part += a.out_weight[j] * x[j];
-  const float logit = ReduceF(red).Sum(part);
+  const float logit = ReduceF(red).Sum(part) + a.out_bias[0];
   if (threadIdx.x == 0) {
-    const float p = sigmoidf_(logit + a.out_bias[0]);
-    a.p_accept[b] = p;
+    const float p = sigmoidf_(logit);
     const float c = a.cum_accept[b] * p;
+    const bool ok = finite_f(logit) && finite_f(c);
+    a.p_accept[b] = ok ? p : __int_as_float(0x7fc00000);
     a.cum_accept[b] = c;
-    a.stop[b] = specdecpp_stop(c, a.step, a.k_min, a.k_max, a.threshold);
+    a.stop[b] = ok ? specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold) : true;
   }
 }
 

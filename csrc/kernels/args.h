@@ -9,6 +9,11 @@ namespace specdec {
 
 enum class DType { kFloat32, kBFloat16, kFloat16 };
 
+// How far a probability row read in full may sum from 1 (kernels/errors.h, from specdec_ext/errors.py).
+SPECDEC_HD float sum_tolerance(DType d) {
+  return d == DType::kFloat32 ? kSumToleranceF32 : (d == DType::kBFloat16 ? kSumToleranceBF16 : kSumToleranceF16);
+}
+
 // chain_verify (probabilities) and chain_verify_logits (logits + per-row temperature).
 struct VerifyArgs {
   DType dtype;                  // of draft / target
@@ -21,6 +26,7 @@ struct VerifyArgs {
   UniformSource rng;            // stride K+1
   int64_t* out_ids;             // [B, K+1]
   int64_t* num_accepted;        // [B]
+  bool validate;                // check every row the op may read (0..n_b), not only those it does read
 };
 
 struct ResidualArgs {
@@ -33,9 +39,12 @@ struct ResidualArgs {
 };
 
 struct HeadArgs {
-  DType dtype;                  // of hidden; weights are float32
-  int64_t batch, hidden_size, num_layers;
-  const void* hidden;           // [B, H]
+  DType dtype;                  // of hidden; weights and features are float32
+  int64_t batch, hidden_size, num_layers, num_features;  // B, H, L, F
+  const void* hidden;           // [B, H] or nullptr (a head that reads only the features)
+  const float* features;        // [B, F] or nullptr (F = 0)
+  const float* feature_weight;  // [H, F] (out, in), nullptr when F = 0
+  const float* feature_bias;    // [H], nullptr when F = 0
   const float* block_weight;    // [L, H, H] (out, in)
   const float* block_bias;      // [L, H]
   const float* out_weight;      // [H]
@@ -43,7 +52,7 @@ struct HeadArgs {
   float* cum_accept;            // [B], updated in place
   float* p_accept;              // [B]
   bool* stop;                   // [B]
-  int64_t step, k_min, k_max;
+  int64_t candidate_length, k_min, k_max;
   float threshold;
 };
 

@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels/errors.h"
+
 #if defined(__CUDACC__)
 #define SPECDEC_HD __host__ __device__ __forceinline__
 #else
@@ -53,28 +55,27 @@ SPECDEC_HD float philox_uniform(uint64_t seed, uint64_t offset, uint32_t row, ui
 }
 
 // Rejection-sampling acceptance test (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2):
-// accept candidate x with probability min(1, p(x)/q(x)), written without a division.
-SPECDEC_HD bool accept_candidate(float u, float q, float p) { return u * q <= p; }
+// accept candidate x with probability min(1, p(x)/q(x)), written without a division. A token the
+// target gives zero probability is never accepted (u * q <= p alone would accept p = q = 0).
+SPECDEC_HD bool accept_candidate(float u, float q, float p) { return p > 0.0f && u * q <= p; }
 
 // SpecDec++ stopping rule (Huang et al. 2024, Sec. 3.2, Eq. 4): with running product cum_accept
 // of predicted acceptance probabilities, stop drafting when the predicted probability that at
 // least one candidate is rejected exceeds the stop threshold h, keeping the round's candidate
-// length `step` (the length if it stopped now, 1-based) within [k_min, k_max].
-SPECDEC_HD bool specdecpp_stop(float cum_accept, int64_t step, int64_t k_min, int64_t k_max, float threshold) {
-  if (step >= k_max) return true;
-  if (step < k_min) return false;
+// length K within [k_min, k_max]. `candidate_length` is K if drafting stopped now (1-based).
+SPECDEC_HD bool specdecpp_stop(float cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
+                               float threshold) {
+  if (candidate_length >= k_max) return true;
+  if (candidate_length < k_min) return false;
   return (1.0f - cum_accept) > threshold;
 }
 
 SPECDEC_HD float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// Codes written by kernels that cannot raise (CUDA) into num_accepted for a row with invalid input.
-enum InvalidInput : int64_t {
-  kInvalidDraftProbs = -2,   // NaN, Inf or negative value in the draft distribution
-  kInvalidTargetProbs = -3,  // NaN, Inf or negative value in the target distribution
-  kInvalidTokenId = -4,      // a draft token id outside [0, V)
-  kInvalidUniform = -5,      // an explicit uniform outside (0, 1]
-};
+
+
+// A finite float (false for NaN and +-Inf).
+SPECDEC_HD bool finite_f(float x) { return x - x == 0.0f; }
 
 }  // namespace specdec
 

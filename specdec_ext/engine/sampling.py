@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import MIN_TEMPERATURE
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -23,6 +25,9 @@ class SamplingConfig:
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy decoding) or at least {MIN_TEMPERATURE:g}: float32 cannot "
+                             f"sample at a smaller one, got {self.temperature!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
@@ -34,8 +39,10 @@ class SamplingConfig:
 
 
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Processed distribution, float32, same shape as ``logits`` ``[..., V]`` (not for greedy)."""
-    x = logits.float() / cfg.temperature
+    """Processed distribution, float32, same shape as ``logits`` ``[..., V]`` (not for greedy). Computed as
+    softmax((x - max) / T), stable at any allowed temperature; -inf logits are masked tokens."""
+    x = logits.float()
+    x = (x - x.amax(-1, keepdim=True)) / cfg.temperature
     if cfg.top_k is not None and cfg.top_k < x.shape[-1]:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
