@@ -10,19 +10,7 @@ import torch
 from specdec_ext import AcceptanceHead, SpeculativeGenerator
 from specdec_ext.policies import FixedK
 from models import make_pair, make_target
-
-POLICIES = [("autoregressive", {}), ("fixed", {"k": 1}), ("fixed", {"k": 4}), ("heuristic", {}), ("confidence", {}),
-            ("adaedl", {}), ("specdecpp", {"threshold": 0.3}), ("specdecpp", {"threshold": 0.7, "k_min": 1, "k_max": 6})]
-PIDS = [f"{n}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for n, kw in POLICIES]
-
-
-def head_for(draft, bias=1.5, seed=0):
-    torch.manual_seed(seed)
-    head = AcceptanceHead(draft.get_output_embeddings().weight.shape[1], num_layers=2)
-    with torch.no_grad():
-        head.out.bias.fill_(bias)
-    return head
-
+from support import PIDS, POLICIES, TEST_COSTS, constant_head, head_for, make_gen
 
 def prompts(B, V, T=6, seed=0, ragged=True):
     g = torch.Generator().manual_seed(seed)
@@ -48,7 +36,7 @@ def test_greedy_equals_target_only(pair, name, kw, B, fast_draft):
     V = target.config.vocab_size
     if fast_draft and target.config.model_type != "llama":
         pytest.skip("the lean draft runner is for Llama drafts")
-    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), fast_draft=fast_draft, **kw)
+    gen = make_gen(target, draft, name, kw, fast_draft=fast_draft)
     assert gen.fast_draft == fast_draft
     accepted = discarded = 0
     for seed in range(3):
@@ -71,7 +59,7 @@ def test_batch_equals_rows_alone(name, kw, fast_draft):
     target, draft = make_pair("llama")
     V = target.config.vocab_size
     ids, mask = prompts(4, V, seed=3)
-    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), fast_draft=fast_draft, **kw)
+    gen = make_gen(target, draft, name, kw, fast_draft=fast_draft)
     out = gen.generate(ids, attention_mask=mask, max_new_tokens=20, temperature=1.0, seed=11)
     for b in range(4):
         real = ids[b, mask[b].bool()].unsqueeze(0)
@@ -90,7 +78,7 @@ def test_eos_and_max_new_tokens_end_where_target_only_does():
     ref_eos = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=1,
                               eos_token_id=eos)
     for name, kw in POLICIES:
-        gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), **kw)
+        gen = make_gen(target, draft, name, kw)
         out = gen.generate(ids, attention_mask=mask, max_new_tokens=30, temperature=0, eos_token_id=eos, pad_token_id=1)
         assert torch.equal(out.sequences, ref_eos[:, : out.sequences.shape[1]]), name
         assert bool((ref_eos[:, out.sequences.shape[1]:] == 1).all()), name
@@ -235,16 +223,6 @@ def test_bad_input_errors():
         SpeculativeGenerator(target, meta, policy="fixed").generate(ids, max_new_tokens=3)
 
 
-def constant_head(draft, p_accept: float):
-    """A head whose prediction is p_accept whatever the hidden state (zero weights, biased output)."""
-    head = AcceptanceHead(draft.get_output_embeddings().weight.shape[1], num_layers=1)
-    with torch.no_grad():
-        for prm in head.parameters():
-            prm.zero_()
-        head.out.bias.fill_(math.log(p_accept / (1 - p_accept)))
-    return head
-
-
 def specdecpp_length(p_accept, h, k_min, k_max):
     """The round length the SpecDec++ rule gives with a constant prediction, worked out by hand: the
     test after scoring k candidates stops when k + 1 >= k_max, or k + 1 >= k_min and 1 - p^k > h; the
@@ -266,6 +244,12 @@ def test_specdecpp_round_lengths_follow_the_stop_rule(p_accept, h, k_min, k_max,
     target, draft = make_pair("llama")
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=constant_head(draft, p_accept),
                                fast_draft=fast_draft, threshold=h, k_min=k_min, k_max=k_max)
+    _check_round_lengths(gen, target, lambda remaining: expected)
+
+
+def _check_round_lengths(gen, target, expected_of):
+    """Every round of a batch of 3 has min(expected, remaining - 1) candidates per row, and the draft ran
+    exactly K forwards per round of K candidates."""
     ids, mask = prompts(3, target.config.vocab_size)
     max_new = 40
     out = gen.generate(ids, attention_mask=mask, max_new_tokens=max_new, temperature=0, pad_token_id=1)
@@ -276,7 +260,7 @@ def test_specdecpp_round_lengths_follow_the_stop_rule(p_accept, h, k_min, k_max,
         live = [b for b in range(3) if remaining[b] > 0]
         assert len(r.candidates) == len(live)
         for i, b in enumerate(live):
-            want = min(expected, remaining[b] - 1)  # never draft past max_new_tokens
+            want = min(expected_of(remaining[b]), remaining[b] - 1)  # never draft past max_new_tokens
             assert r.candidates[i] == want, (r, b, remaining[b])
             remaining[b] -= r.emitted[i]
         calls += max(1, max(r.candidates))
@@ -284,3 +268,93 @@ def test_specdecpp_round_lengths_follow_the_stop_rule(p_accept, h, k_min, k_max,
     assert remaining == [0, 0, 0] and rounds_checked >= 4
     # K draft forwards per round of K candidates, as for a fixed K: no forward beyond the last candidate
     assert out.stats.draft_calls == calls
+
+
+def proposal_length(p_accept, h, k_min, k_max):
+    """A "proposal" head scores candidate k at step k: stop at the first k with k >= k_max, or k >= k_min
+    and 1 - p^k > h; the round has exactly k candidates (K = 1 is reachable)."""
+    k = 1
+    while not (k >= k_max or (k >= k_min and 1 - p_accept**k > h)):
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("p_accept,h,k_min,k_max,expected", [
+    (0.8, 0.5, 1, 20, 4), (0.3, 0.5, 1, 20, 1), (0.8, 0.5, 6, 20, 6), (0.8, 0.5, 1, 3, 3), (0.99, 0.5, 1, 7, 7)])
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
+def test_proposal_head_round_lengths_follow_the_stop_rule(p_accept, h, k_min, k_max, expected, fast_draft):
+    assert proposal_length(p_accept, h, k_min, k_max) == expected
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=constant_head(draft, p_accept, "proposal"),
+                               fast_draft=fast_draft, threshold=h, k_min=k_min, k_max=k_max)
+    _check_round_lengths(gen, target, lambda remaining: expected)
+
+
+def auto_lengths(p_accept, costs, mean_accept, k_max, rounds):
+    """The goodput rule worked out by hand for a constant prediction p and one row: lambda starts at the
+    best fixed K's tokens/ms at mean_accept (weight 20 ms) and follows exponential averages (weight 0.2)
+    of tokens emitted and of T(K) = round_ms + K (draft_ms + step_ms) + verify(K + 1); the round stops after
+    candidate k when p^k < lambda * (draft_ms + step_ms + verify(k + 2) - verify(k + 1)), or at k_max."""
+    v = lambda n: costs.verify_ms[min(n, len(costs.verify_ms)) - 1]  # noqa: E731
+    T = lambda k: costs.round_ms + k * (costs.draft_ms + costs.step_ms) + v(k + 1)  # noqa: E731
+    best = max([1.0 / (costs.round_ms + v(1))] + [sum(mean_accept**j for j in range(k + 1)) / T(k) for k in range(1, k_max + 1)])
+    tok, tim = best * 20.0, 20.0
+    out = []
+    for accepted in rounds:
+        k = 1
+        while k < k_max and not p_accept**k < tok / tim * (costs.draft_ms + costs.step_ms + v(k + 2) - v(k + 1)):
+            k += 1
+        out.append(k)
+        if accepted is None:
+            break
+        tok, tim = 0.8 * tok + 0.2 * (min(accepted, k) + 1), 0.8 * tim + 0.2 * T(k)
+    return out
+
+
+@pytest.mark.parametrize("p_accept", [0.6, 0.9])
+def test_auto_rule_round_lengths_follow_the_goodput_rule(p_accept):
+    target, draft = make_pair("llama")
+    head = constant_head(draft, p_accept, "proposal")
+    head.mean_accept = 0.7
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=12,
+                               costs=TEST_COSTS)
+    ids, _ = prompts(1, target.config.vocab_size)
+    out = gen.generate(ids, max_new_tokens=60, temperature=0)
+    rounds = out.stats.rounds
+    want = auto_lengths(p_accept, TEST_COSTS, 0.7, 12, [r.accepted[0] for r in rounds])
+    remaining = 60
+    for r, w in zip(rounds, want):
+        assert r.candidates[0] == min(w, remaining - 1), (r, w)
+        remaining -= r.emitted[0]
+    assert len(set(want)) >= 1 and len(rounds) >= 4
+
+
+def test_auto_rule_follows_the_costs():
+    """A draft step that costs nothing against a flat verification drafts to K_max; a draft step that
+    costs more than a whole target forward stops at K = 1."""
+    target, draft = make_pair("llama")
+    head = constant_head(draft, 0.7, "proposal")
+    ids, _ = prompts(1, target.config.vocab_size)
+    cheap = TEST_COSTS.__class__([10.0] * 30, 1e-4, 0.0, 0.0)
+    dear = TEST_COSTS.__class__([10.0] * 30, 50.0, 0.0, 0.0)
+    for costs, k in ((cheap, 9), (dear, 1)):
+        gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=9, costs=costs)
+        out = gen.generate(ids, max_new_tokens=40, temperature=0)
+        remaining = 40
+        for r in out.stats.rounds:
+            assert r.candidates[0] == min(k, remaining - 1), (k, [r.candidates for r in out.stats.rounds])
+            remaining -= r.emitted[0]
+
+
+def test_head_mapping_picks_the_head_of_the_decoding_mode():
+    target, draft = make_pair("llama")
+    greedy, sample = constant_head(draft, 0.95, "proposal"), constant_head(draft, 0.2, "proposal")
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head={"greedy": greedy, "sample": sample},
+                               threshold=0.5, k_max=8)
+    ids, _ = prompts(1, target.config.vocab_size)
+    g = gen.generate(ids, max_new_tokens=30, temperature=0).stats
+    s = gen.generate(ids, max_new_tokens=30, temperature=1.0).stats
+    assert g.mean_candidate_length > 5 and s.mean_candidate_length == 1.0
+    only_greedy = SpeculativeGenerator(target, draft, policy="specdecpp", head={"greedy": greedy}, threshold=0.5)
+    with pytest.raises(ValueError, match="no acceptance head for sample decoding"):
+        only_greedy.generate(ids, max_new_tokens=5, temperature=1.0)

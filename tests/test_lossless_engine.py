@@ -13,7 +13,7 @@ from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig, process_logits
 from models import make_pair
 from stats import assert_follows
-from test_engine import POLICIES, PIDS, head_for
+from support import PIDS, POLICIES, make_gen
 
 N_ROWS = 3000
 N_POS = 3
@@ -50,7 +50,7 @@ def pair_and_marginals():
 @pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
 def test_engine_sampling_is_lossless(pair_and_marginals, name, kw, cfg):
     target, draft, prompt, marg = pair_and_marginals
-    gen = SpeculativeGenerator(target, draft, policy=name, head=head_for(draft), **kw)
+    gen = make_gen(target, draft, name, kw)
     out = gen.generate(prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=cfg.temperature, top_k=cfg.top_k,
                        top_p=cfg.top_p, seed=1000)
     toks = torch.tensor(out.new_tokens)

@@ -25,7 +25,9 @@ import torch
 from .. import ops
 from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, DraftStep, make_policy
+from ..policies.goodput import CostModel
 from . import fast_llama
+from .models import context_length, hidden_size, vocab_size
 from .runner import CausalLMRunner
 from .sampling import SamplingConfig, process_logits, sample_with_uniforms
 from .stats import GenerationStats, RoundStats
@@ -41,21 +43,6 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-def vocab_size(model) -> int:
-    emb = model.get_output_embeddings()
-    if emb is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings: not a causal LM")
-    return emb.weight.shape[0]
-
-
-def hidden_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[1]
-
-
-def context_length(model) -> Optional[int]:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
 class SpeculativeGenerator:
     """Lossless speculative generation with a target and a draft model that share a vocabulary.
 
@@ -68,7 +55,10 @@ class SpeculativeGenerator:
         fast_draft: run a Llama-architecture draft with the lean runner of ``engine/fast_llama.py``
             (same function, a fraction of ``transformers``' per-step overhead); other drafts, or
             ``False``, use ``transformers``' forward. The target always uses ``transformers``' forward.
-        **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.3``, ``k_min=2``, ``k_max=20``).
+        costs: the pair's :class:`~specdec_ext.policies.goodput.CostModel` for cost-aware policies
+            (``threshold="auto"``); default: profiled on first use and cached (see :meth:`costs`).
+        **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
+            ``k_max=20``).
 
     Raises:
         ValueError: vocabulary mismatch between draft and target, a head for another hidden size,
@@ -76,10 +66,12 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
-                 head: Optional[AcceptanceHead] = None, fast_draft: bool = True, **policy_kwargs):
+                 head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
+                 **policy_kwargs):
         self.target = target
         self.draft = draft
         self.head = head
+        self._costs = costs
         self.fast_draft = fast_draft and draft is not None and fast_llama.supports(draft)
         self.policy = self._make_policy(policy, head, policy_kwargs)
 
@@ -94,11 +86,20 @@ class SpeculativeGenerator:
             if vt != vd:
                 raise ValueError(f"vocabulary mismatch: the target has V = {vt} but the draft has V = {vd}; "
                                  "speculative decoding needs a draft and target that share one tokenizer and vocabulary")
-            if pol.needs_hidden:
-                head_obj = getattr(pol, "head", None)
-                if head_obj is not None:
-                    head_obj.check_draft(hidden_size(self.draft))
+            for head_obj in getattr(pol, "heads", {}).values():
+                head_obj.check_draft(hidden_size(self.draft))
         return pol
+
+    def costs(self, policy: Optional[CandidateLengthPolicy] = None) -> CostModel:
+        """The pair's :class:`~specdec_ext.policies.goodput.CostModel` (ms per draft step, per verification of
+        n tokens, per round): the one given to the constructor, or measured once where the pair runs and
+        cached on disk (``engine/profile.py``; a progress line on stderr while it runs)."""
+        if self._costs is None:
+            from .profile import cached_profile
+
+            k_max = max(20, getattr(policy, "max_candidates", 20))
+            self._costs = cached_profile(self.target, self.draft, self.fast_draft, k_max)
+        return self._costs
 
     # ------------------------------------------------------------------------------ checks
     def _check_inputs(self, input_ids, attention_mask, max_new_tokens, policy):
@@ -194,6 +195,7 @@ class SpeculativeGenerator:
         last = input_ids[:, -1].clone()               # last committed token of each live row (not in target cache)
         pending = last.view(-1, 1)                    # tokens the draft has not seen yet
         pending_valid = torch.ones_like(pending, dtype=torch.bool)
+        pol.configure(cfg, self.costs(pol) if pol.needs_costs else None)
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
         try:
             while rows:
@@ -279,12 +281,13 @@ class SpeculativeGenerator:
         stopped = cap <= 0
         pol.begin_round()
 
-        logits, _ = draft.forward(pending, pending_valid, keep=1)
+        # the first forward feeds the tokens the draft has not seen and proposes candidate 1; each later
+        # one feeds the candidate just drafted and proposes the next (K candidates: K draft forwards)
+        logits, hid = draft.forward(pending, pending_valid, keep=1, hidden=pol.needs_hidden)
         cands, qs = [], []
         fed = 0
         step = 0
         need_probs = not cfg.greedy or pol.needs_probs
-        last_next = torch.zeros(B, dtype=torch.bool)  # needs_hidden policies: the next candidate is the last
         while True:
             step += 1
             last_logits = logits[:, -1]
@@ -298,18 +301,12 @@ class SpeculativeGenerator:
             qs.append(q if not cfg.greedy else None)
             n = torch.where(stopped, n, torch.full_like(n, step))
             info = DraftStep(step, B, q.gather(-1, x.view(-1, 1)).squeeze(-1) if q is not None else None, q,
-                             tokens=x)
-            stop = last_next if pol.needs_hidden else pol.should_stop(info).cpu()
-            stopped = stopped | stop | (step >= cap)
+                             hidden=hid[:, -1] if hid is not None else None, tokens=x)
+            stopped = stopped | pol.should_stop(info).cpu() | (step >= cap)
             if bool(stopped.all()) or step >= kcap:
                 break
-            # feed x to the draft: the same forward gives the next candidate's distribution and, for
-            # needs_hidden policies, the hidden state at x on which they decide whether x + 1 is the last
             logits, hid = draft.forward(x.view(-1, 1), keep=1, hidden=pol.needs_hidden)
             fed += 1
-            if pol.needs_hidden:
-                info.hidden = hid[:, -1]
-                last_next = last_next | pol.should_stop(info).cpu()
         t1 = time.perf_counter()
 
         K = len(cands)

@@ -18,18 +18,19 @@ import torch
 class DraftStep:
     """What the engine knows after drafting candidate ``step`` (1-based) of a round.
 
-    token_prob: ``[B]`` float32, q(x) of the candidate just drafted under the draft's processed distribution
+    step: the index of the candidate just drafted, i.e. the round's candidate length K if drafting
+        stopped now.
+    token_prob: ``[B]`` float32, q(x) of the candidate under the draft's processed distribution q
         (softmax at temperature 1 when decoding greedily); given when sampling or when ``needs_probs``.
     probs: ``[B, V]`` float32, that draft distribution q; given likewise.
-    hidden: ``[B, H]``, the draft's last hidden state at the candidate's position (only for policies
-        with ``needs_hidden``; the candidate has then been fed to the draft).
+    hidden: ``[B, H]``, the draft's last hidden state from which the candidate was sampled (the input of
+        the LM head that gave q), only for policies with ``needs_hidden``. For ``step > 1`` this is also
+        the hidden state *at* candidate ``step - 1`` (the forward that fed it proposed this one), which
+        is what the SpecDec++ paper's head reads.
+    tokens: ``[B]`` int64, the candidate ids just drafted.
 
-    Policies with ``needs_hidden`` decide one step later than the others: the forward pass that
-    feeds candidate ``step`` to the draft also yields the draft's distribution for candidate
-    ``step + 1``, so ``should_stop`` returning True ends the round with ``step + 1`` candidates, the
-    last one drawn from that distribution with no further draft forward. This is the order of the
-    SpecDec++ reference implementation (the stop test after drafting Y_s covers Y_1..Y_{s-1}), and
-    it costs the same K draft forwards per round as a fixed candidate length K.
+    Stopping after candidate ``step`` costs no further draft forward: the engine feeds a candidate to
+    the draft only to propose the next one, so a round of K candidates costs K draft forwards.
     """
 
     step: int
@@ -37,7 +38,7 @@ class DraftStep:
     token_prob: Optional[torch.Tensor] = None
     probs: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
-    tokens: Optional[torch.Tensor] = None   # [B] int64, the candidate ids just drafted
+    tokens: Optional[torch.Tensor] = None
 
 
 class CandidateLengthPolicy:
@@ -45,9 +46,15 @@ class CandidateLengthPolicy:
 
     name = "policy"
     speculative = True      # False: plain target-only decoding
-    needs_hidden = False    # True: asked after each candidate is fed to the draft; stop = one more, then stop
+    needs_hidden = False    # True: DraftStep.hidden is needed
     needs_probs = False     # True: token_prob / probs are needed even when decoding greedily
+    needs_costs = False     # True: configure() must receive the pair's CostModel (policies/goodput.py)
     max_candidates = 1      # an upper bound on the candidates per round (K_max)
+
+    def configure(self, sampling, costs=None) -> None:
+        """Called once per generation call before ``reset``: the decoding settings
+        (:class:`~specdec_ext.engine.SamplingConfig`) and, for ``needs_costs`` policies, the pair's
+        :class:`~specdec_ext.policies.goodput.CostModel`."""
 
     def reset(self, batch_size: int, device: torch.device) -> None:
         """Start a generation call with ``batch_size`` rows."""
@@ -56,8 +63,7 @@ class CandidateLengthPolicy:
         """Start a draft round for the live rows."""
 
     def should_stop(self, info: DraftStep) -> torch.Tensor:
-        """``[B]`` bool: stop drafting after this candidate (``needs_hidden``: after the next one).
-        Rows at ``max_candidates`` always stop."""
+        """``[B]`` bool: stop drafting after this candidate. Rows at ``max_candidates`` always stop."""
         raise NotImplementedError
 
     def end_round(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:

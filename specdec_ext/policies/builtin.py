@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
 
 from .. import ops
 from ..head import AcceptanceHead
+from ..head.features import HISTORY_PRIOR, history_after_accepts, history_update
 from .base import CandidateLengthPolicy, DraftStep, _check_k
+from .goodput import CostModel, GoodputRule
 
 
 class Autoregressive(CandidateLengthPolicy):
@@ -101,49 +104,124 @@ class AdaEDL(CandidateLengthPolicy):
 
 
 class SpecDecPP(CandidateLengthPolicy):
-    """SpecDec++ (Huang, Guo, Wang 2024, Sec. 3.2): the acceptance head predicts p_hat_i for each
-    candidate from the draft's hidden state at it; drafting stops when 1 - prod_i p_hat_i > threshold
-    (the stop threshold h), with the candidate length K held within [``k_min``, ``k_max``]
+    """SpecDec++ (Huang, Guo, Wang 2024, Sec. 3.2): an acceptance head predicts p_hat_k for each candidate,
+    and drafting stops once the predicted probability that some candidate is rejected, 1 - prod_k p_hat_k,
+    exceeds the stop threshold h, with the candidate length K held within [``k_min``, ``k_max``]
     (paper: h in {0.3, 0.7}, bounds [2, 20]). Each step runs through the fused ``acceptance_head_step`` op.
 
-    As in the paper's reference implementation, a round ends with one candidate beyond those the head
-    has scored: the forward pass that scores Y_k already gives the draft's distribution for Y_{k+1},
-    so stopping after Y_k's score yields K = k + 1 candidates at K draft forwards (see
-    :class:`~specdec_ext.policies.DraftStep`). Hence the smallest K the head chooses is 2."""
+    Args:
+        head: an :class:`~specdec_ext.head.AcceptanceHead`, or a mapping ``{"greedy": head, "sample": head}``
+            from which each generation call takes the head for its decoding mode.
+        threshold: h in [0, 1], or ``"auto"``: no hand-set threshold; drafting continues while one more
+            candidate, weighted by the predicted survival S_k = prod_{j<=k} p_hat_j of the round so far, is
+            expected to add more tokens per ms than the pair's goodput: stop after candidate k when
+            S_k < lambda * (draft_ms + step_ms + verify(k+2) - verify(k+1)), with the costs from the pair's
+            profile and lambda the row's running goodput in tokens/ms (:class:`~specdec_ext.policies.goodput.GoodputRule`).
+        k_min, k_max: bounds on K (``k_max`` is K_max).
 
-    needs_hidden = True
+    Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
+    ``"proposal"`` head scores candidate k at step k and may stop at any K >= 1; the paper's
+    ``"candidate"`` head reads the hidden state at candidate k - 1, available at step k, so a stop at
+    step k ends the round with one candidate beyond those scored (the reference implementation's
+    order), and its smallest K is 2.
+    """
 
-    def __init__(self, head: AcceptanceHead, threshold: float = 0.3, k_min: int = 2, k_max: int = 20):
-        if not isinstance(head, AcceptanceHead):
-            raise TypeError(f"SpecDecPP needs an AcceptanceHead, got {type(head).__name__}")
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(f"stop threshold h must lie in [0, 1], got {threshold}")
+    def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20):
+        heads = dict(head) if isinstance(head, Mapping) else {"any": head}
+        for key, h in heads.items():
+            if not isinstance(h, AcceptanceHead):
+                raise TypeError(f"SpecDecPP needs an AcceptanceHead (or a mapping of them), got {type(h).__name__}"
+                                + (f" for {key!r}" if key != "any" else ""))
+        if isinstance(head, Mapping) and not set(heads) <= {"greedy", "sample"}:
+            raise ValueError(f"SpecDecPP: a mapping of heads has keys 'greedy' and/or 'sample', got {sorted(heads)}")
+        self.auto = threshold == "auto"
+        if not self.auto and not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
+            raise ValueError(f"stop threshold h must lie in [0, 1] or be 'auto', got {threshold!r}")
         self.k_min = _check_k("k_min", k_min)
         self.max_candidates = _check_k("k_max", k_max)
         if k_min > k_max:
             raise ValueError(f"k_min ({k_min}) must be <= k_max ({k_max})")
-        self.head, self.threshold = head, threshold
-        self.name = f"specdec++-{threshold:g}"
+        self.heads = heads
+        self.head = next(iter(heads.values()))
+        self.threshold = threshold
+        self.needs_costs = self.auto
+        self.name = f"specdec++-{threshold if self.auto else format(threshold, 'g')}"
+        self.costs: Optional[CostModel] = None
+        self.rule: Optional[GoodputRule] = None
         self._weights = None
         self.cum_accept: Optional[torch.Tensor] = None
+        self.history: Optional[torch.Tensor] = None
+        self._prev_features = None
+
+    # the engine reads these after configure()
+    @property
+    def needs_hidden(self) -> bool:
+        return self.head.use_hidden
+
+    @property
+    def needs_probs(self) -> bool:
+        return bool(self.head.features)
+
+    def configure(self, sampling, costs=None):
+        mode = "greedy" if sampling is None or sampling.greedy else "sample"
+        if "any" in self.heads:
+            self.head = self.heads["any"]
+        elif mode in self.heads:
+            self.head = self.heads[mode]
+        else:
+            raise ValueError(f"SpecDecPP: no acceptance head for {mode} decoding (heads given for {sorted(self.heads)})")
+        if self.auto:
+            if costs is None:
+                raise ValueError("SpecDecPP(threshold='auto') needs the pair's CostModel (the engine profiles it)")
+            self.costs = costs
+            self.rule = GoodputRule(costs, self.head.mean_accept, self.max_candidates)
 
     def reset(self, batch_size, device):
         self._weights = self.head.fused_weights(device)
         self.cum_accept = torch.ones(batch_size, dtype=torch.float32, device=device)
+        self.history = torch.full((batch_size,), HISTORY_PRIOR, dtype=torch.float32, device=device)
+        self._prev_features = None
+        if self.rule is not None:
+            self.rule.reset(batch_size)
 
     def begin_round(self):
         self.cum_accept.fill_(1.0)
+        self._prev_features = None
 
     def should_stop(self, info):
-        w, b, ow, ob = self._weights
-        hidden = info.hidden.to(w.device)
-        # the bounds apply to the round's length if it stopped now: this candidate plus the next one
-        _, stop = ops.acceptance_head_step(hidden, w, b, ow, ob, self.cum_accept, info.step + 1, self.k_min,
-                                           self.max_candidates, self.threshold)
+        head, k = self.head, info.step
+        dev = self._weights[-1].device
+        features = None
+        if head.features:
+            # candidate k is scored assuming candidates 1..k-1 accepted: the history moves k - 1 steps toward 1
+            features = head.features_of(info.probs, info.tokens, history_after_accepts(self.history, k - 1)).to(dev)
+        if head.input_position == "candidate":  # score candidate k - 1 from the state at it
+            scored_features, self._prev_features = self._prev_features, features
+            if k == 1:
+                return torch.full((info.batch_size,), k >= self.max_candidates, dtype=torch.bool)
+            features = scored_features
+        hidden = info.hidden.to(dev) if head.use_hidden else None
+        h = 1.0 if self.auto else float(self.threshold)  # the auto rule keeps only the op's bounds
+        _, stop = ops.acceptance_head_step(hidden, features, *self._weights, self.cum_accept, k, self.k_min,
+                                           self.max_candidates, h)
+        stop = stop.cpu()
+        if self.auto and self.k_min <= k < self.max_candidates:
+            stop = stop | self.rule.stop(k, self.cum_accept)
         return stop
+
+    def end_round(self, num_drafted, num_accepted):
+        self.history = history_update(self.history, num_drafted, num_accepted)
+        if self.rule is not None:
+            self.rule.update(num_drafted, num_accepted)
 
     def select_rows(self, index):
         self.cum_accept = self.cum_accept[index.to(self.cum_accept.device)]
+        self.history = self.history[index.to(self.history.device)]
+        if self.rule is not None:
+            self.rule.select(index)
+
+    def describe(self):
+        return f"{self.name} ({self.head.describe()})"
 
 
 def make_policy(name: str, head: Optional[AcceptanceHead] = None, **kwargs) -> CandidateLengthPolicy:

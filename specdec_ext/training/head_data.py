@@ -1,14 +1,31 @@
-"""Training data for the acceptance head (SpecDec++, Huang et al. 2024, Sec. 4).
+"""Training data for the acceptance head, in two recipes that share one data set format.
 
-For each prompt the target samples a response X (temperature 1 by default, up to a length limit).
-At every response position i the draft samples Y_i ~ q(. | prompt, X_<i), and the soft label is
-p_acc,i = min(1, p(Y_i | prompt, X_<i) / q(Y_i | prompt, X_<i)), both from one forward pass of
-each model over prompt + X. The head's input sequence mixes tokens: Z_i = X_i with probability r
-(default 0.15), else Y_i; the loss counts only positions where Z_i = Y_i, where the head reads the
-draft's hidden state after Z_i, exactly what it sees when judging a candidate during decoding.
+For each prompt the target writes a response X (greedy, or sampled at the data set's temperature /
+top-k / top-p), and at every response position i the draft proposes a candidate Y_i from its
+distribution q_i at context prompt + X_<i, with a label for that candidate:
 
-The data set is stored as one safetensors file (flat tensors with per-example offsets) whose
-metadata records the models and settings that made it, so training can rerun without the target.
+* decoding ``"greedy"``: Y_i = argmax q_i, label 1 iff Y_i equals the target's argmax at i. These are
+  exactly the contexts speculative greedy decoding tests: a candidate's acceptance matters only when
+  every candidate before it was accepted, i.e. when its context is a prefix of the target's output.
+* decoding ``"sample"``: Y_i ~ q_i, soft label min(1, p_i(Y_i) / q_i(Y_i)) with p and q the *processed*
+  distributions (temperature, top-k, top-p), the probability that rejection sampling accepts Y_i
+  (Leviathan et al. 2023, Alg. 1). The contexts are the target's samples; in a speculative round a
+  candidate's context ends in accepted candidates, distributed as min(p, q) / beta rather than p:
+  close, not exact.
+
+How the head reads this (``AcceptanceHead.input_position``) is decided at feature time
+(``training/head_features.py``):
+
+* recipe ``"deployment"`` (this project's): the draft state at the proposal position (P + i - 1) and
+  the confidence features of (q_i, Y_i), at every response position;
+* recipe ``"paper"`` (SpecDec++ Sec. 4): sampled data at temperature 1; the head's input sequence mixes
+  tokens, Z_i = X_i with probability r (``mix_ratio``, paper 0.15) and Y_i otherwise; the loss counts
+  the positions where Z_i = Y_i, where the head reads the draft state after Z_i ("candidate" position).
+
+A data set is one safetensors file (flat tensors with per-example offsets) whose metadata records the
+models and settings that made it. Generation is resumable: a partial file is written every few
+batches and extended on the next run with the same settings; prompt j always gets seed
+``seed * 1_000_003 + j``, so batching and restarts do not change its data.
 """
 
 from __future__ import annotations
@@ -17,51 +34,66 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..engine import SpeculativeGenerator
+from ..engine.models import fingerprint, model_name
 from ..engine.sampling import SamplingConfig, process_logits
+
+DECODING = ("greedy", "sample")
 
 
 @dataclass
 class HeadDataConfig:
-    max_new_tokens: int = 128     # response length limit
-    temperature: float = 1.0      # of the target's responses and of the labels' distributions
-    mix_ratio: float = 0.15       # r: probability that Z_i is the target's token X_i
-    max_prompt_tokens: int = 384  # prompts are truncated on the left to this many tokens
-    batch_size: int = 8
+    decoding: str = "greedy"          # "greedy" or "sample"
+    temperature: float = 1.0          # sampling temperature (decoding == "sample")
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    max_new_tokens: int = 128         # response length limit
+    mix_ratio: float = 0.15           # r of the paper recipe: probability that Z_i is the target's token X_i
+    max_prompt_tokens: int = 384      # prompts are truncated on the left to this many tokens
+    batch_size: int = 8               # prompts per generation batch
     seed: int = 0
 
     def __post_init__(self):
+        if self.decoding not in DECODING:
+            raise ValueError(f"decoding must be one of {DECODING}, got {self.decoding!r}")
         if not 0.0 <= self.mix_ratio < 1.0:
             raise ValueError(f"mix_ratio r must lie in [0, 1), got {self.mix_ratio}")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("max_new_tokens and batch_size must be >= 1")
+        if self.decoding == "sample":
+            SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(0.0) if self.decoding == "greedy" else SamplingConfig(self.temperature, self.top_k,
+                                                                                      self.top_p)
 
 
 @dataclass
 class HeadDataset:
-    """Flat storage; example e spans ``input_ids[offsets[e]:offsets[e+1]]``.
+    """Flat storage; example e spans ``input_ids[offsets[e]:offsets[e+1]]`` (prompt + target response X).
 
-    input_ids: int64 prompt + mixed tokens Z. response_start: [E] index of Z_1 in each example.
-    labels: float32 soft labels min(1, p/q) at response positions (NaN elsewhere).
-    counted: bool, positions where Z_i = Y_i (the loss and metrics use only these).
-    accept_sample: bool, one sampled accept/reject outcome per position (u < label), for ROC AUC.
-    target_tokens: int64, the target's response X at response positions (-1 elsewhere).
-    meta: models and settings.
+    response_start: [E] index of X_1 in each example. At response positions (elsewhere -1 / NaN / False):
+    target_tokens: X; candidates: the draft's candidate Y; labels: float32 label of Y (1/0 greedy,
+    min(1, p/q) sampled); accept_sample: one sampled accept/reject outcome (u < label; greedy: the label);
+    take_target: the paper recipe's mixing, True where Z_i = X_i. meta: models and settings.
     """
 
     input_ids: torch.Tensor
     offsets: torch.Tensor
     response_start: torch.Tensor
-    labels: torch.Tensor
-    counted: torch.Tensor
-    accept_sample: torch.Tensor
     target_tokens: torch.Tensor
+    candidates: torch.Tensor
+    labels: torch.Tensor
+    accept_sample: torch.Tensor
+    take_target: torch.Tensor
     meta: dict
 
     def __len__(self) -> int:
@@ -70,137 +102,156 @@ class HeadDataset:
     def example(self, e: int) -> slice:
         return slice(int(self.offsets[e]), int(self.offsets[e + 1]))
 
+    @property
+    def config(self) -> HeadDataConfig:
+        return HeadDataConfig(**self.meta["config"])
+
     def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
         save_file({"input_ids": self.input_ids.to(torch.int32), "offsets": self.offsets,
-                   "response_start": self.response_start, "labels": self.labels,
-                   "counted": self.counted.to(torch.uint8), "accept_sample": self.accept_sample.to(torch.uint8),
-                   "target_tokens": self.target_tokens.to(torch.int32)},
-                  str(path), metadata={"specdec_ext": json.dumps(self.meta)})
+                   "response_start": self.response_start, "target_tokens": self.target_tokens.to(torch.int32),
+                   "candidates": self.candidates.to(torch.int32), "labels": self.labels,
+                   "accept_sample": self.accept_sample.to(torch.uint8), "take_target": self.take_target.to(torch.uint8)},
+                  str(tmp), metadata={"specdec_ext": json.dumps(self.meta)})
+        tmp.replace(path)
 
     @classmethod
     def load(cls, path: str | Path) -> "HeadDataset":
-        from safetensors import safe_open
-
         t = load_file(str(path))
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {}).get("specdec_ext", "{}"))
-        return cls(t["input_ids"].long(), t["offsets"], t["response_start"], t["labels"], t["counted"].bool(),
-                   t["accept_sample"].bool(), t["target_tokens"].long(), meta)
+        if "candidates" not in t:
+            raise ValueError(f"{path}: a head data set of an older format (no candidates); generate it again")
+        return cls(t["input_ids"].long(), t["offsets"], t["response_start"], t["target_tokens"].long(),
+                   t["candidates"].long(), t["labels"], t["accept_sample"].bool(), t["take_target"].bool(), meta)
 
-
-def _model_name(model) -> str:
-    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+    @classmethod
+    def concat(cls, parts: Sequence["HeadDataset"], meta: dict) -> "HeadDataset":
+        offsets, base = [torch.zeros(1, dtype=torch.int64)], 0
+        for d in parts:
+            offsets.append(d.offsets[1:] + base)
+            base += int(d.offsets[-1])
+        cat = lambda name: torch.cat([getattr(d, name) for d in parts])  # noqa: E731
+        return cls(cat("input_ids"), torch.cat(offsets), cat("response_start"), cat("target_tokens"), cat("candidates"),
+                   cat("labels"), cat("accept_sample"), cat("take_target"), meta)
 
 
 @torch.inference_mode()
-def soft_labels(target_logits: torch.Tensor, draft_logits: torch.Tensor, response: torch.Tensor,
-                cfg: SamplingConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """For logits ``[n, V]`` predicting the n response tokens: draft samples Y ``[n]`` and labels min(1, p(Y)/q(Y))."""
-    p = process_logits(target_logits, cfg)
-    q = process_logits(draft_logits, cfg)
+def label_response(target_logits: torch.Tensor, draft_logits: torch.Tensor, cfg: HeadDataConfig,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logits ``[n, V]`` of both models at the n response positions: candidates Y ``[n]``, labels ``[n]``
+    and sampled outcomes ``[n]`` (see the module docstring)."""
+    if cfg.decoding == "greedy":
+        y = draft_logits.argmax(-1)
+        lab = (y == target_logits.argmax(-1)).float()
+        return y, lab, lab.bool()
+    p = process_logits(target_logits, cfg.sampling)
+    q = process_logits(draft_logits, cfg.sampling)
     y = torch.multinomial(q, 1, generator=gen).squeeze(-1)
     py = p.gather(-1, y.unsqueeze(-1)).squeeze(-1)
     qy = q.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    return y, torch.clamp(py / qy, max=1.0)
+    lab = torch.clamp(py / qy, max=1.0)
+    return y, lab, torch.rand(lab.shape, generator=gen) < lab
+
+
+def _settings(cfg: HeadDataConfig, target, draft, prompts: Sequence[str]) -> dict:
+    import hashlib
+
+    digest = hashlib.sha1("\x00".join(prompts).encode()).hexdigest()[:16]
+    return {"config": asdict(cfg), "target_model": model_name(target), "draft_model": model_name(draft),
+            "draft_fingerprint": fingerprint(draft), "num_prompts": len(prompts), "prompts_sha1": digest,
+            "draft_hidden_size": draft.get_output_embeddings().weight.shape[1]}
 
 
 @torch.inference_mode()
 def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Optional[HeadDataConfig] = None,
-                       progress: bool = True) -> HeadDataset:
-    """Build the head's training set from ``prompts`` (see the module docstring)."""
+                       progress: bool = True, path: Optional[str | Path] = None, save_every: int = 10,
+                       log: Optional[Callable[[str], None]] = None) -> HeadDataset:
+    """Build (or, with ``path`` holding a partial data set of the same settings, resume) the head's data
+    set for ``prompts``; saved to ``path`` every ``save_every`` batches and at the end."""
     cfg = cfg or HeadDataConfig()
     if len(prompts) == 0:
         raise ValueError("prompts is empty: the head's training data needs at least one prompt")
-    scfg = SamplingConfig(cfg.temperature)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    responder = SpeculativeGenerator(target, policy="autoregressive")
+    settings = _settings(cfg, target, draft, prompts)
+    parts: list[HeadDataset] = []
+    done = 0
+    if path is not None and Path(path).exists():
+        old = HeadDataset.load(path)
+        same = {k: old.meta.get(k) for k in settings} == settings
+        if same:
+            parts, done = [old], int(old.meta.get("prompts_done", old.meta["num_prompts"]))
+            if log is not None and done < len(prompts):
+                log(f"[train-head] resuming the data set in {path}: {done} of {len(prompts)} prompts done")
+        elif log is not None:
+            log(f"[train-head] {path} was made with other settings or prompts: generating it again")
+    if done >= len(prompts):
+        return parts[0]
+    # any lossless method writes the target's responses; fixed K = 4 is a fast one
+    responder = SpeculativeGenerator(target, draft, policy="fixed", k=4)
     eos = tokenizer.eos_token_id
-    ids_all, offsets, starts, labels_all, counted_all, accept_all, x_all = [], [0], [], [], [], [], []
+    pad = eos if eos is not None else 0
     dev_t = target.get_input_embeddings().weight.device
     dev_d = draft.get_input_embeddings().weight.device
-    bar = tqdm(range(0, len(prompts), cfg.batch_size), desc="head data", disable=not progress, unit="batch")
-    for i0 in bar:
-        batch = [tokenizer(p, add_special_tokens=False)["input_ids"][-cfg.max_prompt_tokens :] for p in prompts[i0 : i0 + cfg.batch_size]]
-        batch = [b if b else [eos] for b in batch]
+    rows: dict[str, list] = {k: [] for k in ("ids", "starts", "x", "y", "lab", "acc", "take")}
+    t0 = time.time()
+
+    def snapshot(n_done: int) -> HeadDataset:
+        meta = dict(settings, prompts_done=n_done, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        if not rows["ids"]:
+            new = None
+        else:
+            lengths = [t.numel() for t in rows["ids"]]
+            new = HeadDataset(torch.cat(rows["ids"]), torch.tensor([0] + lengths).cumsum(0), torch.tensor(rows["starts"]),
+                              torch.cat(rows["x"]), torch.cat(rows["y"]), torch.cat(rows["lab"]), torch.cat(rows["acc"]),
+                              torch.cat(rows["take"]), meta)
+        pieces = parts + ([new] if new is not None else [])
+        if not pieces:
+            raise ValueError("the target produced no response tokens for any prompt")
+        return HeadDataset.concat(pieces, meta)
+
+    starts = range(done, len(prompts), cfg.batch_size)
+    bar = tqdm(starts, desc=f"head data ({cfg.decoding})", disable=not progress, unit="batch")
+    for bi, i0 in enumerate(bar):
+        idx = list(range(i0, min(i0 + cfg.batch_size, len(prompts))))
+        batch = [tokenizer(prompts[j])["input_ids"][-cfg.max_prompt_tokens:] or [pad] for j in idx]
         T = max(len(b) for b in batch)
-        pad = eos if eos is not None else 0
         ids = torch.tensor([[pad] * (T - len(b)) + b for b in batch])
         mask = torch.tensor([[0] * (T - len(b)) + [1] * len(b) for b in batch])
+        seeds = [cfg.seed * 1_000_003 + j for j in idx]
         out = responder.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, eos_token_id=eos, seed=cfg.seed * 1_000_003 + i0)
+                                 temperature=cfg.sampling.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                 eos_token_id=eos, seed=seeds)
         for b, prompt_ids in enumerate(batch):
             x = out.new_tokens[b]
             if not x:
                 continue
+            gen = torch.Generator().manual_seed(seeds[b])
             seq = torch.tensor(prompt_ids + x).unsqueeze(0)
             P, n = len(prompt_ids), len(x)
             t_logits = target(seq.to(dev_t)).logits[0, P - 1 : P - 1 + n].float().cpu()
             d_logits = draft(seq.to(dev_d)).logits[0, P - 1 : P - 1 + n].float().cpu()
-            y, lab = soft_labels(t_logits, d_logits, torch.tensor(x), scfg, gen)
-            xs = torch.tensor(x)
-            take_x = torch.rand(n, generator=gen) < cfg.mix_ratio
-            z = torch.where(take_x, xs, y)
-            counted = z == y
-            accept = torch.rand(n, generator=gen) < lab
-            full_labels = torch.full((P + n,), float("nan"))
-            full_labels[P:] = lab
-            full_counted = torch.zeros(P + n, dtype=torch.bool)
-            full_counted[P:] = counted
-            full_accept = torch.zeros(P + n, dtype=torch.bool)
-            full_accept[P:] = accept
-            ids_all.append(torch.cat([torch.tensor(prompt_ids), z]))
-            x_all.append(torch.cat([torch.full((P,), -1, dtype=torch.int64), xs]))
-            labels_all.append(full_labels)
-            counted_all.append(full_counted)
-            accept_all.append(full_accept)
-            starts.append(P)
-            offsets.append(offsets[-1] + P + n)
-        bar.set_postfix(examples=len(starts))
-    if not starts:
-        raise ValueError("the target produced no response tokens for any prompt")
-    meta = {"target_model": _model_name(target), "draft_model": _model_name(draft), "config": asdict(cfg),
-            "num_prompts": len(prompts), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "draft_hidden_size": draft.get_output_embeddings().weight.shape[1]}
-    return HeadDataset(torch.cat(ids_all), torch.tensor(offsets), torch.tensor(starts), torch.cat(labels_all),
-                       torch.cat(counted_all), torch.cat(accept_all), torch.cat(x_all), meta)
+            y, lab, acc = label_response(t_logits, d_logits, cfg, gen)
+            take = torch.rand(n, generator=gen) < cfg.mix_ratio
 
+            def full(v, fill, dtype):
+                t = torch.full((P + n,), fill, dtype=dtype)
+                t[P:] = v
+                return t
 
-@torch.inference_mode()
-def draft_features(draft, data: HeadDataset, batch_tokens: int = 8192, progress: bool = True) -> dict[str, torch.Tensor]:
-    """The frozen draft's last hidden state (its LM head's input) at every counted position, computed
-    once in inference mode. Returns hidden ``[M, H]`` float32, labels ``[M]``, accept ``[M]``, example ``[M]``."""
-    captured = {}
-    hook = draft.get_output_embeddings().register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))
-    dev = draft.get_input_embeddings().weight.device
-    hs, labs, accs, exs = [], [], [], []
-    try:
-        order = list(range(len(data)))
-        bar = tqdm(total=len(order), desc="draft features", disable=not progress, unit="ex")
-        i = 0
-        while i < len(order):
-            group = [order[i]]
-            while i + len(group) < len(order) and (len(group) + 1) * max(
-                    data.example(e).stop - data.example(e).start for e in group + [order[i + len(group)]]) <= batch_tokens:
-                group.append(order[i + len(group)])
-            L = max(data.example(e).stop - data.example(e).start for e in group)
-            ids = torch.zeros(len(group), L, dtype=torch.long)
-            mask = torch.zeros(len(group), L, dtype=torch.long)
-            for r, e in enumerate(group):
-                s = data.input_ids[data.example(e)]
-                ids[r, : s.numel()] = s
-                mask[r, : s.numel()] = 1
-            draft(input_ids=ids.to(dev), attention_mask=mask.to(dev))
-            h = captured["h"].float().cpu()
-            for r, e in enumerate(group):
-                sl = data.example(e)
-                c = data.counted[sl]
-                hs.append(h[r, : c.numel()][c])
-                labs.append(data.labels[sl][c])
-                accs.append(data.accept_sample[sl][c])
-                exs.append(torch.full((int(c.sum()),), e, dtype=torch.int64))
-            i += len(group)
-            bar.update(len(group))
-        bar.close()
-    finally:
-        hook.remove()
-    return {"hidden": torch.cat(hs), "labels": torch.cat(labs), "accept": torch.cat(accs), "example": torch.cat(exs)}
+            rows["ids"].append(seq[0])
+            rows["starts"].append(P)
+            rows["x"].append(full(torch.tensor(x), -1, torch.int64))
+            rows["y"].append(full(y, -1, torch.int64))
+            rows["lab"].append(full(lab, float("nan"), torch.float32))
+            rows["acc"].append(full(acc, False, torch.bool))
+            rows["take"].append(full(take, False, torch.bool))
+        n_done = idx[-1] + 1
+        bar.set_postfix(examples=len(rows["starts"]) + sum(len(p) for p in parts),
+                        prompts_per_s=f"{(n_done - done) / max(1e-9, time.time() - t0):.2f}")
+        if path is not None and (bi + 1) % save_every == 0:
+            snapshot(n_done).save(path)
+    data = snapshot(len(prompts))
+    if path is not None:
+        data.save(path)
+    return data

@@ -1,7 +1,8 @@
-"""Training and evaluation of the acceptance head on precomputed draft features.
+"""Training and evaluation of the acceptance head on precomputed draft features
+(``training/head_features.py``).
 
-Loss (SpecDec++ Sec. 4): binary cross-entropy with soft labels y = min(1, p/q) and weight w on the
-rejection side,
+Loss (SpecDec++ Sec. 4): binary cross-entropy with labels y (soft, min(1, p/q), when sampling; 0/1 when
+greedy) and weight w on the rejection side,
 
     L = - sum_i [ y_i log s_i + w (1 - y_i) log(1 - s_i) ] / sum_i [ y_i + w (1 - y_i) ],   s_i = sigmoid(z_i),
 
@@ -20,13 +21,18 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from .module import AcceptanceHead
+from ..head.features import check_feature_names
+from ..head.module import AcceptanceHead
+from .head_features import select_features
 
 
 @dataclass
 class HeadTrainConfig:
     num_layers: int = 3
-    rejection_weight: float = 6.0  # w
+    features: tuple = ()           # confidence / history features the head reads (head.features.FEATURES)
+    use_hidden: bool = True
+    input_position: str = "proposal"
+    rejection_weight: float = 1.0  # w (paper: 6)
     lr: float = 1e-3
     weight_decay: float = 0.01
     epochs: int = 30
@@ -40,6 +46,7 @@ class HeadTrainConfig:
             raise ValueError(f"rejection_weight w must be > 0, got {self.rejection_weight}")
         if not 0.0 < self.held_out_frac < 1.0:
             raise ValueError(f"held_out_frac must lie in (0, 1), got {self.held_out_frac}")
+        self.features = check_feature_names(self.features)
 
 
 def weighted_bce(logits: torch.Tensor, labels: torch.Tensor, w: float) -> torch.Tensor:
@@ -87,15 +94,36 @@ def binary_kl(labels: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def evaluate(probs: torch.Tensor, labels: torch.Tensor, outcomes: torch.Tensor) -> dict:
-    """Binary KL to the soft labels, ROC AUC against sampled outcomes, Brier score against outcomes,
+    """Binary KL to the labels, ROC AUC against sampled outcomes, Brier score against outcomes,
     and the same three for a constant predictor (the labels' mean) as a baseline."""
     const = torch.full_like(probs, float(labels.mean()))
     out = {}
     for name, p in (("head", probs), ("constant", const)):
-        out[name] = {"binary_kl": binary_kl(labels, p), "roc_auc": roc_auc(p, outcomes),
-                     "brier": float(((p.double() - outcomes.double()) ** 2).mean())}
+        out[name] = scores(p, labels, outcomes)
     out["positions"] = int(labels.numel())
     out["mean_label"] = float(labels.mean())
+    return out
+
+
+def scores(p: torch.Tensor, labels: torch.Tensor, outcomes: torch.Tensor) -> dict:
+    """ROC AUC (ranking, against outcomes), Brier score (against outcomes) and binary KL (to the labels) of p."""
+    return {"roc_auc": roc_auc(p, outcomes), "brier": float(((p.double() - outcomes.double()) ** 2).mean()),
+            "binary_kl": binary_kl(labels, p.clamp(0, 1))}
+
+
+def evaluate_against_baselines(head: AcceptanceHead, feats: dict) -> dict:
+    """The head beside the draft's own confidence on the same positions: q(y) and the top-1 minus top-2
+    margin of q, used directly as acceptance probabilities (their ROC AUC is what they rank; their Brier
+    score what they would say as probabilities), and a constant (the labels' mean)."""
+    labels, outcomes = feats["labels"].float(), feats["accept"]
+    with torch.no_grad():
+        p = head.predict(feats["hidden"] if head.use_hidden else None,
+                         select_features(feats["features"], head.features) if head.features else None)
+    out = {"positions": int(labels.numel()), "mean_label": float(labels.mean()), "head": scores(p, labels, outcomes)}
+    for name in ("token_prob", "margin"):
+        out[f"q_{name}" if name == "margin" else "q_y"] = scores(select_features(feats["features"], [name])[:, 0],
+                                                               labels, outcomes)
+    out["constant"] = scores(torch.full_like(p, float(labels.mean())), labels, outcomes)
     return out
 
 
@@ -136,49 +164,64 @@ def calibration_plot(probs: torch.Tensor, labels: torch.Tensor, outcomes: torch.
 
 
 # ------------------------------------------------------------------------------------ training
-def train_head(features: dict[str, torch.Tensor], cfg: Optional[HeadTrainConfig] = None,
-               head: Optional[AcceptanceHead] = None, progress: bool = True, **head_kwargs) -> tuple[AcceptanceHead, dict]:
-    """Train a head on ``draft_features(...)`` output. Returns the head and a report with the
-    held-out metrics (:func:`evaluate`), the loss history and the settings."""
+def train_head(feats: dict[str, torch.Tensor], cfg: Optional[HeadTrainConfig] = None,
+               head: Optional[AcceptanceHead] = None, progress: bool = True, train_mask: Optional[torch.Tensor] = None,
+               **head_kwargs) -> tuple[AcceptanceHead, dict]:
+    """Train a head on ``draft_features(...)`` output. Positions of examples in the held-out split
+    (``split_by_example``; or outside ``train_mask`` when given) are kept for evaluation. Returns the head
+    and a report with the held-out metrics (:func:`evaluate`), the loss history and the settings."""
     cfg = cfg or HeadTrainConfig()
-    hidden, labels = features["hidden"], features["labels"].float()
+    hidden, labels = feats["hidden"], feats["labels"].float()
     if hidden.shape[0] == 0:
         raise ValueError("no counted positions in the training data")
+    X = select_features(feats["features"], cfg.features) if cfg.features else None
     H = hidden.shape[1]
     torch.manual_seed(cfg.seed)
     if head is None:
-        head = AcceptanceHead(H, cfg.num_layers, training=asdict(cfg), **head_kwargs)
+        head = AcceptanceHead(H, cfg.num_layers, features=cfg.features, use_hidden=cfg.use_hidden,
+                              input_position=cfg.input_position, training=asdict(cfg), **head_kwargs)
     head.check_draft(H)
-    tr, ho = split_by_example(features["example"], cfg.held_out_frac, cfg.seed)
-    x_tr, y_tr = hidden[tr], labels[tr]
+    if train_mask is None:
+        tr, ho = split_by_example(feats["example"], cfg.held_out_frac, cfg.seed)
+    else:
+        tr, ho = train_mask, ~train_mask
+    if X is not None:
+        head.set_feature_normalization(X[tr].mean(0), X[tr].std(0))
+    head.mean_accept = float(labels[tr].mean())
+    h_in = hidden if cfg.use_hidden else None
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_epoch = max(1, math.ceil(x_tr.shape[0] / cfg.batch_size))
+    tr_idx = tr.nonzero().squeeze(-1)
+    steps_per_epoch = max(1, math.ceil(tr_idx.numel() / cfg.batch_size))
     total = steps_per_epoch * cfg.epochs
     warm = max(1, int(cfg.warmup_frac * total))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm))))
     g = torch.Generator().manual_seed(cfg.seed)
+
+    def batch(idx):
+        return (h_in[idx] if h_in is not None else None), (X[idx] if X is not None else None)
+
     history = []
     head.train()
     bar = tqdm(range(cfg.epochs), desc="head training", disable=not progress, unit="epoch")
     for epoch in bar:
-        perm = torch.randperm(x_tr.shape[0], generator=g)
+        perm = tr_idx[torch.randperm(tr_idx.numel(), generator=g)]
         tot = 0.0
         for s in range(steps_per_epoch):
             idx = perm[s * cfg.batch_size : (s + 1) * cfg.batch_size]
-            loss = weighted_bce(head(x_tr[idx]), y_tr[idx], cfg.rejection_weight)
+            loss = weighted_bce(head(*batch(idx)), labels[idx], cfg.rejection_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
             tot += loss.item() * idx.numel()
         with torch.no_grad():
-            held_loss = weighted_bce(head(hidden[ho]), labels[ho], cfg.rejection_weight).item() if ho.any() else float("nan")
-        history.append({"epoch": epoch + 1, "train_loss": tot / x_tr.shape[0], "held_out_loss": held_loss})
-        bar.set_postfix(train=f"{tot / x_tr.shape[0]:.4f}", held_out=f"{held_loss:.4f}")
+            held_loss = weighted_bce(head(*batch(ho)), labels[ho], cfg.rejection_weight).item() if ho.any() else float("nan")
+        history.append({"epoch": epoch + 1, "train_loss": tot / tr_idx.numel(), "held_out_loss": held_loss})
+        bar.set_postfix(train=f"{tot / tr_idx.numel():.4f}", held_out=f"{held_loss:.4f}")
     head.eval()
     with torch.no_grad():
-        p_ho = head.predict(hidden[ho])
-    report = {"held_out": evaluate(p_ho, labels[ho], features["accept"][ho]), "history": history,
+        p_ho = head.predict(*batch(ho)) if ho.any() else torch.zeros(0)
+    report = {"held_out": evaluate(p_ho, labels[ho], feats["accept"][ho]) if ho.any() else {}, "history": history,
               "train_positions": int(tr.sum()), "held_out_positions": int(ho.sum()), "config": asdict(cfg)}
     return head, report

@@ -1,0 +1,163 @@
+"""Profiling a target/draft pair where it runs, for the cost-aware stop rule (``threshold="auto"``).
+
+Measures, with the engine's own runners at batch size 1 and a 128-token context: the target's forward
+over n = 1 .. K_max + 1 tokens (what verifying K candidates costs), one draft forward, and the
+engine's per-round and per-candidate work outside the forwards (from short fixed-K generations at two
+K values). Medians of interleaved repetitions. The result is cached as JSON, keyed by the two models'
+configurations, dtypes, device, thread count, torch version and processor, so the profile runs once
+per pair and machine setting (about 10-30 s on a 2-core CPU for the bundled pair).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..policies.goodput import CostModel, isotonic
+
+
+def cache_dir() -> Path:
+    """``$SPECDEC_CACHE_DIR`` or ``~/.cache/specdec_ext``."""
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec_ext")
+
+
+def processor_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _model_key(model) -> dict:
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        cfg.pop(k, None)
+    p = next(model.parameters())
+    return {"config": cfg, "dtype": str(p.dtype), "device": str(p.device)}
+
+
+def profile_key(target, draft, fast_draft: bool, k_max: int) -> str:
+    desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+@torch.inference_mode()
+def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: int = 7, context: int = 128,
+                 log=None) -> CostModel:
+    """Measure a :class:`~specdec_ext.policies.goodput.CostModel` for this pair (see the module docstring)."""
+    from . import fast_llama
+    from .generator import SpeculativeGenerator
+    from .models import vocab_size
+    from .runner import CausalLMRunner
+
+    V = vocab_size(target)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, V, (1, context), generator=g)
+    use_fast = fast_draft and fast_llama.supports(draft)
+    t_run = CausalLMRunner(target, "target")
+    d_run = fast_llama.FastLlamaRunner(draft) if use_fast else CausalLMRunner(draft, "draft")
+    for r in (t_run, d_run):
+        r.start(1)
+        r.forward(prompt)
+    sizes = list(range(1, k_max + 2))
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    dtimes: list[float] = []
+    tokens = {n: torch.randint(0, V, (1, n), generator=g) for n in sizes}
+    one = tokens[1]
+
+    def tstep(n):
+        t_run.forward(tokens[n], keep=n)
+        t_run.rollback(torch.tensor([n]))
+
+    def dstep():
+        d_run.forward(one, keep=1, hidden=True)
+        d_run.rollback(torch.tensor([1]))
+
+    for n in sizes[:3]:  # warm-up
+        tstep(n)
+    for _ in range(5):
+        dstep()
+    for rep in range(reps):
+        for n in sizes:
+            times[n].append(_timed(lambda: tstep(n), t_run.device))
+        for _ in range(5):
+            dtimes.append(_timed(dstep, d_run.device))
+        if log is not None:
+            log(f"\r[specdec] profiling the pair for threshold='auto': {rep + 1}/{reps}")
+    for r in (t_run, d_run):
+        r.close()
+    verify = isotonic([statistics.median(times[n]) for n in sizes])
+    draft_ms = statistics.median(dtimes)
+    # per-round and per-candidate work outside the forwards, from short fixed-K generations at K = 1 and 4
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=1, fast_draft=fast_draft)
+    outside = {}
+    for k in (1, 4):
+        per_round = []
+        for _ in range(3):
+            out = gen.generate(prompt[:, :32], max_new_tokens=24, temperature=0, policy="fixed", k=k)
+            st = out.stats
+            rounds = len(st.rounds)
+            in_rounds = sum(r.total_ms for r in st.rounds)
+            forwards = st.target_forward_ms + st.draft_forward_ms - st.prefill_ms  # prefill is outside the rounds
+            per_round.append(max(0.0, in_rounds - forwards) / max(1, rounds))
+        outside[k] = statistics.median(per_round)
+    step_ms = max(0.0, (outside[4] - outside[1]) / 3.0)
+    round_ms = max(0.0, outside[1] - step_ms)
+    if log is not None:
+        log("\n")
+    meta = {"processor": processor_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "target_dtype": str(next(target.parameters()).dtype), "draft_dtype": str(next(draft.parameters()).dtype),
+            "device": str(t_run.device), "fast_draft": use_fast, "context": context, "reps": reps,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return CostModel(verify, draft_ms, step_ms, round_ms, meta)
+
+
+def cached_profile(target, draft, fast_draft: bool = True, k_max: int = 20, refresh: bool = False,
+                   progress: bool = True, directory: Optional[Path] = None) -> CostModel:
+    """The pair's :class:`CostModel`, measured once per pair and setting (:func:`profile_key`) and cached
+    as JSON under ``directory`` (default :func:`cache_dir`)``/profiles``."""
+    key = profile_key(target, draft, fast_draft, k_max)
+    path = (directory or cache_dir()) / "profiles" / f"{key}.json"
+    if path.exists() and not refresh:
+        try:
+            return CostModel.from_json(path.read_text())
+        except (ValueError, KeyError, json.JSONDecodeError):
+            pass  # a damaged cache entry is measured again
+    log = (lambda s: print(s, end="", file=sys.stderr, flush=True)) if progress else None
+    if log is not None:
+        log(f"[specdec] profiling the pair for threshold='auto' (once per pair, dtype, device and thread count; "
+            f"cached in {path})\n")
+    costs = profile_pair(target, draft, fast_draft, k_max, log=log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(costs.to_json())
+    tmp.replace(path)
+    return costs

@@ -1,0 +1,170 @@
+"""The cost model of a speculative round and the goodput arithmetic of the ``threshold="auto"`` rule.
+
+A round that drafts K candidates costs (in ms, measured where the pair runs by ``engine.profile``)
+
+    T(K) = round_ms + K * (draft_ms + step_ms) + verify_ms(K + 1),
+
+K draft forwards (the first feeds the tokens the draft has not seen, each later one a candidate),
+per-candidate work outside the forward (sampling, the head, the policy), one target forward over
+the last committed token and the K candidates, and per-round work (verification op, rollback).
+With per-candidate survival S_k = prod_{j<=k} p_hat_j (the predicted probability that candidates
+1..k are all accepted), the round emits 1 + sum_{k<=K} S_k tokens in expectation (Leviathan et al.
+2023, Eq. 1, with per-candidate rather than constant acceptance). The long-run goodput is
+E[tokens] / E[time] per round (a renewal-reward ratio); the rule that maximises it drafts one more
+candidate while its expected tokens exceed lambda times its cost, lambda being the goodput itself
+(Dinkelbach's method for ratio objectives). vLLM's adaptive-K rule (pull request 44336) maximises
+the same ratio over a fixed K per step; its DSpark verification scheduler (pull request 47808)
+ranks drafted slots by survival against a profiled cost table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class CostModel:
+    """Costs of one speculative round at batch size 1, in ms.
+
+    verify_ms: target forward over n tokens, ``verify_ms[n - 1]`` for n = 1 .. len (non-decreasing).
+    draft_ms: one draft forward (one token).
+    step_ms: per-candidate work outside the draft forward (sampling, features, policy).
+    round_ms: per-round work outside both models' forwards (verification op, rollback, bookkeeping).
+    meta: what and where it was measured (models, dtypes, device, threads, processor, date).
+    """
+
+    verify_ms: Sequence[float]
+    draft_ms: float
+    step_ms: float = 0.0
+    round_ms: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        v = [float(x) for x in self.verify_ms]
+        if not v or any(not math.isfinite(x) or x <= 0 for x in v):
+            raise ValueError(f"CostModel: verify_ms must be positive finite times (ms), got {self.verify_ms!r}")
+        for name in ("draft_ms", "step_ms", "round_ms"):
+            x = getattr(self, name)
+            if not math.isfinite(x) or x < 0:
+                raise ValueError(f"CostModel: {name} must be a finite time >= 0 (ms), got {x!r}")
+        self.verify_ms = tuple(v)
+
+    def verify(self, n: int) -> float:
+        """Target forward over ``n`` >= 1 tokens (ms); beyond the table, the last step's slope continues."""
+        v = self.verify_ms
+        if n <= len(v):
+            return v[n - 1]
+        slope = max(0.0, v[-1] - v[-2]) if len(v) > 1 else 0.0
+        return v[-1] + slope * (n - len(v))
+
+    def round_time(self, k: int) -> float:
+        """T(K) of the module docstring for K = ``k`` candidates (ms)."""
+        return self.round_ms + k * (self.draft_ms + self.step_ms) + self.verify(k + 1)
+
+    def marginal_ms(self, k: int) -> float:
+        """Extra time of candidate k + 1 in a round that has k (ms)."""
+        return self.draft_ms + self.step_ms + self.verify(k + 2) - self.verify(k + 1)
+
+    def plain_ms(self) -> float:
+        """One token of target-only decoding (ms)."""
+        return self.round_ms + self.verify(1)
+
+    def best_fixed(self, alpha: float, k_max: int = 20) -> tuple[int, float]:
+        """(K, goodput in tokens/ms) of the best fixed candidate length when every candidate is
+        accepted with probability ``alpha`` (expected tokens (1 - alpha^(K+1)) / (1 - alpha))."""
+        best = (0, 1.0 / self.plain_ms())
+        for k in range(1, k_max + 1):
+            tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+            rate = tokens / self.round_time(k)
+            if rate > best[1]:
+                best = (k, rate)
+        return best
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        d = json.loads(text)
+        return cls(d["verify_ms"], d["draft_ms"], d.get("step_ms", 0.0), d.get("round_ms", 0.0), d.get("meta", {}))
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): a verification over more tokens is
+    taken never to cost less; measured dips are timing noise."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2 = blocks.pop()
+            m1, w1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    out: list[float] = []
+    for m, w in blocks:
+        out += [m] * int(w)
+    return out
+
+
+class GoodputRule:
+    """The ``threshold="auto"`` stop rule, per row (Dinkelbach's method for the goodput ratio):
+
+        stop after candidate k  iff  S_k < lambda * marginal_ms(k),
+
+    S_k = prod_{j<=k} p_hat_j being the predicted survival of the round so far, which bounds what one
+    more candidate can add (its expected tokens are S_k * p_hat_{k+1} <= S_k, and p_hat_{k+1} is not
+    known before its draft forward), and lambda the row's goodput in tokens/ms: exponential averages
+    (weight ``decay`` per round) of tokens emitted and of modelled round time T(K), starting from the best
+    fixed K's goodput at the head's mean training acceptance (``prior_goodput``) with weight
+    ``prior_ms``. Rows are independent, so a row's decisions in a batch equal its decisions alone.
+    Used by :class:`~specdec_ext.policies.SpecDecPP` and by the offline replay (``training/replay.py``).
+    """
+
+    def __init__(self, costs: CostModel, mean_accept: Optional[float], k_max: int, decay: float = 0.2,
+                 prior_ms: float = 20.0):
+        self.costs, self.decay, self.prior_ms = costs, decay, prior_ms
+        self.prior = prior_goodput(costs, mean_accept, k_max)
+        self._marginal = [costs.marginal_ms(k) for k in range(0, k_max + 1)]
+        self.tokens = self.time = None
+
+    def reset(self, batch_size: int) -> None:
+        self.tokens = torch.full((batch_size,), self.prior * self.prior_ms, dtype=torch.float64)
+        self.time = torch.full((batch_size,), self.prior_ms, dtype=torch.float64)
+
+    @property
+    def rate(self) -> torch.Tensor:
+        """``[B]`` float64: lambda, tokens/ms."""
+        return self.tokens / self.time
+
+    def threshold(self, k: int) -> torch.Tensor:
+        """``[B]``: the survival below which a row stops after candidate ``k``."""
+        m = self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
+        return self.rate * m
+
+    def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool for candidate ``k`` (no bounds applied) given survivals ``[B]``."""
+        return survival.detach().double().cpu() < self.threshold(k)
+
+    def update(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
+               emitted: Optional[torch.Tensor] = None) -> None:
+        """After verification: rows drafted ``num_drafted`` and emitted ``num_accepted + 1`` tokens
+        (or ``emitted`` when given)."""
+        drafted = num_drafted.cpu().tolist()
+        ms = torch.tensor([self.costs.round_time(int(n)) for n in drafted], dtype=torch.float64)
+        toks = (num_accepted.double().cpu() + 1) if emitted is None else emitted.double().cpu()
+        a = self.decay
+        self.tokens = (1 - a) * self.tokens + a * toks
+        self.time = (1 - a) * self.time + a * ms
+
+    def select(self, index: torch.Tensor) -> None:
+        idx = index.cpu()
+        self.tokens, self.time = self.tokens[idx], self.time[idx]
+
+
+def prior_goodput(costs: CostModel, mean_accept: Optional[float], k_max: int) -> float:
+    """A starting lambda: the best fixed K's goodput at the head's mean training acceptance (0.6 if unknown)."""
+    return costs.best_fixed(0.6 if mean_accept is None else min(max(mean_accept, 0.0), 0.99), k_max)[1]
