@@ -94,30 +94,44 @@ class Method:
     policy: Optional[Callable[..., CandidateLengthPolicy]] = None
     hf_assistant: Optional[dict] = None     # assistant generation config for kind == "hf" (None: plain generate)
     family: str = ""                        # for tables and plots: plain, fixed, specdecpp, ...
-    param: Optional[float] = None           # K or h
+    param: Optional[float] = None           # K or h (None: the auto rule)
+    target: str = "default"                 # "float32": the fp32 copy of the target (a reference baseline)
 
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
-DEFAULT_THRESHOLDS = (0.3, 0.5, 0.7, 0.9, 0.95, 0.98, 0.99)
+DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+PAPER_THRESHOLDS = (0.3, 0.7, 0.9)
 
 
-def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(2, 20),
-                     adaptive=True, oracle=True) -> list[Method]:
-    """The benchmark's methods: plain decoding (ours and ``transformers``'), fixed K for each of ``ks``,
-    SpecDec++ for each stop threshold in ``thresholds`` with bounds ``k_bounds``, the heuristic /
-    confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks`` (default: ``ks``)
-    with its constant, heuristic and confidence schedules, and the greedy oracle."""
+def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(1, 20),
+                     adaptive=True, oracle=True, auto=True, paper_head=None, paper_thresholds=PAPER_THRESHOLDS,
+                     paper_bounds=(2, 20), fp32_plain=False) -> list[Method]:
+    """The benchmark's methods: plain decoding (ours, ``transformers``', and with ``fp32_plain`` our plain
+    decoding of a float32 copy of the target), fixed K for each of ``ks``, SpecDec++ with ``head`` for each
+    stop threshold in ``thresholds`` and with ``threshold="auto"`` (bounds ``k_bounds``), SpecDec++ with the
+    paper-recipe ``paper_head`` at ``paper_thresholds`` (bounds ``paper_bounds``, the paper's [2, 20]),
+    the heuristic / confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks``
+    (default: ``ks``) with its constant, heuristic and confidence schedules, and the greedy oracle."""
     hf_ks = ks if hf_ks is None else hf_ks
     m = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain")]
+    if fp32_plain:
+        m.append(Method("plain fp32", "ours", lambda **_: make_policy("autoregressive"), family="plain-fp32",
+                        target="float32"))
     if hf:
         m.append(Method("hf plain", "hf", None, None, family="hf-plain"))
     for k in ks:
         m.append(Method(f"fixed K={k}", "ours", (lambda k=k, **_: make_policy("fixed", k=k)), family="fixed", param=k))
     if head is not None:
-        for h in thresholds:
-            m.append(Method(f"specdec++ h={h:g}", "ours",
+        for h in list(thresholds) + (["auto"] if auto else []):
+            m.append(Method(f"specdec++ {'auto' if h == 'auto' else f'h={h:g}'}", "ours",
                             (lambda h=h, **_: make_policy("specdecpp", head=head, threshold=h, k_min=k_bounds[0],
-                                                          k_max=k_bounds[1])), family="specdecpp", param=h))
+                                                          k_max=k_bounds[1])),
+                            family="specdecpp" if h != "auto" else "specdecpp-auto", param=None if h == "auto" else h))
+    if paper_head is not None:
+        for h in paper_thresholds:
+            m.append(Method(f"specdec++ paper head h={h:g}", "ours",
+                            (lambda h=h, **_: make_policy("specdecpp", head=paper_head, threshold=h, k_min=paper_bounds[0],
+                                                          k_max=paper_bounds[1])), family="specdecpp-paper", param=h))
     if adaptive:
         m.append(Method("heuristic", "ours", lambda **_: make_policy("heuristic"), family="heuristic"))
         m.append(Method("confidence 0.4", "ours", lambda **_: make_policy("confidence"), family="confidence"))
@@ -156,8 +170,9 @@ class RunRecord:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, reference) -> RunRecord:
-    target, draft = pair.target, pair.draft
+def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, reference, targets=None,
+         costs=None) -> RunRecord:
+    target, draft = (targets or {}).get(method.target, pair.target), pair.draft
     ct, cd = CallCounter(target), CallCounter(draft)
     try:
         t0 = time.perf_counter()
@@ -166,7 +181,7 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
                 policy = Oracle([reference])
             else:
                 policy = method.policy()
-            gen = SpeculativeGenerator(target, draft if policy.speculative else None, policy=policy)
+            gen = SpeculativeGenerator(target, draft if policy.speculative else None, policy=policy, costs=costs)
             out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos)
             wall = time.perf_counter() - t0
             toks = out.new_tokens[0]
@@ -198,15 +213,25 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
 
 
 def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_tokens: int = 128, temperature: float = 0.0,
-                  seed: int = 0, progress: bool = True, warmup: bool = True) -> list[RunRecord]:
-    """Every method on every prompt, rotating the order per prompt. The first method must be plain decoding."""
+                  seed: int = 0, progress: bool = True, warmup: bool = True, costs=None) -> list[RunRecord]:
+    """Every method on every prompt, rotating the order per prompt. The first method must be plain decoding.
+    ``costs``: the pair's cost model for cost-aware policies (default: profiled once, cached)."""
+    import copy
+
     tok = pair.tokenizer
     eos = tok.eos_token_id
-    encoded = [torch.tensor([tok(p, add_special_tokens=False)["input_ids"]]) for p in prompts]
+    encoded = [torch.tensor([tok(p)["input_ids"]]) for p in prompts]
+    targets = {"default": pair.target}
+    if any(m.target == "float32" for m in methods):
+        targets["float32"] = copy.deepcopy(pair.target).float().eval()
+    if costs is None and any(m.policy is not None and m.policy().needs_costs for m in methods if m.kind == "ours"):
+        from .engine.profile import cached_profile
+
+        costs = cached_profile(pair.target, pair.draft)
     if warmup:  # first calls pay for allocation and lazy initialisation
         for m in methods:
             if m.family != "oracle":
-                _run(m, pair, encoded[0][:, :16], 8, temperature, seed, eos, None)
+                _run(m, pair, encoded[0][:, :16], 8, temperature, seed, eos, None, targets, costs)
     records: list[RunRecord] = []
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress, unit="run")
     for i, ids in enumerate(encoded):
@@ -220,7 +245,7 @@ def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_token
                     bar.update(1)
                     continue
                 reference = next(r.tokens for r in records if r.prompt == i and r.method == methods[0].name)
-            rec = _run(m, pair, ids, max_new_tokens, temperature, seed + i, eos, reference)
+            rec = _run(m, pair, ids, max_new_tokens, temperature, seed + i, eos, reference, targets, costs)
             rec.prompt = i
             records.append(rec)
             bar.update(1)
@@ -228,14 +253,28 @@ def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_token
     return records
 
 
-def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "plain", greedy: bool = True) -> list[dict]:
-    """Per method: median tokens/s and speedup over ``baseline`` (per-prompt ratios, median and IQR),
-    calls per token, accepted length, discard and verification rates, per-round overhead; plus any
-    greedy text mismatch against the baseline."""
+def first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    """Index of the first token where two texts differ (None when equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "plain", greedy: bool = True,
+              exact: bool = True, reference: Optional[str] = None) -> list[dict]:
+    """Per method: median tokens/s and speedup over ``baseline`` (per-prompt ratios, median and IQR; also over
+    ``reference``, e.g. fp32 plain decoding, when given), calls per token, accepted length, discard and
+    verification rates, per-round overhead; and, for greedy runs, the share of prompts whose text equals the
+    baseline's and the mean position of the first difference. With ``exact`` (a float32 target) a greedy
+    text difference is a defect: such a method gets no speed in the table. In bf16, verifying K + 1 tokens
+    rounds differently from single-token steps, so near-tie argmaxes may flip: the share is reported and
+    the speed kept."""
     by = {}
     for r in records:
         by.setdefault(r.method, {})[r.prompt] = r
     base = by[baseline]
+    ref = by.get(reference) if reference else None
     rows = []
     for m in methods:
         runs = by.get(m.name, {})
@@ -245,16 +284,23 @@ def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "
         ratios = [runs[p].tokens_per_s / base[p].tokens_per_s for p in prompts if p in base]
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
         tokens = sum(runs[p].new_tokens for p in prompts)
-        mism = [p for p in prompts if greedy and p in base and runs[p].tokens != base[p].tokens]
+        compared = greedy and m.target == "default"
+        diffs = {p: first_difference(runs[p].tokens, base[p].tokens) for p in prompts if compared and p in base}
+        mism = [p for p, d in diffs.items() if d is not None]
         row = {"method": m.name, "family": m.family, "param": m.param, "prompts": len(prompts),
                "tokens_per_s": statistics.median(r.tokens_per_s for r in runs.values()),
                "speedup": statistics.median(ratios), "speedup_q1": q[0], "speedup_q3": q[2],
                "target_calls_per_token": sum(runs[p].target_calls for p in prompts) / tokens,
                "draft_calls_per_token": sum(runs[p].draft_calls for p in prompts) / tokens,
-               "greedy_mismatches": mism, "greedy_checked": greedy,
+               "greedy_mismatches": mism, "greedy_checked": compared, "exact": exact,
+               "same_text_share": (1 - len(mism) / len(diffs)) if diffs else None,
+               "first_difference_mean": statistics.mean(diffs[p] for p in mism) if mism else None,
                # wall time outside model forwards, per target call (= per round), same hooks for every loop
                "loop_overhead_ms_per_round": statistics.median(
                    1e3 * (runs[p].wall_s - runs[p].forward_s) / max(1, runs[p].target_calls) for p in prompts)}
+        if ref is not None:
+            row["speedup_vs_reference"] = statistics.median(runs[p].tokens_per_s / ref[p].tokens_per_s
+                                                            for p in prompts if p in ref)
         eng = [runs[p].engine for p in prompts if runs[p].engine]
         if eng:
             ver = sum(e["rounds"] for e in eng)
@@ -270,11 +316,14 @@ def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "
 
 
 def machine_description(pair) -> dict:
+    from .engine.profile import processor_name
+    from .zoo import cpu_bf16_flags
+
     def params(m):
         return sum(p.numel() for p in m.parameters())
 
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "processor": platform.processor(),
+            "machine": platform.machine(), "processor": processor_name(), **cpu_bf16_flags(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "target": {"params": params(pair.target), "dtype": str(pair.target.dtype),
                        "layers": pair.target.config.num_hidden_layers, "hidden": pair.target.config.hidden_size},
@@ -283,18 +332,28 @@ def machine_description(pair) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| method | tokens/s | speedup (IQR) | mean accepted length | target calls / token | draft calls / token "
-            "| loop overhead (ms / round) | greedy text |")
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    ref = any("speedup_vs_reference" in r for r in rows)
+    head = ("| method | tokens/s | speedup (IQR) |" + (" vs fp32 plain |" if ref else "")
+            + " mean accepted length | target calls / token | draft calls / token | loop overhead (ms / round) | greedy text |")
+    lines = [head, "|---|---|---|" + ("---|" if ref else "") + "---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
-        if r["greedy_mismatches"]:  # a method that changed the text gets no speed in the table
+        vs = (f" {r['speedup_vs_reference']:.2f}× |" if "speedup_vs_reference" in r else " – |") if ref else ""
+        if r["greedy_mismatches"] and r.get("exact", True):  # fp32: a method that changed the text gets no speed
             speed = f"– | text differs from plain decoding on prompts {r['greedy_mismatches']}"
             same = "DIFFERS"
+            vs = " – |" if ref else ""
         else:
             speed = f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}× ({r['speedup_q1']:.2f}–{r['speedup_q3']:.2f})"
-            same = "same" if r.get("greedy_checked", True) else "– (sampling)"
-        lines.append(f"| {r['method']} | {speed} | {acc} | {r['target_calls_per_token']:.3f} | "
+            if not r.get("greedy_checked", True):
+                same = "– (sampling)" if r["family"] != "plain-fp32" else "– (fp32 reference)"
+            elif not r["greedy_mismatches"]:
+                same = "same"
+            else:
+                n = r["prompts"]
+                same = (f"same on {round(r['same_text_share'] * n)}/{n} (first difference at token "
+                        f"{r['first_difference_mean']:.0f} on average)")
+        lines.append(f"| {r['method']} | {speed} |{vs} {acc} | {r['target_calls_per_token']:.3f} | "
                      f"{r['draft_calls_per_token']:.3f} | {r['loop_overhead_ms_per_round']:.2f} | {same} |")
     return "\n".join(lines)
 

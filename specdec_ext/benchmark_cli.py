@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .benchmark import (DEFAULT_KS, DEFAULT_THRESHOLDS, format_table, machine_description, run_benchmark, save_json,
-                        standard_methods, summarize)
+from .benchmark import (DEFAULT_KS, DEFAULT_THRESHOLDS, PAPER_THRESHOLDS, format_table, machine_description,
+                        run_benchmark, save_json, standard_methods, summarize)
 
 
 def _numbers(kind):
@@ -39,7 +39,11 @@ def add_arguments(p):
     p.add_argument("--cost-ratios", default="0.05,0.1,0.2", help="draft/target cost ratios for the replay")
     p.add_argument("--ks", type=_numbers(int), default=DEFAULT_KS, help="fixed candidate lengths K (default 1..8)")
     p.add_argument("--thresholds", type=_numbers(float), default=DEFAULT_THRESHOLDS,
-                   help="SpecDec++ stop thresholds h (default %(default)s)")
+                   help="SpecDec++ stop thresholds h (default %(default)s); threshold='auto' runs as well")
+    p.add_argument("--paper-thresholds", type=_numbers(float), default=PAPER_THRESHOLDS,
+                   help="stop thresholds of the paper-recipe head, bounds [2, 20] (default %(default)s; bundled pair)")
+    p.add_argument("--no-fp32-plain", action="store_true",
+                   help="skip plain decoding of a float32 copy of a bf16 target (the fp32 reference)")
     p.add_argument("--hf-ks", type=_numbers(int), default=None,
                    help="K values for transformers' assisted generation (default: the --ks values)")
 
@@ -47,13 +51,13 @@ def add_arguments(p):
 def _command_line(args) -> str:
     """The ``specdec bench`` command that reproduces this run's settings (recorded in the results)."""
     parts = ["specdec bench"]
-    for key in ("dataset", "prompts", "max_new_tokens", "temperature"):
-        if getattr(args, key) is not None:
+    for key in ("dataset", "prompts", "max_new_tokens", "temperature", "target_dtype", "draft_dtype"):
+        if getattr(args, key, None) is not None:
             parts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
     if args.quick:
         parts.append("--quick")
     else:
-        for key in ("ks", "thresholds", "hf_ks"):
+        for key in ("ks", "thresholds", "paper_thresholds", "hf_ks"):
             if getattr(args, key) is not None:
                 parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
     return " ".join(parts)
@@ -94,30 +98,37 @@ def plots(rows, out: Path, prefix: str = "") -> list[str]:
     import matplotlib.pyplot as plt
 
     made = []
-    spp = sorted([r for r in rows if r["family"] == "specdecpp"], key=lambda r: r["param"])
-    fixed = sorted([r for r in rows if r["family"] == "fixed"], key=lambda r: r["param"])
-    if spp:
+    fam = lambda f: sorted([r for r in rows if r["family"] == f], key=lambda r: r["param"])  # noqa: E731
+    spp, paper, fixed = fam("specdecpp"), fam("specdecpp-paper"), fam("fixed")
+    auto = [r for r in rows if r["family"] == "specdecpp-auto"]
+    if spp or paper:
         fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-        ax.plot([r["param"] for r in spp], [r["tokens_per_s"] for r in spp], "o-", color="C3", label="SpecDec++")
+        if spp:
+            ax.plot([r["param"] for r in spp], [r["speedup"] for r in spp], "o-", color="C3", label="SpecDec++ (this head)")
+        if paper:
+            ax.plot([r["param"] for r in paper], [r["speedup"] for r in paper], "^-", color="C1",
+                    label="SpecDec++ (paper-recipe head)")
+        if auto:
+            ax.axhline(auto[0]["speedup"], color="C3", lw=1.5, ls=":", label="SpecDec++ threshold='auto'")
         for i, r in enumerate(fixed):
-            ax.axhline(r["tokens_per_s"], color=plt.cm.Blues(0.35 + 0.6 * i / max(1, len(fixed))), lw=1, ls="--")
-            ax.annotate(f"K={r['param']:g}", (1.0, r["tokens_per_s"]), fontsize=6, xytext=(2, 0), textcoords="offset points")
-        plain = [r for r in rows if r["family"] == "plain"]
-        if plain:
-            ax.axhline(plain[0]["tokens_per_s"], color="black", lw=1.2, label="plain decoding")
-        made.append(_save_plot(fig, ax, "stop threshold h", "tokens/s (median over prompts)",
+            ax.axhline(r["speedup"], color=plt.cm.Blues(0.35 + 0.6 * i / max(1, len(fixed))), lw=1, ls="--")
+            ax.annotate(f"K={r['param']:g}", (1.0, r["speedup"]), fontsize=6, xytext=(2, 0), textcoords="offset points")
+        ax.axhline(1.0, color="black", lw=1.2, label="plain decoding")
+        made.append(_save_plot(fig, ax, "stop threshold h", "speedup over plain decoding (median over prompts)",
                                "SpecDec++ vs fixed candidate length K (dashed)", out / f"{prefix}tokens_per_s_vs_threshold.png"))
-    if spp or fixed:
+    if spp or fixed or paper:
         fig, ax = plt.subplots(figsize=(5, 4), dpi=120)
-        for fam, rs, style, name in (("fixed", fixed, "s-", "fixed K"), ("specdecpp", spp, "o-", "SpecDec++")):
+        for key, rs, style, name in (("K", fixed, "s-", "fixed K"), ("h", spp, "o-", "SpecDec++ (this head)"),
+                                     ("h", paper, "^-", "SpecDec++ (paper head)")):
             if rs:
                 ax.plot([r["verification_rate"] for r in rs], [r["discard_rate"] for r in rs], style, label=name)
                 for r in rs:
-                    ax.annotate(f"{'K' if fam == 'fixed' else 'h'}={r['param']:g}", (r["verification_rate"], r["discard_rate"]),
+                    ax.annotate(f"{key}={r['param']:g}", (r["verification_rate"], r["discard_rate"]),
                                 fontsize=6, xytext=(3, 3), textcoords="offset points")
-        orc = [r for r in rows if r["family"] == "oracle"]
-        if orc and "verification_rate" in orc[0]:
-            ax.plot([orc[0]["verification_rate"]], [orc[0]["discard_rate"]], "k*", ms=10, label="oracle")
+        for r, mark, name in ((auto[0] if auto else None, "rP", "SpecDec++ auto"),
+                              (next((r for r in rows if r["family"] == "oracle"), None), "k*", "oracle")):
+            if r is not None and "verification_rate" in r:
+                ax.plot([r["verification_rate"]], [r["discard_rate"]], mark, ms=10, label=name)
         made.append(_save_plot(fig, ax, "verification rate (target calls per token)",
                                "discard rate (discarded draft tokens per token)", "Pareto front (SpecDec++ Fig. 3 style)",
                                out / f"{prefix}pareto.png"))
@@ -126,29 +137,38 @@ def plots(rows, out: Path, prefix: str = "") -> list[str]:
 
 def main(args):
     from .cli import _models
-    from .data import load_prompts
+    from .prompts import load_prompts
 
     t0 = time.time()
     pair = _models(args, need_head=True)
     n = args.prompts if args.prompts is not None else (6 if args.quick else None)
     prompts = load_prompts(args.dataset, limit=n)
+    paper = pair.heads.get("paper")
+    fp32_plain = pair.target.dtype != torch.float32 and not args.no_fp32_plain
     if args.quick:
-        methods = standard_methods(pair.head, ks=(2, 3, 4), thresholds=(0.95, 0.99), hf=not args.no_hf, hf_ks=(2, 4),
-                                   adaptive=False)
+        methods = standard_methods(pair.head, ks=(2, 3, 4), thresholds=(0.7,), hf=not args.no_hf, hf_ks=(2,),
+                                   adaptive=False, paper_head=paper, paper_thresholds=(0.3,), fp32_plain=fp32_plain)
         methods = [m for m in methods if m.family not in ("hf-heuristic", "hf-confidence")]
     else:
         methods = standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=not args.no_hf,
-                                   hf_ks=args.hf_ks)
+                                   hf_ks=args.hf_ks, paper_head=paper, paper_thresholds=args.paper_thresholds,
+                                   fp32_plain=fp32_plain)
     print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
-          f"{args.max_new_tokens} new tokens, temperature {args.temperature}")
+          f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
+          f"draft {pair.draft.dtype}")
     records = run_benchmark(pair, prompts, methods, args.max_new_tokens, args.temperature, args.seed)
-    rows = summarize(records, methods, greedy=args.temperature == 0)
+    exact = pair.target.dtype == torch.float32
+    rows = summarize(records, methods, greedy=args.temperature == 0, exact=exact,
+                     reference="plain fp32" if fp32_plain else None)
     ratios = [float(c) for c in args.cost_ratios.split(",")]
     replay = cost_model_replay(records, rows, ratios)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}{'-quick' if args.quick else ''}"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+            "target_dtype": str(pair.target.dtype).replace("torch.", ""),
+            "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
+            "processor": machine_description(pair)["processor"],
             "duration_s": time.time() - t0, "command": _command_line(args), "cost_model_replay": replay}
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_table(rows)

@@ -13,26 +13,51 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _models(args, need_head: bool):
-    from .zoo import PAIR_DIR, load_models
+def _threshold(text: str):
+    """A stop threshold: 'auto' or a number."""
+    if text == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}")
 
+
+def _dtype(name: str, device: str = "cpu") -> torch.dtype:
+    from .zoo import default_target_dtype
+
+    return default_target_dtype(device) if name == "auto" else DTYPES[name]
+
+
+def _models(args, need_head: bool):
+    from .zoo import PAIR_DIR, load_heads, load_models
+
+    bundled = not args.target
     target = args.target or PAIR_DIR / "target"
     draft = args.draft or PAIR_DIR / "draft"
-    head = args.head or (PAIR_DIR / "head" if (PAIR_DIR / "head" / "config.json").exists() and not args.target else None)
-    if need_head and head is None:
-        raise SystemExit("specdec: the specdecpp policy needs --head DIR (an acceptance head for this draft)")
     if not Path(target, "config.json").exists():
-        raise SystemExit(f"specdec: no model in {target}; the bundled pair is made by `specdec zoo train`")
-    return load_models(target, draft, head if need_head else None, DTYPES[args.target_dtype], DTYPES[args.draft_dtype],
-                       args.device, "auto" if args.device_map_auto else None)
+        hint = "; the bundled pair is made by `specdec zoo train`" if bundled else ""
+        raise SystemExit(f"specdec: no model in {target}{hint}")
+    pair = load_models(target, draft, args.head if need_head else None, _dtype(args.target_dtype, args.device),
+                       DTYPES[args.draft_dtype], args.device, "auto" if args.device_map_auto else None)
+    if need_head and args.head is None:
+        if not bundled:
+            raise SystemExit("specdec: the specdecpp policy needs --head DIR (an acceptance head for this draft)")
+        pair.heads = load_heads()
+        if not {"greedy", "sample"} <= set(pair.heads):
+            raise SystemExit("specdec: the bundled pair has no acceptance heads; `specdec zoo train` makes them")
+        pair.head = {"greedy": pair.heads["greedy"], "sample": pair.heads["sample"]}
+    return pair
 
 
 def _model_args(p):
     p.add_argument("--target", help="target model directory (default: the bundled pair)")
     p.add_argument("--draft", help="draft model directory (default: the bundled pair)")
-    p.add_argument("--head", help="acceptance head directory (default: the bundled pair's)")
-    p.add_argument("--target-dtype", default="float32", choices=DTYPES)
-    p.add_argument("--draft-dtype", default="float32", choices=DTYPES)
+    p.add_argument("--head", help="acceptance head directory (default: the bundled pair's heads, one per decoding mode)")
+    p.add_argument("--target-dtype", default="auto", choices=["auto"] + list(DTYPES),
+                   help="auto: bfloat16 on a GPU or a CPU with bf16 matrix instructions (AMX, AVX512_BF16), else float32")
+    p.add_argument("--draft-dtype", default="float32", choices=DTYPES,
+                   help="the bundled 2-layer draft steps faster in float32 on CPUs")
     p.add_argument("--device", default="cpu")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -42,8 +67,9 @@ def _policy_args(p):
     p.add_argument("--policy", default="specdecpp",
                    choices=["specdecpp", "fixed", "heuristic", "confidence", "adaedl", "autoregressive"])
     p.add_argument("--k", type=int, default=4, help="candidate length K for --policy fixed")
-    p.add_argument("--threshold", type=float, default=0.3, help="SpecDec++ stop threshold h")
-    p.add_argument("--k-min", type=int, default=2)
+    p.add_argument("--threshold", type=_threshold, default="auto",
+                   help="SpecDec++ stop threshold h in [0, 1], or 'auto' (the cost-aware goodput rule)")
+    p.add_argument("--k-min", type=int, default=1)
     p.add_argument("--k-max", type=int, default=20)
 
 
@@ -60,7 +86,7 @@ def _policy(args, head):
 def cmd_generate(args):
     from transformers import TextStreamer
 
-    from .data import load_prompts
+    from .prompts import load_prompts
     from .engine import SpeculativeGenerator
 
     pair = _models(args, args.policy == "specdecpp")
@@ -92,7 +118,7 @@ def cmd_generate(args):
 
 def cmd_demo(args):
     from .benchmark import Method, format_table, run_benchmark, summarize
-    from .data import load_prompts
+    from .prompts import load_prompts
     from .policies import make_policy
 
     t0 = time.time()
@@ -100,18 +126,19 @@ def cmd_demo(args):
     prompts = load_prompts("humaneval", limit=args.prompts)
     methods = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain"),
                Method(f"fixed K={args.k}", "ours", lambda **_: make_policy("fixed", k=args.k), family="fixed"),
-               Method(f"specdec++ h={args.threshold:g}", "ours",
+               Method(f"specdec++ {'auto' if args.threshold == 'auto' else f'h={args.threshold:g}'}", "ours",
                       lambda **_: make_policy("specdecpp", head=pair.head, threshold=args.threshold), family="specdecpp")]
     print(f"specdec demo: {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens each, "
           f"temperature {args.temperature}, bundled pair (target {sum(p.numel() for p in pair.target.parameters()) / 1e6:.1f}M, "
-          f"draft {sum(p.numel() for p in pair.draft.parameters()) / 1e6:.1f}M parameters)")
+          f"draft {sum(p.numel() for p in pair.draft.parameters()) / 1e6:.1f}M parameters; target in "
+          f"{str(pair.target.dtype).replace('torch.', '')}, draft in {str(pair.draft.dtype).replace('torch.', '')})")
     recs = run_benchmark(pair, prompts, methods, args.max_new_tokens, args.temperature, args.seed)
     spec = [r for r in recs if r.method == methods[2].name]
     for r in spec[: args.show]:
         print("\n" + "=" * 72 + f"\nHumanEval prompt {r.prompt} (end) + SpecDec++ completion:\n" + "=" * 72)
         tail = "\n".join(prompts[r.prompt].rstrip("\n").splitlines()[-4:])
         print(tail + "\n" + pair.tokenizer.decode(r.tokens))
-    rows = summarize(recs, methods, greedy=args.temperature == 0)
+    rows = summarize(recs, methods, greedy=args.temperature == 0, exact=pair.target.dtype == torch.float32)
     print("\n" + format_table(rows))
     print(f"\n(measured in this run on {torch.get_num_threads()} threads; speedup = median over prompts of tokens/s "
           f"relative to plain decoding; total {time.time() - t0:.0f} s)")
@@ -126,21 +153,30 @@ def cmd_bench(args):
 def cmd_train_head(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .data import load_prompts
-    from .head.data import HeadDataConfig
-    from .head.pipeline import run_pipeline
-    from .head.train import HeadTrainConfig
+    from .prompts import load_prompts
+    from .training.head_data import HeadDataConfig
+    from .training.head_train import HeadTrainConfig
+    from .training.pipeline import RECIPES, run_pipeline
 
-    target = AutoModelForCausalLM.from_pretrained(args.target, local_files_only=True, dtype=torch.float32).eval()
+    dtype = DTYPES[args.target_dtype]
+    target = AutoModelForCausalLM.from_pretrained(args.target, local_files_only=True, dtype=dtype).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft, local_files_only=True, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     prompts = load_prompts(args.prompts, limit=args.limit)
-    report = run_pipeline(target, draft, tok, prompts, args.out,
-                          HeadDataConfig(args.max_new_tokens, args.temperature, args.mix_ratio, batch_size=args.batch_size,
-                                         seed=args.seed),
-                          HeadTrainConfig(args.layers, args.rejection_weight, args.lr, epochs=args.epochs, seed=args.seed),
-                          data_file=args.data_file, target_name=str(args.target), draft_name=str(args.draft))
-    print(json.dumps(report["held_out"], indent=2))
+    spec = RECIPES[args.recipe]
+    features = spec["features"] if args.features is None else tuple(f for f in args.features.split(",") if f)
+    weights = None if args.rejection_weight == "auto" else [float(w) for w in args.rejection_weight.split(",")]
+    eval_prompts = None if args.eval_prompts == "none" else load_prompts(args.eval_prompts, limit=args.eval_limit)
+    report = run_pipeline(
+        target, draft, tok, prompts, args.out, recipe=args.recipe,
+        data_cfg=HeadDataConfig(decoding=args.decoding, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                batch_size=args.batch_size, seed=args.seed),
+        train_cfg=HeadTrainConfig(num_layers=args.layers, features=features, use_hidden=not args.no_hidden, lr=args.lr,
+                                  epochs=args.epochs, seed=args.seed),
+        weights=weights, eval_prompts=eval_prompts, work_dir=args.work_dir,
+        target_name=Path(args.target).name, draft_name=Path(args.draft).name)
+    print(json.dumps({"chosen_rejection_weight": report["chosen_rejection_weight"], "validation": report["held_out"],
+                      "evaluation": report.get("evaluation")}, indent=2))
 
 
 def cmd_zoo_train(args):
@@ -185,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--k", type=int, default=2, help="fixed K (default: the best K of the README's benchmark)")
-    d.add_argument("--threshold", type=float, default=0.3, help="SpecDec++ stop threshold h (the benchmark's best)")
+    d.add_argument("--threshold", type=_threshold, default="auto",
+                   help="SpecDec++ stop threshold h, or 'auto' (the cost-aware goodput rule)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--show", type=int, default=2, help="completions to print")
     d.set_defaults(fn=cmd_demo)
@@ -197,21 +234,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(b)
     b.set_defaults(fn=cmd_bench)
 
-    t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a draft/target pair")
-    t.add_argument("--target", required=True)
-    t.add_argument("--draft", required=True)
-    t.add_argument("--prompts", required=True, help="humaneval, stdlib, stdlib-train, a .jsonl file, or a text file "
-                                                     "with prompts separated by blank lines")
-    t.add_argument("--out", required=True)
-    t.add_argument("--limit", type=int, default=None)
-    t.add_argument("--data-file", default=None, help="reuse (or write) the generated data set here")
-    t.add_argument("--max-new-tokens", type=int, default=128)
-    t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--mix-ratio", type=float, default=0.15)
-    t.add_argument("--rejection-weight", type=float, default=6.0)
-    t.add_argument("--layers", type=int, default=3)
+    t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a draft/target pair",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--target", required=True, help="target model directory")
+    t.add_argument("--draft", required=True, help="draft model directory")
+    t.add_argument("--prompts", required=True, help="training prompts: humaneval, stdlib, stdlib-train, a .jsonl file, "
+                                                     "or a text file with prompts separated by blank lines")
+    t.add_argument("--out", required=True, help="directory for the head (config.json, model.safetensors, metrics.json)")
+    t.add_argument("--recipe", default="deployment", choices=["deployment", "paper"],
+                   help="deployment: labels for the decoding served, proposal-position state + confidence features, "
+                        "w chosen on validation; paper: SpecDec++ Sec. 4 (T = 1 soft labels, token mixing, w = 6)")
+    t.add_argument("--decoding", default="greedy", choices=["greedy", "sample"],
+                   help="the decoding the head will serve (recipe deployment)")
+    t.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (--decoding sample)")
+    t.add_argument("--features", default=None,
+                   help="comma-separated inputs beside the hidden state: token_prob, margin, entropy, recent_accept "
+                        "(default: the recipe's; '' for none)")
+    t.add_argument("--no-hidden", action="store_true", help="a head on the features alone (ablation)")
+    t.add_argument("--rejection-weight", default="auto",
+                   help="w, or comma-separated candidates chosen on the validation split ('auto': the recipe's)")
+    t.add_argument("--eval-prompts", default="humaneval", help="evaluation prompts (never trained on), or 'none'")
+    t.add_argument("--eval-limit", type=int, default=None, help="use only the first N evaluation prompts")
+    t.add_argument("--work-dir", default=None, help="where the (resumable) data sets go (default: --out)")
+    t.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
+    t.add_argument("--target-dtype", default="float32", choices=DTYPES, help="target dtype for the labels")
+    t.add_argument("--max-new-tokens", type=int, default=128, help="target response length per prompt")
+    t.add_argument("--layers", type=int, default=3, help="residual blocks of the head")
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--epochs", type=int, default=30)
+    t.add_argument("--epochs", type=int, default=20)
     t.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_train_head)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.data import humaneval_prompts, load_prompts
+from specdec_ext.prompts import humaneval_prompts, load_prompts
 from specdec_ext.zoo import PAIR_DIR, load_pair, pair_available
 
 pytestmark = pytest.mark.skipif(not pair_available(), reason=f"no bundled pair in {PAIR_DIR} (specdec zoo train)")

@@ -3,7 +3,7 @@ standard library (``zoo/train.py``), shipped in ``zoo/pair/`` and loadable in on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -14,14 +14,44 @@ PAIR_DIR = Path(__file__).parent / "pair"
 
 @dataclass
 class ModelPair:
+    """target, draft, tokenizer; ``head``: what to pass as ``SpeculativeGenerator(head=...)`` (the bundled
+    pair's ``{"greedy": ..., "sample": ...}`` mapping, or a user's single head); ``heads``: every named head."""
+
     target: torch.nn.Module
     draft: torch.nn.Module
     tokenizer: object
     head: Optional[object]
+    heads: dict = field(default_factory=dict)
 
 
 def pair_available(path: Path = PAIR_DIR) -> bool:
     return (path / "target" / "config.json").exists() and (path / "draft" / "config.json").exists()
+
+
+def cpu_bf16_flags() -> dict:
+    """``{"amx_bf16": bool, "avx512_bf16": bool}`` for this CPU (torch's CPU feature queries, else /proc/cpuinfo)."""
+    try:
+        return {"amx_bf16": bool(torch.cpu._is_amx_tile_supported()),
+                "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported())}
+    except AttributeError:  # pragma: no cover - other torch builds
+        try:
+            flags = Path("/proc/cpuinfo").read_text().split()
+        except OSError:
+            flags = []
+        return {"amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU has bf16 matrix instructions (AMX or AVX512_BF16), where a bf16 target's
+    verification costs about as much for 9 tokens as for one."""
+    return any(cpu_bf16_flags().values())
+
+
+def default_target_dtype(device: str = "cpu") -> torch.dtype:
+    """bfloat16 on a GPU or on a CPU with native bf16 matrix instructions, float32 elsewhere."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Optional[str | Path] = None,
@@ -46,18 +76,35 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     if h is not None and d is not None:
         h.check_draft(d.get_output_embeddings().weight.shape[1])
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    return ModelPair(t, d, tok, h)
+    return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
 
 
-def load_pair(target_dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype = torch.float32,
+def load_heads(path: Path = PAIR_DIR) -> dict:
+    """The bundled pair's heads by name (``greedy``, ``sample``, ``paper``), those that exist."""
+    from ..head import AcceptanceHead
+
+    root = path / "heads"
+    return {d.name: AcceptanceHead.from_pretrained(str(d)).eval()
+            for d in sorted(root.iterdir()) if (d / "config.json").exists()} if root.is_dir() else {}
+
+
+def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dtype = torch.float32,
               device: str = "cpu", with_head: bool = True, path: Path = PAIR_DIR) -> ModelPair:
-    """The bundled pair: ``ModelPair(target, draft, tokenizer, head)``.
+    """The bundled pair: ``ModelPair(target, draft, tokenizer, head, heads)``; ``head`` is the mapping
+    ``{"greedy": ..., "sample": ...}`` that picks the head of each call's decoding mode, ``heads`` also holds
+    ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
+    the CPU has native bf16 matrix instructions); the draft is faster in float32 on CPUs.
 
     Raises FileNotFoundError when this checkout has no trained pair (train it with ``specdec zoo train``)."""
     if not pair_available(path):
         raise FileNotFoundError(f"no bundled pair in {path}: train it with `specdec zoo train` (see README)")
-    head_dir = path / "head"
-    head = head_dir if with_head and (head_dir / "config.json").exists() else None
-    if with_head and head is None:
-        raise FileNotFoundError(f"the bundled pair in {path} has no acceptance head yet (`specdec zoo train` makes it)")
-    return load_models(path / "target", path / "draft", head, target_dtype, draft_dtype, device)
+    target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
+    pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device)
+    if with_head:
+        pair.heads = load_heads(path)
+        if not {"greedy", "sample"} <= set(pair.heads):
+            raise FileNotFoundError(f"the bundled pair in {path} lacks its acceptance heads (`specdec zoo train` makes them)")
+        for h in pair.heads.values():
+            h.check_draft(pair.draft.get_output_embeddings().weight.shape[1])
+        pair.head = {"greedy": pair.heads["greedy"], "sample": pair.heads["sample"]}
+    return pair

@@ -57,11 +57,11 @@ def greedy_agreement(pair, prompts: list[str], new_tokens: int = 64) -> dict:
 
 
 def pair_report(num_prompts: int = 40, path: Path = PAIR_DIR) -> dict:
-    from ..data import load_prompts
+    from ..prompts import load_prompts
     from ..engine.fast_llama import FastLlamaRunner
     from ..engine.runner import CausalLMRunner
 
-    pair = load_pair(path=path)
+    pair = load_pair(target_dtype=torch.float32, path=path)
     meta = json.loads((path / "zoo_meta.json").read_text()) if (path / "zoo_meta.json").exists() else {}
     V = pair.target.config.vocab_size
     t_ms = decode_ms(lambda: CausalLMRunner(pair.target, "target"), vocab=V)
@@ -70,15 +70,18 @@ def pair_report(num_prompts: int = 40, path: Path = PAIR_DIR) -> dict:
     out = {
         "target_params": sum(p.numel() for p in pair.target.parameters()),
         "draft_params": sum(p.numel() for p in pair.draft.parameters()),
-        "training": {k: meta.get(k) for k in ("target", "draft", "head", "corpus", "notes")},
+        "training": {k: meta.get(k) for k in ("target", "draft", "heads", "corpus", "notes")},
         "decode_ms_target": t_ms, "decode_ms_draft_transformers": d_ms, "decode_ms_draft_fast": f_ms,
         "decode_ratio_transformers": t_ms / d_ms, "decode_ratio_fast": t_ms / f_ms,
         "humaneval": greedy_agreement(pair, load_prompts("humaneval", limit=num_prompts)),
         "threads": torch.get_num_threads(),
     }
-    head_metrics = path / "head" / "metrics.json"
-    if head_metrics.exists():
-        out["head_held_out"] = json.loads(head_metrics.read_text())["held_out"]
+    out["heads"] = {}
+    for name in sorted(pair.heads):
+        m = path / "heads" / name / "metrics.json"
+        if m.exists():
+            met = json.loads(m.read_text())
+            out["heads"][name] = {"validation": met["held_out"], "evaluation": met.get("evaluation", {})}
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     out["shipped_megabytes"] = size / 2**20
     return out
@@ -102,10 +105,10 @@ def format_report(r: dict) -> str:
         f"{he['greedy_agreement']:.3f} per token; expected acceptance Σ min(p, q) at T = 1: {he['expected_acceptance_T1']:.3f}",
         f"- shipped size: {r['shipped_megabytes']:.1f} MB",
     ]
-    if "head_held_out" in r:
-        h = r["head_held_out"]
-        lines.append(f"- acceptance head, held-out ({h['positions']} positions): ROC AUC {h['head']['roc_auc']:.3f} "
-                     f"(constant {h['constant']['roc_auc']:.3f}), binary KL {h['head']['binary_kl']:.3f} "
-                     f"(constant {h['constant']['binary_kl']:.3f}), Brier {h['head']['brier']:.3f} "
-                     f"(constant {h['constant']['brier']:.3f})")
+    for name, h in r.get("heads", {}).items():
+        for mode, ev in h["evaluation"].items():
+            lines.append(f"- head `{name}` on HumanEval ({mode}, {ev['positions']} positions): ROC AUC "
+                         f"{ev['head']['roc_auc']:.3f} (q(y) {ev['q_y']['roc_auc']:.3f}, margin "
+                         f"{ev['q_margin']['roc_auc']:.3f}), Brier {ev['head']['brier']:.3f} "
+                         f"(q(y) {ev['q_y']['brier']:.3f}, margin {ev['q_margin']['brier']:.3f})")
     return "\n".join(lines)

@@ -7,8 +7,10 @@ Stages, each resumable from its last checkpoint under ``work_dir`` and skipped w
    bf16 autocast, AdamW, linear warm-up then cosine decay;
 3. draft: ``LlamaForCausalLM`` 2 layers x 256, distilled from the target's logits with forward
    KL(p_target || q_draft) at temperature 1;
-4. head: the SpecDec++ acceptance head, trained with the same pipeline as ``specdec train-head``
-   on function headers of the corpus's training split (HumanEval is kept for evaluation).
+4. heads: the SpecDec++ acceptance heads (``HEADS``: greedy and temperature-1 heads of this project's
+   deployment recipe, and one of the paper's recipe), trained with the same pipeline as
+   ``specdec train-head`` on every function header of the corpus's training split (HumanEval is kept
+   for evaluation).
 
 The finished models are written in bf16 safetensors (with the tokenizer) to ``out_dir/target`` and
 ``out_dir/draft``; ``out_dir/zoo_meta.json`` records parameters, tokens seen, wall time and held-out loss.
@@ -22,6 +24,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -222,33 +225,49 @@ def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=
         _save(draft, work_dir / "tokenizer", out_dir / "draft")
         meta_path.write_text(json.dumps(meta, indent=2))
         log(f"[draft] {stats}")
-        # the head and its data set were made with the old draft's q and hidden states
-        shutil.rmtree(out_dir / "head", ignore_errors=True)
-        (work_dir / "head_data.safetensors").unlink(missing_ok=True)
-    if not (out_dir / "head" / "config.json").exists():
-        meta["head"] = train_pair_head(out_dir, work_dir, cfg.seed, log=log)
+        # the heads and their data sets were made with the old draft's q and hidden states
+        shutil.rmtree(out_dir / "heads", ignore_errors=True)
+        shutil.rmtree(work_dir / "heads", ignore_errors=True)
+    meta.setdefault("heads", {})
+    for name in HEADS:
+        if not (out_dir / "heads" / name / "config.json").exists():
+            meta["heads"][name] = train_pair_head(out_dir, work_dir, name, cfg.seed, log=log)
+            meta_path.write_text(json.dumps(meta, indent=2))
     meta["recipe_wall_minutes_this_run"] = (time.time() - t_start) / 60
     meta_path.write_text(json.dumps(meta, indent=2))
     return meta
 
 
-def train_pair_head(out_dir: Path, work_dir: Path, seed: int = 0, num_prompts: int = 600, log=print) -> dict:
-    """Stage 4: the acceptance head of the pair in ``out_dir`` (written to ``out_dir/head``); its data
-    set is kept in ``work_dir/head_data.safetensors`` so the head can be retrained without the target."""
-    from ..data import load_prompts
-    from ..head.data import HeadDataConfig
-    from ..head.pipeline import run_pipeline
-    from ..head.train import HeadTrainConfig
+# the bundled heads: name -> (recipe, decoding); all trained on every function header of the corpus's
+# training split, evaluated on HumanEval (never trained or selected on)
+HEADS = {"greedy": ("deployment", "greedy"), "sample": ("deployment", "sample"), "paper": ("paper", "sample")}
+
+
+def train_pair_head(out_dir: Path, work_dir: Path, name: str, seed: int = 0, num_prompts: Optional[int] = None,
+                    log=print) -> dict:
+    """Stage 4: acceptance head ``name`` of ``HEADS`` for the pair in ``out_dir`` (written to
+    ``out_dir/heads/<name>``); its data sets are kept (and resumed) in ``work_dir/heads`` so a head can be
+    retrained without the target, and the sampling and paper heads share one temperature-1 data set."""
+    from ..prompts import load_prompts
+    from ..training.head_data import HeadDataConfig
+    from ..training.head_train import HeadTrainConfig
+    from ..training.pipeline import RECIPES, run_pipeline
     from . import load_models
 
+    recipe, decoding = HEADS[name]
     pair = load_models(out_dir / "target", out_dir / "draft")
     prompts = load_prompts("stdlib-train", limit=num_prompts)
     t0 = time.time()
-    report = run_pipeline(pair.target, pair.draft, pair.tokenizer, prompts, out_dir / "head",
-                          HeadDataConfig(max_new_tokens=96, batch_size=16, seed=seed), HeadTrainConfig(seed=seed),
-                          data_file=work_dir / "head_data.safetensors", target_name="specdec_ext/zoo target",
-                          draft_name="specdec_ext/zoo draft", log=log)
-    return {"held_out": report["held_out"], "minutes": (time.time() - t0) / 60, "prompts": len(prompts)}
+    report = run_pipeline(pair.target, pair.draft, pair.tokenizer, prompts, out_dir / "heads" / name, recipe=recipe,
+                          data_cfg=HeadDataConfig(decoding=decoding, seed=seed),
+                          train_cfg=HeadTrainConfig(features=RECIPES[recipe]["features"], seed=seed),
+                          eval_prompts=load_prompts("humaneval"), work_dir=work_dir / "heads",
+                          target_name="specdec_ext/zoo target", draft_name="specdec_ext/zoo draft", log=log)
+    return {"recipe": recipe, "decoding": decoding, "validation": report["held_out"],
+            "chosen_rejection_weight": report["chosen_rejection_weight"],
+            "evaluation": {m: {k: r[k] for k in ("head", "q_y", "q_margin") if k in r}
+                           for m, r in report.get("evaluation", {}).items()},
+            "minutes": (time.time() - t0) / 60, "prompts": len(prompts)}
 
 
 def main(argv=None):
