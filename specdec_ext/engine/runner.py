@@ -4,10 +4,21 @@ Rows of a batch keep their own length without per-row cache surgery: every fed p
 the (shared-length) ``DynamicCache``; positions a row rejects are masked out (attention mask 0) and
 do not advance that row's position ids. The tail that every row rejected is cropped for real, so
 with batch size 1 this is plain cropping. Only the models are touched here; policies never are.
+
+Sliding-window models (Mistral, Gemma-2/3, Qwen2 with ``use_sliding_window``, ...): transformers'
+sliding cache layers keep only the last W - 1 positions, so a rejected candidate cannot be cropped once
+the window is full, and their masks count the window in cache columns, which holes would shorten. For
+them the runner keeps a full (croppable) cache and builds the attention masks itself from each row's
+position ids: a query at position t sees the valid keys at positions t - W < s <= t in sliding layers
+(transformers' window), and every valid key up to t in full-attention layers. The model receives a
+prepared 4D mask (all layers sliding) or one per layer type (hybrid models whose forward accepts that).
+Models whose attention cannot be expressed so (different windows per layer, chunked attention, a
+hybrid model that takes a single mask, flash attention) are refused up front, naming the model.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Optional
 
@@ -76,11 +87,44 @@ class TimedRunner:
             self._trim(int(valid_cols.max()) + 1 if valid_cols.numel() else 0)
 
 
+def sliding_layout(model) -> Optional[dict]:
+    """None for a model without sliding-window attention, else ``{"window": W, "types": set of layer types,
+    "dict": whether the forward takes one mask per layer type}``.
+
+    Raises ValueError (naming the model and the reason) for attention this runner cannot roll back exactly."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    name = f"{type(model).__name__} ({getattr(cfg, 'model_type', '?')})"
+    if types is not None and any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise ValueError(f"{name} has attention layers of types {sorted(set(types))}: speculative rollback supports "
+                         "full and sliding-window attention only")
+    if types is not None and "sliding_attention" not in types:
+        return None
+    if window is None or (getattr(cfg, "use_sliding_window", True) is False):
+        return None
+    per_layer = {getattr(c, "sliding_window", window) for c in getattr(cfg, "per_layer_config", []) or []}
+    if len(per_layer - {None}) > 1:
+        raise ValueError(f"{name} has different sliding windows per layer {sorted(per_layer - {None})}: not supported")
+    if getattr(cfg, "_attn_implementation", None) not in (None, "eager", "sdpa"):
+        raise ValueError(f"{name} uses attention {cfg._attn_implementation!r}; speculative rollback of a sliding-window "
+                         "model needs 'sdpa' or 'eager' (load it with attn_implementation='sdpa')")
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)
+    takes_dict = base is not None and "causal_mask_mapping := attention_mask, dict" in inspect.getsource(type(base).forward)
+    kinds = set(types) if types is not None else {"sliding_attention"}
+    if len(kinds) > 1 and not takes_dict:
+        raise ValueError(f"{name} mixes full and sliding-window layers but its forward takes a single attention mask: "
+                         "speculative rollback cannot give each kind of layer its own mask")
+    return {"window": int(window), "types": kinds, "dict": takes_dict and len(kinds) > 1}
+
+
 class CausalLMRunner(TimedRunner):
     def __init__(self, model, name: str):
         self.model = model
         self.name = name
         self.device = usable_device(model, name)
+        self.layout = sliding_layout(model)
+        self.col_pos: Optional[torch.Tensor] = None   # [B, C] position id of every cache column (sliding models)
         self.cache: Optional[DynamicCache] = None
         self.mask: Optional[torch.Tensor] = None      # [B, C] int64
         self.next_pos: Optional[torch.Tensor] = None  # [B] int64
@@ -91,12 +135,14 @@ class CausalLMRunner(TimedRunner):
 
     # ------------------------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        # sliding-window models: full layers, which can be cropped; the masks impose the window
+        self.cache = DynamicCache() if self.layout else DynamicCache(config=self.model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+        self.col_pos = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
 
     def close(self) -> None:
-        self.cache = self.mask = self.next_pos = None
+        self.cache = self.mask = self.next_pos = self.col_pos = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -117,10 +163,14 @@ class CausalLMRunner(TimedRunner):
         steps = valid.long().cumsum(-1)
         position_ids = self.next_pos.unsqueeze(1) + (steps - 1).clamp_min(0)
         self.mask = torch.cat([self.mask, valid.long()], dim=1)
+        attention = self.mask
+        if self.layout:
+            self.col_pos = torch.cat([self.col_pos, position_ids], dim=1)
+            attention = self._sliding_masks(n)
         if hidden and self._hook is None:
             self._hook = self.model.get_output_embeddings().register_forward_pre_hook(self._capture)
         self._hidden = None
-        out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=position_ids,
+        out = self.model(input_ids=tokens, attention_mask=attention, position_ids=position_ids,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         self.calls += 1
         self.next_pos = self.next_pos + steps[:, -1]
@@ -132,10 +182,41 @@ class CausalLMRunner(TimedRunner):
     def _capture(self, module, args):
         self._hidden = args[0]
 
+    def _sliding_masks(self, n: int):
+        """Masks for the last ``n`` (new) columns of a sliding-window model: [B, 1, n, C], True (or 0.0 in
+        eager attention) where a query may attend. Window by each row's position ids, as transformers'
+        sliding mask (key position > query position - W) would be without holes; a query at a hole sees
+        itself only, so no softmax row is empty."""
+        C = self.mask.shape[1]
+        valid = self.mask.bool()
+        q_cols = torch.arange(C - n, C, device=self.device)
+        k_cols = torch.arange(C, device=self.device)
+        causal = (k_cols.unsqueeze(0) <= q_cols.unsqueeze(1)).unsqueeze(0)        # [1, n, C]
+        self_only = (k_cols.unsqueeze(0) == q_cols.unsqueeze(1)).unsqueeze(0)
+        base = valid.unsqueeze(1) & causal                                         # [B, n, C]
+        masks = {}
+        if "full_attention" in self.layout["types"]:
+            masks["full_attention"] = base | self_only
+        if "sliding_attention" in self.layout["types"]:
+            qpos = self.col_pos[:, C - n :].unsqueeze(2)
+            within = (qpos - self.col_pos.unsqueeze(1)) < self.layout["window"]
+            masks["sliding_attention"] = (base & within) | self_only
+        eager = getattr(self.model.config, "_attn_implementation", "sdpa") == "eager"
+        dtype = next(self.model.parameters()).dtype
+        for k, m in masks.items():
+            m = m.unsqueeze(1)
+            masks[k] = torch.zeros(m.shape, dtype=dtype, device=self.device).masked_fill(~m, torch.finfo(dtype).min) \
+                if eager else m
+        return masks if self.layout["dict"] else next(iter(masks.values()))
+
     def _crop_to(self, length: int) -> None:
         self.cache.crop(length - self.length)
+        if self.col_pos is not None:
+            self.col_pos = self.col_pos[:, :length]
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)
         self.cache.batch_select_indices(idx)
+        if self.col_pos is not None:
+            self.col_pos = self.col_pos[idx]
         self._select_mask_rows(idx)
