@@ -1,5 +1,6 @@
-"""``specdec bench``: the benchmark suite's command line, outputs (JSON, Markdown, PNG) and the
-cost-model replay."""
+"""``specdec bench``: the benchmark suite's options, outputs (JSON, Markdown, PNG) and the cost-model
+replay. The ``specdec`` command (``cli.py``) parses the options and loads the models, then calls
+:func:`run`; this module never imports the command line."""
 
 from __future__ import annotations
 
@@ -28,24 +29,26 @@ def _numbers(kind):
 
 
 def add_arguments(p):
-    p.add_argument("--dataset", default="humaneval", help="humaneval, stdlib, a .jsonl file, or a text file of prompts separated by blank lines")
-    p.add_argument("--prompts", type=int, default=None, help="number of prompts (default: all; --quick: 6)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    """The benchmark's options (the parser shows each default)."""
+    p.add_argument("--dataset", default="humaneval",
+                   help="humaneval, stdlib, a .jsonl file, or a text file of prompts separated by blank lines")
+    p.add_argument("--prompts", type=int, default=None, help="number of prompts (None: all; --quick: 6)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (texts are compared with plain decoding)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt 0 (prompt i uses seed + i)")
     p.add_argument("--quick", action="store_true", help="a few prompts and methods: minutes, for the README")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' own generate / assisted generation")
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for JSON, Markdown and plots")
     p.add_argument("--cost-ratios", default="0.05,0.1,0.2", help="draft/target cost ratios for the replay")
-    p.add_argument("--ks", type=_numbers(int), default=DEFAULT_KS, help="fixed candidate lengths K (default 1..8)")
+    p.add_argument("--ks", type=_numbers(int), default=DEFAULT_KS, help="fixed candidate lengths K")
     p.add_argument("--thresholds", type=_numbers(float), default=DEFAULT_THRESHOLDS,
-                   help="SpecDec++ stop thresholds h (default %(default)s); threshold='auto' runs as well")
+                   help="SpecDec++ stop thresholds h; threshold='auto' runs as well")
     p.add_argument("--paper-thresholds", type=_numbers(float), default=PAPER_THRESHOLDS,
-                   help="stop thresholds of the paper-recipe head, bounds [2, 20] (default %(default)s; bundled pair)")
+                   help="stop thresholds of the paper-recipe head, bounds [2, 20] (bundled pair)")
     p.add_argument("--no-fp32-plain", action="store_true",
                    help="skip plain decoding of a float32 copy of a bf16 target (the fp32 reference)")
     p.add_argument("--hf-ks", type=_numbers(int), default=None,
-                   help="K values for transformers' assisted generation (default: the --ks values)")
+                   help="K values for transformers' assisted generation (None: the --ks values)")
 
 
 def _command_line(args) -> str:
@@ -135,12 +138,11 @@ def plots(rows, out: Path, prefix: str = "") -> list[str]:
     return made
 
 
-def main(args):
-    from .cli import _models
+def run(args, pair):
+    """``specdec bench`` with the models the command line loaded (``cli._models``)."""
     from .prompts import load_prompts
 
     t0 = time.time()
-    pair = _models(args, need_head=True)
     n = args.prompts if args.prompts is not None else (6 if args.quick else None)
     prompts = load_prompts(args.dataset, limit=n)
     paper = pair.heads.get("paper")

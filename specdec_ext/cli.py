@@ -1,4 +1,8 @@
-"""The ``specdec`` command: generate, demo, bench, train-head, zoo train."""
+"""The ``specdec`` command: generate, demo, bench, train-head, zoo train, zoo report.
+
+Every user error ends in one line on stderr, ``specdec: error: ...``, and exit status 2 (``--debug``
+shows the traceback). Generated text goes to stdout; statistics and progress go to stderr.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,11 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HF = argparse.ArgumentDefaultsHelpFormatter
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs, reported in one line."""
 
 
 def _threshold(text: str):
@@ -29,23 +38,60 @@ def _dtype(name: str, device: str = "cpu") -> torch.dtype:
     return default_target_dtype(device) if name == "auto" else DTYPES[name]
 
 
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device (expected cpu, cuda or cuda:N)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: this torch build or machine has no CUDA device (use --device cpu)")
+
+
+def _model_dir(path, flag: str, bundled: bool = False) -> Path:
+    """A local Hugging Face model directory, or a one-line error naming the flag."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        hint = "; the bundled pair is made by `specdec zoo train`" if bundled else ""
+        what = "does not exist" if not p.exists() else "has no config.json: not a Hugging Face model directory"
+        raise UsageError(f"{flag} {p}: {what}{hint}")
+    return p
+
+
+def _tokenizer_dir(path, flag: str) -> Path:
+    p = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    if not any((p / n).is_file() for n in names):
+        raise UsageError(f"{flag} {p}: no tokenizer files ({', '.join(names[:3])} ...); pass --tokenizer DIR")
+    return p
+
+
 def _models(args, need_head: bool):
+    """The one place that loads models for every subcommand: the bundled pair by default, or --target /
+    --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``."""
     from .zoo import PAIR_DIR, load_heads, load_models
 
-    bundled = not args.target
-    target = args.target or PAIR_DIR / "target"
-    draft = args.draft or PAIR_DIR / "draft"
-    if not Path(target, "config.json").exists():
-        hint = "; the bundled pair is made by `specdec zoo train`" if bundled else ""
-        raise SystemExit(f"specdec: no model in {target}{hint}")
-    pair = load_models(target, draft, args.head if need_head else None, _dtype(args.target_dtype, args.device),
-                       DTYPES[args.draft_dtype], args.device, "auto" if args.device_map_auto else None)
-    if need_head and args.head is None:
-        if not bundled:
-            raise SystemExit("specdec: the specdecpp policy needs --head DIR (an acceptance head for this draft)")
+    _check_device(args.device)
+    bundled = not getattr(args, "target", None)
+    target = _model_dir(args.target or PAIR_DIR / "target", "--target", bundled)
+    draft = _model_dir(args.draft or (PAIR_DIR / "draft" if bundled else None) or "", "--draft", bundled) \
+        if (args.draft or bundled) else None
+    if draft is None:
+        raise UsageError("--draft DIR is needed with --target (a draft model sharing the target's vocabulary)")
+    tokenizer = _tokenizer_dir(getattr(args, "tokenizer", None) or target, "--tokenizer" if getattr(args, "tokenizer", None)
+                               else "--target")
+    head = getattr(args, "head", None) if need_head else None
+    if need_head and head is None and not bundled:
+        raise UsageError("the specdecpp policy needs --head DIR (an acceptance head for this draft)")
+    if head is not None and not (Path(head) / "config.json").is_file():  # before loading any model
+        raise UsageError(f"--head {head}: no acceptance head there (expected config.json and model.safetensors, "
+                         "made by `specdec train-head`)")
+    pair = load_models(target, draft, head, _dtype(args.target_dtype, args.device), DTYPES[args.draft_dtype],
+                       args.device, "auto" if getattr(args, "device_map_auto", False) else None, tokenizer=tokenizer,
+                       allow_other_draft=getattr(args, "allow_other_draft", False))
+    if need_head and head is None:
         pair.heads = load_heads()
         if not {"greedy", "sample"} <= set(pair.heads):
-            raise SystemExit("specdec: the bundled pair has no acceptance heads; `specdec zoo train` makes them")
+            raise UsageError("the bundled pair has no acceptance heads; `specdec zoo train` makes them")
         pair.head = {"greedy": pair.heads["greedy"], "sample": pair.heads["sample"]}
     return pair
 
@@ -54,23 +100,26 @@ def _model_args(p):
     p.add_argument("--target", help="target model directory (default: the bundled pair)")
     p.add_argument("--draft", help="draft model directory (default: the bundled pair)")
     p.add_argument("--head", help="acceptance head directory (default: the bundled pair's heads, one per decoding mode)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    p.add_argument("--allow-other-draft", action="store_true",
+                   help="use a head trained for another draft with the same hidden size (a warning, not an error)")
     p.add_argument("--target-dtype", default="auto", choices=["auto"] + list(DTYPES),
                    help="auto: bfloat16 on a GPU or a CPU with bf16 matrix instructions (AMX, AVX512_BF16), else float32")
     p.add_argument("--draft-dtype", default="float32", choices=DTYPES,
                    help="the bundled 2-layer draft steps faster in float32 on CPUs")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
 def _policy_args(p):
     p.add_argument("--policy", default="specdecpp",
-                   choices=["specdecpp", "fixed", "heuristic", "confidence", "adaedl", "autoregressive"])
+                   choices=["specdecpp", "fixed", "heuristic", "confidence", "adaedl", "autoregressive"],
+                   help="candidate-length policy")
     p.add_argument("--k", type=int, default=4, help="candidate length K for --policy fixed")
     p.add_argument("--threshold", type=_threshold, default="auto",
                    help="SpecDec++ stop threshold h in [0, 1], or 'auto' (the cost-aware goodput rule)")
-    p.add_argument("--k-min", type=int, default=1)
-    p.add_argument("--k-max", type=int, default=20)
+    p.add_argument("--k-min", type=int, default=1, help="SpecDec++ lower bound on K")
+    p.add_argument("--k-max", type=int, default=20, help="SpecDec++ upper bound on K")
 
 
 def _policy(args, head):
@@ -83,43 +132,50 @@ def _policy(args, head):
     return make_policy(args.policy)
 
 
+def _log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
 def cmd_generate(args):
     from transformers import TextStreamer
 
-    from .prompts import load_prompts
     from .engine import SpeculativeGenerator
+    from .prompts import load_prompts
 
     pair = _models(args, args.policy == "specdecpp")
     if args.prompt is not None:
         prompts = [args.prompt]
     elif args.file:
-        prompts = [Path(args.file).read_text()]
+        prompts = load_prompts(args.file)
     else:
         prompts = [load_prompts(args.dataset)[args.index]]
     gen = SpeculativeGenerator(pair.target, pair.draft, policy=_policy(args, pair.head))
     for text in prompts:
-        ids = torch.tensor([pair.tokenizer(text, add_special_tokens=False)["input_ids"]])
+        ids = pair.tokenizer(text)["input_ids"]
+        if not ids:
+            raise UsageError("the prompt is empty (it has no token); give at least one token of text")
         streamer = TextStreamer(pair.tokenizer, skip_prompt=False)
-        out = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, eos_token_id=pair.tokenizer.eos_token_id, streamer=streamer)
+        out = gen.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=pair.tokenizer.eos_token_id,
+                           streamer=streamer)
         st = out.stats
-        print("\n" + "-" * 72)
-        print(f"policy {st.policy}: {st.new_tokens} tokens in {st.wall_ms:.0f} ms ({st.tokens_per_s:.1f} tokens/s), "
-              f"{len(st.rounds)} rounds, target calls {st.target_calls}, draft calls {st.draft_calls}")
-        print(f"mean candidate length {st.mean_candidate_length:.2f}, mean accepted length {st.mean_accepted_length:.2f}, "
-              f"acceptance rate {st.acceptance_rate:.3f}, discarded draft tokens {st.discarded}")
-        print(f"time: draft {st.draft_ms:.0f} ms, verify {st.verify_ms:.0f} ms, overhead {st.overhead_ms:.0f} ms "
-              f"({st.overhead_ms_per_round:.2f} ms/round), prefill {st.prefill_ms:.0f} ms")
+        _log("-" * 72)
+        _log(f"policy {st.policy}: {st.new_tokens} tokens in {st.wall_ms:.0f} ms ({st.tokens_per_s:.1f} tokens/s), "
+             f"{len(st.rounds)} rounds, target calls {st.target_calls}, draft calls {st.draft_calls}")
+        _log(f"mean candidate length {st.mean_candidate_length:.2f}, mean accepted length {st.mean_accepted_length:.2f}, "
+             f"acceptance rate {st.acceptance_rate:.3f}, discarded draft tokens {st.discarded}")
+        _log(f"time: draft {st.draft_ms:.0f} ms, verify {st.verify_ms:.0f} ms, overhead {st.overhead_ms:.0f} ms "
+             f"({st.overhead_ms_per_round:.2f} ms/round), prefill {st.prefill_ms:.0f} ms")
         if args.rounds:
             for i, r in enumerate(st.rounds):
-                print(f"  round {i:3d}: candidates {r.candidates} accepted {r.accepted} emitted {r.emitted} "
-                      f"draft {r.draft_ms:.1f} ms verify {r.verify_ms:.1f} ms")
+                _log(f"  round {i:3d}: candidates {r.candidates} accepted {r.accepted} emitted {r.emitted} "
+                     f"draft {r.draft_ms:.1f} ms verify {r.verify_ms:.1f} ms")
 
 
 def cmd_demo(args):
     from .benchmark import Method, format_table, run_benchmark, summarize
-    from .prompts import load_prompts
     from .policies import make_policy
+    from .prompts import load_prompts
 
     t0 = time.time()
     pair = _models(args, True)
@@ -145,44 +201,43 @@ def cmd_demo(args):
 
 
 def cmd_bench(args):
-    from .benchmark_cli import main as bench_main
+    from .benchmark_cli import run
 
-    bench_main(args)
+    run(args, _models(args, need_head=True))
 
 
 def cmd_train_head(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from .prompts import load_prompts
     from .training.head_data import HeadDataConfig
     from .training.head_train import HeadTrainConfig
     from .training.pipeline import RECIPES, run_pipeline
 
-    dtype = DTYPES[args.target_dtype]
-    target = AutoModelForCausalLM.from_pretrained(args.target, local_files_only=True, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, local_files_only=True, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    args.draft_dtype, args.device_map_auto = "float32", False
+    pair = _models(args, need_head=False)
     prompts = load_prompts(args.prompts, limit=args.limit)
     spec = RECIPES[args.recipe]
     features = spec["features"] if args.features is None else tuple(f for f in args.features.split(",") if f)
-    weights = None if args.rejection_weight == "auto" else [float(w) for w in args.rejection_weight.split(",")]
+    try:
+        weights = None if args.rejection_weight == "auto" else [float(w) for w in args.rejection_weight.split(",")]
+    except ValueError:
+        raise UsageError(f"--rejection-weight: expected 'auto' or comma-separated numbers, got {args.rejection_weight!r}")
     eval_prompts = None if args.eval_prompts == "none" else load_prompts(args.eval_prompts, limit=args.eval_limit)
     report = run_pipeline(
-        target, draft, tok, prompts, args.out, recipe=args.recipe,
+        pair.target, pair.draft, pair.tokenizer, prompts, args.out, recipe=args.recipe,
         data_cfg=HeadDataConfig(decoding=args.decoding, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                 batch_size=args.batch_size, seed=args.seed),
         train_cfg=HeadTrainConfig(num_layers=args.layers, features=features, use_hidden=not args.no_hidden, lr=args.lr,
                                   epochs=args.epochs, seed=args.seed),
         weights=weights, eval_prompts=eval_prompts, work_dir=args.work_dir,
-        target_name=Path(args.target).name, draft_name=Path(args.draft).name)
+        target_name=Path(args.target).name, draft_name=Path(args.draft).name, log=_log)
     print(json.dumps({"chosen_rejection_weight": report["chosen_rejection_weight"], "validation": report["held_out"],
                       "evaluation": report.get("evaluation")}, indent=2))
 
 
 def cmd_zoo_train(args):
-    from .zoo.train import main as zoo_main
+    from .zoo.train import ZooConfig, train_pair
 
-    zoo_main(["--out", str(args.out), "--work-dir", str(args.work_dir), "--seed", str(args.seed)])
+    train_pair(args.out, args.work_dir, ZooConfig(seed=args.seed), log=_log)
 
 
 def cmd_zoo_report(args):
@@ -192,52 +247,57 @@ def cmd_zoo_report(args):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2))
     print(format_report(r))
-    print(f"\n(wrote {args.out}; {r['threads']} threads)")
+    _log(f"(wrote {args.out}; {r['threads']} threads)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specdec", description="Speculative decoding and SpecDec++ (specdec_ext).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="generate from a prompt with streamed output and round statistics")
+    g = sub.add_parser("generate", help="generate from prompts with streamed output and round statistics",
+                       formatter_class=HF)
     _model_args(g)
     _policy_args(g)
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt")
-    src.add_argument("--file")
-    g.add_argument("--dataset", default="humaneval")
-    g.add_argument("--index", type=int, default=0)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--rounds", action="store_true", help="print every round")
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--file", help="prompts from a .jsonl file ({\"prompt\": ...} per line) or a text file of "
+                                    "prompts separated by blank lines")
+    g.add_argument("--dataset", default="humaneval", help="humaneval, stdlib or stdlib-train (without --prompt/--file)")
+    g.add_argument("--index", type=int, default=0, help="which prompt of --dataset")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=None, help="sampling: keep the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--rounds", action="store_true", help="print every round (to stderr)")
     g.set_defaults(fn=cmd_generate)
 
-    d = sub.add_parser("demo", help="SpecDec++ vs fixed K vs plain decoding on HumanEval with the bundled pair")
+    d = sub.add_parser("demo", help="SpecDec++ vs fixed K vs plain decoding on HumanEval with the bundled pair",
+                       formatter_class=HF)
     _model_args(d)
-    d.add_argument("--prompts", type=int, default=8)
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--k", type=int, default=2, help="fixed K (default: the best K of the README's benchmark)")
+    d.add_argument("--prompts", type=int, default=8, help="HumanEval prompts")
+    d.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
+    d.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    d.add_argument("--k", type=int, default=4, help="the fixed candidate length to compare with")
     d.add_argument("--threshold", type=_threshold, default="auto",
                    help="SpecDec++ stop threshold h, or 'auto' (the cost-aware goodput rule)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="sampling seed")
     d.add_argument("--show", type=int, default=2, help="completions to print")
     d.set_defaults(fn=cmd_demo)
 
-    b = sub.add_parser("bench", help="the benchmark suite (see bench/README or the project README)")
+    b = sub.add_parser("bench", help="the end-to-end benchmark (bench/README.md)", formatter_class=HF)
     _model_args(b)
     from .benchmark_cli import add_arguments
 
     add_arguments(b)
     b.set_defaults(fn=cmd_bench)
 
-    t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a draft/target pair",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a draft/target pair", formatter_class=HF)
     t.add_argument("--target", required=True, help="target model directory")
     t.add_argument("--draft", required=True, help="draft model directory")
+    t.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     t.add_argument("--prompts", required=True, help="training prompts: humaneval, stdlib, stdlib-train, a .jsonl file, "
                                                      "or a text file with prompts separated by blank lines")
     t.add_argument("--out", required=True, help="directory for the head (config.json, model.safetensors, metrics.json)")
@@ -258,36 +318,54 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--work-dir", default=None, help="where the (resumable) data sets go (default: --out)")
     t.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     t.add_argument("--target-dtype", default="float32", choices=DTYPES, help="target dtype for the labels")
+    t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     t.add_argument("--max-new-tokens", type=int, default=128, help="target response length per prompt")
     t.add_argument("--layers", type=int, default=3, help="residual blocks of the head")
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--epochs", type=int, default=20)
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    t.add_argument("--epochs", type=int, default=20, help="passes over the training positions")
     t.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of data generation, split and training")
     t.set_defaults(fn=cmd_train_head)
 
     z = sub.add_parser("zoo", help="the bundled model pair")
-    zs = z.add_subparsers(dest="zoo_cmd", required=True)
-    zt = zs.add_parser("train", help="train (or resume training) the bundled pair and its head")
+    zs = z.add_subparsers(dest="zoo_cmd", required=True, metavar="COMMAND")
+    zt = zs.add_parser("train", help="train (or resume training) the bundled pair and its heads", formatter_class=HF)
     from .zoo import PAIR_DIR
 
-    zt.add_argument("--out", type=Path, default=PAIR_DIR)
-    zt.add_argument("--work-dir", type=Path, default=Path(".zoo_work"))
-    zt.add_argument("--seed", type=int, default=0)
+    zt.add_argument("--out", type=Path, default=PAIR_DIR, help="where the pair is written")
+    zt.add_argument("--work-dir", type=Path, default=Path(".zoo_work"), help="checkpoints and data sets (resumable)")
+    zt.add_argument("--seed", type=int, default=0, help="seed of every stage")
     zt.set_defaults(fn=cmd_zoo_train)
-    zr = zs.add_parser("report", help="measure the bundled pair: decode times, greedy agreement, losses, head metrics")
+    zr = zs.add_parser("report", help="measure the bundled pair: decode times, greedy agreement, losses, head metrics",
+                       formatter_class=HF)
     zr.add_argument("--prompts", type=int, default=40, help="HumanEval prompts for the agreement measurement")
-    zr.add_argument("--out", type=Path, default=Path("bench/results/zoo_report.json"))
-    zr.add_argument("--threads", type=int, default=None)
+    zr.add_argument("--out", type=Path, default=Path("bench/results/zoo_report.json"), help="the report's JSON")
     zr.set_defaults(fn=cmd_zoo_report)
     return ap
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None):
+    if args.threads:
         torch.set_num_threads(args.threads)
-    args.fn(args)
+    if not sys.stderr.isatty():  # weight-loading progress bars only where someone watches them
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    try:
+        args.fn(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+    except (UsageError, ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        if args.debug:
+            raise
+        text = " ".join(str(e).split()) or type(e).__name__
+        print(f"specdec: error: {text} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

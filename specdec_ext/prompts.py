@@ -51,9 +51,15 @@ def jsonl_prompts(path: str, field: str = "prompt") -> list[str]:
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
-                obj = json.loads(line)
-                if field not in obj:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno}); expected one "
+                                     f'{{"{field}": ...}} object per line') from None
+                if not isinstance(obj, dict) or field not in obj:
                     raise ValueError(f"{path}:{i}: no {field!r} key in this JSON object")
+                if not isinstance(obj[field], str):
+                    raise ValueError(f"{path}:{i}: {field!r} must be a string, got {type(obj[field]).__name__}")
                 rows.append(obj[field])
     return rows
 

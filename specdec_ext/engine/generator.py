@@ -27,8 +27,8 @@ from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, DraftStep, make_policy
 from ..policies.goodput import CostModel
 from . import fast_llama
-from .models import context_length, hidden_size, vocab_size
-from .runner import CausalLMRunner
+from .models import context_length, fingerprint, hidden_size, vocab_size
+from .runner import CausalLMRunner, sliding_layout
 from .sampling import SamplingConfig, process_logits, sample_with_uniforms
 from .stats import GenerationStats, RoundStats
 
@@ -41,6 +41,10 @@ class GenerationOutput:
     sequences: torch.Tensor
     new_tokens: list[list[int]]
     stats: GenerationStats
+
+
+_GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id",
+                  "seed", "streamer", "pad_token_id", "policy")
 
 
 class SpeculativeGenerator:
@@ -57,21 +61,26 @@ class SpeculativeGenerator:
             ``False``, use ``transformers``' forward. The target always uses ``transformers``' forward.
         costs: the pair's :class:`~specdec_ext.policies.goodput.CostModel` for cost-aware policies
             (``threshold="auto"``); default: profiled on first use and cached (see :meth:`costs`).
+        allow_other_draft: accept (with a warning) a head whose recorded draft fingerprint is not this draft's.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
     Raises:
-        ValueError: vocabulary mismatch between draft and target, a head for another hidden size,
-            models on the meta device, a speculative policy without a draft.
+        ValueError: vocabulary mismatch between draft and target, a head for another draft (hidden size, or
+            fingerprint unless ``allow_other_draft``), models on the meta device, a speculative policy without a draft.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
-                 **policy_kwargs):
+                 allow_other_draft: bool = False, **policy_kwargs):
         self.target = target
         self.draft = draft
         self.head = head
         self._costs = costs
+        self.allow_other_draft = allow_other_draft
+        for m in (target, draft):  # attention that cannot be rolled back is refused here, naming the model
+            if m is not None:
+                sliding_layout(m)
         self.fast_draft = fast_draft and draft is not None and fast_llama.supports(draft)
         self.policy = self._make_policy(policy, head, policy_kwargs)
 
@@ -86,8 +95,10 @@ class SpeculativeGenerator:
             if vt != vd:
                 raise ValueError(f"vocabulary mismatch: the target has V = {vt} but the draft has V = {vd}; "
                                  "speculative decoding needs a draft and target that share one tokenizer and vocabulary")
-            for head_obj in getattr(pol, "heads", {}).values():
-                head_obj.check_draft(hidden_size(self.draft))
+            heads = getattr(pol, "heads", {}).values()
+            fp = fingerprint(self.draft) if any(h.draft_fingerprint for h in heads) else None
+            for head_obj in heads:
+                head_obj.check_draft(hidden_size(self.draft), fp, self.allow_other_draft)
         return pol
 
     def costs(self, policy: Optional[CandidateLengthPolicy] = None) -> CostModel:
@@ -103,6 +114,9 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------------------ checks
     def _check_inputs(self, input_ids, attention_mask, max_new_tokens, policy):
+        if isinstance(input_ids, torch.Tensor) and input_ids.numel() == 0:
+            raise ValueError(f"empty prompt: input_ids has shape {list(input_ids.shape)} (no token); give at least "
+                             "one token (e.g. BOS)")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError("input_ids must be an int64 (or int32) tensor of token ids [B, T]")
         if input_ids.dim() == 1:
@@ -160,8 +174,13 @@ class SpeculativeGenerator:
         Returns: :class:`GenerationOutput`; ``stats`` holds per-round and per-call figures (ms, tokens/s).
 
         Raises: ValueError / TypeError for bad input (empty prompt, prompt beyond the context,
-            max_new_tokens < 1, bad sampling settings, streamer with batch > 1).
+            max_new_tokens < 1, bad sampling settings, streamer with batch > 1, a keyword argument it does not
+            know, e.g. ``do_sample`` or ``repetition_penalty``: it is refused, never silently ignored).
         """
+        if policy is None and policy_kwargs:
+            raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(policy_kwargs)}: it accepts "
+                            f"{', '.join(_GENERATE_ARGS)}, and policy keyword arguments (k, threshold, k_min, k_max, "
+                            "...) only together with policy=")
         pol = self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
         cfg = SamplingConfig(temperature, top_k, top_p)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens, pol)

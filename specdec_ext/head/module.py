@@ -27,6 +27,7 @@ are independent. Checkpoints follow Hugging Face Hub mixin conventions: a direct
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -218,11 +219,23 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specdec_ext"
         return (fw, fb, f32(bw), f32(bb), f32(self.out.weight.reshape(H)), f32(self.out.bias.reshape(1)))
 
     # ------------------------------------------------------------------------------ checks
-    def check_draft(self, draft_hidden_size: int) -> None:
-        """Raise ValueError if this head cannot read a draft model with ``draft_hidden_size``."""
+    def check_draft(self, draft_hidden_size: int, draft_fingerprint: Optional[str] = None,
+                    allow_other_draft: bool = False) -> None:
+        """Check that this head can read the draft: its hidden size, and (when both are known) the
+        fingerprint of the draft it was trained for (``engine.models.fingerprint``).
+
+        Raises: ValueError for another hidden size; ValueError for another draft of the same size, or a
+        warning instead when ``allow_other_draft`` (its predictions would be about another model)."""
         if self.use_hidden and draft_hidden_size != self.hidden_size:
             raise ValueError(f"acceptance head was trained for hidden_size = {self.hidden_size}, but the draft model's "
                              f"hidden size is {draft_hidden_size}: this head belongs to another draft model")
+        if draft_fingerprint and self.draft_fingerprint and draft_fingerprint != self.draft_fingerprint:
+            msg = (f"acceptance head was trained for the draft {self.draft_model or ''} with fingerprint "
+                   f"{self.draft_fingerprint}, but this draft's fingerprint is {draft_fingerprint}: a head predicts "
+                   "acceptance for the draft it was trained with (retrain it with `specdec train-head`)")
+            if not allow_other_draft:
+                raise ValueError(msg + "; allow_other_draft=True (--allow-other-draft) uses it all the same")
+            warnings.warn(msg, stacklevel=2)
 
     def describe(self) -> str:
         ins = (["hidden"] if self.use_hidden else []) + list(self.features)

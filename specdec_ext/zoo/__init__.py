@@ -56,13 +56,17 @@ def default_target_dtype(device: str = "cpu") -> torch.dtype:
 
 def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Optional[str | Path] = None,
                 target_dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype = torch.float32,
-                device: str = "cpu", device_map: Optional[str] = None) -> ModelPair:
-    """Load local Hugging Face model directories (no network): target, optional draft and head.
+                device: str = "cpu", device_map: Optional[str] = None, tokenizer: Optional[str | Path] = None,
+                allow_other_draft: bool = False) -> ModelPair:
+    """Load local Hugging Face model directories (no network): target, optional draft and head, and the
+    tokenizer (default: the target's directory).
 
-    ``device_map="auto"`` spreads the target over the available GPUs with accelerate.
+    ``device_map="auto"`` spreads the target over the available GPUs with accelerate. A head is checked
+    against the draft (hidden size, and the fingerprint of the draft it was trained for).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..engine.models import fingerprint, hidden_size
     from ..head import AcceptanceHead
 
     kw = {"device_map": device_map} if device_map else {}
@@ -74,8 +78,8 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
         d = AutoModelForCausalLM.from_pretrained(draft, dtype=draft_dtype, local_files_only=True).to(device).eval()
     h = AcceptanceHead.from_pretrained(str(head)).eval() if head is not None else None
     if h is not None and d is not None:
-        h.check_draft(d.get_output_embeddings().weight.shape[1])
-    tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
+        h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
+    tok = AutoTokenizer.from_pretrained(tokenizer or target, local_files_only=True)
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
 
 
@@ -101,10 +105,13 @@ def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dty
     target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
     pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device)
     if with_head:
+        from ..engine.models import fingerprint, hidden_size
+
         pair.heads = load_heads(path)
         if not {"greedy", "sample"} <= set(pair.heads):
             raise FileNotFoundError(f"the bundled pair in {path} lacks its acceptance heads (`specdec zoo train` makes them)")
+        fp = fingerprint(pair.draft)
         for h in pair.heads.values():
-            h.check_draft(pair.draft.get_output_embeddings().weight.shape[1])
+            h.check_draft(hidden_size(pair.draft), fp)
         pair.head = {"greedy": pair.heads["greedy"], "sample": pair.heads["sample"]}
     return pair

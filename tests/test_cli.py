@@ -1,0 +1,157 @@
+"""The `specdec` command as a user meets it: every user error is one line on stderr and exit status 2
+(no traceback unless --debug), help texts show defaults, prompt files are parsed, output goes to stdout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specdec_ext import SpeculativeGenerator, cli
+from specdec_ext.zoo import PAIR_DIR, pair_available
+
+needs_pair = pytest.mark.skipif(not pair_available(), reason="the bundled pair is not in this checkout")
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_error(code, err, text):
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("specdec: error: "), err
+    assert text in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def test_missing_target_directory(capsys, tmp_path):
+    code, _, err = run(["train-head", "--target", str(tmp_path / "nope"), "--draft", str(tmp_path / "d"),
+                        "--prompts", "humaneval", "--out", str(tmp_path / "h")], capsys)
+    assert_one_line_error(code, err, f"--target {tmp_path / 'nope'}: does not exist")
+    assert "zoo train" not in err  # the hint about the bundled pair is for the bundled pair only
+
+
+def test_draft_that_is_not_a_model(capsys, tmp_path):
+    (tmp_path / "notamodel").mkdir()
+    code, _, err = run(["generate", "--target", str(PAIR_DIR / "target"), "--draft", str(tmp_path / "notamodel"),
+                        "--policy", "fixed", "--prompt", "x"], capsys)
+    assert_one_line_error(code, err, "has no config.json: not a Hugging Face model directory")
+
+
+@needs_pair
+def test_missing_head_directory(capsys, tmp_path):
+    code, _, err = run(["generate", "--target", str(PAIR_DIR / "target"), "--draft", str(PAIR_DIR / "draft"),
+                        "--head", str(tmp_path / "nohead"), "--prompt", "x", "--max-new-tokens", "2"], capsys)
+    assert_one_line_error(code, err, f"--head {tmp_path / 'nohead'}: no acceptance head there")
+
+
+@needs_pair
+def test_target_without_tokenizer_asks_for_one(capsys, tmp_path):
+    t = tmp_path / "target"
+    t.mkdir()
+    for f in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(PAIR_DIR / "target" / f, t / f)
+    code, _, err = run(["generate", "--target", str(t), "--draft", str(PAIR_DIR / "draft"), "--policy", "fixed",
+                        "--prompt", "x"], capsys)
+    assert_one_line_error(code, err, "pass --tokenizer DIR")
+    code, out, err = run(["generate", "--target", str(t), "--draft", str(PAIR_DIR / "draft"), "--policy", "fixed",
+                          "--tokenizer", str(PAIR_DIR / "target"), "--prompt", "def f(x):", "--max-new-tokens", "3"],
+                         capsys)
+    assert code == 0 and out.startswith("def f(x):")
+
+
+@needs_pair
+@pytest.mark.parametrize("content,text", [('{"prompt": "a"}\n{"prompt": \n', ":2: not valid JSON"),
+                                          ('{"text": "a"}\n', ":1: no 'prompt' key")])
+def test_bad_prompt_file_names_the_file_and_line(capsys, tmp_path, content, text):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(content)
+    code, _, err = run(["generate", "--policy", "fixed", "--file", str(f)], capsys)
+    assert_one_line_error(code, err, str(f) + text)
+
+
+@needs_pair
+def test_empty_prompts(capsys, tmp_path):
+    code, _, err = run(["generate", "--policy", "fixed", "--prompt", ""], capsys)
+    assert_one_line_error(code, err, "the prompt is empty")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    code, _, err = run(["generate", "--policy", "fixed", "--file", str(empty)], capsys)
+    assert_one_line_error(code, err, "holds no prompt")
+
+
+@needs_pair
+def test_prompt_file_is_parsed_and_only_text_goes_to_stdout(capsys, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
+    code, out, err = run(["generate", "--policy", "fixed", "--file", str(f), "--max-new-tokens", "3"], capsys)
+    assert code == 0, err
+    assert out.startswith("def add(a, b):") and "import os" in out and "{" not in out  # not the raw JSON
+    assert err.count("tokens/s") == 2  # the statistics go to stderr, once per prompt
+
+
+def test_cuda_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run(["generate", "--device", "cuda", "--policy", "fixed", "--prompt", "x"], capsys)
+    assert_one_line_error(code, err, "--device cuda: this torch build or machine has no CUDA device")
+
+
+def test_debug_shows_the_traceback(capsys, tmp_path):
+    with pytest.raises(Exception, match="does not exist"):
+        cli.main(["--debug", "train-head", "--target", str(tmp_path / "nope"), "--draft", "d", "--prompts", "humaneval",
+                  "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("cmd", ["generate", "demo", "bench", "train-head"])
+def test_help_shows_every_default(capsys, cmd):
+    with pytest.raises(SystemExit):
+        cli.main([cmd, "--help"])
+    text = capsys.readouterr().out
+    assert "(default:" in text
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "cmd").choices[cmd]
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{cmd} {action.option_strings} has no help text"
+
+
+def test_bench_readme_exists():
+    from pathlib import Path
+
+    assert (Path(__file__).resolve().parents[1] / "bench" / "README.md").is_file()
+
+
+def test_generate_refuses_unknown_keyword_arguments():
+    from models import make_pair
+
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    ids = torch.tensor([[3, 4, 5]])
+    for kw in ({"treshold": 0.9}, {"do_sample": True}, {"repetition_penalty": 1.5}, {"max_length": 3}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            gen.generate(ids, max_new_tokens=3, **kw)
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.generate(torch.tensor([[]]), max_new_tokens=3)
+
+
+def test_head_for_another_draft_of_the_same_size_is_refused():
+    from models import make_pair, noisy_copy
+    from specdec_ext import AcceptanceHead
+    from specdec_ext.engine.models import fingerprint
+
+    target, draft = make_pair("llama")
+    other = noisy_copy(draft, 0.5, seed=7)
+    head = AcceptanceHead(draft.config.hidden_size, 1, input_position="proposal", features=("token_prob",),
+                          draft_fingerprint=fingerprint(draft))
+    SpeculativeGenerator(target, draft, policy="specdecpp", head=head)
+    with pytest.raises(ValueError, match="trained for the draft .* fingerprint"):
+        SpeculativeGenerator(target, other, policy="specdecpp", head=head)
+    with pytest.warns(UserWarning, match="fingerprint"):
+        SpeculativeGenerator(target, other, policy="specdecpp", head=head, allow_other_draft=True)
+    assert fingerprint(draft) == fingerprint(draft.to(torch.bfloat16).float())  # dtype does not change it
