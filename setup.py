@@ -45,8 +45,7 @@ def extension():
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension(
-        "specdec_ext._C", sources, include_dirs=include_dirs, define_macros=[("SPECDEC_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx + ["-DSPECDEC_WITH_CUDA"], "nvcc": nvcc},
+        "specdec_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
     )
 
 

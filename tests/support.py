@@ -9,7 +9,9 @@ import torch
 
 from specdec_ext import AcceptanceHead, SpeculativeGenerator
 from specdec_ext.head.features import FEATURES
+from specdec_ext.engine.sampling import SamplingConfig, process_logits
 from specdec_ext.policies.goodput import CostModel
+from stats import assert_follows
 
 # (policy name, keyword arguments); "_head" picks the acceptance head (default: the paper's kind)
 POLICIES = [("autoregressive", {}), ("fixed", {"k": 1}), ("fixed", {"k": 4}), ("heuristic", {}), ("confidence", {}),
@@ -64,3 +66,101 @@ def make_gen(target, draft, name, kw, **extra):
     kind = kw.pop("_head", "candidate")
     return SpeculativeGenerator(target, draft, policy=name, head=head_for(draft, kind=kind), costs=TEST_COSTS,
                                 **extra, **kw)
+
+
+# ------------------------------------------------------------------------------ op cases (test_ops,
+# test_lossless_ops, test_cuda_ops) and exact target marginals (test_lossless_engine, test_sliding_window)
+def make_case(B, K, V, dtype=torch.float32, seed=0, ragged=True, sharp=2.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * sharp, -1)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * sharp, -1)
+    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+    u = torch.rand(B, K + 1, generator=g).clamp_min(2**-24)
+    n = torch.randint(0, K + 1, (B,), generator=g) if ragged else None
+    return ids, q.to(dtype), p.to(dtype), n, u
+
+
+def logits_case(B, K, V, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    dl = (torch.randn(B, K, V, generator=g) * 2).to(dtype)
+    tl = (torch.randn(B, K + 1, V, generator=g) * 2).to(dtype)
+    ids = torch.multinomial(torch.softmax(dl.float().reshape(-1, V), -1), 1, generator=g).view(B, K)
+    # greedy rows get the target's argmax as candidates, with an occasional mismatch
+    temp = torch.tensor([0.0, 0.6, 1.0, 1.7] * B)[:B]
+    for b in range(0, B, 4):
+        ids[b] = tl[b, :K].float().argmax(-1)
+        if b % 8 == 0:
+            ids[b, K // 2] = (ids[b, K // 2] + 1) % V
+    u = torch.rand(B, K + 1, generator=g).clamp_min(2**-24)
+    n = torch.randint(0, K + 1, (B,), generator=g)
+    return ids, dl, tl, temp, n, u
+
+
+def head_args(B=6, H=32, L=3, dtype=torch.float32, seed=0, F=0):
+    """(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias)."""
+    g = torch.Generator().manual_seed(seed)
+    hid = torch.randn(B, H, generator=g).to(dtype)
+    feats = (torch.rand(B, F, generator=g), torch.randn(H, F, generator=g) * 0.5, torch.randn(H, generator=g) * 0.1) \
+        if F else (None, None, None)
+    return (hid, *feats, torch.randn(L, H, H, generator=g) * 0.2, torch.randn(L, H, generator=g) * 0.1,
+            torch.randn(H, generator=g) * 0.3, torch.randn(1, generator=g))
+
+
+def check_positions(out, num, target, what, focus=0):
+    """Chi-square at every position some chain reached; every chain must reach ``focus``."""
+    K = out.shape[1] - 1
+    assert bool((num >= focus).all()), f"{what}: a chain stopped before the focus position {focus}"
+    for i in range(K + 1):
+        reached = num >= i
+        if int(reached.sum()) == 0:
+            assert i > focus
+            continue
+        assert_follows(out[reached, i], target[i], f"{what}, position {i}")
+
+
+def _probs(K, V, seed, sharp=1.5, rows=None):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(rows or K, V, generator=g, dtype=torch.float64) * sharp, -1)
+
+
+def case(name, K, V, seed=0, focus=0):
+    """Draft/target rows for a named case. Before position ``focus`` the draft equals the target, so
+    every chain is accepted up to ``focus`` and the case's structure is tested there (focus = K
+    tests the bonus token)."""
+    q, p = _case(name, K, V, seed)
+    q[:focus] = p[:focus]
+    return q, p
+
+
+def _case(name, K, V, seed):
+    q = _probs(K, V, seed)
+    p = _probs(K + 1, V, seed + 1000)
+    if name == "q zeros where p > 0":
+        q[:, : V // 2] = 0
+        q = q / q.sum(-1, keepdim=True)
+    elif name == "p = q":
+        p[:K] = q
+    elif name == "one-hot target":
+        p = torch.zeros(K + 1, V, dtype=torch.float64)
+        p[torch.arange(K + 1), torch.arange(K + 1) % V] = 1
+    elif name == "adversarial":  # draft = softmax(-target logits): mass exactly where the target has little
+        logits = torch.randn(K + 1, V, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 2
+        p = torch.softmax(logits, -1)
+        q = torch.softmax(-logits[:K], -1)
+    return q, p
+
+
+@torch.inference_mode()
+def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: int) -> list[torch.Tensor]:
+    """Marginal distribution of generated positions 1..n_pos under target-only sampling."""
+    V = target.config.vocab_size
+    prefixes = torch.zeros(1, 0, dtype=torch.long)
+    weights = torch.ones(1, dtype=torch.float64)
+    marginals = []
+    for _ in range(n_pos):
+        ids = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], 1)
+        probs = process_logits(target(ids).logits[:, -1], cfg).double()
+        marginals.append((weights.unsqueeze(1) * probs).sum(0))
+        weights = (weights.unsqueeze(1) * probs).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(prefixes.shape[0]).unsqueeze(1)], 1)
+    return marginals

@@ -8,8 +8,7 @@ import torch
 
 from specdec_ext import ops, reference
 from stats import assert_follows
-from test_lossless_ops import case, check_positions
-from test_ops import _head, _logits_case, make_case
+from support import case, check_positions, head_args, logits_case, make_case
 
 pytestmark = [
     pytest.mark.cuda,
@@ -38,7 +37,7 @@ def test_chain_verify_cuda_equals_cpu(dtype, B, K, V):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chain_verify_logits_cuda_matches_reference(dtype):
-    ids, dl, tl, temp, n, u = _logits_case(16, 6, 5000, dtype, seed=1)
+    ids, dl, tl, temp, n, u = logits_case(16, 6, 5000, dtype, seed=1)
     got = ops.chain_verify_logits(*cuda(ids, dl, tl, temp, n), uniforms=u.cuda())
     want = reference.chain_verify_logits(ids, dl, tl, temp, n, u)
     greedy = temp == 0
@@ -51,7 +50,7 @@ def test_residual_and_head_cuda():
     assert torch.equal(ops.residual_sample(*cuda(p[:, 0], q[:, 0]), uniforms=u[:, 0].cuda()).cpu(),
                        ops.residual_sample(p[:, 0], q[:, 0], uniforms=u[:, 0]))
     for F in (0, 3):
-        head = _head(B=9, H=256, F=F)
+        head = head_args(B=9, H=256, F=F)
         c1 = torch.rand(9)
         c2 = c1.clone().cuda()
         p1, s1 = ops.acceptance_head_step(*head, c1, 2, 2, 20, 0.4)
@@ -61,7 +60,7 @@ def test_residual_and_head_cuda():
 
 
 def test_cuda_head_nan_raises_and_stops():
-    head = [t.cuda() if t is not None else None for t in _head(B=3, H=64, F=3)]
+    head = [t.cuda() if t is not None else None for t in head_args(B=3, H=64, F=3)]
     head[0][1, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         ops.acceptance_head_step(*head, torch.ones(3, device="cuda"), 2, 1, 20, 0.5)

@@ -13,26 +13,10 @@ from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig, process_logits
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, make_gen
+from support import PIDS, POLICIES, exact_marginals, make_gen
 
 N_ROWS = 3000
 N_POS = 3
-
-
-@torch.inference_mode()
-def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: int) -> list[torch.Tensor]:
-    """Marginal distribution of generated positions 1..n_pos under target-only sampling."""
-    V = target.config.vocab_size
-    prefixes = torch.zeros(1, 0, dtype=torch.long)
-    weights = torch.ones(1, dtype=torch.float64)
-    marginals = []
-    for _ in range(n_pos):
-        ids = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], 1)
-        probs = process_logits(target(ids).logits[:, -1], cfg).double()
-        marginals.append((weights.unsqueeze(1) * probs).sum(0))
-        weights = (weights.unsqueeze(1) * probs).reshape(-1)
-        prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(prefixes.shape[0]).unsqueeze(1)], 1)
-    return marginals
 
 
 SETTINGS = [SamplingConfig(1.0), SamplingConfig(0.6, top_k=6), SamplingConfig(1.0, top_p=0.8)]

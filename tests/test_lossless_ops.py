@@ -13,6 +13,7 @@ import torch
 
 from specdec_ext import ops
 from stats import assert_follows, chi_square
+from support import case, check_positions
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
 
@@ -44,50 +45,6 @@ def run_chains(q, p, n_samples, seed, *, logits=False, temperature=1.0, dtype=to
         nums.append(num)
         done += B
     return torch.cat(outs), torch.cat(nums)
-
-
-def check_positions(out, num, target, what, focus=0):
-    """Chi-square at every position some chain reached; every chain must reach ``focus``."""
-    K = out.shape[1] - 1
-    assert bool((num >= focus).all()), f"{what}: a chain stopped before the focus position {focus}"
-    for i in range(K + 1):
-        reached = num >= i
-        if int(reached.sum()) == 0:
-            assert i > focus
-            continue
-        assert_follows(out[reached, i], target[i], f"{what}, position {i}")
-
-
-def _probs(K, V, seed, sharp=1.5, rows=None):
-    g = torch.Generator().manual_seed(seed)
-    return torch.softmax(torch.randn(rows or K, V, generator=g, dtype=torch.float64) * sharp, -1)
-
-
-def case(name, K, V, seed=0, focus=0):
-    """Draft/target rows for a named case. Before position ``focus`` the draft equals the target, so
-    every chain is accepted up to ``focus`` and the case's structure is tested there (focus = K
-    tests the bonus token)."""
-    q, p = _case(name, K, V, seed)
-    q[:focus] = p[:focus]
-    return q, p
-
-
-def _case(name, K, V, seed):
-    q = _probs(K, V, seed)
-    p = _probs(K + 1, V, seed + 1000)
-    if name == "q zeros where p > 0":
-        q[:, : V // 2] = 0
-        q = q / q.sum(-1, keepdim=True)
-    elif name == "p = q":
-        p[:K] = q
-    elif name == "one-hot target":
-        p = torch.zeros(K + 1, V, dtype=torch.float64)
-        p[torch.arange(K + 1), torch.arange(K + 1) % V] = 1
-    elif name == "adversarial":  # draft = softmax(-target logits): mass exactly where the target has little
-        logits = torch.randn(K + 1, V, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 2
-        p = torch.softmax(logits, -1)
-        q = torch.softmax(-logits[:K], -1)
-    return q, p
 
 
 CASES = ["random", "q zeros where p > 0", "p = q", "one-hot target", "adversarial"]

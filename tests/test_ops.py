@@ -8,20 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec_ext import ops, reference
+from support import head_args, logits_case, make_case
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def make_case(B, K, V, dtype=torch.float32, seed=0, ragged=True, sharp=2.0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.softmax(torch.randn(B, K, V, generator=g) * sharp, -1)
-    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * sharp, -1)
-    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
-    u = torch.rand(B, K + 1, generator=g).clamp_min(2**-24)
-    n = torch.randint(0, K + 1, (B,), generator=g) if ragged else None
-    return ids, q.to(dtype), p.to(dtype), n, u
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,26 +62,10 @@ def test_philox_reference_known_properties():
     assert not torch.equal(reference.philox_uniforms(1, 2, 1, 8), reference.philox_uniforms(1, 3, 1, 8))
 
 
-def _logits_case(B, K, V, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    dl = (torch.randn(B, K, V, generator=g) * 2).to(dtype)
-    tl = (torch.randn(B, K + 1, V, generator=g) * 2).to(dtype)
-    ids = torch.multinomial(torch.softmax(dl.float().reshape(-1, V), -1), 1, generator=g).view(B, K)
-    # greedy rows get the target's argmax as candidates, with an occasional mismatch
-    temp = torch.tensor([0.0, 0.6, 1.0, 1.7] * B)[:B]
-    for b in range(0, B, 4):
-        ids[b] = tl[b, :K].float().argmax(-1)
-        if b % 8 == 0:
-            ids[b, K // 2] = (ids[b, K // 2] + 1) % V
-    u = torch.rand(B, K + 1, generator=g).clamp_min(2**-24)
-    n = torch.randint(0, K + 1, (B,), generator=g)
-    return ids, dl, tl, temp, n, u
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,K,V", [(8, 1, 5), (12, 4, 257), (16, 8, 32000)])
 def test_chain_verify_logits_matches_reference(dtype, B, K, V):
-    ids, dl, tl, temp, n, u = _logits_case(B, K, V, dtype, seed=V + K)
+    ids, dl, tl, temp, n, u = logits_case(B, K, V, dtype, seed=V + K)
     got = ops.chain_verify_logits(ids, dl, tl, temp, n, uniforms=u)
     want = reference.chain_verify_logits(ids, dl, tl, temp, n, u)
     # The kernel's exp differs from torch.exp by about 1 ulp, so an acceptance test within rounding
@@ -107,7 +82,7 @@ def test_chain_verify_logits_matches_reference(dtype, B, K, V):
 
 
 def test_greedy_rows_are_argmax_chains():
-    ids, dl, tl, temp, n, u = _logits_case(32, 6, 300, torch.float32, seed=9)
+    ids, dl, tl, temp, n, u = logits_case(32, 6, 300, torch.float32, seed=9)
     temp = torch.zeros(32)
     out, num = ops.chain_verify_logits(ids, dl, tl, temp, n, uniforms=u)
     for b in range(32):
@@ -131,21 +106,11 @@ def test_residual_falls_back_to_target_when_p_equals_q():
     assert bool((p[torch.arange(20), got] > 0).all())
 
 
-def _head(B=6, H=32, L=3, dtype=torch.float32, seed=0, F=0):
-    """(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias)."""
-    g = torch.Generator().manual_seed(seed)
-    hid = torch.randn(B, H, generator=g).to(dtype)
-    feats = (torch.rand(B, F, generator=g), torch.randn(H, F, generator=g) * 0.5, torch.randn(H, generator=g) * 0.1) \
-        if F else (None, None, None)
-    return (hid, *feats, torch.randn(L, H, H, generator=g) * 0.2, torch.randn(L, H, generator=g) * 0.1,
-            torch.randn(H, generator=g) * 0.3, torch.randn(1, generator=g))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("L", [0, 1, 3])
 @pytest.mark.parametrize("inputs", ["hidden", "hidden+features", "features"])
 def test_acceptance_head_step_matches_reference(dtype, L, inputs):
-    args = list(_head(L=L, dtype=dtype, F=0 if inputs == "hidden" else 3))
+    args = list(head_args(L=L, dtype=dtype, F=0 if inputs == "hidden" else 3))
     if inputs == "features":
         args[0] = None
     c1 = torch.rand(6)
@@ -160,7 +125,7 @@ def test_acceptance_head_step_matches_reference(dtype, L, inputs):
 
 def test_acceptance_head_features_change_the_prediction():
     # a control for the test above: the features are really read (p differs when they change)
-    args = list(_head(F=3))
+    args = list(head_args(F=3))
     p1, _ = ops.acceptance_head_step(*args, torch.ones(6), 1, 1, 20, 0.5)
     args[1] = args[1] + 1.0
     p2, _ = ops.acceptance_head_step(*args, torch.ones(6), 1, 1, 20, 0.5)
@@ -168,7 +133,7 @@ def test_acceptance_head_features_change_the_prediction():
 
 
 def test_stop_rule_bounds():
-    head = _head()
+    head = head_args()
     B = head[0].shape[0]
     # below k_min never stops, at k_max always stops, between follows 1 - prod > h
     _, stop = ops.acceptance_head_step(*head, torch.zeros(B), 1, 2, 5, 0.0)
@@ -184,7 +149,7 @@ def test_stop_rule_bounds():
 @pytest.mark.parametrize("where", ["hidden", "features", "cum_accept"])
 def test_acceptance_head_nan_input_raises(fn, where):
     # a NaN p_hat compares false in the stop rule and would silently keep drafting to K_max
-    args = list(_head(B=3, F=3))
+    args = list(head_args(B=3, F=3))
     cum = torch.ones(3)
     if where == "hidden":
         args[0] = args[0].clone()
@@ -209,8 +174,8 @@ def test_opcheck_every_op():
     torch.library.opcheck(torch.ops.specdec_ext.residual_sample.default, (p[:, 0], q[:, 0], u[:, 0], None))
     for F in (0, 3):
         torch.library.opcheck(torch.ops.specdec_ext.acceptance_head_step.default,
-                              (*_head(B=3, F=F), torch.ones(3), 2, 2, 20, 0.5))
-    features_only = (None, *_head(B=3, F=3)[1:])
+                              (*head_args(B=3, F=F), torch.ones(3), 2, 2, 20, 0.5))
+    features_only = (None, *head_args(B=3, F=3)[1:])
     torch.library.opcheck(torch.ops.specdec_ext.acceptance_head_step.default, (*features_only, torch.ones(3), 2, 2, 20, 0.5))
 
 
@@ -256,9 +221,9 @@ def _bad_cases():
     yield "residual vocab", lambda: ops.residual_sample(p[:, 0], q[:, 0, :5], uniforms=u[:, 0]), ValueError, "vocabulary mismatch"
     yield "target zero", lambda: ops.chain_verify(ids, q, torch.zeros_like(p), uniforms=u), ValueError, "sums to 0"
     yield "residual zero", lambda: ops.residual_sample(torch.zeros(2, 4), torch.zeros(2, 4), uniforms=u[:, 0]), ValueError, "sums to 0"
-    head = _head(B=2, H=8)
+    head = head_args(B=2, H=8)
     hid, _, _, _, w, b, ow, ob = head
-    fhead = _head(B=2, H=8, F=3)
+    fhead = head_args(B=2, H=8, F=3)
     yield "head hidden size", lambda: ops.acceptance_head_step(torch.randn(2, 16), *head[1:], torch.ones(2), 1, 2, 20, 0.3), ValueError, "H = 8"
     yield "head bounds", lambda: ops.acceptance_head_step(*head, torch.ones(2), 1, 5, 2, 0.3), ValueError, "k_min <= k_max"
     yield "head candidate_length", lambda: ops.acceptance_head_step(*head, torch.ones(2), 0, 2, 5, 0.3), ValueError, "candidate_length"
@@ -389,7 +354,7 @@ LOGITS = [ops.chain_verify_logits, reference.chain_verify_logits]
 def test_tiny_temperatures_agree_with_the_reference_and_act_greedy(T):
     """The softmax is exp((x - max) / T): stable down to the floor; at T far below the logits' gaps the
     draw is the target's argmax (the greedy answer), on the op and the reference alike."""
-    ids, dl, tl, _, _, u = _logits_case(6, 3, 40, torch.float32, seed=2)
+    ids, dl, tl, _, _, u = logits_case(6, 3, 40, torch.float32, seed=2)
     temp = torch.full((6,), T)
     if T < 1e-6:
         for fn in LOGITS:
@@ -415,7 +380,7 @@ def test_engine_refuses_tiny_temperatures_with_the_same_message():
 @pytest.mark.parametrize("fn", LOGITS, ids=BOTH_IDS)
 def test_masked_logits_work_and_fully_masked_rows_are_refused(fn):
     """-inf is the masking value of top-k / top-p / grammars: masked tokens are never emitted."""
-    ids, dl, tl, temp, n, u = _logits_case(8, 3, 30, torch.float32, seed=4)
+    ids, dl, tl, temp, n, u = logits_case(8, 3, 30, torch.float32, seed=4)
     temp = torch.ones(8)
     mask = torch.zeros(30, dtype=torch.bool)
     mask[10:] = True  # only tokens 0..9 allowed

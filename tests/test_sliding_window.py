@@ -13,8 +13,7 @@ from specdec_ext.engine.runner import sliding_layout
 from specdec_ext.engine.sampling import SamplingConfig
 from models import make_pair
 from stats import assert_follows
-from support import make_gen
-from test_lossless_engine import exact_marginals
+from support import exact_marginals, make_gen
 
 ARCHS = ["mistral", "gemma2", "qwen2"]
 POLICIES = [("autoregressive", {}), ("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.6, "_head": "proposal"}),
