@@ -58,6 +58,13 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cuda(
   return {t.p_accept, t.stop};
 }
 
+std::tuple<at::Tensor, at::Tensor> confidence_features_cuda(const at::Tensor& dist, const at::Tensor& tokens, bool logits) {
+  const c10::cuda::CUDAGuard guard(dist.device());
+  ConfidenceTensors t = prepare_confidence(dist, tokens, logits);
+  check_launch(cuda::confidence_features(t.args, at::cuda::getCurrentCUDAStream()), "confidence_features");
+  return {t.out, t.code};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
@@ -65,6 +72,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
   m.impl("chain_verify_logits", &chain_verify_logits_cuda);
   m.impl("residual_sample", &residual_sample_cuda);
   m.impl("acceptance_head_step", &acceptance_head_step_cuda);
+  m.impl("confidence_features", &confidence_features_cuda);
 }
 
 }  // namespace specdec

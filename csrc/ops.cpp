@@ -46,6 +46,12 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cpu(
   return {t.p_accept, t.stop};
 }
 
+std::tuple<at::Tensor, at::Tensor> confidence_features_cpu(const at::Tensor& dist, const at::Tensor& tokens, bool logits) {
+  ConfidenceTensors t = prepare_confidence(dist, tokens, logits);
+  cpu::confidence_features(t.args);
+  return {t.out, t.code};
+}
+
 TORCH_LIBRARY(specdec_ext, m) {
   m.def(
       "chain_verify(Tensor draft_token_ids, Tensor draft_probs, Tensor target_probs, Tensor? num_draft_tokens=None, "
@@ -63,6 +69,7 @@ TORCH_LIBRARY(specdec_ext, m) {
       "Tensor block_weight, Tensor block_bias, Tensor out_weight, Tensor out_bias, Tensor(a!) cum_accept, "
       "int candidate_length, int k_min, int k_max, float threshold) "
       "-> (Tensor p_accept, Tensor stop)");
+  m.def("confidence_features(Tensor dist, Tensor tokens, bool logits) -> (Tensor features, Tensor code)");
 }
 
 TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
@@ -70,6 +77,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("chain_verify_logits", &chain_verify_logits_cpu);
   m.impl("residual_sample", &residual_sample_cpu);
   m.impl("acceptance_head_step", &acceptance_head_step_cpu);
+  m.impl("confidence_features", &confidence_features_cpu);
 }
 
 }  // namespace specdec

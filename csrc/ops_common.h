@@ -180,6 +180,30 @@ inline ResidualTensors prepare_residual(const at::Tensor& target, const at::Tens
   return t;
 }
 
+struct ConfidenceTensors {
+  at::Tensor dist, tokens, out, code;
+  ConfidenceArgs args;
+};
+
+inline ConfidenceTensors prepare_confidence(const at::Tensor& dist, const at::Tensor& tokens, bool logits) {
+  const char* op = "confidence_features";
+  const char* name = logits ? "draft_logits" : "draft_probs";
+  const DType dt = float_dtype(dist, name);
+  TORCH_CHECK_VALUE(dist.dim() == 2 && dist.size(1) >= 1, op, ": ", name, " must be [B, V] with V >= 1, got ", dist.sizes());
+  check_index_dtype(tokens, "tokens");
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && tokens.size(0) == dist.size(0), op, ": tokens must be [B] = [", dist.size(0),
+                    "], got ", tokens.sizes());
+  check_device(tokens, dist, "tokens", name);
+  ConfidenceTensors t;
+  t.dist = dist.contiguous();
+  t.tokens = tokens.to(at::kLong).contiguous();
+  t.out = at::empty({dist.size(0), 3}, dist.options().dtype(at::kFloat));
+  t.code = at::zeros({dist.size(0)}, dist.options().dtype(at::kLong));
+  t.args = ConfidenceArgs{dt, dist.size(0), dist.size(1), t.dist.data_ptr(), t.tokens.data_ptr<int64_t>(), logits,
+                          t.out.data_ptr<float>(), t.code.data_ptr<int64_t>()};
+  return t;
+}
+
 struct HeadTensors {
   at::Tensor hidden, features, fw, fb, w, b, ow, ob, p_accept, stop;
   HeadArgs args;

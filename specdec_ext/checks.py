@@ -177,5 +177,19 @@ def head_shapes(hidden, features, feature_weight, feature_bias, block_weight, bl
     return B, H
 
 
+def confidence_shapes(dist, tokens, logits):
+    """Shape, dtype and device checks of ``confidence_features``; returns (B, V)."""
+    op = "confidence_features"
+    name = "draft_logits" if logits else "draft_probs"
+    _float(dist, name, op)
+    if dist.dim() != 2 or dist.shape[1] < 1:
+        raise ValueError(f"{op}: {name} must be [B, V] with V >= 1, got {list(dist.shape)}")
+    _index(tokens, "tokens", op)
+    if tokens.dim() != 1 or tokens.shape[0] != dist.shape[0]:
+        raise ValueError(f"{op}: tokens must be [B] = [{dist.shape[0]}], got {list(tokens.shape)}")
+    _same_device(tokens, dist, "tokens", name, op)
+    return tuple(dist.shape)
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or type(t).__name__ == "FakeTensor"

@@ -44,6 +44,7 @@ __all__ = [
     "chain_verify_logits",
     "residual_sample",
     "acceptance_head_step",
+    "confidence_features",
     "draw_philox_seed_offset",
 ]
 
@@ -257,7 +258,38 @@ def acceptance_head_step(
     return p, stop
 
 
+def confidence_features(dist: torch.Tensor, tokens: torch.Tensor, logits: bool) -> torch.Tensor:
+    """The draft-confidence features of candidates under the draft's distribution q, fused: one pass for
+    the two largest entries, one for the sums (``head/features.py`` explains their use).
+
+    Args:
+        dist: ``[B, V]`` float32/bfloat16/float16: logits, with q = softmax(dist) (``logits=True``; ``-inf``
+            entries are masked tokens), or probabilities q (``logits=False``).
+        tokens: ``[B]`` int32/int64, the candidates y.
+        logits: which of the two ``dist`` holds.
+
+    Returns:
+        ``[B, 3]`` float32: q(y), q_(1) - q_(2) (top-1 minus top-2 probability), and the entropy
+        H(q) = -sum_v q(v) log q(v) in nats (from logits: log Z - sum_v e_v (x_v - m) / Z, with m the
+        maximum, e_v = exp(x_v - m), Z = sum_v e_v).
+
+    Raises:
+        ValueError: shapes, a token outside [0, V), NaN/+Inf logits or a fully masked row, NaN/Inf/negative
+            probabilities (on CUDA when the call may synchronise). TypeError: dtypes.
+    """
+    if not HAS_EXTENSION:
+        return reference.confidence_features(dist, tokens, logits)
+    out, code = torch.ops.specdec_ext.confidence_features(dist, tokens, logits)
+    _raise_device_codes(code, "confidence_features", logits)
+    return out
+
+
 if HAS_EXTENSION:
+
+    @torch.library.register_fake("specdec_ext::confidence_features")
+    def _confidence_features_fake(dist, tokens, logits):
+        B, _ = checks.confidence_shapes(dist, tokens, logits)
+        return dist.new_empty((B, 3), dtype=torch.float32), dist.new_empty((B,), dtype=torch.int64)
 
     @torch.library.register_fake("specdec_ext::chain_verify")
     def _chain_verify_fake(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,

@@ -321,3 +321,31 @@ def acceptance_head_step(hidden, features, feature_weight, feature_bias, block_w
                          "or running product (hidden, features or cum_accept hold a NaN or Inf); a NaN would silently "
                          "disable the stop rule")
     return p, specdecpp_stop(cum_accept, candidate_length, k_min, k_max, threshold)
+
+
+def confidence_features(dist, tokens, logits):
+    """Reference of ``specdec_ext.ops.confidence_features``: ``[B, 3]`` float32 (q(y), q_(1) - q_(2), H(q) in
+    nats) with q = softmax(dist) (``logits``) or q = dist; raises ValueError as the kernels do."""
+    op = "confidence_features"
+    name = "draft_logits" if logits else "draft_probs"
+    checks.confidence_shapes(dist, tokens, logits)
+    x = dist.detach().cpu().float()
+    toks = tokens.detach().cpu().long()
+    B, V = x.shape
+    if bool(((toks < 0) | (toks >= V)).any()):
+        _raise(op, _TOKEN, logits)
+    if logits:
+        if bool(torch.isnan(x).any()) or bool((x == float("inf")).any()):
+            _raise(op, _DRAFT, True)
+        if not bool((x.max(-1).values > -3.4028234663852886e38).all()):
+            _raise(op, _DMASK, True)
+        q = torch.softmax(x.double(), -1)
+    else:
+        if not bool(torch.isfinite(x).all()) or bool((x < 0).any()):
+            _raise(op, _DRAFT, False)
+        q = x.double()
+    top = q.topk(min(2, V), -1).values
+    second = top[:, 1] if V > 1 else torch.zeros(B, dtype=torch.float64)
+    ent = -(q * torch.log(q.clamp_min(1e-300))).where(q > 0, torch.zeros_like(q)).sum(-1)
+    out = torch.stack([q.gather(-1, toks.view(-1, 1)).squeeze(-1), top[:, 0] - second, ent], -1).float()
+    return out.to(dist.device)

@@ -112,3 +112,12 @@ def test_verify_captured_in_cuda_graph_equals_eager():
         g.replay()
         eager = torch.ops.specdec_ext.chain_verify(ids, q, p, n, None, so.clone())
         assert torch.equal(static["out"], eager[0]) and torch.equal(static["num"], eager[1])
+
+
+@pytest.mark.parametrize("logits", [True, False])
+def test_confidence_features_cuda(logits):
+    x = torch.randn(9, 5000) * 3
+    dist = x if logits else torch.softmax(x, -1)
+    t = torch.randint(0, 5000, (9,))
+    torch.testing.assert_close(ops.confidence_features(dist.cuda(), t.cuda(), logits).cpu(),
+                               ops.confidence_features(dist, t, logits), rtol=1e-4, atol=1e-6)

@@ -408,3 +408,40 @@ def test_error_messages_come_from_one_table():
 
     header = Path(__file__).resolve().parents[1] / "csrc" / "kernels" / "errors.h"
     assert header.read_text() == errors.header(), "regenerate: python -m specdec_ext.errors > csrc/kernels/errors.h"
+
+
+# ------------------------------------------------------------------ confidence_features
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("logits", [True, False], ids=["logits", "probs"])
+@pytest.mark.parametrize("V", [1, 2, 37, 8192])
+def test_confidence_features_match_reference(dtype, logits, V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=g) * 3
+    if logits and V > 4:
+        x[2, V // 2 :] = float("-inf")  # masked tokens
+    dist = (x if logits else torch.softmax(x, -1)).to(dtype)
+    tokens = torch.randint(0, max(1, V // 2), (6,), generator=g)
+    got = ops.confidence_features(dist, tokens, logits)
+    want = reference.confidence_features(dist, tokens, logits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    q = torch.softmax(dist.double(), -1) if logits else dist.double()
+    assert bool((got[:, 1] >= -1e-6).all()) and bool((got[:, 2] >= -1e-6).all())
+    torch.testing.assert_close(got[:, 0].double(), q.gather(-1, tokens.view(-1, 1)).squeeze(-1), rtol=1e-4, atol=1e-6)
+
+
+def test_confidence_features_errors_and_opcheck():
+    x = torch.randn(3, 10)
+    t = torch.tensor([1, 2, 3])
+    for fn in (ops.confidence_features, reference.confidence_features):
+        with pytest.raises(ValueError, match="draft_token_ids has an id outside"):
+            fn(x, torch.tensor([1, 2, 10]), True)
+        with pytest.raises(ValueError, match="draft_logits has a NaN"):
+            fn(x.index_fill(1, torch.tensor([4]), float("nan")), t, True)
+        with pytest.raises(ValueError, match="-inf everywhere"):
+            fn(x.index_fill(0, torch.tensor([1]), float("-inf")), t, True)
+        with pytest.raises(ValueError, match="draft_probs has a NaN, Inf or negative"):
+            fn(-torch.softmax(x, -1), t, False)
+        with pytest.raises(ValueError, match="tokens must be"):
+            fn(x, t[:2], True)
+    torch.library.opcheck(torch.ops.specdec_ext.confidence_features.default, (x, t, True))
+    torch.library.opcheck(torch.ops.specdec_ext.confidence_features.default, (torch.softmax(x, -1), t, False))

@@ -523,5 +523,62 @@ static void head_step_impl(const HeadArgs& a) {
 
 void acceptance_head_step(const HeadArgs& a) { SPECDEC_DISPATCH(a.dtype, head_step_impl, a); }
 
+// Draft-confidence features of candidate y under q (head/features.py): q(y), q_(1) - q_(2), H(q) in nats.
+// From logits (q = softmax(x)): one pass for the maximum and the second largest value, one for
+// Z = sum e_j and S = sum e_j (x_j - m) with e_j = exp(x_j - m); then q(y) = e_y / Z, q_(1) = 1 / Z,
+// q_(2) = exp(x_(2) - m) / Z and H = log Z - S / Z (since log q_j = x_j - m - log Z). Masked (-inf)
+// entries contribute nothing. From probabilities: one pass for the two largest and -sum q log q.
+template <typename T>
+static void confidence_impl(const ConfidenceArgs& a) {
+  const int64_t V = a.vocab;
+  std::atomic<int64_t> error{0};
+  at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* x = static_cast<const T*>(a.dist) + b * V;
+      const int64_t y = a.tokens[b];
+      int64_t code = (y < 0 || y >= V) ? int64_t(kInvalidTokenId) : 0;
+      float top1 = -std::numeric_limits<float>::infinity(), top2 = top1;
+      bool ok = true;
+      for (int64_t j = 0; j < V && code == 0; ++j) {  // the two largest (a scalar pass: a compare and two selects)
+        const float v = ld(x, j);
+        ok &= a.logits ? logit_ok(v) : valid_prob(v);
+        if (v > top1) { top2 = top1; top1 = v; } else if (v > top2) { top2 = v; }
+      }
+      if (code == 0 && !ok) code = kInvalidDraft;
+      float* out = a.out + b * 3;
+      if (code == 0 && a.logits) {
+        if (!(top1 > -3.4028234663852886e38f)) code = kMaskedDraft;
+        if (code == 0) {
+          const float m = top1;
+          const double z = sum_f64(0, V, [&](int64_t j) { return exp_nonpos(std::min(ld(x, j) - m, 0.0f)); });
+          const double sx = sum_f64(0, V, [&](int64_t j) {
+            const float d = std::min(ld(x, j) - m, 0.0f);
+            const float e = exp_nonpos(d);
+            return e > 0.0f ? e * d : 0.0f;
+          });
+          out[0] = static_cast<float>(exp_nonpos(std::min(ld(x, y) - m, 0.0f)) / z);
+          out[1] = static_cast<float>((1.0 - exp_nonpos(std::min(top2 - m, 0.0f))) / z);
+          out[2] = static_cast<float>(std::log(z) - sx / z);
+        }
+      } else if (code == 0) {
+        const double h = sum_f64(0, V, [&](int64_t j) {
+          const float q = ld(x, j);
+          return q > 0.0f ? -q * std::log(q) : 0.0f;
+        });
+        out[0] = ld(x, y);
+        out[1] = top1 - std::max(top2, 0.0f);  // V = 1: no second entry, probability 0
+        out[2] = static_cast<float>(h);
+      }
+      if (code != 0) {
+        int64_t zero = 0;
+        error.compare_exchange_strong(zero, code);
+      }
+    }
+  });
+  if (error.load() != 0) check_code(error.load(), "confidence_features", a.logits);
+}
+
+void confidence_features(const ConfidenceArgs& a) { SPECDEC_DISPATCH(a.dtype, confidence_impl, a); }
+
 }  // namespace cpu
 }  // namespace specdec

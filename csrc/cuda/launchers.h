@@ -3,7 +3,7 @@
 // memory inside the kernels, so every launch can be captured in a CUDA graph.
 //
 // CUDA kernels cannot raise: a row with invalid input gets num_accepted[b] (or out[b]) set to a
-// negative InvalidInput code (kernels/common.h), which the Python wrapper turns into a ValueError.
+// negative InvalidInput code (kernels/errors.h), which the Python wrapper turns into a ValueError.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -15,5 +15,6 @@ cudaError_t chain_verify(const VerifyArgs& a, cudaStream_t stream);
 cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t stream);
 cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t stream);
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t stream);
+cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t stream);
 }  // namespace cuda
 }  // namespace specdec

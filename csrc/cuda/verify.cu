@@ -450,6 +450,78 @@ __global__ void __launch_bounds__(kThreads) head_step_kernel(HeadArgs a) {
   }
 }
 
+// Draft-confidence features (as the CPU kernel): one block per row; the two largest values by a block
+// reduction of (top1, top2) pairs, then the sums in double.
+struct Top2 {
+  float a, b;  // a >= b
+};
+struct Top2Op {
+  __device__ Top2 operator()(const Top2& x, const Top2& y) const {
+    const float hi = fmaxf(x.a, y.a);
+    const float lo = fmaxf(fminf(x.a, y.a), fmaxf(x.b, y.b));
+    return {hi, lo};
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) confidence_kernel(ConfidenceArgs a) {
+  __shared__ SharedTemp tmp;
+  __shared__ typename cub::BlockReduce<Top2, kThreads>::TempStorage tmp2;
+  __shared__ Top2 s_top;
+  __shared__ double s_z, s_x;
+  const int64_t b = blockIdx.x, V = a.vocab;
+  const T* x = static_cast<const T*>(a.dist) + b * V;
+  const int64_t y = a.tokens[b];
+  Top2 t{-INFINITY, -INFINITY};
+  int bad = 0;
+  row_foreach(x, V, [&](int64_t, float v) {
+    bad |= a.logits ? !logit_ok(v) : !valid_prob(v);
+    if (v > t.a) { t.b = t.a; t.a = v; } else if (v > t.b) { t.b = v; }
+  });
+  bad = __syncthreads_or(bad);
+  const Top2 r = cub::BlockReduce<Top2, kThreads>(tmp2).Reduce(t, Top2Op());
+  if (threadIdx.x == 0) s_top = r;
+  __syncthreads();
+  int64_t code = (y < 0 || y >= V) ? int64_t(kInvalidTokenId) : (bad ? int64_t(kInvalidDraft) : 0);
+  if (code == 0 && a.logits && !(s_top.a > -FLT_MAX)) code = kMaskedDraft;
+  double z = 0.0, sx = 0.0;
+  if (code == 0) {
+    const float m = s_top.a;
+    row_foreach(x, V, [&](int64_t, float v) {
+      if (a.logits) {
+        const float d = fminf(v - m, 0.0f);
+        const float e = __expf(d);
+        z += e;
+        sx += e > 0.0f ? e * d : 0.0f;
+      } else {
+        sx += v > 0.0f ? -v * logf(v) : 0.0f;
+      }
+    });
+    const double bz = ReduceD(tmp.d).Sum(z);
+    __syncthreads();
+    const double bx = ReduceD(tmp.d).Sum(sx);
+    if (threadIdx.x == 0) { s_z = bz; s_x = bx; }
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  a.code[b] = code;
+  float* out = a.out + b * 3;
+  if (code != 0) {
+    out[0] = out[1] = out[2] = __int_as_float(0x7fc00000);
+    return;
+  }
+  if (a.logits) {
+    const float m = s_top.a;
+    out[0] = static_cast<float>(__expf(fminf(to_f(x[y]) - m, 0.0f)) / s_z);
+    out[1] = static_cast<float>((1.0 - __expf(fminf(s_top.b - m, 0.0f))) / s_z);
+    out[2] = static_cast<float>(log(s_z) - s_x / s_z);
+  } else {
+    out[0] = to_f(x[y]);
+    out[1] = s_top.a - fmaxf(s_top.b, 0.0f);  // V = 1: no second entry, probability 0
+    out[2] = static_cast<float>(s_x);
+  }
+}
+
 template <template <typename> class Kernel, typename Args>
 cudaError_t launch(const Args& a, DType dtype, size_t smem, cudaStream_t stream) {
   if (a.batch == 0) return cudaSuccess;
@@ -473,12 +545,14 @@ SPECDEC_KERNEL_LAUNCHER(VerifyK, chain_verify_kernel, VerifyArgs)
 SPECDEC_KERNEL_LAUNCHER(VerifyLogitsK, chain_verify_logits_kernel, VerifyArgs)
 SPECDEC_KERNEL_LAUNCHER(ResidualK, residual_sample_kernel, ResidualArgs)
 SPECDEC_KERNEL_LAUNCHER(HeadK, head_step_kernel, HeadArgs)
+SPECDEC_KERNEL_LAUNCHER(ConfidenceK, confidence_kernel, ConfidenceArgs)
 
 }  // namespace
 
 cudaError_t chain_verify(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyK>(a, a.dtype, 0, s); }
 cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyLogitsK>(a, a.dtype, 0, s); }
 cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t s) { return launch<ResidualK>(a, a.dtype, 0, s); }
+cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t s) { return launch<ConfidenceK>(a, a.dtype, 0, s); }
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t s) {
   const size_t smem = 2 * static_cast<size_t>(a.hidden_size) * sizeof(float);
   if (smem > 48 * 1024) {

@@ -38,6 +38,17 @@ struct ResidualArgs {
   int64_t* out;                 // [B]
 };
 
+// confidence_features: q(y), top-1 minus top-2 of q, entropy of q (nats), per row.
+struct ConfidenceArgs {
+  DType dtype;                  // of dist
+  int64_t batch, vocab;         // B, V
+  const void* dist;             // [B, V] logits (q = softmax(dist)) or probabilities (q = dist)
+  const int64_t* tokens;        // [B] the candidates y
+  bool logits;
+  float* out;                   // [B, 3]
+  int64_t* code;                // [B] 0, or an InvalidInput code (CUDA; the CPU raises)
+};
+
 struct HeadArgs {
   DType dtype;                  // of hidden; weights and features are float32
   int64_t batch, hidden_size, num_layers, num_features;  // B, H, L, F

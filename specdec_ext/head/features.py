@@ -34,24 +34,22 @@ def check_feature_names(names: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def confidence_features(probs: torch.Tensor, tokens: torch.Tensor,
-                        names: Sequence[str] = CONFIDENCE_FEATURES) -> torch.Tensor:
-    """Features of candidates ``tokens`` ``[...]`` (int64) drawn from ``probs`` ``[..., V]`` (float32,
-    rows summing to 1). Returns float32 ``[..., len(names)]`` in the order of ``names``."""
+def confidence_features(dist: torch.Tensor, tokens: torch.Tensor, names: Sequence[str] = CONFIDENCE_FEATURES,
+                        logits: bool = False) -> torch.Tensor:
+    """Features of candidates ``tokens`` ``[...]`` (int64) under the draft distribution q, given as
+    probabilities ``dist`` ``[..., V]`` (rows summing to 1) or, with ``logits=True``, as logits (q = softmax,
+    what greedy decoding uses). Returns float32 ``[..., len(names)]`` in the order of ``names``; computed
+    by the fused ``ops.confidence_features`` (one row of V read twice)."""
+    from .. import ops
+
     names = check_feature_names(names)
     if any(n not in CONFIDENCE_FEATURES for n in names):
         raise ValueError(f"confidence_features computes {CONFIDENCE_FEATURES}, not {list(names)}")
-    probs = probs.float()
-    out = []
-    for n in names:
-        if n == "token_prob":
-            out.append(probs.gather(-1, tokens.unsqueeze(-1).long()).squeeze(-1))
-        elif n == "margin":
-            top = probs.topk(min(2, probs.shape[-1]), dim=-1).values
-            out.append(top[..., 0] - (top[..., 1] if top.shape[-1] > 1 else 0.0))
-        else:  # entropy
-            out.append(-(probs * torch.log(probs.clamp_min(1e-30))).sum(-1))
-    return torch.stack(out, -1)
+    lead = dist.shape[:-1]
+    all3 = ops.confidence_features(dist.reshape(-1, dist.shape[-1]), tokens.reshape(-1), logits).view(*lead, 3)
+    if tuple(names) == CONFIDENCE_FEATURES:
+        return all3
+    return all3[..., [CONFIDENCE_FEATURES.index(n) for n in names]]
 
 
 # ------------------------------------------------------------------------------ acceptance history

@@ -134,19 +134,20 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="specdec_ext"
         """Predicted acceptance probability, float32, shape ``[...]``."""
         return torch.sigmoid(self(hidden, features))
 
-    def features_of(self, probs: torch.Tensor, tokens: torch.Tensor,
-                    history: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """This head's input features for candidates ``tokens`` ``[B]`` drawn from ``probs`` ``[B, V]``
-        (float32 ``[B, F]`` in the order of ``self.features``), or None for a head without features.
-        ``history`` ``[B]``: the rows' acceptance-history values, for a head that reads ``recent_accept``."""
+    def features_of(self, dist: torch.Tensor, tokens: torch.Tensor, history: Optional[torch.Tensor] = None,
+                    logits: bool = False) -> Optional[torch.Tensor]:
+        """This head's input features for candidates ``tokens`` ``[B]`` under the draft distribution ``dist``
+        ``[B, V]`` (probabilities, or logits with ``logits=True``): float32 ``[B, F]`` in the order of
+        ``self.features``, or None for a head without features. ``history`` ``[B]``: the rows'
+        acceptance-history values, for a head that reads ``recent_accept``."""
         if not self.features:
             return None
         conf = [n for n in self.features if n in CONFIDENCE_FEATURES]
-        cols = dict(zip(conf, confidence_features(probs, tokens, conf).unbind(-1))) if conf else {}
+        cols = dict(zip(conf, confidence_features(dist, tokens, conf, logits=logits).unbind(-1))) if conf else {}
         if "recent_accept" in self.features:
             if history is None:
                 raise ValueError("AcceptanceHead: this head reads recent_accept: pass the rows' history [B]")
-            cols["recent_accept"] = history.to(probs.device, torch.float32)
+            cols["recent_accept"] = history.to(dist.device, torch.float32)
         return torch.stack([cols[n] for n in self.features], -1)
 
     def set_feature_normalization(self, mean: torch.Tensor, std: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ class DraftStep:
         the hidden state *at* candidate ``step - 1`` (the forward that fed it proposed this one), which
         is what the SpecDec++ paper's head reads.
     tokens: ``[B]`` int64, the candidate ids just drafted.
+    logits: ``[B, V]`` float32, the draft's raw logits from which the candidate came (always given; under
+        greedy decoding q = softmax(logits)).
 
     Stopping after candidate ``step`` costs no further draft forward: the engine feeds a candidate to
     the draft only to propose the next one, so a round of K candidates costs K draft forwards.
@@ -39,6 +41,7 @@ class DraftStep:
     probs: Optional[torch.Tensor] = None
     hidden: Optional[torch.Tensor] = None
     tokens: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
 
 
 class CandidateLengthPolicy:

@@ -158,9 +158,7 @@ class SpecDecPP(CandidateLengthPolicy):
     def needs_hidden(self) -> bool:
         return self.head.use_hidden
 
-    @property
-    def needs_probs(self) -> bool:
-        return bool(self.head.features)
+    needs_probs = False  # greedy: the features come from DraftStep.logits by the fused op
 
     def configure(self, sampling, costs=None):
         mode = "greedy" if sampling is None or sampling.greedy else "sample"
@@ -194,7 +192,9 @@ class SpecDecPP(CandidateLengthPolicy):
         features = None
         if head.features:
             # candidate k is scored assuming candidates 1..k-1 accepted: the history moves k - 1 steps toward 1
-            features = head.features_of(info.probs, info.tokens, history_after_accepts(self.history, k - 1)).to(dev)
+            hist = history_after_accepts(self.history, k - 1)
+            features = (head.features_of(info.probs, info.tokens, hist) if info.probs is not None else
+                        head.features_of(info.logits, info.tokens, hist, logits=True)).to(dev)
         if head.input_position == "candidate":  # score candidate k - 1 from the state at it
             scored_features, self._prev_features = self._prev_features, features
             if k == 1:

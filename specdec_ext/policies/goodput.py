@@ -132,13 +132,13 @@ class GoodputRule:
         self.tokens = self.time = None
 
     def reset(self, batch_size: int) -> None:
-        self.tokens = torch.full((batch_size,), self.prior * self.prior_ms, dtype=torch.float64)
-        self.time = torch.full((batch_size,), self.prior_ms, dtype=torch.float64)
+        self.tokens = [self.prior * self.prior_ms] * batch_size  # per-row floats: B is small, tensors cost more
+        self.time = [self.prior_ms] * batch_size
 
     @property
     def rate(self) -> torch.Tensor:
         """``[B]`` float64: lambda, tokens/ms."""
-        return self.tokens / self.time
+        return torch.tensor([t / m for t, m in zip(self.tokens, self.time)], dtype=torch.float64)
 
     def threshold(self, k: int) -> torch.Tensor:
         """``[B]``: the survival below which a row stops after candidate ``k``."""
@@ -147,22 +147,23 @@ class GoodputRule:
 
     def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool for candidate ``k`` (no bounds applied) given survivals ``[B]``."""
-        return survival.detach().double().cpu() < self.threshold(k)
+        m = self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
+        s = survival.tolist()
+        return torch.tensor([si < t / tm * m for si, t, tm in zip(s, self.tokens, self.time)], dtype=torch.bool)
 
     def update(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
                emitted: Optional[torch.Tensor] = None) -> None:
         """After verification: rows drafted ``num_drafted`` and emitted ``num_accepted + 1`` tokens
         (or ``emitted`` when given)."""
-        drafted = num_drafted.cpu().tolist()
-        ms = torch.tensor([self.costs.round_time(int(n)) for n in drafted], dtype=torch.float64)
-        toks = (num_accepted.double().cpu() + 1) if emitted is None else emitted.double().cpu()
+        drafted = num_drafted.tolist()
+        toks = [a + 1 for a in num_accepted.tolist()] if emitted is None else emitted.tolist()
         a = self.decay
-        self.tokens = (1 - a) * self.tokens + a * toks
-        self.time = (1 - a) * self.time + a * ms
+        self.tokens = [(1 - a) * t + a * e for t, e in zip(self.tokens, toks)]
+        self.time = [(1 - a) * tm + a * self.costs.round_time(int(n)) for tm, n in zip(self.time, drafted)]
 
     def select(self, index: torch.Tensor) -> None:
-        idx = index.cpu()
-        self.tokens, self.time = self.tokens[idx], self.time[idx]
+        idx = index.tolist()
+        self.tokens, self.time = [self.tokens[i] for i in idx], [self.time[i] for i in idx]
 
 
 def prior_goodput(costs: CostModel, mean_accept: Optional[float], k_max: int) -> float:

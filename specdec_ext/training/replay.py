@@ -135,11 +135,10 @@ def replay(feats: dict, score: Callable, costs: CostModel, rule: str = "auto", k
             full_a = torch.zeros(B, dtype=torch.int64)
             full[live], full_a[live] = K, a
             # rows that are not live keep their state: update only the live ones
-            tok, tim = g.tokens.clone(), g.time.clone()
+            tok, tim = list(g.tokens), list(g.time)
             g.update(full, full_a)
-            keep = torch.ones(B, dtype=torch.bool)
-            keep[live] = False
-            g.tokens[keep], g.time[keep] = tok[keep], tim[keep]
+            for i in set(range(B)) - set(live.tolist()):
+                g.tokens[i], g.time[i] = tok[i], tim[i]
         rounds += live.numel()
         drafted += int(K.sum())
         accepted += int(a.sum())
