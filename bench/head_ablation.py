@@ -3,7 +3,8 @@
 
 For each head variant (the paper's inputs vs this project's: hidden state at the proposal position,
 draft-confidence features, acceptance history) trained on the stdlib training split with the same
-data and settings, on HumanEval positions (never trained on):
+data and settings, on the stdlib validation prompts (where variants are chosen) and on HumanEval
+positions (never trained on or chosen by):
 ROC AUC and Brier score, and the offline replay of the auto rule against the best fixed K under
 two cost models (flat GPU-like c = 0.1, and this machine's profile of the bundled pair).
 
@@ -67,7 +68,8 @@ def main():
     w = args.rejection_weight or pair.heads["greedy"].training_config.get("chosen_rejection_weight", 1.0)
     f_train = draft_features(pair.draft, train, "proposal")
     f_test = draft_features(pair.draft, test, "proposal")
-    tr, _ = split_by_example(f_train["example"], 0.1, 0)  # the pipeline's training split
+    tr, va = split_by_example(f_train["example"], 0.1, 0)  # the pipeline's training / validation split
+    f_val = subset(f_train, va)
     result = {"rejection_weight": w, "train_positions": int(tr.sum()), "test_positions": int(f_test["labels"].numel()),
               "costs": {k: c.meta for k, c in costs.items()}, "variants": {}}
     for name, kw in VARIANTS.items():
@@ -75,7 +77,9 @@ def main():
         head, _ = train_head(f_train, cfg, train_mask=tr)
         ev = evaluate_against_baselines(head, f_test)
         row = {"roc_auc": ev["head"]["roc_auc"], "brier": ev["head"]["brier"],
-               "replay": {c: replay_vs_fixed(head, f_test, cm) for c, cm in costs.items()}}
+               "replay": {c: replay_vs_fixed(head, f_test, cm) for c, cm in costs.items()},
+               "validation": {"roc_auc": evaluate_against_baselines(head, f_val)["head"]["roc_auc"],
+                              "replay": {c: replay_vs_fixed(head, f_val, cm) for c, cm in costs.items()}}}
         result["variants"][name] = row
         result["baselines"] = {k: ev[k] for k in ("q_y", "q_margin", "constant")}
         print(name, json.dumps(row), flush=True)

@@ -37,6 +37,14 @@ std::tuple<at::Tensor, at::Tensor> chain_verify_logits_cuda(const at::Tensor& id
   return {t.out_ids, t.num_accepted};
 }
 
+std::tuple<at::Tensor, at::Tensor> chain_verify_greedy_cuda(const at::Tensor& ids, const at::Tensor& target_logits,
+                                                            const std::optional<at::Tensor>& n) {
+  const c10::cuda::CUDAGuard guard(target_logits.device());
+  VerifyTensors t = prepare_greedy(ids, target_logits, n);
+  check_launch(cuda::chain_verify_greedy(t.args, at::cuda::getCurrentCUDAStream()), "chain_verify_greedy");
+  return {t.out_ids, t.num_accepted};
+}
+
 at::Tensor residual_sample_cuda(const at::Tensor& target_probs, const at::Tensor& draft_probs,
                                 const std::optional<at::Tensor>& u, const std::optional<at::Tensor>& so) {
   const c10::cuda::CUDAGuard guard(target_probs.device());
@@ -70,6 +78,7 @@ std::tuple<at::Tensor, at::Tensor> confidence_features_cuda(const at::Tensor& di
 TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
   m.impl("chain_verify", &chain_verify_cuda);
   m.impl("chain_verify_logits", &chain_verify_logits_cuda);
+  m.impl("chain_verify_greedy", &chain_verify_greedy_cuda);
   m.impl("residual_sample", &residual_sample_cuda);
   m.impl("acceptance_head_step", &acceptance_head_step_cuda);
   m.impl("confidence_features", &confidence_features_cuda);

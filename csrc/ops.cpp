@@ -27,6 +27,13 @@ std::tuple<at::Tensor, at::Tensor> chain_verify_logits_cpu(const at::Tensor& ids
   return {t.out_ids, t.num_accepted};
 }
 
+std::tuple<at::Tensor, at::Tensor> chain_verify_greedy_cpu(const at::Tensor& ids, const at::Tensor& target_logits,
+                                                           const std::optional<at::Tensor>& n) {
+  VerifyTensors t = prepare_greedy(ids, target_logits, n);
+  cpu::chain_verify_greedy(t.args);
+  return {t.out_ids, t.num_accepted};
+}
+
 at::Tensor residual_sample_cpu(const at::Tensor& target_probs, const at::Tensor& draft_probs,
                                const std::optional<at::Tensor>& u, const std::optional<at::Tensor>& so) {
   ResidualTensors t = prepare_residual(target_probs, draft_probs, u, so);
@@ -62,6 +69,9 @@ TORCH_LIBRARY(specdec_ext, m) {
       "Tensor? num_draft_tokens=None, Tensor? uniforms=None, Tensor? philox_seed_offset=None, bool validate=False) "
       "-> (Tensor output_token_ids, Tensor num_accepted)");
   m.def(
+      "chain_verify_greedy(Tensor draft_token_ids, Tensor target_logits, Tensor? num_draft_tokens=None) "
+      "-> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def(
       "residual_sample(Tensor target_probs, Tensor draft_probs, Tensor? uniforms=None, "
       "Tensor? philox_seed_offset=None) -> Tensor");
   m.def(
@@ -75,6 +85,7 @@ TORCH_LIBRARY(specdec_ext, m) {
 TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("chain_verify", &chain_verify_cpu);
   m.impl("chain_verify_logits", &chain_verify_logits_cpu);
+  m.impl("chain_verify_greedy", &chain_verify_greedy_cpu);
   m.impl("residual_sample", &residual_sample_cpu);
   m.impl("acceptance_head_step", &acceptance_head_step_cpu);
   m.impl("confidence_features", &confidence_features_cpu);

@@ -151,6 +151,42 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
   return t;
 }
 
+// chain_verify_greedy: the target's logits only (no draft distribution, no randomness).
+inline VerifyTensors prepare_greedy(const at::Tensor& draft_token_ids, const at::Tensor& target,
+                                    const std::optional<at::Tensor>& num_draft_tokens) {
+  const char* op = "chain_verify_greedy";
+  check_index_dtype(draft_token_ids, "draft_token_ids");
+  TORCH_CHECK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got shape ", draft_token_ids.sizes());
+  const int64_t B = draft_token_ids.size(0), K = draft_token_ids.size(1);
+  TORCH_CHECK_VALUE(K >= 1, op, ": the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0");
+  const DType dt = float_dtype(target, "target_logits");
+  TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == K + 1 && target.size(2) >= 1, op,
+                    ": target_logits must be [B, K+1, V] = [", B, ", ", K + 1, ", V], got ", target.sizes());
+  check_device(draft_token_ids, target, "draft_token_ids", "target_logits");
+  VerifyTensors t;
+  t.ids = draft_token_ids.to(at::kLong).contiguous();
+  t.target = target.contiguous();
+  if (num_draft_tokens.has_value()) {
+    const at::Tensor& n = *num_draft_tokens;
+    check_index_dtype(n, "num_draft_tokens");
+    TORCH_CHECK_VALUE(n.dim() == 1 && n.size(0) == B, op, ": num_draft_tokens must be [B] = [", B, "], got ", n.sizes());
+    check_device(n, target, "num_draft_tokens", "target_logits");
+    t.num_draft = n.to(at::kLong).contiguous();
+  }
+  t.out_ids = at::empty({B, K + 1}, target.options().dtype(at::kLong));
+  t.num_accepted = at::empty({B}, target.options().dtype(at::kLong));
+  VerifyArgs& a = t.args;
+  a = VerifyArgs{};
+  a.dtype = dt;
+  a.batch = B; a.k = K; a.vocab = target.size(2);
+  a.ids = t.ids.data_ptr<int64_t>();
+  a.target = t.target.data_ptr();
+  a.num_draft = t.num_draft.defined() ? t.num_draft.data_ptr<int64_t>() : nullptr;
+  a.out_ids = t.out_ids.data_ptr<int64_t>();
+  a.num_accepted = t.num_accepted.data_ptr<int64_t>();
+  return t;
+}
+
 struct ResidualTensors {
   at::Tensor target, draft, out;
   RandomTensors rnd;

@@ -177,6 +177,27 @@ def head_shapes(hidden, features, feature_weight, feature_bias, block_weight, bl
     return B, H
 
 
+def greedy_shapes(draft_token_ids, target_logits, num_draft_tokens):
+    """Shape, dtype and device checks of ``chain_verify_greedy``; returns (B, K, V)."""
+    op = "chain_verify_greedy"
+    _index(draft_token_ids, "draft_token_ids", op)
+    if draft_token_ids.dim() != 2:
+        raise ValueError(f"{op}: draft_token_ids must be [B, K], got shape {list(draft_token_ids.shape)}")
+    B, K = draft_token_ids.shape
+    if K < 1:
+        raise ValueError(f"{op}: the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0")
+    _float(target_logits, "target_logits", op)
+    if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (B, K + 1) or target_logits.shape[2] < 1:
+        raise ValueError(f"{op}: target_logits must be [B, K+1, V] = [{B}, {K + 1}, V], got {list(target_logits.shape)}")
+    _same_device(draft_token_ids, target_logits, "draft_token_ids", "target_logits", op)
+    if num_draft_tokens is not None:
+        _index(num_draft_tokens, "num_draft_tokens", op)
+        if tuple(num_draft_tokens.shape) != (B,):
+            raise ValueError(f"{op}: num_draft_tokens must be [B] = [{B}], got {list(num_draft_tokens.shape)}")
+        _same_device(num_draft_tokens, target_logits, "num_draft_tokens", "target_logits", op)
+    return B, K, target_logits.shape[2]
+
+
 def confidence_shapes(dist, tokens, logits):
     """Shape, dtype and device checks of ``confidence_features``; returns (B, V)."""
     op = "confidence_features"

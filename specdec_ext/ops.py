@@ -42,6 +42,7 @@ __all__ = [
     "HAS_EXTENSION",
     "chain_verify",
     "chain_verify_logits",
+    "chain_verify_greedy",
     "residual_sample",
     "acceptance_head_step",
     "confidence_features",
@@ -163,6 +164,30 @@ def chain_verify_logits(
     out, num = torch.ops.specdec_ext.chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature,
                                                          num_draft_tokens, uniforms, philox_seed_offset, validate)
     _raise_device_codes(num, "chain_verify_logits", logits=True)
+    return out, num
+
+
+def chain_verify_greedy(
+    draft_token_ids: torch.Tensor,
+    target_logits: torch.Tensor,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain verification: candidate i is accepted iff it is the argmax of ``target_logits[b, i]``
+    (first index on ties), and the target's argmax is emitted at the first mismatch or as the bonus token.
+    No draft distribution and no randomness (as vLLM keeps its greedy sampler apart); the output equals
+    greedy target-only decoding of the same logits.
+
+    Args:
+        draft_token_ids: ``[B, K]`` int32/int64.
+        target_logits: ``[B, K+1, V]`` float32/bfloat16/float16; ``-inf`` entries are masked tokens.
+        num_draft_tokens: optional ``[B]`` in [0, K] (ragged rows).
+
+    Returns / Raises: as :func:`chain_verify` (NaN/+Inf logits, a fully masked row read, ids or n_b out of range).
+    """
+    if not HAS_EXTENSION:
+        return reference.chain_verify_greedy(draft_token_ids, target_logits, num_draft_tokens)
+    out, num = torch.ops.specdec_ext.chain_verify_greedy(draft_token_ids, target_logits, num_draft_tokens)
+    _raise_device_codes(num, "chain_verify_greedy", logits=True)
     return out, num
 
 
@@ -303,6 +328,12 @@ if HAS_EXTENSION:
                                   uniforms=None, philox_seed_offset=None, validate=False):
         B, K, _ = checks.verify_shapes(draft_token_ids, draft_logits, target_logits, num_draft_tokens, temperature,
                                        uniforms, philox_seed_offset, logits=True)
+        return (target_logits.new_empty((B, K + 1), dtype=torch.int64),
+                target_logits.new_empty((B,), dtype=torch.int64))
+
+    @torch.library.register_fake("specdec_ext::chain_verify_greedy")
+    def _chain_verify_greedy_fake(draft_token_ids, target_logits, num_draft_tokens=None):
+        B, K, _ = checks.greedy_shapes(draft_token_ids, target_logits, num_draft_tokens)
         return (target_logits.new_empty((B, K + 1), dtype=torch.int64),
                 target_logits.new_empty((B,), dtype=torch.int64))
 

@@ -269,6 +269,36 @@ def chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperatur
     return out.to(dev), num_acc.to(dev)
 
 
+def chain_verify_greedy(draft_token_ids, target_logits, num_draft_tokens=None):
+    """Reference of ``specdec_ext.ops.chain_verify_greedy``."""
+    op = "chain_verify_greedy"
+    B, K, V = checks.greedy_shapes(draft_token_ids, target_logits, num_draft_tokens)
+    ids, tl = draft_token_ids.detach().cpu().long(), target_logits.detach().cpu()
+    n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
+    out = torch.full((B, K + 1), -1, dtype=torch.int64)
+    num_acc = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        n = int(n_all[b])
+        if not 0 <= n <= K:
+            raise ValueError(f"{op}: {errors.message(_NUM, True)} = [0, {K}], got {n} in row {b}")
+        accepted = 0
+        while True:
+            best = _greedy_row(tl[b, accepted], op)
+            if accepted == n:
+                break
+            tok = int(ids[b, accepted])
+            if not 0 <= tok < V:
+                _raise(op, _TOKEN, True)
+            if tok != best:
+                break
+            out[b, accepted] = best
+            accepted += 1
+        out[b, accepted] = best
+        num_acc[b] = accepted
+    dev = target_logits.device
+    return out.to(dev), num_acc.to(dev)
+
+
 def residual_sample(target_probs, draft_probs, uniforms=None, philox_seed_offset=None):
     """Reference of ``specdec_ext.ops.residual_sample``: one draw per row from norm(max(0, p - q))."""
     B, _ = checks.residual_shapes(target_probs, draft_probs, uniforms, philox_seed_offset)

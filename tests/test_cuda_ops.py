@@ -121,3 +121,10 @@ def test_confidence_features_cuda(logits):
     t = torch.randint(0, 5000, (9,))
     torch.testing.assert_close(ops.confidence_features(dist.cuda(), t.cuda(), logits).cpu(),
                                ops.confidence_features(dist, t, logits), rtol=1e-4, atol=1e-6)
+
+
+def test_chain_verify_greedy_cuda():
+    ids, _, tl, _, n, _ = logits_case(16, 6, 5000, torch.float32, seed=9)
+    got = ops.chain_verify_greedy(ids.cuda(), tl.cuda(), n.cuda())
+    want = ops.chain_verify_greedy(ids, tl, n)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

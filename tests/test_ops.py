@@ -445,3 +445,35 @@ def test_confidence_features_errors_and_opcheck():
             fn(x, t[:2], True)
     torch.library.opcheck(torch.ops.specdec_ext.confidence_features.default, (x, t, True))
     torch.library.opcheck(torch.ops.specdec_ext.confidence_features.default, (torch.softmax(x, -1), t, False))
+
+
+# ------------------------------------------------------------------ chain_verify_greedy
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,K,V", [(8, 1, 5), (12, 4, 257), (16, 8, 32000)])
+def test_chain_verify_greedy_equals_greedy_rows_of_the_logits_op(dtype, B, K, V):
+    ids, dl, tl, _, n, u = logits_case(B, K, V, dtype, seed=3)
+    for b in range(0, B, 2):  # half the rows propose the target's argmax chain, with one mismatch in some
+        ids[b] = tl[b, :K].float().argmax(-1)
+    got = ops.chain_verify_greedy(ids, tl, n)
+    want = ops.chain_verify_logits(ids, dl, tl, torch.zeros(B), n, uniforms=u)
+    ref = reference.chain_verify_greedy(ids, tl, n)
+    for a, b in ((got, want), (got, ref)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert int(got[1].max()) >= 1
+
+
+def test_chain_verify_greedy_masked_errors_and_opcheck():
+    ids, _, tl, _, n, _ = logits_case(4, 3, 20, torch.float32, seed=5)
+    masked = tl.clone()
+    masked[..., 10:] = float("-inf")
+    out, num = ops.chain_verify_greedy(ids % 10, masked, n)
+    assert bool((out[out >= 0] < 10).all())
+    for fn in (ops.chain_verify_greedy, reference.chain_verify_greedy):
+        with pytest.raises(ValueError, match="num_draft_tokens must lie in"):
+            fn(ids, tl, torch.tensor([0, 1, 4, 2]))
+        with pytest.raises(ValueError, match="-inf everywhere"):
+            fn(ids, tl.index_fill(0, torch.tensor([2]), float("-inf")), torch.zeros(4, dtype=torch.long))
+        with pytest.raises(ValueError, match="target_logits must be"):
+            fn(ids, tl[:, :3], n)
+    torch.library.opcheck(torch.ops.specdec_ext.chain_verify_greedy.default, (ids, tl, n))
+    torch.library.opcheck(torch.ops.specdec_ext.chain_verify_greedy.default, (ids, tl, None))

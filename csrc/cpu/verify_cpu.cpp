@@ -356,6 +356,34 @@ static void chain_verify_impl(const VerifyArgs& args) {
   if (error != 0) check_code(error, "chain_verify", false);
 }
 
+// Greedy verification of one row: candidate i is accepted iff it is the argmax of target row i (first
+// index on ties); the target's argmax is emitted at the first mismatch, or as the bonus token.
+template <typename T>
+RowResult greedy_row(const VerifyArgs& a, const T* tl, int64_t b, int64_t n, int64_t* out) {
+  const int64_t K = a.k, V = a.vocab;
+  RowResult r;
+  for (;; ++r.accepted) {
+    int64_t code = 0;
+    const int64_t best = greedy_argmax(tl + (b * (K + 1) + r.accepted) * V, V, &code);
+    if (code != 0) return RowResult{0, -1, code};
+    if (r.accepted == n) { r.extra = best; return r; }
+    const int64_t tok = a.ids[b * K + r.accepted];
+    if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
+    if (tok != best) { r.extra = best; return r; }
+    out[r.accepted] = tok;
+  }
+}
+
+template <typename T>
+static void chain_verify_greedy_impl(const VerifyArgs& a) {
+  const T* tl = static_cast<const T*>(a.target);
+  const int64_t error = verify_rows(a, [&](int64_t b, int64_t n, int64_t* out) {
+    if (n < 0 || n > a.k) return RowResult{0, -1, kInvalidNumDraft};
+    return greedy_row(a, tl, b, n, out);
+  });
+  if (error != 0) check_code(error, "chain_verify_greedy", true);
+}
+
 template <typename T>
 static void chain_verify_logits_impl(const VerifyArgs& args) {
   VerifyArgs a = args;
@@ -381,18 +409,7 @@ static void chain_verify_logits_impl(const VerifyArgs& args) {
             return RowResult{0, -1, c};
       }
     }
-    if (temp == 0.0f) {  // greedy verification: accept iff the candidate is the target's argmax
-      for (;; ++r.accepted) {
-        int64_t code = 0;
-        const int64_t best = greedy_argmax(tl + (b * (K + 1) + r.accepted) * V, V, &code);
-        if (code != 0) return RowResult{0, -1, code};
-        if (r.accepted == n) { r.extra = best; return r; }
-        const int64_t tok = a.ids[b * K + r.accepted];
-        if (tok < 0 || tok >= V) return RowResult{0, -1, kInvalidTokenId};
-        if (tok != best) { r.extra = best; return r; }
-        out[r.accepted] = tok;
-      }
-    }
+    if (temp == 0.0f) return greedy_row(a, tl, b, n, out);
     const float inv_t = 1.0f / temp;
     float* et = scratch_rows(V);
     float* ed = et + V;
@@ -462,6 +479,7 @@ static void residual_sample_impl(const ResidualArgs& args) {
 
 void chain_verify(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_impl, a); }
 void chain_verify_logits(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_logits_impl, a); }
+void chain_verify_greedy(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_greedy_impl, a); }
 void residual_sample(const ResidualArgs& a) { SPECDEC_DISPATCH(a.dtype, residual_sample_impl, a); }
 
 // SpecDec++ acceptance-head step (Sec. 3.2): the input x_0 = hidden + W_f features + b_f, L residual

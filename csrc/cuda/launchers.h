@@ -13,6 +13,7 @@ namespace specdec {
 namespace cuda {
 cudaError_t chain_verify(const VerifyArgs& a, cudaStream_t stream);
 cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t stream);
+cudaError_t chain_verify_greedy(const VerifyArgs& a, cudaStream_t stream);
 cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t stream);
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t stream);
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t stream);

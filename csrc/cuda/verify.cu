@@ -315,6 +315,37 @@ __device__ int64_t block_argmax(const T* x, int64_t V, int64_t* code, SharedTemp
   return s_best.j == INT64_MAX ? 0 : s_best.j;
 }
 
+// Greedy verification of row b (as the CPU's greedy_row): candidate i accepted iff it is the argmax of
+// target row i; the argmax at the first mismatch, or the bonus argmax, is emitted.
+template <typename T>
+__device__ void greedy_row(const VerifyArgs& a, const T* tl, int64_t b, int64_t n, SharedTemp& tmp, int64_t* acc,
+                           int64_t* extra, int64_t* code) {
+  const int64_t K = a.k, V = a.vocab;
+  for (;; ++*acc) {
+    int64_t c = 0;
+    const int64_t best = block_argmax(tl + (b * (K + 1) + *acc) * V, V, &c, tmp);
+    if (c != 0) { *code = c; return; }
+    if (*acc == n) { *extra = best; return; }
+    const int64_t tok = a.ids[b * K + *acc];
+    if (tok < 0 || tok >= V) { *code = kInvalidTokenId; return; }
+    if (tok != best) { *extra = best; return; }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) chain_verify_greedy_kernel(VerifyArgs a) {
+  __shared__ SharedTemp tmp;
+  const int64_t b = blockIdx.x, K = a.k;
+  const T* tl = static_cast<const T*>(a.target);
+  const int64_t n = a.num_draft ? a.num_draft[b] : K;
+  int64_t* out = a.out_ids + b * (K + 1);
+  for (int64_t j = threadIdx.x; j <= K; j += blockDim.x) out[j] = -1;
+  __syncthreads();
+  int64_t acc = 0, extra = -1, code = (n < 0 || n > K) ? int64_t(kInvalidNumDraft) : 0;
+  if (code == 0) greedy_row(a, tl, b, n, tmp, &acc, &extra, &code);
+  finish_row(a, b, acc, extra, code);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) chain_verify_logits_kernel(VerifyArgs a) {
   __shared__ SharedTemp tmp;
@@ -338,15 +369,7 @@ __global__ void __launch_bounds__(kThreads) chain_verify_logits_kernel(VerifyArg
     }
   }
   if (code == 0 && temp == 0.0f) {  // greedy row
-    for (;; ++acc) {
-      int64_t c = 0;
-      const int64_t best = block_argmax(tl + (b * (K + 1) + acc) * V, V, &c, tmp);
-      if (c != 0) { code = c; break; }
-      if (acc == n) { extra = best; break; }
-      const int64_t tok = a.ids[b * K + acc];
-      if (tok < 0 || tok >= V) { code = kInvalidTokenId; break; }
-      if (tok != best) { extra = best; break; }
-    }
+    greedy_row(a, tl, b, n, tmp, &acc, &extra, &code);
   } else if (code == 0) {
     for (; acc < n; ++acc) {
       const int64_t tok = a.ids[b * K + acc];
@@ -543,6 +566,7 @@ cudaError_t launch(const Args& a, DType dtype, size_t smem, cudaStream_t stream)
   };
 SPECDEC_KERNEL_LAUNCHER(VerifyK, chain_verify_kernel, VerifyArgs)
 SPECDEC_KERNEL_LAUNCHER(VerifyLogitsK, chain_verify_logits_kernel, VerifyArgs)
+SPECDEC_KERNEL_LAUNCHER(VerifyGreedyK, chain_verify_greedy_kernel, VerifyArgs)
 SPECDEC_KERNEL_LAUNCHER(ResidualK, residual_sample_kernel, ResidualArgs)
 SPECDEC_KERNEL_LAUNCHER(HeadK, head_step_kernel, HeadArgs)
 SPECDEC_KERNEL_LAUNCHER(ConfidenceK, confidence_kernel, ConfidenceArgs)
@@ -551,6 +575,7 @@ SPECDEC_KERNEL_LAUNCHER(ConfidenceK, confidence_kernel, ConfidenceArgs)
 
 cudaError_t chain_verify(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyK>(a, a.dtype, 0, s); }
 cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyLogitsK>(a, a.dtype, 0, s); }
+cudaError_t chain_verify_greedy(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyGreedyK>(a, a.dtype, 0, s); }
 cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t s) { return launch<ResidualK>(a, a.dtype, 0, s); }
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t s) { return launch<ConfidenceK>(a, a.dtype, 0, s); }
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t s) {

@@ -5,7 +5,7 @@ One round (Leviathan et al. 2023, Alg. 1; SpecDec++ Alg. 1):
 1. the policy decides, candidate by candidate, how long each row drafts (``policies/``);
 2. the draft proposes one token per forward pass, with its KV cache;
 3. the target scores the last committed token and all candidates in one forward pass;
-4. one fused op (``ops.chain_verify``; greedy: ``ops.chain_verify_logits``) accepts a prefix and
+4. one fused op (``ops.chain_verify``; greedy: ``ops.chain_verify_greedy``) accepts a prefix and
    emits the residual or bonus token, per row, with ragged candidate lengths;
 5. both caches roll back to the accepted prefix; the draft catches up on the tokens it has not
    seen at the start of the next round; statistics record the round.
@@ -334,8 +334,7 @@ class SpeculativeGenerator:
         t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one
         n_dev = n.to(vdev)
         if cfg.greedy:
-            out, acc = ops.chain_verify_logits(cand, t_logits[:, :K], t_logits, torch.zeros(B, device=vdev), n_dev,
-                                               uniforms=torch.ones(B, K + 1, device=vdev))
+            out, acc = ops.chain_verify_greedy(cand, t_logits, n_dev)
         else:
             p = process_logits(t_logits, cfg)
             q = torch.stack([qq.to(vdev) for qq in qs], 1)
