@@ -177,135 +177,139 @@ class SpeculativeGenerator:
             max_new_tokens < 1, bad sampling settings, streamer with batch > 1, a keyword argument it does not
             know, e.g. ``do_sample`` or ``repetition_penalty``: it is refused, never silently ignored).
         """
-        if policy is None and policy_kwargs:
-            raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(policy_kwargs)}: it accepts "
-                            f"{', '.join(_GENERATE_ARGS)}, and policy keyword arguments (k, threshold, k_min, k_max, "
-                            "...) only together with policy=")
-        pol = self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
+        pol = self._policy_for_call(policy, policy_kwargs)
         cfg = SamplingConfig(temperature, top_k, top_p)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens, pol)
         B, T = input_ids.shape
         if streamer is not None and B != 1:
             raise ValueError("streamer supports batch size 1 only")
-        eos = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, int)
-                                                   else {int(e) for e in eos_token_id})
-        seeds = [seed + b for b in range(B)] if isinstance(seed, int) else list(seed)
-        if len(seeds) != B:
-            raise ValueError(f"seed: need one seed per row ({B}), got {len(seeds)}")
-        rngs = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer)
+        rngs = _row_generators(seed, B)
         stats = GenerationStats(policy=pol.describe(), batch_size=B)
         t_start = time.perf_counter()
-
-        target = CausalLMRunner(self.target, "target")
-        draft = None
-        if pol.speculative:
-            draft = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")
-        runners = [r for r in (target, draft) if r is not None]
-        for r in runners:
-            r.start(B)
-            if T > 1:
-                r.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), keep=1)
+        target, draft = self._start_runners(pol, input_ids, attention_mask)
         stats.prefill_ms = (time.perf_counter() - t_start) * 1e3
         if streamer is not None:
             streamer.put(input_ids.cpu())
-
-        rows = list(range(B))                         # original row of each live row
-        generated: list[list[int]] = [[] for _ in range(B)]
-        last = input_ids[:, -1].clone()               # last committed token of each live row (not in target cache)
-        pending = last.view(-1, 1)                    # tokens the draft has not seen yet
-        pending_valid = torch.ones_like(pending, dtype=torch.bool)
+        last = input_ids[:, -1].clone()
+        batch = _Batch(rows=list(range(B)), last=last, pending=last.view(-1, 1),
+                       pending_valid=torch.ones(B, 1, dtype=torch.bool), rngs=rngs,
+                       generated=[[] for _ in range(B)])
         pol.configure(cfg, self.costs(pol) if pol.needs_costs else None)
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
+        runners = [r for r in (target, draft) if r is not None]
         try:
-            while rows:
-                remaining = torch.tensor([max_new_tokens - len(generated[r]) for r in rows])
+            while batch.rows:
+                remaining = torch.tensor([max_new_tokens - len(batch.generated[r]) for r in batch.rows])
                 if pol.speculative:
-                    emitted, pending, pending_valid = self._speculative_round(
-                        pol, cfg, target, draft, last, pending, pending_valid, remaining,
-                        [rngs[r] for r in rows], stats)
+                    emitted = self._speculative_round(pol, cfg, target, draft, batch, remaining, stats)
                 else:
-                    emitted = self._plain_step(cfg, target, last, [rngs[r] for r in rows], stats)
-                keep = []
-                for i, r in enumerate(rows):
-                    toks = emitted[i][: int(remaining[i])]
-                    for j, t in enumerate(toks):
-                        if t in eos:
-                            toks = toks[: j + 1]
-                            break
-                    generated[r].extend(toks)
-                    if streamer is not None and toks:
-                        streamer.put(torch.tensor(toks))
-                    stats.new_tokens += len(toks)
-                    if stats.rounds:
-                        stats.rounds[-1].emitted[i] = len(toks)
-                    done = len(generated[r]) >= max_new_tokens or (toks and toks[-1] in eos)
-                    if not done:
-                        keep.append(i)
-                if len(keep) < len(rows):
+                    emitted = self._plain_step(cfg, target, batch, stats)
+                keep = self._commit(call, batch, emitted, remaining, stats)
+                if len(keep) < len(batch.rows):
                     idx = torch.tensor(keep, dtype=torch.int64)
                     for r in runners:
                         r.select_rows(idx)
                     pol.select_rows(idx)
-                    rows = [rows[i] for i in keep]
-                    last = last[idx.to(last.device)]
-                    pending = pending[idx.to(pending.device)]
-                    pending_valid = pending_valid[idx.to(pending_valid.device)]
+                    batch.select(keep)
         finally:
-            stats.target_calls = target.calls
+            stats.target_calls, stats.target_forward_ms = target.calls, target.seconds * 1e3
             stats.draft_calls = draft.calls if draft is not None else 0
-            stats.target_forward_ms = target.seconds * 1e3
             stats.draft_forward_ms = draft.seconds * 1e3 if draft is not None else 0.0
             for r in runners:
                 r.close()
         if streamer is not None:
             streamer.end()
         stats.wall_ms = (time.perf_counter() - t_start) * 1e3
-        pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-        L = max(len(g) for g in generated)
-        seq = torch.full((B, T + L), pad, dtype=torch.int64)
-        seq[:, :T] = input_ids.cpu()
-        for b, g in enumerate(generated):
-            seq[b, T : T + len(g)] = torch.tensor(g, dtype=torch.int64)
-        return GenerationOutput(seq, generated, stats)
+        return _output(input_ids, batch.generated, call.eos, pad_token_id, stats)
 
+    def _policy_for_call(self, policy, policy_kwargs) -> CandidateLengthPolicy:
+        if policy is None and policy_kwargs:
+            raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(policy_kwargs)}: it accepts "
+                            f"{', '.join(_GENERATE_ARGS)}, and policy keyword arguments (k, threshold, k_min, k_max, "
+                            "...) only together with policy=")
+        return self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
+
+    def _start_runners(self, pol, input_ids, attention_mask):
+        """The target's (and, when speculating, the draft's) runner, each with the prompt but its last token."""
+        B, T = input_ids.shape
+        target = CausalLMRunner(self.target, "target")
+        draft = None
+        if pol.speculative:
+            draft = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")
+        for r in (target, draft):
+            if r is not None:
+                r.start(B)
+                if T > 1:
+                    r.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), keep=1)
+        return target, draft
+
+    def _commit(self, call: "_Call", batch: "_Batch", emitted, remaining, stats) -> list[int]:
+        """Append each live row's emitted tokens, cut at max_new_tokens and at EOS; stream them; return the
+        positions (in the live batch) of the rows that go on."""
+        keep = []
+        for i, r in enumerate(batch.rows):
+            toks = emitted[i][: int(remaining[i])]
+            for j, t in enumerate(toks):
+                if t in call.eos:
+                    toks = toks[: j + 1]
+                    break
+            batch.generated[r].extend(toks)
+            if call.streamer is not None and toks:
+                call.streamer.put(torch.tensor(toks))
+            stats.new_tokens += len(toks)
+            if stats.rounds:
+                stats.rounds[-1].emitted[i] = len(toks)
+            done = len(batch.generated[r]) >= call.max_new_tokens or (toks and toks[-1] in call.eos)
+            if not done:
+                keep.append(i)
+        return keep
 
     # ------------------------------------------------------------------------------ rounds
-    def _uniforms(self, rngs, n: int) -> torch.Tensor:
-        """``[B, n]`` uniforms in (0, 1]: each row draws exactly n from its own generator."""
-        return torch.stack([1.0 - torch.rand(n, generator=g) for g in rngs])
-
-    def _plain_step(self, cfg, target, last, rngs, stats) -> list[list[int]]:
+    def _plain_step(self, cfg, target, batch: "_Batch", stats) -> list[list[int]]:
         t0 = time.perf_counter()
-        logits, _ = target.forward(last.view(-1, 1), keep=1)
+        logits, _ = target.forward(batch.last.view(-1, 1), keep=1)
         logits = logits[:, -1].to(target.device)
         if cfg.greedy:
             nxt = logits.argmax(-1)
         else:
-            nxt = sample_with_uniforms(process_logits(logits, cfg), self._uniforms(rngs, 1)[:, 0])
-        last.copy_(nxt.to(last.device))
+            nxt = sample_with_uniforms(process_logits(logits, cfg), _uniforms(batch.rngs, 1)[:, 0])
+        batch.last.copy_(nxt.to(batch.last.device))
         ms = (time.perf_counter() - t0) * 1e3
-        n = last.shape[0]
-        stats.rounds.append(RoundStats([0] * n, [0] * n, [1] * n, 0.0, ms, ms))
+        n = batch.last.shape[0]
+        stats.rounds.append(RoundStats([0] * n, [0] * n, [1] * n, 0.0, ms, ms, list(batch.rows)))
         return [[int(t)] for t in nxt.tolist()]
 
-    def _speculative_round(self, pol, cfg, target, draft, last, pending, pending_valid, remaining, rngs, stats):
-        B = last.shape[0]
-        kcap = pol.max_candidates
+    def _speculative_round(self, pol, cfg, target, draft, batch: "_Batch", remaining, stats) -> list[list[int]]:
+        """Draft, verify, roll back; returns the tokens each live row emits (accepted prefix + one)."""
         t0 = time.perf_counter()
-        u = None if cfg.greedy else self._uniforms(rngs, 2 * kcap + 1)
-        vdev = target.device
-        # per-row cap: never draft past max_new_tokens (or the policy's K_max)
-        cap = (remaining - 1).clamp(min=0, max=kcap)
+        kcap = pol.max_candidates
+        u = None if cfg.greedy else _uniforms(batch.rngs, 2 * kcap + 1)  # a fixed number per row and round
+        drafted = self._draft(pol, cfg, draft, batch, remaining, u)
+        t1 = time.perf_counter()
+        out, acc = self._verify(cfg, target, batch, drafted, u, kcap)
+        t2 = time.perf_counter()
+        emitted = [out[b, : int(acc[b]) + 1].tolist() for b in range(out.shape[0])]
+        self._roll_back(target, draft, batch, drafted, out, acc)
+        pol.end_round(drafted.n, acc)
+        t3 = time.perf_counter()
+        stats.rounds.append(RoundStats(drafted.n.tolist(), acc.tolist(), [len(e) for e in emitted],
+                                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t0) * 1e3, list(batch.rows)))
+        return emitted
+
+    def _draft(self, pol, cfg, draft, batch: "_Batch", remaining, u) -> "_Drafted":
+        """Candidates one draft forward at a time, asking the policy after each whether each row stops.
+        The first forward feeds the tokens the draft has not seen and proposes candidate 1; each later one
+        feeds the candidate just drafted and proposes the next (K candidates: K draft forwards)."""
+        B = batch.last.shape[0]
+        kcap = pol.max_candidates
+        cap = (remaining - 1).clamp(min=0, max=kcap)  # per row: never draft past max_new_tokens or K_max
         n = torch.zeros(B, dtype=torch.int64)
         stopped = cap <= 0
         pol.begin_round()
-
-        # the first forward feeds the tokens the draft has not seen and proposes candidate 1; each later
-        # one feeds the candidate just drafted and proposes the next (K candidates: K draft forwards)
-        logits, hid = draft.forward(pending, pending_valid, keep=1, hidden=pol.needs_hidden)
+        logits, hid = draft.forward(batch.pending, batch.pending_valid, keep=1, hidden=pol.needs_hidden)
         cands, qs = [], []
-        fed = 0
-        step = 0
+        fed = step = 0
         need_probs = not cfg.greedy or pol.needs_probs
         while True:
             step += 1
@@ -326,37 +330,107 @@ class SpeculativeGenerator:
                 break
             logits, hid = draft.forward(x.view(-1, 1), keep=1, hidden=pol.needs_hidden)
             fed += 1
-        t1 = time.perf_counter()
+        return _Drafted(torch.stack(cands, 1), qs, n, fed)
 
-        K = len(cands)
-        cand = torch.stack(cands, 1).to(vdev)
-        t_logits, _ = target.forward(torch.cat([last.view(-1, 1).to(vdev), cand], 1), keep=K + 1)
+    def _verify(self, cfg, target, batch: "_Batch", drafted: "_Drafted", u, kcap):
+        """The target scores the last committed token and the K candidates in one forward; one fused op
+        accepts a prefix per row and emits the residual or bonus token. Returns (out [B, K+1], num_accepted
+        [B]) on the CPU."""
+        vdev = target.device
+        B, K = drafted.cands.shape
+        cand = drafted.cands.to(vdev)
+        t_logits, _ = target.forward(torch.cat([batch.last.view(-1, 1).to(vdev), cand], 1), keep=K + 1)
         t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one
-        n_dev = n.to(vdev)
+        n_dev = drafted.n.to(vdev)
         if cfg.greedy:
             out, acc = ops.chain_verify_greedy(cand, t_logits, n_dev)
         else:
             p = process_logits(t_logits, cfg)
-            q = torch.stack([qq.to(vdev) for qq in qs], 1)
-            uv = u[:, kcap : kcap + K + 1].to(vdev)
-            out, acc = ops.chain_verify(cand, q, p, n_dev, uniforms=uv)
-        t2 = time.perf_counter()
+            q = torch.stack([qq.to(vdev) for qq in drafted.qs], 1)
+            out, acc = ops.chain_verify(cand, q, p, n_dev, uniforms=u[:, kcap : kcap + K + 1].to(vdev))
+        return out.cpu(), acc.cpu()
 
-        acc_c = acc.cpu()
-        out_c = out.cpu()
-        emitted = [out_c[b, : int(acc_c[b]) + 1].tolist() for b in range(B)]
-        # roll back: the target saw [last, x_1..x_K]; it keeps last, x_1..x_acc
-        target.rollback(K - acc_c)
-        # the draft saw `fed` candidates; it keeps the accepted ones it saw
-        kept = torch.minimum(acc_c, torch.full_like(acc_c, fed))
-        draft.rollback(fed - kept)
-        extra = out_c[torch.arange(B), acc_c]
-        unseen = acc_c > fed  # x_K accepted but never fed: the draft catches up on it next round
-        new_pending = torch.stack([torch.where(unseen, cand.cpu()[:, K - 1], extra), extra], 1)
-        new_valid = torch.stack([unseen, torch.ones_like(unseen)], 1)
-        last.copy_(extra.to(last.device))
-        pol.end_round(n, acc_c)
-        t3 = time.perf_counter()
-        stats.rounds.append(RoundStats(n.tolist(), acc_c.tolist(), [len(e) for e in emitted],
-                                       (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t0) * 1e3))
-        return emitted, new_pending, new_valid
+    def _roll_back(self, target, draft, batch: "_Batch", drafted: "_Drafted", out, acc) -> None:
+        """Both caches back to the accepted prefix; the next round's pending tokens and last token."""
+        B, K = drafted.cands.shape
+        fed = drafted.fed
+        target.rollback(K - acc)  # the target saw [last, x_1..x_K]; it keeps last, x_1..x_acc
+        kept = torch.minimum(acc, torch.full_like(acc, fed))
+        draft.rollback(fed - kept)  # the draft saw `fed` candidates; it keeps the accepted ones it saw
+        extra = out[torch.arange(B), acc]
+        unseen = acc > fed  # x_K accepted but never fed: the draft catches up on it next round
+        batch.pending = torch.stack([torch.where(unseen, drafted.cands[:, K - 1], extra), extra], 1)
+        batch.pending_valid = torch.stack([unseen, torch.ones_like(unseen)], 1)
+        batch.last.copy_(extra.to(batch.last.device))
+
+
+# ---------------------------------------------------------------------------------- call and round state
+@dataclass
+class _Call:
+    """Settings of one generate() call."""
+
+    cfg: SamplingConfig
+    max_new_tokens: int
+    eos: set
+    streamer: object
+
+
+@dataclass
+class _Batch:
+    """The live rows of a generate() call and what their next round starts from."""
+
+    rows: list[int]               # original row index of each live row
+    last: torch.Tensor            # [B] last committed token of each live row (not yet in the target's cache)
+    pending: torch.Tensor         # [B, 1 or 2] tokens the draft has not seen yet
+    pending_valid: torch.Tensor   # [B, 1 or 2] bool: which pending slots are real tokens
+    rngs: list                    # [B] per-row torch.Generator
+    generated: list[list[int]]    # every original row's emitted tokens
+
+    def select(self, keep: list[int]) -> None:
+        """Keep live rows ``keep`` (positions in the live batch)."""
+        idx = torch.tensor(keep, dtype=torch.int64)
+        self.rows = [self.rows[i] for i in keep]
+        self.rngs = [self.rngs[i] for i in keep]
+        self.last = self.last[idx.to(self.last.device)]
+        self.pending = self.pending[idx.to(self.pending.device)]
+        self.pending_valid = self.pending_valid[idx.to(self.pending_valid.device)]
+
+
+@dataclass
+class _Drafted:
+    """A round's candidates: cands [B, K] (a row drafted n[b] <= K of them), the draft distributions q
+    (sampling), and how many candidates were fed back to the draft."""
+
+    cands: torch.Tensor
+    qs: list
+    n: torch.Tensor
+    fed: int
+
+
+def _eos_set(eos_token_id) -> set:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
+
+
+def _row_generators(seed, B: int) -> list:
+    seeds = [seed + b for b in range(B)] if isinstance(seed, int) else list(seed)
+    if len(seeds) != B:
+        raise ValueError(f"seed: need one seed per row ({B}), got {len(seeds)}")
+    return [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+
+def _uniforms(rngs, n: int) -> torch.Tensor:
+    """``[B, n]`` uniforms in (0, 1]: each row draws exactly n from its own generator."""
+    return torch.stack([1.0 - torch.rand(n, generator=g) for g in rngs])
+
+
+def _output(input_ids, generated, eos, pad_token_id, stats) -> GenerationOutput:
+    B, T = input_ids.shape
+    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+    L = max(len(g) for g in generated)
+    seq = torch.full((B, T + L), pad, dtype=torch.int64)
+    seq[:, :T] = input_ids.cpu()
+    for b, g in enumerate(generated):
+        seq[b, T : T + len(g)] = torch.tensor(g, dtype=torch.int64)
+    return GenerationOutput(seq, generated, stats)

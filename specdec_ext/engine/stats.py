@@ -15,6 +15,7 @@ class RoundStats:
     draft_ms: float
     verify_ms: float
     total_ms: float
+    rows: list[int] = field(default_factory=list)  # the call's row index of each entry (rows retire as they finish)
 
 
 @dataclass
@@ -89,6 +90,10 @@ class GenerationStats:
     def verification_rate(self) -> float:
         """Target verification calls per emitted token (SpecDec++ Sec. 4's other axis)."""
         return self.verifications / max(1, self.new_tokens)
+
+    def row_accepted_lengths(self, row: int) -> list[int]:
+        """Accepted candidates of row ``row`` (of the call's batch) in each round it took part in."""
+        return [r.accepted[r.rows.index(row)] for r in self.rounds if row in r.rows]
 
     def acceptance_rate_per_position(self) -> list[float]:
         """alpha_i: P(candidate i accepted | candidate i drafted and candidates < i accepted), i = 1..max."""
