@@ -29,7 +29,8 @@ from specdec_ext.training.head_data import HeadDataset
 from specdec_ext.training.head_features import draft_features
 from specdec_ext.training.head_train import HeadTrainConfig, evaluate_against_baselines, split_by_example, train_head
 from specdec_ext.training.replay import best_fixed, flat_costs, head_scorer, replay
-from specdec_ext.zoo import load_pair
+from specdec_ext import AcceptanceHead
+from specdec_ext.zoo import PAIR_DIR, load_pair
 
 VARIANTS = {
     "hidden (proposal position)": dict(features=(), use_hidden=True),
@@ -58,14 +59,15 @@ def main():
     ap.add_argument("--rejection-weight", type=float, default=None, help="default: the shipped greedy head's w")
     args = ap.parse_args()
     t0 = time.time()
-    pair = load_pair(target_dtype=torch.float32)
+    pair = load_pair(target_dtype=torch.float32, with_head=False)
+    greedy = AcceptanceHead.from_pretrained(str(PAIR_DIR / "heads" / "greedy"))
     from specdec_ext.engine.profile import cached_profile
 
     machine = cached_profile(load_pair(with_head=False).target, pair.draft)  # the bundled pair as benchmarked
     costs = {"flat c=0.1": flat_costs(0.1), "this machine": machine}
     train = HeadDataset.load(args.work_dir / "head_data_greedy.safetensors")
     test = HeadDataset.load(args.work_dir / "eval_greedy.safetensors")
-    w = args.rejection_weight or pair.heads["greedy"].training_config.get("chosen_rejection_weight", 1.0)
+    w = args.rejection_weight or greedy.training_config.get("chosen_rejection_weight", 1.0)
     f_train = draft_features(pair.draft, train, "proposal")
     f_test = draft_features(pair.draft, test, "proposal")
     tr, va = split_by_example(f_train["example"], 0.1, 0)  # the pipeline's training / validation split

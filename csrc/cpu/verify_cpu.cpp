@@ -72,6 +72,35 @@ inline double sum_f64(int64_t b0, int64_t b1, const F& f) {
   return acc[0] + tail;
 }
 
+// Two sums in one pass: f(j, &a, &b) gives both terms of element j (lanes as in sum_f64).
+template <typename F>
+inline void sum2_f64(int64_t V, const F& f, double* sa, double* sb) {
+  double aa[kLanes] = {}, ab[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    float va[kLanes], vb[kLanes];
+    for (int k = 0; k < kLanes; ++k) f(j + k, &va[k], &vb[k]);
+    for (int k = 0; k < kLanes; ++k) {
+      aa[k] += static_cast<double>(va[k]);
+      ab[k] += static_cast<double>(vb[k]);
+    }
+  }
+  double ta = 0.0, tb = 0.0;
+  for (; j < V; ++j) {
+    float va, vb;
+    f(j, &va, &vb);
+    ta += va;
+    tb += vb;
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int k = 0; k < w; ++k) {
+      aa[k] += aa[k + w];
+      ab[k] += ab[k + w];
+    }
+  *sa = aa[0] + ta;
+  *sb = ab[0] + tb;
+}
+
 // Sum for a softmax normaliser: float lanes within blocks of kLanes * 32 elements (relative
 // error about 2e-6 per block), double across blocks. Halves the conversions of sum_f64, and is
 // used only where an error of that size is harmless (normalising exps of logits).
@@ -482,6 +511,37 @@ void chain_verify_logits(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_
 void chain_verify_greedy(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_greedy_impl, a); }
 void residual_sample(const ResidualArgs& a) { SPECDEC_DISPATCH(a.dtype, residual_sample_impl, a); }
 
+// y = W x for W [H, H] row-major: four rows at a time share each load of x and give four independent
+// FMA chains (a single running sum per row is bound by the FMA latency, not its throughput).
+inline void matvec(const float* W, const float* x, int64_t H, float* y) {
+  int64_t i = 0;
+  for (; i + 4 <= H; i += 4) {
+    const float* w0 = W + i * H;
+    const float* w1 = w0 + H;
+    const float* w2 = w1 + H;
+    const float* w3 = w2 + H;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t j = 0; j < H; ++j) {
+      const float xv = x[j];
+      s0 += w0[j] * xv;
+      s1 += w1[j] * xv;
+      s2 += w2[j] * xv;
+      s3 += w3[j] * xv;
+    }
+    y[i] = s0;
+    y[i + 1] = s1;
+    y[i + 2] = s2;
+    y[i + 3] = s3;
+  }
+  for (; i < H; ++i) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < H; ++j) s += W[i * H + j] * x[j];
+    y[i] = s;
+  }
+}
+
 // SpecDec++ acceptance-head step (Sec. 3.2): the input x_0 = hidden + W_f features + b_f, L residual
 // blocks x <- x + SiLU(W_l x + b_l), an output layer to the acceptance logit, the sigmoid, the running
 // product, the stopping rule. A row whose p_hat or running product is not finite raises (a NaN would
@@ -510,13 +570,16 @@ static void head_step_impl(const HeadArgs& a) {
       for (int64_t l = 0; l < a.num_layers; ++l) {
         const float* W = a.block_weight + l * H * H;
         const float* bias = a.block_bias + l * H;
+        matvec(W, x.data(), H, y.data());
+        for (int64_t i = 0; i < H; ++i) y[i] += bias[i];
+        // x + SiLU(z), SiLU(z) = z * sigmoid(z) with sigmoid from e = exp(-|z|) <= 1 (exp_nonpos: a
+        // polynomial the compiler vectorises, about 1 ulp, no overflow for any z)
+#pragma omp simd
         for (int64_t i = 0; i < H; ++i) {
-          const float* w = W + i * H;
-          float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t j = 0; j < H; ++j) acc += w[j] * x[j];
-          acc += bias[i];
-          y[i] = x[i] + acc / (1.0f + std::exp(-acc));  // x + SiLU(Wx + b)
+          const float z = y[i];
+          const float e = exp_nonpos(-std::fabs(z));
+          const float sig = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+          y[i] = x[i] + z * sig;
         }
         std::swap(x, y);
       }
@@ -557,10 +620,30 @@ static void confidence_impl(const ConfidenceArgs& a) {
       int64_t code = (y < 0 || y >= V) ? int64_t(kInvalidTokenId) : 0;
       float top1 = -std::numeric_limits<float>::infinity(), top2 = top1;
       bool ok = true;
-      for (int64_t j = 0; j < V && code == 0; ++j) {  // the two largest (a scalar pass: a compare and two selects)
-        const float v = ld(x, j);
-        ok &= a.logits ? logit_ok(v) : valid_prob(v);
-        if (v > top1) { top2 = top1; top1 = v; } else if (v > top2) { top2 = v; }
+      if (code == 0) {  // the two largest: per-lane (t1, t2) updated without branches, then merged
+        float t1[kLanes], t2[kLanes];
+        int bad[kLanes] = {};
+        for (int k = 0; k < kLanes; ++k) t1[k] = t2[k] = -std::numeric_limits<float>::infinity();
+        int64_t j = 0;
+        for (; j + kLanes <= V; j += kLanes)
+          for (int k = 0; k < kLanes; ++k) {
+            const float v = ld(x, j + k);
+            bad[k] |= a.logits ? !logit_ok(v) : !valid_prob(v);
+            t2[k] = std::max(t2[k], std::min(t1[k], v));
+            t1[k] = std::max(t1[k], v);
+          }
+        for (int k = 0; k < kLanes; ++k) {
+          ok &= bad[k] == 0;
+          top2 = std::max(top2, std::min(top1, t1[k]));
+          top1 = std::max(top1, t1[k]);
+          top2 = std::max(top2, t2[k]);
+        }
+        for (; j < V; ++j) {
+          const float v = ld(x, j);
+          ok &= a.logits ? logit_ok(v) : valid_prob(v);
+          top2 = std::max(top2, std::min(top1, v));
+          top1 = std::max(top1, v);
+        }
       }
       if (code == 0 && !ok) code = kInvalidDraft;
       float* out = a.out + b * 3;
@@ -568,12 +651,13 @@ static void confidence_impl(const ConfidenceArgs& a) {
         if (!(top1 > -3.4028234663852886e38f)) code = kMaskedDraft;
         if (code == 0) {
           const float m = top1;
-          const double z = sum_f64(0, V, [&](int64_t j) { return exp_nonpos(std::min(ld(x, j) - m, 0.0f)); });
-          const double sx = sum_f64(0, V, [&](int64_t j) {
+          double z = 0.0, sx = 0.0;  // one pass for Z = sum e and S = sum e (x - m)
+          sum2_f64(V, [&](int64_t j, float* e, float* ed) {
             const float d = std::min(ld(x, j) - m, 0.0f);
-            const float e = exp_nonpos(d);
-            return e > 0.0f ? e * d : 0.0f;
-          });
+            const float ev = exp_nonpos(d);
+            *e = ev;
+            *ed = ev > 0.0f ? ev * d : 0.0f;
+          }, &z, &sx);
           out[0] = static_cast<float>(exp_nonpos(std::min(ld(x, y) - m, 0.0f)) / z);
           out[1] = static_cast<float>((1.0 - exp_nonpos(std::min(top2 - m, 0.0f))) / z);
           out[2] = static_cast<float>(std::log(z) - sx / z);

@@ -10,7 +10,7 @@ import torch
 
 from .. import ops
 from ..head import AcceptanceHead
-from ..head.features import HISTORY_PRIOR, history_after_accepts, history_update
+from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
 from .base import CandidateLengthPolicy, DraftStep, _check_k
 from .goodput import CostModel, GoodputRule
 
@@ -176,6 +176,9 @@ class SpecDecPP(CandidateLengthPolicy):
 
     def reset(self, batch_size, device):
         self._weights = self.head.fused_weights(device)
+        feats = self.head.features
+        self._conf_only = tuple(feats) == CONFIDENCE_FEATURES  # the op's output is the feature matrix as it is
+        self._columns = [(n, CONFIDENCE_FEATURES.index(n) if n in CONFIDENCE_FEATURES else None) for n in feats]
         self.cum_accept = torch.ones(batch_size, dtype=torch.float32, device=device)
         self.history = torch.full((batch_size,), HISTORY_PRIOR, dtype=torch.float32, device=device)
         self._prev_features = None
@@ -186,15 +189,28 @@ class SpecDecPP(CandidateLengthPolicy):
         self.cum_accept.fill_(1.0)
         self._prev_features = None
 
+    def _features(self, info) -> Optional[torch.Tensor]:
+        """The head's input features of the candidates just drafted, ``[B, F]`` (None without features)."""
+        if not self._columns:
+            return None
+        dist, is_logits = (info.probs, False) if info.probs is not None else (info.logits, True)
+        conf = ops.confidence_features(dist, info.tokens, is_logits)
+        if self._conf_only:
+            return conf
+        cols = []
+        for name, i in self._columns:
+            if i is not None:
+                cols.append(conf[:, i])
+            else:  # recent_accept: candidate k is scored assuming candidates 1..k-1 accepted
+                cols.append(history_after_accepts(self.history, info.step - 1).to(conf.device))
+        return torch.stack(cols, -1)
+
     def should_stop(self, info):
         head, k = self.head, info.step
         dev = self._weights[-1].device
-        features = None
-        if head.features:
-            # candidate k is scored assuming candidates 1..k-1 accepted: the history moves k - 1 steps toward 1
-            hist = history_after_accepts(self.history, k - 1)
-            features = (head.features_of(info.probs, info.tokens, hist) if info.probs is not None else
-                        head.features_of(info.logits, info.tokens, hist, logits=True)).to(dev)
+        features = self._features(info)
+        if features is not None:
+            features = features.to(dev)
         if head.input_position == "candidate":  # score candidate k - 1 from the state at it
             scored_features, self._prev_features = self._prev_features, features
             if k == 1:
