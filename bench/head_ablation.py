@@ -9,7 +9,9 @@ ROC AUC and Brier score, and the offline replay of the auto rule against the bes
 two cost models (flat GPU-like c = 0.1, and this machine's profile of the bundled pair).
 
 In-domain: a head trained on the even-numbered HumanEval prompts, scored on the odd ones, beside the
-stdlib-trained head on the same odd prompts (what a user with prompts like their own traffic gains).
+stdlib-trained head on the same odd prompts (what a user with prompts like their own traffic gains);
+the head and the odd prompts are saved for an end-to-end run:
+`specdec bench --dataset docs/results/in_domain_head/humaneval-odd.jsonl --head docs/results/in_domain_head`.
 
     python bench/head_ablation.py --work-dir .zoo_work/heads --out docs/results/head_ablation.json
 """
@@ -57,6 +59,8 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("docs/results/head_ablation.json"))
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--rejection-weight", type=float, default=None, help="default: the shipped greedy head's w")
+    ap.add_argument("--in-domain-head", type=Path, default=Path("docs/results/in_domain_head"),
+                    help="where the head trained on the even HumanEval prompts is saved (for `specdec bench --head`)")
     args = ap.parse_args()
     t0 = time.time()
     pair = load_pair(target_dtype=torch.float32, with_head=False)
@@ -88,7 +92,18 @@ def main():
     # in-domain: even HumanEval prompts train, odd ones test
     even = f_test["example"] % 2 == 0
     cfg = HeadTrainConfig(epochs=args.epochs, rejection_weight=w, features=CONFIDENCE_FEATURES)
-    in_dom, _ = train_head(f_test, cfg, train_mask=even)
+    in_dom, _ = train_head(f_test, cfg, train_mask=even, draft_model=greedy.draft_model,
+                           target_model=greedy.target_model, draft_fingerprint=greedy.draft_fingerprint,
+                           decoding="greedy")
+    in_dom.training_config.update({"note": "in-domain experiment: trained on the even-numbered HumanEval prompts"})
+    in_dom.save_pretrained(args.in_domain_head)
+    odd_path = args.in_domain_head / "humaneval-odd.jsonl"
+    from specdec_ext.prompts import load_prompt_records
+
+    with odd_path.open("w") as f:
+        for i, (rid, text) in enumerate(load_prompt_records("humaneval")):
+            if i % 2 == 1:
+                f.write(json.dumps({"id": rid, "prompt": text}) + "\n")
     std, _ = train_head(f_train, cfg, train_mask=tr)
     odd = subset(f_test, ~even)
     result["in_domain"] = {}
