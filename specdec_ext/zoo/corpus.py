@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import sysconfig
 from pathlib import Path
 from typing import Iterable
@@ -95,7 +96,7 @@ def build_corpus(work_dir: Path, vocab_size: int = 8192) -> dict:
     tok_dir = work_dir / "tokenizer"
     train_tokenizer(split["train"], tok_dir, vocab_size)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    meta = {"stdlib": str(stdlib_root()), "vocab_size": len(tok)}
+    meta = {"stdlib": f"Python {platform.python_version()} standard library", "vocab_size": len(tok)}  # no machine paths
     for name, files in split.items():
         arr = encode_files(tok, files)
         np.save(work_dir / f"{name}.npy", arr)
