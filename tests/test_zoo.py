@@ -21,7 +21,7 @@ def test_pair_loads_with_head(pair):
     assert set(pair.head) == {"greedy", "sample"} and {"greedy", "sample", "paper"} <= set(pair.heads)
     for name, head in pair.heads.items():
         head.check_draft(pair.draft.config.hidden_size)
-        assert head.config.hidden_size == pair.draft.config.hidden_size, name
+        assert head.hidden_size == pair.draft.config.hidden_size, name
     assert pair.target.config.vocab_size == pair.draft.config.vocab_size == len(pair.tokenizer)
 
 
