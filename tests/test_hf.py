@@ -54,19 +54,19 @@ def test_return_dict_in_generate(pair):
 
 
 @pytest.mark.slow
-def test_sampling_follows_the_target():
-    """temperature 0.6 and top_k 6 reach the engine: the first two positions follow target-only sampling."""
+@pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.6, top_k=6)], ids=["T1", "T0.6-topk6"])
+def test_sampling_follows_the_target(cfg):
+    """do_sample, temperature and top_k reach the engine: the first two positions follow target-only sampling."""
     target, draft = make_pair("llama", vocab=12, noise=0.5)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
-    cfg = SamplingConfig(0.6, top_k=6)
     marg = exact_marginals(target, prompt, cfg, 2)
     n = 3000
     out = target.generate(prompt.expand(n, -1), attention_mask=torch.ones(n, 5, dtype=torch.long), max_new_tokens=2,
-                          min_new_tokens=0, do_sample=True, temperature=0.6, top_k=6, top_p=1.0, pad_token_id=0,
+                          min_new_tokens=0, do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k or 0, top_p=1.0, pad_token_id=0,
                           eos_token_id=None, custom_generate=speculative_generate, draft_model=draft,
                           head=head_for(draft, kind="proposal"), policy="specdecpp", threshold=0.6, seed=500)
     for i in range(2):
-        assert_follows(out[:, 5 + i], marg[i], f"custom_generate T=0.6 top-k 6, position {i + 1}")
+        assert_follows(out[:, 5 + i], marg[i], f"custom_generate {cfg}, position {i + 1}")
 
 
 @pytest.mark.parametrize("kwargs,match", [
