@@ -4,6 +4,8 @@
 * With a CUDA build of torch and nvcc on PATH (or SPECDEC_CUDA=1): a CUDAExtension that adds
   csrc/cuda/*.cu and csrc/bindings_cuda.cpp. Architectures come from TORCH_CUDA_ARCH_LIST,
   default "8.0;9.0". SPECDEC_CUDA=0 forces the CPU-only build.
+* The library is Python-free (py_limited_api: not linked to libtorch_python, no Python symbols), so
+  C++ programs link it beside libtorch; Python loads it with torch.ops.load_library.
 * CPU flags: -O3 -fopenmp-simd (vectorised reductions without -ffast-math); on x86-64 also
   AVX2/FMA/F16C. Override with SPECDEC_CPU_FLAGS (e.g. "-march=native" or "" for baseline x86-64).
 """
@@ -40,12 +42,14 @@ def extension():
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not want_cuda():
         sources = [s for s in sources if not s.endswith("bindings_cuda.cpp")]
-        return CppExtension("specdec_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})
+        return CppExtension("specdec_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
+                            py_limited_api=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension(
         "specdec_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        py_limited_api=True,
     )
 
 

@@ -1,6 +1,8 @@
 // The one schema file: every specdec_ext op is declared here with TORCH_LIBRARY, and the CPU
 // implementations are registered here. CUDA implementations register in bindings_cuda.cpp.
-#include <Python.h>
+// The library is Python-free (no <Python.h>, not linked to libtorch_python): Python loads it with
+// torch.ops.load_library (specdec_ext/ops.py), and a C++ program links it beside libtorch; either way,
+// loading it runs the registrations below.
 #include <torch/library.h>
 
 #include "cpu/verify_cpu.h"
@@ -92,10 +94,3 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
 }
 
 }  // namespace specdec
-
-// `import specdec_ext._C` loads the library, which runs the registrations above.
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "specdec_ext ops (registered as torch.ops.specdec_ext)",
-                                   -1, nullptr};
-  return PyModule_Create(&def);
-}

@@ -25,21 +25,34 @@ follow the target distribution exactly.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from . import checks, errors, reference
 
-try:  # the compiled extension registers torch.ops.specdec_ext.*
-    from . import _C  # noqa: F401
 
+
+def library_path() -> Optional[Path]:
+    """The compiled ops library (``specdec_ext/_C*.so``; Python-free: C++ programs link it beside libtorch,
+    see the README), or None on an install without a compiler."""
+    found = sorted(Path(__file__).parent.glob("_C*.so")) + sorted(Path(__file__).parent.glob("_C*.pyd"))
+    return found[0] if found else None
+
+
+try:  # loading the compiled library registers torch.ops.specdec_ext.*
+    _LIB = library_path()
+    if _LIB is None:
+        raise OSError("no compiled library")
+    torch.ops.load_library(str(_LIB))
     HAS_EXTENSION = True
-except ImportError:  # pragma: no cover - exercised only on installs without a compiler
+except (OSError, RuntimeError):  # pragma: no cover - exercised only on installs without a compiler
     HAS_EXTENSION = False
 
 __all__ = [
     "HAS_EXTENSION",
+    "library_path",
     "chain_verify",
     "chain_verify_logits",
     "chain_verify_greedy",
