@@ -8,9 +8,11 @@
 ``generate()`` prepares the inputs and the generation config as usual, then hands the loop to
 :func:`speculative_generate` (transformers 5.x: a callable ``custom_generate`` receives the model, the
 prompt ids, the processors, the stopping criteria, the config, the arguments its signature adds, and the
-model kwargs). Only what the engine reproduces exactly is accepted: greedy decoding, or sampling with
-temperature / top-k / top-p; any other processor or stopping criterion (repetition penalty, bad words,
-stop strings, beams...) is refused by name rather than ignored.
+model kwargs). Greedy decoding and sampling with temperature / top-k / top-p run as the engine's own
+settings; the other logits processors generate() builds (repetition penalty, no-repeat n-grams, bad words,
+min new tokens, ...) are applied to the draft's and the target's logits alike, position by position, so the
+output follows the target's processed distribution (batch size 1: they keep per-batch state); other warpers (min-p, typical, ...), stopping criteria
+other than max length and EOS (stop strings, max time), beams and several sequences are refused by name.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+from transformers import LogitsProcessorList
 
 from .engine import SpeculativeGenerator
 from .policies import CandidateLengthPolicy
@@ -54,14 +57,27 @@ def speculative_generate(model, input_ids: torch.Tensor, logits_processor=None, 
         raise ValueError("speculative_generate: pass draft_model=... (the draft causal LM), or policy='autoregressive'")
     if getattr(cfg, "num_beams", 1) not in (None, 1) or getattr(cfg, "num_return_sequences", 1) not in (None, 1):
         raise ValueError("speculative_generate: num_beams and num_return_sequences must be 1")
+    processors, seen_warper = [], None
     for proc in logits_processor or []:
-        if type(proc).__name__ not in _SAMPLING_PROCESSORS:
-            raise ValueError(f"speculative_generate: the generation setting behind {type(proc).__name__} is not "
-                             f"supported (only greedy, temperature, top_k and top_p are reproduced exactly)")
+        name = type(proc).__name__
+        if name in _SAMPLING_PROCESSORS:
+            seen_warper = name
+        elif name.endswith("Warper"):
+            raise ValueError(f"speculative_generate: the sampling setting behind {name} is not supported "
+                             f"(temperature, top_k and top_p are)")
+        elif seen_warper is not None:
+            raise ValueError(f"speculative_generate: {name} comes after {seen_warper} in generate()'s processors; "
+                             f"the engine applies processors before temperature / top-k / top-p")
+        else:
+            processors.append(proc)
     for crit in stopping_criteria or []:
         if type(crit).__name__ not in _STOPPING:
             raise ValueError(f"speculative_generate: the stopping criterion {type(crit).__name__} is not supported "
                              f"(max_new_tokens / max_length and eos_token_id are)")
+    if processors and input_ids.shape[0] > 1:
+        raise ValueError(f"speculative_generate: {', '.join(type(p).__name__ for p in processors)} with a batch of "
+                         f"{input_ids.shape[0]} rows: transformers' processors keep per-batch state while this engine's "
+                         f"rows advance and retire on their own; run such settings one prompt at a time")
     greedy = not cfg.do_sample
     temperature = 0.0 if greedy else float(cfg.temperature if cfg.temperature is not None else 1.0)
     top_k = None if greedy or not cfg.top_k else int(cfg.top_k)
@@ -83,7 +99,7 @@ def speculative_generate(model, input_ids: torch.Tensor, logits_processor=None, 
     gen = SpeculativeGenerator(model, draft_model, policy=policy, head=head, **policy_kwargs)
     out = gen.generate(input_ids, attention_mask=model_kwargs.get("attention_mask"), max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos, seed=seed,
-                       pad_token_id=pad)
+                       pad_token_id=pad, logits_processor=LogitsProcessorList(processors) if processors else None)
     if getattr(cfg, "return_dict_in_generate", False):
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -44,7 +44,7 @@ class GenerationOutput:
 
 
 _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id",
-                  "seed", "streamer", "pad_token_id", "policy")
+                  "seed", "streamer", "pad_token_id", "policy", "logits_processor")
 
 
 class SpeculativeGenerator:
@@ -158,7 +158,8 @@ class SpeculativeGenerator:
                  max_new_tokens: int = 64, temperature: float = 1.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = None,
                  seed: Union[int, Sequence[int]] = 0, streamer=None, pad_token_id: Optional[int] = None,
-                 policy: Union[str, CandidateLengthPolicy, None] = None, **policy_kwargs) -> GenerationOutput:
+                 policy: Union[str, CandidateLengthPolicy, None] = None, logits_processor=None,
+                 **policy_kwargs) -> GenerationOutput:
         """Generate up to ``max_new_tokens`` per row.
 
         Args:
@@ -170,6 +171,12 @@ class SpeculativeGenerator:
             seed: row b uses ``seed + b`` (or ``seed[b]`` for a sequence).
             streamer: a ``transformers`` streamer (``put``/``end``), batch size 1 only.
             policy / **policy_kwargs: override the generator's policy for this call.
+            logits_processor: a callable ``(input_ids [1, t] int64, scores [1, V] float32) -> scores``, e.g. a
+                ``transformers`` ``LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])``, applied before
+                temperature / top-k / top-p to the draft's and the target's logits alike, each verified position
+                with its own prefix (the row's prompt as given, padding included as in ``transformers``,
+                its generated tokens, the candidates before it), so the output follows the target's *processed* distribution exactly. Called once
+                per row and position (correct, not fast).
 
         Returns: :class:`GenerationOutput`; ``stats`` holds per-round and per-call figures (ms, tokens/s).
 
@@ -183,7 +190,11 @@ class SpeculativeGenerator:
         B, T = input_ids.shape
         if streamer is not None and B != 1:
             raise ValueError("streamer supports batch size 1 only")
-        call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer)
+        if logits_processor is not None and not callable(logits_processor):
+            raise TypeError(f"logits_processor must be callable (input_ids, scores) -> scores, got "
+                            f"{type(logits_processor).__name__}")
+        prompts = [input_ids[b].cpu() for b in range(B)] if logits_processor else None  # padded, as transformers
+        call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer, logits_processor, prompts)
         rngs = _row_generators(seed, B)
         stats = GenerationStats(policy=pol.describe(), batch_size=B)
         t_start = time.perf_counter()
@@ -202,9 +213,9 @@ class SpeculativeGenerator:
             while batch.rows:
                 remaining = torch.tensor([max_new_tokens - len(batch.generated[r]) for r in batch.rows])
                 if pol.speculative:
-                    emitted = self._speculative_round(pol, cfg, target, draft, batch, remaining, stats)
+                    emitted = self._speculative_round(pol, call, target, draft, batch, remaining, stats)
                 else:
-                    emitted = self._plain_step(cfg, target, batch, stats)
+                    emitted = self._plain_step(call, target, batch, stats)
                 keep = self._commit(call, batch, emitted, remaining, stats)
                 if len(keep) < len(batch.rows):
                     idx = torch.tensor(keep, dtype=torch.int64)
@@ -266,10 +277,11 @@ class SpeculativeGenerator:
         return keep
 
     # ------------------------------------------------------------------------------ rounds
-    def _plain_step(self, cfg, target, batch: "_Batch", stats) -> list[list[int]]:
+    def _plain_step(self, call: "_Call", target, batch: "_Batch", stats) -> list[list[int]]:
+        cfg = call.cfg
         t0 = time.perf_counter()
         logits, _ = target.forward(batch.last.view(-1, 1), keep=1)
-        logits = logits[:, -1].to(target.device)
+        logits = _processed(call, batch, logits[:, -1].to(target.device), None)
         if cfg.greedy:
             nxt = logits.argmax(-1)
         else:
@@ -280,14 +292,15 @@ class SpeculativeGenerator:
         stats.rounds.append(RoundStats([0] * n, [0] * n, [1] * n, 0.0, ms, ms, list(batch.rows)))
         return [[int(t)] for t in nxt.tolist()]
 
-    def _speculative_round(self, pol, cfg, target, draft, batch: "_Batch", remaining, stats) -> list[list[int]]:
+    def _speculative_round(self, pol, call: "_Call", target, draft, batch: "_Batch", remaining, stats) -> list[list[int]]:
         """Draft, verify, roll back; returns the tokens each live row emits (accepted prefix + one)."""
+        cfg = call.cfg
         t0 = time.perf_counter()
         kcap = pol.max_candidates
         u = None if cfg.greedy else _uniforms(batch.rngs, 2 * kcap + 1)  # a fixed number per row and round
-        drafted = self._draft(pol, cfg, draft, batch, remaining, u)
+        drafted = self._draft(pol, call, draft, batch, remaining, u)
         t1 = time.perf_counter()
-        out, acc = self._verify(cfg, target, batch, drafted, u, kcap)
+        out, acc = self._verify(call, target, batch, drafted, u, kcap)
         t2 = time.perf_counter()
         emitted = [out[b, : int(acc[b]) + 1].tolist() for b in range(out.shape[0])]
         self._roll_back(target, draft, batch, drafted, out, acc)
@@ -297,10 +310,11 @@ class SpeculativeGenerator:
                                        (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t0) * 1e3, list(batch.rows)))
         return emitted
 
-    def _draft(self, pol, cfg, draft, batch: "_Batch", remaining, u) -> "_Drafted":
+    def _draft(self, pol, call: "_Call", draft, batch: "_Batch", remaining, u) -> "_Drafted":
         """Candidates one draft forward at a time, asking the policy after each whether each row stops.
         The first forward feeds the tokens the draft has not seen and proposes candidate 1; each later one
         feeds the candidate just drafted and proposes the next (K candidates: K draft forwards)."""
+        cfg = call.cfg
         B = batch.last.shape[0]
         kcap = pol.max_candidates
         cap = (remaining - 1).clamp(min=0, max=kcap)  # per row: never draft past max_new_tokens or K_max
@@ -314,6 +328,8 @@ class SpeculativeGenerator:
         while True:
             step += 1
             last_logits = logits[:, -1]
+            if call.processor is not None:
+                last_logits = _processed(call, batch, last_logits, torch.stack(cands, 1) if cands else None)
             if cfg.greedy:
                 x = last_logits.argmax(-1)
                 q = torch.softmax(last_logits, -1) if need_probs else None
@@ -332,15 +348,19 @@ class SpeculativeGenerator:
             fed += 1
         return _Drafted(torch.stack(cands, 1), qs, n, fed)
 
-    def _verify(self, cfg, target, batch: "_Batch", drafted: "_Drafted", u, kcap):
+    def _verify(self, call: "_Call", target, batch: "_Batch", drafted: "_Drafted", u, kcap):
         """The target scores the last committed token and the K candidates in one forward; one fused op
         accepts a prefix per row and emits the residual or bonus token. Returns (out [B, K+1], num_accepted
         [B]) on the CPU."""
+        cfg = call.cfg
         vdev = target.device
         B, K = drafted.cands.shape
         cand = drafted.cands.to(vdev)
         t_logits, _ = target.forward(torch.cat([batch.last.view(-1, 1).to(vdev), cand], 1), keep=K + 1)
         t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one
+        if call.processor is not None:  # position i sees the candidates before it
+            t_logits = torch.stack([_processed(call, batch, t_logits[:, i], drafted.cands[:, :i] if i else None)
+                                    for i in range(K + 1)], 1)
         n_dev = drafted.n.to(vdev)
         if cfg.greedy:
             out, acc = ops.chain_verify_greedy(cand, t_logits, n_dev)
@@ -373,6 +393,23 @@ class _Call:
     max_new_tokens: int
     eos: set
     streamer: object
+    processor: Optional[Callable] = None  # logits_processor of the call
+    prompts: Optional[list] = None        # each original row's prompt ids as given (for the processor)
+
+
+def _processed(call: "_Call", batch: "_Batch", logits: torch.Tensor, cands: Optional[torch.Tensor]) -> torch.Tensor:
+    """``logits`` ``[B, V]`` of the live rows through the call's logits processor, row by row, each with its
+    prefix: prompt, generated tokens, then ``cands[b]`` (``[B, j]``, the candidates before this position)."""
+    if call.processor is None:
+        return logits
+    rows = []
+    for i, r in enumerate(batch.rows):
+        parts = [call.prompts[r], torch.tensor(batch.generated[r], dtype=torch.int64)]
+        if cands is not None:
+            parts.append(cands[i].cpu().to(torch.int64))
+        prefix = torch.cat(parts).view(1, -1).to(logits.device)
+        rows.append(call.processor(prefix, logits[i : i + 1].float().clone())[0])
+    return torch.stack(rows)
 
 
 @dataclass
