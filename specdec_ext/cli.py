@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -217,6 +218,24 @@ def cmd_bench(args):
     run(args, _models(args, need_head=True))
 
 
+def _shard(args):
+    """``--shard I/N``, or under torchrun with --data-only, the rank's share (RANK of WORLD_SIZE)."""
+    if args.shard is not None:
+        if not args.data_only:
+            raise UsageError("--shard generates a share of the training data: use it with --data-only")
+        try:
+            i, n = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            raise UsageError(f"--shard: expected I/N (e.g. 0/4), got {args.shard!r}")
+        if not (n >= 1 and 0 <= i < n):
+            raise UsageError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
+        return i, n
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.data_only and world > 1:
+        return int(os.environ.get("RANK", "0")), world
+    return None
+
+
 def cmd_train_head(args):
     from .prompts import load_prompts
     from .training.head_data import HeadDataConfig
@@ -233,6 +252,7 @@ def cmd_train_head(args):
     except ValueError:
         raise UsageError(f"--rejection-weight: expected 'auto' or comma-separated numbers, got {args.rejection_weight!r}")
     eval_prompts = None if args.eval_prompts == "none" else load_prompts(args.eval_prompts, limit=args.eval_limit)
+    shard = _shard(args)
     report = run_pipeline(
         pair.target, pair.draft, pair.tokenizer, prompts, args.out, recipe=args.recipe,
         data_cfg=HeadDataConfig(decoding=args.decoding, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
@@ -240,7 +260,12 @@ def cmd_train_head(args):
         train_cfg=HeadTrainConfig(num_layers=args.layers, features=features, use_hidden=not args.no_hidden, lr=args.lr,
                                   epochs=args.epochs, seed=args.seed),
         weights=weights, eval_prompts=eval_prompts, work_dir=args.work_dir,
-        target_name=Path(args.target).name, draft_name=Path(args.draft).name, log=_log)
+        target_name=Path(args.target).name, draft_name=Path(args.draft).name, log=_log, shard=shard,
+        data_only=args.data_only)
+    if args.data_only:
+        if int(os.environ.get("RANK", "0")) == 0 or shard is None:
+            print(json.dumps(report, indent=2))
+        return
     print(json.dumps({"chosen_rejection_weight": report["chosen_rejection_weight"], "validation": report["held_out"],
                       "evaluation": report.get("evaluation")}, indent=2))
 
@@ -335,6 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-prompts", default="humaneval", help="evaluation prompts (never trained on), or 'none'")
     t.add_argument("--eval-limit", type=int, default=None, help="use only the first N evaluation prompts")
     t.add_argument("--work-dir", default=None, help="where the (resumable) data sets go (default: --out)")
+    t.add_argument("--data-only", action="store_true",
+                   help="generate the training data set and stop (under torchrun: each rank its share)")
+    t.add_argument("--shard", default=None, metavar="I/N",
+                   help="with --data-only: generate shard I of N of the data set (other machines); a run without "
+                        "--data-only merges complete shards and trains")
     t.add_argument("--limit", type=int, default=None, help="use only the first N training prompts")
     t.add_argument("--target-dtype", default="float32", choices=DTYPES, help="target dtype for the labels")
     t.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

@@ -155,3 +155,23 @@ def test_head_for_another_draft_of_the_same_size_is_refused():
     with pytest.warns(UserWarning, match="fingerprint"):
         SpeculativeGenerator(target, other, policy="specdecpp", head=head, allow_other_draft=True)
     assert fingerprint(draft) == fingerprint(draft.to(torch.bfloat16).float())  # dtype does not change it
+
+
+@needs_pair
+def test_train_head_data_in_shards_then_merged(capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(5)))
+    base = ["train-head", "--target", str(PAIR_DIR / "target"), "--draft", str(PAIR_DIR / "draft"), "--prompts",
+            str(prompts), "--out", str(tmp_path / "head"), "--work-dir", str(tmp_path / "work"), "--max-new-tokens", "6",
+            "--data-only"]
+    code, _, err = run(base[:-1] + ["--shard", "0/2"], capsys)
+    assert_one_line_error(code, err, "--shard generates a share of the training data: use it with --data-only")
+    code, _, err = run(base + ["--shard", "2/2"], capsys)
+    assert_one_line_error(code, err, "--shard: expected I/N with 0 <= I < N")
+    for i in range(2):
+        code, out, err = run(base + ["--shard", f"{i}/2"], capsys)
+        assert code == 0, err
+        assert json.loads(out)["data"].endswith(f"head_data_greedy.shard-{i}-of-2.safetensors")
+    code, out, err = run(base, capsys)
+    assert code == 0, err
+    assert "merged 2 shards" in err and json.loads(out)["responses"] == 5

@@ -352,3 +352,32 @@ def test_pipeline_writes_head_metrics_and_plot(pair, tmp_path, recipe):
         ev = report["evaluation"][mode]
         assert {"head", "q_y", "q_margin", "constant"} <= set(ev) and ev["positions"] > 30
     assert any("evaluation, greedy" in line for line in logs)
+
+
+def test_data_generated_in_shards_and_merged_equal_the_whole_set(pair, tmp_path):
+    """Shard i of n takes a contiguous share with each prompt's own seed; a later call without a shard merges
+    complete shards into exactly the data set of an unsharded run."""
+    from specdec_ext.training.head_data import shard_path, shard_range
+
+    target, draft = pair
+    prompts = tiny_prompts(11, 32, seed=5)
+    cfg = HeadDataConfig(decoding="sample", max_new_tokens=10, batch_size=4, seed=2)
+    whole = generate_head_data(target, draft, DigitTokenizer(), prompts, cfg, progress=False)
+    path = tmp_path / "d.safetensors"
+    assert [len(shard_range(11, i, 3)) for i in range(3)] == [3, 4, 4]
+    for i in range(3):
+        part = generate_head_data(target, draft, DigitTokenizer(), prompts, replace(cfg, batch_size=2), progress=False,
+                                  path=path, shard=(i, 3))
+        assert len(part) == len(shard_range(11, i, 3)) and shard_path(path, i, 3).exists()
+    assert not path.exists()
+    merged = generate_head_data(target, draft, DigitTokenizer(), prompts, cfg, progress=False, path=path,
+                                log=lambda *a: None)
+    assert merged.meta["merged_from"] == 3 and path.exists()
+    for name in ("input_ids", "offsets", "response_start", "target_tokens", "candidates", "labels", "accept_sample",
+                 "take_target"):
+        assert torch.equal(getattr(merged, name), getattr(whole, name)) or \
+            torch.allclose(getattr(merged, name), getattr(whole, name), equal_nan=True), name
+    # shards of other settings are not merged: a different seed generates afresh
+    other = generate_head_data(target, draft, DigitTokenizer(), prompts, replace(cfg, seed=9), progress=False,
+                               path=tmp_path / "e.safetensors")
+    assert "merged_from" not in other.meta

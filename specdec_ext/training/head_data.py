@@ -25,7 +25,8 @@ How the head reads this (``AcceptanceHead.input_position``) is decided at featur
 A data set is one safetensors file (flat tensors with per-example offsets) whose metadata records the
 models and settings that made it. Generation is resumable: a partial file is written every few
 batches and extended on the next run with the same settings; prompt j always gets seed
-``seed * 1_000_003 + j``, so batching and restarts do not change its data.
+``seed * 1_000_003 + j``, so batching and restarts do not change its data, and neither does generating
+it in shards (``shard=(i, n)``: a contiguous share of the prompts each) that are merged afterwards.
 """
 
 from __future__ import annotations
@@ -166,16 +167,77 @@ def _settings(cfg: HeadDataConfig, target, draft, prompts: Sequence[str]) -> dic
             "draft_hidden_size": draft.get_output_embeddings().weight.shape[1]}
 
 
+def shard_range(num_prompts: int, shard: int, num_shards: int) -> range:
+    """The contiguous share of prompts of shard ``shard`` of ``num_shards`` (0-based)."""
+    if not (num_shards >= 1 and 0 <= shard < num_shards):
+        raise ValueError(f"shard must be I/N with 0 <= I < N, got {shard}/{num_shards}")
+    return range(shard * num_prompts // num_shards, (shard + 1) * num_prompts // num_shards)
+
+
+def shard_path(path: str | Path, shard: int, num_shards: int) -> Path:
+    """Where shard ``shard`` of ``num_shards`` of the data set ``path`` is written."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.shard-{shard}-of-{num_shards}{path.suffix}")
+
+
+def _without_batch_size(settings: dict) -> dict:
+    """Settings that decide the data (the batch size does not: rows are independent)."""
+    cfg = settings.get("config")
+    return dict(settings, config={k: v for k, v in cfg.items() if k != "batch_size"}) if isinstance(cfg, dict) else settings
+
+
+def merge_shards(path: str | Path, settings: dict, log: Optional[Callable[[str], None]] = None) -> Optional[HeadDataset]:
+    """Join complete shards of the data set ``path`` made with ``settings`` (in prompt order) and save the
+    result to ``path``; None when no complete set of shards with those settings exists."""
+    path = Path(path)
+    for cand in sorted(path.parent.glob(f"{path.stem}.shard-0-of-*{path.suffix}")):
+        n = int(cand.stem.rsplit("-of-", 1)[1])
+        files = [shard_path(path, i, n) for i in range(n)]
+        if not all(f.exists() for f in files):
+            continue
+        parts = [HeadDataset.load(f) for f in files]
+        ok = all(_without_batch_size({k: d.meta.get(k) for k in settings}) == _without_batch_size(settings)
+                 and d.meta.get("shard") == [i, n]
+                 and d.meta.get("prompts_done") == len(shard_range(settings["num_prompts"], i, n))
+                 for i, d in enumerate(parts))
+        if not ok:
+            continue
+        meta = dict(settings, prompts_done=settings["num_prompts"], merged_from=n,
+                    created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        data = HeadDataset.concat(parts, meta)
+        data.save(path)
+        if log is not None:
+            log(f"[train-head] merged {n} shards into {path}")
+        return data
+    return None
+
+
 @torch.inference_mode()
 def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Optional[HeadDataConfig] = None,
                        progress: bool = True, path: Optional[str | Path] = None, save_every: int = 10,
-                       log: Optional[Callable[[str], None]] = None) -> HeadDataset:
+                       log: Optional[Callable[[str], None]] = None,
+                       shard: Optional[tuple[int, int]] = None) -> HeadDataset:
     """Build (or, with ``path`` holding a partial data set of the same settings, resume) the head's data
-    set for ``prompts``; saved to ``path`` every ``save_every`` batches and at the end."""
+    set for ``prompts``; saved to ``path`` every ``save_every`` batches and at the end.
+
+    ``shard=(i, n)``: only shard i of n (a contiguous share of ``prompts``, each prompt with the seed it
+    has in the whole set), written to :func:`shard_path`; run the n shards anywhere (``torchrun``, other
+    machines), then a call without ``shard`` and the same ``path`` merges complete shards into the data set
+    an unsharded run would have made."""
     cfg = cfg or HeadDataConfig()
     if len(prompts) == 0:
         raise ValueError("prompts is empty: the head's training data needs at least one prompt")
     settings = _settings(cfg, target, draft, prompts)
+    share = range(len(prompts))
+    if shard is not None:
+        share = shard_range(len(prompts), *shard)
+        settings["shard"] = [shard[0], shard[1]]
+        path = shard_path(path, *shard) if path is not None else None
+    elif path is not None and not Path(path).exists():
+        merged = merge_shards(path, settings, log)
+        if merged is not None:
+            return merged
+    lo, todo = share.start, [prompts[j] for j in share]
     parts: list[HeadDataset] = []
     done = 0
     if path is not None and Path(path).exists():
@@ -186,11 +248,11 @@ def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Op
         same = old_settings == settings
         if same:
             parts, done = [old], int(old.meta.get("prompts_done", old.meta["num_prompts"]))
-            if log is not None and done < len(prompts):
-                log(f"[train-head] resuming the data set in {path}: {done} of {len(prompts)} prompts done")
+            if log is not None and done < len(todo):
+                log(f"[train-head] resuming the data set in {path}: {done} of {len(todo)} prompts done")
         elif log is not None:
             log(f"[train-head] {path} was made with other settings or prompts: generating it again")
-    if done >= len(prompts):
+    if done >= len(todo):
         return parts[0]
     # any lossless method writes the target's responses; fixed K = 4 is a fast one
     responder = SpeculativeGenerator(target, draft, policy="fixed", k=4)
@@ -215,15 +277,15 @@ def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Op
             raise ValueError("the target produced no response tokens for any prompt")
         return HeadDataset.concat(pieces, meta)
 
-    starts = range(done, len(prompts), cfg.batch_size)
+    starts = range(done, len(todo), cfg.batch_size)
     bar = tqdm(starts, desc=f"head data ({cfg.decoding})", disable=not progress, unit="batch")
     for bi, i0 in enumerate(bar):
-        idx = list(range(i0, min(i0 + cfg.batch_size, len(prompts))))
-        batch = [encode_prompt(tokenizer, prompts[j], cfg.chat)[-cfg.max_prompt_tokens:] or [pad] for j in idx]
+        idx = list(range(i0, min(i0 + cfg.batch_size, len(todo))))
+        batch = [encode_prompt(tokenizer, todo[j], cfg.chat)[-cfg.max_prompt_tokens:] or [pad] for j in idx]
         T = max(len(b) for b in batch)
         ids = torch.tensor([[pad] * (T - len(b)) + b for b in batch])
         mask = torch.tensor([[0] * (T - len(b)) + [1] * len(b) for b in batch])
-        seeds = [cfg.seed * 1_000_003 + j for j in idx]
+        seeds = [cfg.seed * 1_000_003 + lo + j for j in idx]  # the prompt's index in the whole set
         out = responder.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
                                  temperature=cfg.sampling.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                  eos_token_id=eos, seed=seeds)
@@ -256,7 +318,7 @@ def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Op
                         prompts_per_s=f"{(n_done - done) / max(1e-9, time.time() - t0):.2f}")
         if path is not None and (bi + 1) % save_every == 0:
             snapshot(n_done).save(path)
-    data = snapshot(len(prompts))
+    data = snapshot(len(todo))
     if path is not None:
         data.save(path)
     return data

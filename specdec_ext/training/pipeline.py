@@ -31,7 +31,7 @@ import torch
 from ..engine.models import fingerprint, model_name
 from ..head.features import CONFIDENCE_FEATURES
 from ..head.module import AcceptanceHead
-from .head_data import HeadDataConfig, HeadDataset, generate_head_data
+from .head_data import HeadDataConfig, HeadDataset, generate_head_data, shard_path
 from .head_features import draft_features, select_features
 from .head_train import HeadTrainConfig, calibration_plot, evaluate_against_baselines, split_by_example, train_head
 from .replay import best_fixed, flat_costs, head_scorer, replay
@@ -61,14 +61,21 @@ def run_pipeline(target, draft, tokenizer, prompts: Sequence[str], out_dir: Unio
                  eval_prompts: Optional[Sequence[str]] = None, eval_modes: Sequence[str] = tuple(EVAL_MODES),
                  work_dir: Optional[Union[str, Path]] = None, eval_max_new_tokens: int = 64,
                  target_name: Optional[str] = None, draft_name: Optional[str] = None, progress: bool = True,
-                 log: Callable[[str], None] = print) -> dict:
+                 log: Callable[[str], None] = print, shard: Optional[tuple[int, int]] = None,
+                 data_only: bool = False) -> dict:
     """Generate (or resume) the data set, compute draft features, train (choosing w on a validation split
     when several ``weights`` are given), evaluate, save.
 
     Writes to ``out_dir``: ``config.json`` + ``model.safetensors`` (the head), ``metrics.json``,
     ``calibration.png``; data sets (resumable) go to ``work_dir`` (default ``out_dir``):
     ``head_data.safetensors`` and ``eval_<mode>.safetensors``. Returns the metrics report.
+
+    ``data_only``: stop after the training data set (returns ``{"data": path, "responses": n}``);
+    ``shard=(i, n)``: generate only shard i of n of it (:func:`~specdec_ext.training.head_data.generate_head_data`),
+    e.g. one per ``torchrun`` rank; a later run without ``shard`` merges the complete shards and trains.
     """
+    if shard is not None and not data_only:
+        raise ValueError("shard=(i, n) generates a share of the data set: use it with data_only=True")
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}: expected one of {sorted(RECIPES)}")
     spec = RECIPES[recipe]
@@ -85,8 +92,13 @@ def run_pipeline(target, draft, tokenizer, prompts: Sequence[str], out_dir: Unio
     weights = tuple(weights) if weights is not None else spec["weights"]
     t0 = time.time()
     data_path = work / f"head_data_{data_cfg.decoding}.safetensors"
-    data = generate_head_data(target, draft, tokenizer, prompts, data_cfg, progress=progress, path=data_path, log=log)
+    data = generate_head_data(target, draft, tokenizer, prompts, data_cfg, progress=progress, path=data_path, log=log,
+                              shard=shard)
     t_data = time.time() - t0
+    if data_only:
+        where = shard_path(data_path, *shard) if shard is not None else data_path
+        log(f"[train-head] {len(data)} responses in {where} ({t_data:.0f} s); no training (data only)")
+        return {"data": str(where), "responses": len(data), "seconds": t_data}
     log(f"[train-head] {len(data)} responses, {int((data.labels == data.labels).sum())} labelled positions "
         f"({data_cfg.decoding}) in {data_path}")
     feats = draft_features(draft, data, train_cfg.input_position, progress=progress)
