@@ -106,7 +106,7 @@ def test_logits_processors_greedy_equal_generate(pair, settings):
         common = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1, eos_token_id=3)
         ref = target.generate(ids, **common, **settings)
         changed |= not torch.equal(ref, target.generate(ids, **common))
-        for policy, extra in (("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.6})):
+        for policy, extra in (("autoregressive", {}), ("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.6})):
             out = target.generate(ids, **common, **settings, custom_generate=speculative_generate, draft_model=draft,
                                   head=head, policy=policy, **extra)
             assert torch.equal(out, ref), f"{policy} {settings}: differs from generate() (seed {seed})"

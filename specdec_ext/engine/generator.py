@@ -281,7 +281,9 @@ class SpeculativeGenerator:
         cfg = call.cfg
         t0 = time.perf_counter()
         logits, _ = target.forward(batch.last.view(-1, 1), keep=1)
-        logits = _processed(call, batch, logits[:, -1].to(target.device), None)
+        logits = logits[:, -1].to(target.device)
+        if call.processor is not None:
+            logits = _processed(call.processor, _prefixes(call, batch), logits, None)
         if cfg.greedy:
             nxt = logits.argmax(-1)
         else:
@@ -321,6 +323,7 @@ class SpeculativeGenerator:
         n = torch.zeros(B, dtype=torch.int64)
         stopped = cap <= 0
         pol.begin_round()
+        bases = _prefixes(call, batch) if call.processor is not None else None
         logits, hid = draft.forward(batch.pending, batch.pending_valid, keep=1, hidden=pol.needs_hidden)
         cands, qs = [], []
         fed = step = 0
@@ -329,7 +332,7 @@ class SpeculativeGenerator:
             step += 1
             last_logits = logits[:, -1]
             if call.processor is not None:
-                last_logits = _processed(call, batch, last_logits, torch.stack(cands, 1) if cands else None)
+                last_logits = _processed(call.processor, bases, last_logits, torch.stack(cands, 1) if cands else None)
             if cfg.greedy:
                 x = last_logits.argmax(-1)
                 q = torch.softmax(last_logits, -1) if need_probs else None
@@ -359,7 +362,8 @@ class SpeculativeGenerator:
         t_logits, _ = target.forward(torch.cat([batch.last.view(-1, 1).to(vdev), cand], 1), keep=K + 1)
         t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one
         if call.processor is not None:  # position i sees the candidates before it
-            t_logits = torch.stack([_processed(call, batch, t_logits[:, i], drafted.cands[:, :i] if i else None)
+            bases = _prefixes(call, batch)
+            t_logits = torch.stack([_processed(call.processor, bases, t_logits[:, i], drafted.cands[:, :i] if i else None)
                                     for i in range(K + 1)], 1)
         n_dev = drafted.n.to(vdev)
         if cfg.greedy:
@@ -397,18 +401,20 @@ class _Call:
     prompts: Optional[list] = None        # each original row's prompt ids as given (for the processor)
 
 
-def _processed(call: "_Call", batch: "_Batch", logits: torch.Tensor, cands: Optional[torch.Tensor]) -> torch.Tensor:
-    """``logits`` ``[B, V]`` of the live rows through the call's logits processor, row by row, each with its
-    prefix: prompt, generated tokens, then ``cands[b]`` (``[B, j]``, the candidates before this position)."""
-    if call.processor is None:
-        return logits
+def _prefixes(call: "_Call", batch: "_Batch") -> list[torch.Tensor]:
+    """Each live row's tokens so far, ``[t]`` int64: its prompt as given, then its generated tokens."""
+    return [torch.cat([call.prompts[r], torch.tensor(batch.generated[r], dtype=torch.int64)]) for r in batch.rows]
+
+
+def _processed(processor: Callable, bases: list[torch.Tensor], logits: torch.Tensor,
+               cands: Optional[torch.Tensor]) -> torch.Tensor:
+    """``logits`` ``[B, V]`` of the live rows through ``processor``, row by row, each with its prefix: the
+    row's tokens so far (``bases``, :func:`_prefixes`), then ``cands[b]`` (``[B, j]``, the candidates before
+    this position)."""
     rows = []
-    for i, r in enumerate(batch.rows):
-        parts = [call.prompts[r], torch.tensor(batch.generated[r], dtype=torch.int64)]
-        if cands is not None:
-            parts.append(cands[i].cpu().to(torch.int64))
-        prefix = torch.cat(parts).view(1, -1).to(logits.device)
-        rows.append(call.processor(prefix, logits[i : i + 1].float().clone())[0])
+    for i, base in enumerate(bases):
+        prefix = base if cands is None else torch.cat([base, cands[i].cpu().to(torch.int64)])
+        rows.append(processor(prefix.view(1, -1).to(logits.device), logits[i : i + 1].float().clone())[0])
     return torch.stack(rows)
 
 
