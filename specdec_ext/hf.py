@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 import torch
 from transformers import LogitsProcessorList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .engine import SpeculativeGenerator
 from .policies import CandidateLengthPolicy
@@ -86,8 +87,7 @@ def speculative_generate(model, input_ids: torch.Tensor, logits_processor=None, 
     eos = cfg.eos_token_id
     eos = eos.tolist() if isinstance(eos, torch.Tensor) else eos
     pad = cfg.pad_token_id
-    pad = int(pad.item() if isinstance(pad, torch.Tensor) and pad.numel() == 1 else
-              (pad[0] if isinstance(pad, torch.Tensor) else pad)) if pad is not None else None
+    pad = int(pad.reshape(-1)[0]) if isinstance(pad, torch.Tensor) else pad
 
     policy_kwargs = {}
     if policy == "specdecpp":
@@ -101,7 +101,5 @@ def speculative_generate(model, input_ids: torch.Tensor, logits_processor=None, 
                        temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos, seed=seed,
                        pad_token_id=pad, logits_processor=LogitsProcessorList(processors) if processors else None)
     if getattr(cfg, "return_dict_in_generate", False):
-        from transformers.generation.utils import GenerateDecoderOnlyOutput
-
         return GenerateDecoderOnlyOutput(sequences=out.sequences)
     return out.sequences
