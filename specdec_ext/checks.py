@@ -49,17 +49,23 @@ def _random(uniforms, seed_offset, shape: tuple, ref: torch.Tensor, op: str) -> 
         _same_device(seed_offset, ref, "philox_seed_offset", "the probabilities", op)
 
 
-def verify_shapes(draft_token_ids, draft, target, num_draft_tokens, temperature, uniforms, seed_offset,
-                  logits: bool) -> tuple[int, int, int]:
-    """Check chain_verify / chain_verify_logits arguments; return (B, K, V)."""
-    op = "chain_verify_logits" if logits else "chain_verify"
-    dname, tname = ("draft_logits", "target_logits") if logits else ("draft_probs", "target_probs")
+def _candidates(draft_token_ids, op: str) -> tuple[int, int]:
+    """``draft_token_ids`` must be ``[B, K]`` int32/int64 with K >= 1; returns (B, K)."""
     _index(draft_token_ids, "draft_token_ids", op)
     if draft_token_ids.dim() != 2:
         raise ValueError(f"{op}: draft_token_ids must be [B, K], got shape {list(draft_token_ids.shape)}")
     B, K = draft_token_ids.shape
     if K < 1:
         raise ValueError(f"{op}: the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0")
+    return B, K
+
+
+def verify_shapes(draft_token_ids, draft, target, num_draft_tokens, temperature, uniforms, seed_offset,
+                  logits: bool) -> tuple[int, int, int]:
+    """Check chain_verify / chain_verify_logits arguments; return (B, K, V)."""
+    op = "chain_verify_logits" if logits else "chain_verify"
+    dname, tname = ("draft_logits", "target_logits") if logits else ("draft_probs", "target_probs")
+    B, K = _candidates(draft_token_ids, op)
     _float(draft, dname, op)
     _float(target, tname, op)
     if target.dtype != draft.dtype:
@@ -180,12 +186,7 @@ def head_shapes(hidden, features, feature_weight, feature_bias, block_weight, bl
 def greedy_shapes(draft_token_ids, target_logits, num_draft_tokens):
     """Shape, dtype and device checks of ``chain_verify_greedy``; returns (B, K, V)."""
     op = "chain_verify_greedy"
-    _index(draft_token_ids, "draft_token_ids", op)
-    if draft_token_ids.dim() != 2:
-        raise ValueError(f"{op}: draft_token_ids must be [B, K], got shape {list(draft_token_ids.shape)}")
-    B, K = draft_token_ids.shape
-    if K < 1:
-        raise ValueError(f"{op}: the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0")
+    B, K = _candidates(draft_token_ids, op)
     _float(target_logits, "target_logits", op)
     if target_logits.dim() != 3 or tuple(target_logits.shape[:2]) != (B, K + 1) or target_logits.shape[2] < 1:
         raise ValueError(f"{op}: target_logits must be [B, K+1, V] = [{B}, {K + 1}, V], got {list(target_logits.shape)}")

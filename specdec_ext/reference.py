@@ -133,6 +133,21 @@ def _accept(u: float, q: torch.Tensor, p: torch.Tensor) -> bool:
     return bool(p > 0) and bool(torch.tensor(u, dtype=torch.float32) * q <= p)
 
 
+def _row_buffers(num_draft_tokens, B: int, K: int):
+    """Per-row candidate counts ``[B]`` (K where ``num_draft_tokens`` is None), and the outputs of a chain
+    verification: token ids ``[B, K+1]`` filled with -1 and accepted counts ``[B]``."""
+    n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
+    return n_all, torch.full((B, K + 1), -1, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
+
+
+def _row_count(n_all: torch.Tensor, b: int, K: int, op: str, logits: bool) -> int:
+    """Row b's number of candidates, checked to lie in [0, K]."""
+    n = int(n_all[b])
+    if not 0 <= n <= K:
+        raise ValueError(f"{op}: {errors.message(_NUM, logits)} = [0, {K}], got {n} in row {b}")
+    return n
+
+
 def chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,
                  philox_seed_offset=None, validate=False):
     """Reference of ``specdec_ext.ops.chain_verify`` (same arguments, same outputs, same checks)."""
@@ -143,13 +158,9 @@ def chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens=No
     ids = draft_token_ids.detach().cpu().long()
     dp, tp = draft_probs.detach().cpu(), target_probs.detach().cpu()
     tol = _tolerance(target_probs)
-    n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
-    out = torch.full((B, K + 1), -1, dtype=torch.int64)
-    num_acc = torch.zeros(B, dtype=torch.int64)
+    n_all, out, num_acc = _row_buffers(num_draft_tokens, B, K)
     for b in range(B):
-        n = int(n_all[b])
-        if not 0 <= n <= K:
-            raise ValueError(f"{op}: {errors.message(_NUM)} = [0, {K}], got {n} in row {b}")
+        n = _row_count(n_all, b, K, op, logits=False)
         if validate:
             for i in range(n + 1):
                 _check_prob_row(tp[b, i], _TARGET, _TSUM, op, tol)
@@ -214,13 +225,9 @@ def chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperatur
     ids = draft_token_ids.detach().cpu().long()
     dl, tl = draft_logits.detach().cpu(), target_logits.detach().cpu()
     temps = temperature.detach().cpu().float()
-    n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
-    out = torch.full((B, K + 1), -1, dtype=torch.int64)
-    num_acc = torch.zeros(B, dtype=torch.int64)
+    n_all, out, num_acc = _row_buffers(num_draft_tokens, B, K)
     for b in range(B):
-        n, t = int(n_all[b]), float(temps[b])
-        if not 0 <= n <= K:
-            raise ValueError(f"{op}: {errors.message(_NUM, True)} = [0, {K}], got {n} in row {b}")
+        n, t = _row_count(n_all, b, K, op, logits=True), float(temps[b])
         if not (t >= 0.0 and t == t and t != float("inf")):
             raise ValueError(f"{op}: temperature must be finite and >= 0 (0 means greedy), got {t} in row {b}")
         if t != 0.0 and bool(torch.tensor(t, dtype=torch.float32) < torch.tensor(errors.MIN_TEMPERATURE, dtype=torch.float32)):
@@ -274,13 +281,9 @@ def chain_verify_greedy(draft_token_ids, target_logits, num_draft_tokens=None):
     op = "chain_verify_greedy"
     B, K, V = checks.greedy_shapes(draft_token_ids, target_logits, num_draft_tokens)
     ids, tl = draft_token_ids.detach().cpu().long(), target_logits.detach().cpu()
-    n_all = num_draft_tokens.detach().cpu().long() if num_draft_tokens is not None else torch.full((B,), K)
-    out = torch.full((B, K + 1), -1, dtype=torch.int64)
-    num_acc = torch.zeros(B, dtype=torch.int64)
+    n_all, out, num_acc = _row_buffers(num_draft_tokens, B, K)
     for b in range(B):
-        n = int(n_all[b])
-        if not 0 <= n <= K:
-            raise ValueError(f"{op}: {errors.message(_NUM, True)} = [0, {K}], got {n} in row {b}")
+        n = _row_count(n_all, b, K, op, logits=True)
         accepted = 0
         while True:
             best = _greedy_row(tl[b, accepted], op)
