@@ -37,7 +37,7 @@ from . import checks, errors, reference
 def library_path() -> Optional[Path]:
     """The compiled ops library (``specdec_ext/_C*.so``; Python-free: C++ programs link it beside libtorch,
     see the README), or None on an install without a compiler."""
-    found = sorted(Path(__file__).parent.glob("_C*.so")) + sorted(Path(__file__).parent.glob("_C*.pyd"))
+    found = sorted(Path(__file__).parent.glob("_C*.so"))
     return found[0] if found else None
 
 
