@@ -21,5 +21,5 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 python -m pip install -q "setuptools>=64" wheel ninja
 echo "[setup] building and installing specdec_ext (torch $(python -c 'import torch; print(torch.__version__)'))"
-python -m pip install -q --no-build-isolation -e "$ROOT[test]"
+python -m pip install -q --no-build-isolation -e "$ROOT[test,tp]"
 python -c "import specdec_ext.ops as o; assert o.HAS_EXTENSION, 'the C++ extension did not build'; print('[setup] specdec_ext', __import__('specdec_ext').__version__, 'with compiled ops')"

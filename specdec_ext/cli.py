@@ -88,13 +88,28 @@ def _models(args, need_head: bool):
                          "made by `specdec train-head`)")
     pair = load_models(target, draft, head, _dtype(args.target_dtype, args.device), DTYPES[args.draft_dtype],
                        args.device, "auto" if getattr(args, "device_map_auto", False) else None, tokenizer=tokenizer,
-                       allow_other_draft=getattr(args, "allow_other_draft", False))
+                       allow_other_draft=getattr(args, "allow_other_draft", False), tp=_tp(args))
     if need_head and head is None:
         pair.heads = load_heads()
         if not {"greedy", "sample"} <= set(pair.heads):
             raise UsageError("the bundled pair has no acceptance heads; `specdec zoo train` makes them")
         pair.head = {"greedy": pair.heads["greedy"], "sample": pair.heads["sample"]}
     return pair
+
+
+def _tp(args) -> int:
+    import os
+
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        raise UsageError(f"--tp {tp}: expected a number of tensor-parallel ranks >= 1")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if tp > 1 and world != tp:
+        raise UsageError(f"--tp {tp} runs as {tp} processes: launch it with `torchrun --nproc-per-node {tp} --no-python "
+                         f"specdec ...` (this process sees WORLD_SIZE={world})")
+    if tp > 1 and getattr(args, "device_map_auto", False):
+        raise UsageError("--tp and --device-map-auto are exclusive (tensor parallel splits every layer over ranks)")
+    return tp
 
 
 def _model_args(p):
@@ -110,6 +125,9 @@ def _model_args(p):
                    help="the bundled 2-layer draft steps faster in float32 on CPUs")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel target over N ranks: run under `torchrun --nproc-per-node N --no-python specdec "
+                        "...` (needs accelerate: pip install 'specdec_ext[tp]'); rank 0 prints and writes")
 
 
 def _policy_args(p):
@@ -141,6 +159,7 @@ def cmd_generate(args):
     from transformers import TextStreamer
 
     from .engine import SpeculativeGenerator
+    from .engine.tensor_parallel import is_main_process
     from .prompts import encode_prompt, load_prompts
 
     if args.prompts is not None and args.out is None:
@@ -149,12 +168,15 @@ def cmd_generate(args):
         raise UsageError("--out is for batch jobs: give --prompts FILE (or a data set name)")
     pair = _models(args, args.policy == "specdecpp")
     gen = SpeculativeGenerator(pair.target, pair.draft, policy=_policy(args, pair.head))
+    main = is_main_process()  # under --tp every rank generates; rank 0 prints and writes
+    log = _log if main else (lambda *a: None)
     if args.prompts is not None:
         from .jobs import run_job
         from .prompts import load_prompt_records
 
         run_job(gen, pair.tokenizer, load_prompt_records(args.prompts, limit=args.limit), args.out, args.batch_size,
-                args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, log=_log)
+                args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, log=log,
+                progress=main)
         return
     if args.prompt is not None:
         prompts = [args.prompt]
@@ -166,21 +188,21 @@ def cmd_generate(args):
         ids = encode_prompt(pair.tokenizer, text, args.chat)
         if not ids:
             raise UsageError("the prompt is empty (it has no token); give at least one token of text")
-        streamer = TextStreamer(pair.tokenizer, skip_prompt=False)
+        streamer = TextStreamer(pair.tokenizer, skip_prompt=False) if main else None
         out = gen.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=pair.tokenizer.eos_token_id,
                            streamer=streamer)
         st = out.stats
-        _log("-" * 72)
-        _log(f"policy {st.policy}: {st.new_tokens} tokens in {st.wall_ms:.0f} ms ({st.tokens_per_s:.1f} tokens/s), "
-             f"{len(st.rounds)} rounds, target calls {st.target_calls}, draft calls {st.draft_calls}")
-        _log(f"mean candidate length {st.mean_candidate_length:.2f}, mean accepted length {st.mean_accepted_length:.2f}, "
-             f"acceptance rate {st.acceptance_rate:.3f}, discarded draft tokens {st.discarded}")
-        _log(f"time: draft {st.draft_ms:.0f} ms, verify {st.verify_ms:.0f} ms, overhead {st.overhead_ms:.0f} ms "
-             f"({st.overhead_ms_per_round:.2f} ms/round), prefill {st.prefill_ms:.0f} ms")
+        log("-" * 72)
+        log(f"policy {st.policy}: {st.new_tokens} tokens in {st.wall_ms:.0f} ms ({st.tokens_per_s:.1f} tokens/s), "
+            f"{len(st.rounds)} rounds, target calls {st.target_calls}, draft calls {st.draft_calls}")
+        log(f"mean candidate length {st.mean_candidate_length:.2f}, mean accepted length {st.mean_accepted_length:.2f}, "
+            f"acceptance rate {st.acceptance_rate:.3f}, discarded draft tokens {st.discarded}")
+        log(f"time: draft {st.draft_ms:.0f} ms, verify {st.verify_ms:.0f} ms, overhead {st.overhead_ms:.0f} ms "
+            f"({st.overhead_ms_per_round:.2f} ms/round), prefill {st.prefill_ms:.0f} ms")
         if args.rounds:
             for i, r in enumerate(st.rounds):
-                _log(f"  round {i:3d}: candidates {r.candidates} accepted {r.accepted} emitted {r.emitted} "
+                log(f"  round {i:3d}: candidates {r.candidates} accepted {r.accepted} emitted {r.emitted} "
                      f"draft {r.draft_ms:.1f} ms verify {r.verify_ms:.1f} ms")
 
 

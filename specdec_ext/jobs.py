@@ -7,6 +7,7 @@ What ``specdec generate --prompts SOURCE --out results.jsonl --batch-size N`` ru
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -14,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .engine.tensor_parallel import from_rank0, is_main_process
 from .prompts import encode_prompt
 
 
@@ -40,18 +42,21 @@ def run_job(gen, tokenizer, records: Sequence[tuple[str, str]], out_path, batch_
     rows at a time (left-padded), and append one record per prompt:
     ``{"id", "prompt", "completion", "new_tokens", "accepted_lengths", "batch_ms", "batch_tokens_per_s"}``.
     The prompt at position j of ``records`` samples with seed ``seed + j``, so a resumed job writes what
-    an uninterrupted one would. Returns a summary (prompts done now, skipped, tokens, seconds)."""
+    an uninterrupted one would. Under ``torchrun`` with a tensor-parallel target, every rank runs the job and
+    rank 0 alone reads and writes ``out_path``. Returns a summary (prompts done now, skipped, tokens, seconds)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     out_path = Path(out_path)
-    skip = done_ids(out_path)
+    write = is_main_process()  # a tensor-parallel target: every rank generates, rank 0 writes what rank 0 read
+    skip = from_rank0(done_ids(out_path) if write else None)
     todo = [(j, rid, text) for j, (rid, text) in enumerate(records) if str(rid) not in skip]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     t0 = time.time()
     tokens = 0
     bar = tqdm(total=len(todo), desc="generate", unit="prompt", disable=not progress)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with out_path.open("a", encoding="utf-8") as f:
+    if write:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    with (out_path if write else Path(os.devnull)).open("a", encoding="utf-8") as f:
         for i in range(0, len(todo), batch_size):
             chunk = todo[i : i + batch_size]
             encoded = [encode_prompt(tokenizer, text, chat) for _, _, text in chunk]

@@ -29,6 +29,7 @@ from ..policies.goodput import CostModel
 from . import fast_llama
 from .models import context_length, fingerprint, hidden_size, vocab_size
 from .runner import CausalLMRunner, sliding_layout
+from .tensor_parallel import check_same_output, tp_size
 from .sampling import SamplingConfig, process_logits, sample_with_uniforms
 from .stats import GenerationStats, RoundStats
 
@@ -51,7 +52,8 @@ class SpeculativeGenerator:
     """Lossless speculative generation with a target and a draft model that share a vocabulary.
 
     Args:
-        target: a ``transformers`` causal LM (any device / dtype; ``device_map="auto"`` works).
+        target: a ``transformers`` causal LM (any device / dtype; ``device_map="auto"`` works, and so does a
+            tensor-parallel target under ``torchrun``, see ``engine/tensor_parallel.py``).
         draft: a causal LM with the same vocabulary (not needed for ``policy="autoregressive"``).
         policy: a :class:`~specdec_ext.policies.CandidateLengthPolicy` or a name: ``"autoregressive"``,
             ``"fixed"`` (``k=``), ``"heuristic"``, ``"confidence"``, ``"adaedl"``, ``"specdecpp"`` (needs ``head``).
@@ -182,7 +184,8 @@ class SpeculativeGenerator:
 
         Raises: ValueError / TypeError for bad input (empty prompt, prompt beyond the context,
             max_new_tokens < 1, bad sampling settings, streamer with batch > 1, a keyword argument it does not
-            know, e.g. ``do_sample`` or ``repetition_penalty``: it is refused, never silently ignored).
+            know, e.g. ``do_sample`` or ``repetition_penalty``: it is refused, never silently ignored);
+            RuntimeError when the ranks of a tensor-parallel target produced different outputs.
         """
         pol = self._policy_for_call(policy, policy_kwargs)
         cfg = SamplingConfig(temperature, top_k, top_p)
@@ -197,6 +200,7 @@ class SpeculativeGenerator:
         call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer, logits_processor, prompts)
         rngs = _row_generators(seed, B)
         stats = GenerationStats(policy=pol.describe(), batch_size=B)
+        costs = self.costs(pol) if pol.needs_costs else None  # profiled on first use: not part of this call's time
         t_start = time.perf_counter()
         target, draft = self._start_runners(pol, input_ids, attention_mask)
         stats.prefill_ms = (time.perf_counter() - t_start) * 1e3
@@ -206,7 +210,7 @@ class SpeculativeGenerator:
         batch = _Batch(rows=list(range(B)), last=last, pending=last.view(-1, 1),
                        pending_valid=torch.ones(B, 1, dtype=torch.bool), rngs=rngs,
                        generated=[[] for _ in range(B)])
-        pol.configure(cfg, self.costs(pol) if pol.needs_costs else None)
+        pol.configure(cfg, costs)
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
         runners = [r for r in (target, draft) if r is not None]
         try:
@@ -232,7 +236,10 @@ class SpeculativeGenerator:
         if streamer is not None:
             streamer.end()
         stats.wall_ms = (time.perf_counter() - t_start) * 1e3
-        return _output(input_ids, batch.generated, call.eos, pad_token_id, stats)
+        out = _output(input_ids, batch.generated, call.eos, pad_token_id, stats)
+        if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
+            check_same_output(out.sequences)
+        return out
 
     def _policy_for_call(self, policy, policy_kwargs) -> CandidateLengthPolicy:
         if policy is None and policy_kwargs:

@@ -43,6 +43,9 @@ def fingerprint(model) -> str:
     for k in _NAME_KEYS:
         cfg.pop(k, None)
     h = hashlib.sha1(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for w in (model.get_output_embeddings().weight[:8], model.get_input_embeddings().weight[-8:]):
-        h.update(w.detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
+    for weight, rows in ((model.get_output_embeddings().weight, slice(0, 8)),
+                         (model.get_input_embeddings().weight, slice(-8, None))):
+        if hasattr(weight, "full_tensor"):  # a tensor-parallel (DTensor) weight: the whole matrix, as on one device
+            weight = weight.full_tensor()
+        h.update(weight[rows].detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..policies.goodput import CostModel, isotonic
+from .tensor_parallel import from_rank0, is_main_process, tp_size
 
 
 def cache_dir() -> Path:
@@ -52,7 +53,7 @@ def _model_key(model) -> dict:
 def profile_key(target, draft, fast_draft: bool, k_max: int) -> str:
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tp": tp_size(target)}
     return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -146,18 +147,29 @@ def cached_profile(target, draft, fast_draft: bool = True, k_max: int = 20, refr
     as JSON under ``directory`` (default :func:`cache_dir`)``/profiles``."""
     key = profile_key(target, draft, fast_draft, k_max)
     path = (directory or cache_dir()) / "profiles" / f"{key}.json"
-    if path.exists() and not refresh:
-        try:
-            return CostModel.from_json(path.read_text())
-        except (ValueError, KeyError, json.JSONDecodeError):
-            pass  # a damaged cache entry is measured again
-    log = (lambda s: print(s, end="", file=sys.stderr, flush=True)) if progress else None
+    # a tensor-parallel target: the ranks profile together (its forwards are collective) and all use rank 0's table
+    cached = from_rank0(_read(path) if not refresh and is_main_process() else None)
+    if cached is not None:
+        return CostModel.from_json(cached)
+    log = (lambda s: print(s, end="", file=sys.stderr, flush=True)) if progress and is_main_process() else None
     if log is not None:
         log(f"[specdec] profiling the pair for threshold='auto' (once per pair, dtype, device and thread count; "
             f"cached in {path})\n")
     costs = profile_pair(target, draft, fast_draft, k_max, log=log)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(costs.to_json())
-    tmp.replace(path)
-    return costs
+    text = from_rank0(costs.to_json())
+    if is_main_process():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return CostModel.from_json(text)
+
+
+def _read(path: Path) -> Optional[str]:
+    """The cached profile's JSON, or None when missing or damaged (then it is measured again)."""
+    try:
+        text = path.read_text()
+        CostModel.from_json(text)
+        return text
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return None

@@ -57,21 +57,32 @@ def default_target_dtype(device: str = "cpu") -> torch.dtype:
 def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Optional[str | Path] = None,
                 target_dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype = torch.float32,
                 device: str = "cpu", device_map: Optional[str] = None, tokenizer: Optional[str | Path] = None,
-                allow_other_draft: bool = False) -> ModelPair:
+                allow_other_draft: bool = False, tp: int = 1) -> ModelPair:
     """Load local Hugging Face model directories (no network): target, optional draft and head, and the
     tokenizer (default: the target's directory).
 
-    ``device_map="auto"`` spreads the target over the available GPUs with accelerate. A head is checked
-    against the draft (hidden size, and the fingerprint of the draft it was trained for).
+    ``device_map="auto"`` spreads the target over the available GPUs with accelerate. ``tp=N`` loads the
+    target tensor-parallel over the N processes of ``torchrun --nproc-per-node N`` (transformers'
+    ``tp_plan="auto"``: gloo on CPUs, NCCL on GPUs, where each rank takes the GPU ``$LOCAL_RANK``); the draft
+    is replicated on every rank, on the target's device (see ``engine/tensor_parallel.py``). A head is
+    checked against the draft (hidden size, and the fingerprint of the draft it was trained for).
+
+    Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, or ``tp`` with
+    ``device_map``; ImportError for ``tp`` > 1 without accelerate (``pip install 'specdec_ext[tp]'``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..engine.models import fingerprint, hidden_size
+    from ..engine.runner import model_device
     from ..head import AcceptanceHead
 
     kw = {"device_map": device_map} if device_map else {}
+    if tp != 1:
+        kw = _tp_kwargs(tp, device_map)
     t = AutoModelForCausalLM.from_pretrained(target, dtype=target_dtype, local_files_only=True, **kw).eval()
-    if not device_map:
+    if tp != 1:
+        device = model_device(t)
+    elif not device_map:
         t = t.to(device)
     d = None
     if draft is not None:
@@ -81,6 +92,27 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
         h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
     tok = AutoTokenizer.from_pretrained(tokenizer or target, local_files_only=True)
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
+
+
+def _tp_kwargs(tp: int, device_map: Optional[str]) -> dict:
+    """``from_pretrained`` arguments of a target tensor-parallel over ``tp`` ranks, after checking the launch."""
+    import importlib.util
+    import os
+
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an integer >= 1 (tensor-parallel ranks), got {tp!r}")
+    if device_map:
+        raise ValueError("tp and device_map are exclusive: tp splits every layer over ranks, device_map spreads layers "
+                         "over devices")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != tp:
+        raise ValueError(f"tp={tp} needs {tp} processes launched by `torchrun --nproc-per-node {tp} ...` "
+                         f"(this process sees WORLD_SIZE={world})")
+    if importlib.util.find_spec("accelerate") is None:
+        raise ImportError("a tensor-parallel target (tp > 1) needs accelerate: pip install 'specdec_ext[tp]'")
+    from transformers import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp)}
 
 
 def load_heads(path: Path = PAIR_DIR) -> dict:
@@ -93,17 +125,18 @@ def load_heads(path: Path = PAIR_DIR) -> dict:
 
 
 def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dtype = torch.float32,
-              device: str = "cpu", with_head: bool = True, path: Path = PAIR_DIR) -> ModelPair:
+              device: str = "cpu", with_head: bool = True, path: Path = PAIR_DIR, tp: int = 1) -> ModelPair:
     """The bundled pair: ``ModelPair(target, draft, tokenizer, head, heads)``; ``head`` is the mapping
     ``{"greedy": ..., "sample": ...}`` that picks the head of each call's decoding mode, ``heads`` also holds
     ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
-    the CPU has native bf16 matrix instructions); the draft is faster in float32 on CPUs.
+    the CPU has native bf16 matrix instructions); the draft is faster in float32 on CPUs. ``tp``: as in
+    :func:`load_models` (a tensor-parallel target under ``torchrun``).
 
     Raises FileNotFoundError when this checkout has no trained pair (train it with ``specdec zoo train``)."""
     if not pair_available(path):
         raise FileNotFoundError(f"no bundled pair in {path}: train it with `specdec zoo train` (see README)")
     target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
-    pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device)
+    pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device, tp=tp)
     if with_head:
         from ..engine.models import fingerprint, hidden_size
 
