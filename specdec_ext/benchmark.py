@@ -361,8 +361,9 @@ def format_table(rows: list[dict]) -> str:
 def save_json(path, records: list[RunRecord], rows: list[dict], meta: dict) -> None:
     raw = [{"method": r.method, "prompt": r.prompt, "new_tokens": r.new_tokens, "wall_s": r.wall_s,
             "target_calls": r.target_calls, "draft_calls": r.draft_calls, "forward_s": r.forward_s,
-            "engine": r.engine, "rounds": r.rounds,
-            "tokens": r.tokens} for r in records]
+            "engine": r.engine, "rounds": r.rounds, "tokens": r.tokens,
+            **{k: getattr(r, k) for k in ("batch_size", "row_tokens", "row_finish_s") if hasattr(r, k)}}
+           for r in records]
     data = {"meta": meta, "summary": rows, "runs": raw}
     if str(path).endswith(".gz"):  # a full run's per-round traces are tens of MB as text
         with gzip.open(path, "wt", encoding="utf-8") as f:

@@ -49,6 +49,9 @@ def add_arguments(p):
                    help="skip plain decoding of a float32 copy of a bf16 target (the fp32 reference)")
     p.add_argument("--hf-ks", type=_numbers(int), default=None,
                    help="K values for transformers' assisted generation (None: the --ks values)")
+    p.add_argument("--batch-sizes", type=_numbers(int), default=None,
+                   help="the batch benchmark: prompts as concurrent requests in static batches of each size "
+                        "(e.g. 1,4,16,64) for plain decoding, fixed K, SpecDec++ and the heuristic")
 
 
 def _command_line(args) -> str:
@@ -145,6 +148,8 @@ def run(args, pair):
     t0 = time.time()
     n = args.prompts if args.prompts is not None else (6 if args.quick else None)
     prompts = load_prompts(args.dataset, limit=n)
+    if args.batch_sizes is not None:
+        return run_batches(args, pair, prompts, t0)
     paper = pair.heads.get("paper")
     fp32_plain = pair.target.dtype != torch.float32 and not args.no_fp32_plain
     if args.quick:
@@ -183,4 +188,37 @@ def run(args, pair):
     (args.out / f"bench-{tag}.md").write_text(md)
     print("\n" + md)
     print(f"wrote {args.out / f'bench-{tag}.json.gz'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))
+    print(f"duration {time.time() - t0:.0f} s")
+
+
+def run_batches(args, pair, prompts, t0):
+    """``specdec bench --batch-sizes ...``: the batch benchmark (``batch_bench``), its JSON, table and plot."""
+    from .batch_bench import batch_plot, format_batch_table, run_batch_benchmark, summarize_batches
+
+    if any(b < 1 for b in args.batch_sizes):
+        raise ValueError(f"--batch-sizes: expected sizes >= 1, got {args.batch_sizes}")
+    methods = [m for m in standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=False,
+                                           oracle=False, adaptive=True)
+               if m.family in ("plain", "fixed", "specdecpp", "specdecpp-auto", "heuristic")]
+    print(f"specdec bench: {len(prompts)} {args.dataset} prompts as requests in batches of {args.batch_sizes} x "
+          f"{len(methods)} methods, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+          f"target {pair.target.dtype}, draft {pair.draft.dtype}")
+    records = run_batch_benchmark(pair, prompts, methods, list(args.batch_sizes), args.max_new_tokens,
+                                  args.temperature, args.seed)
+    rows = summarize_batches(records, methods)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}-batch"
+    meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+            "batch_sizes": list(args.batch_sizes), "refill": False,
+            "target_dtype": str(pair.target.dtype).replace("torch.", ""),
+            "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
+            "duration_s": time.time() - t0,
+            "command": _command_line(args) + " --batch-sizes " + ",".join(map(str, args.batch_sizes))}
+    save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
+    table = format_batch_table(rows)
+    (args.out / f"bench-{tag}.md").write_text(table + "\n")
+    plot = batch_plot(rows, args.out / f"{tag}-throughput.png")
+    print("\n" + table)
+    print(f"wrote {args.out / f'bench-{tag}.json.gz'}, {args.out / f'bench-{tag}.md'}, {args.out / plot}")
     print(f"duration {time.time() - t0:.0f} s")

@@ -130,3 +130,50 @@ def test_cli_sweeps_parse_and_reject_bad_lists():
         "--thresholds 0.5,0.6,0.7,0.8,0.9 --paper-thresholds 0.3,0.7,0.9")
     methods = standard_methods(None, ks=(1, 2), hf_ks=None)
     assert [m.param for m in methods if m.family == "hf-fixed"] == [1, 2]
+
+
+def test_batch_benchmark_rows_texts_and_request_times(run, tmp_path):
+    """Batches of requests: every method at every batch size; greedy groups equal plain decoding's texts; a
+    request's finish time is within its group's call; the JSON keeps a batch_size per summary row and run."""
+    from specdec_ext.batch_bench import (batch_plot, finish_times_s, format_batch_table, run_batch_benchmark,
+                                         summarize_batches)
+
+    pair, prompts, methods, _ = run
+    ours = [m for m in methods if m.family in ("plain", "fixed", "specdecpp", "specdecpp-auto", "heuristic")]
+    prompts = prompts + ["1 2 3", "9 8 7 6 5"]
+    records = run_batch_benchmark(pair, prompts, ours, [1, 2, 5], max_new_tokens=12, progress=False, costs=TEST_COSTS)
+    assert len(records) == len(ours) * (5 + 3 + 1)
+    rows = summarize_batches(records, ours)
+    assert {(r["method"], r["batch_size"]) for r in rows} == {(m.name, b) for m in ours for b in (1, 2, 5)}
+    for r in rows:
+        assert r["requests"] == len(prompts) and r["same_text_share"] == 1.0, r
+        assert r["tokens_per_s"] > 0 and r["per_request_tokens_per_s"] > 0
+    plain = [r for r in rows if r["method"] == "plain"]
+    assert all(r["speedup"] == 1.0 and r["mean_accepted_length"] == 0 for r in plain)
+    one = {r.prompt: r for r in records if r.batch_size == 1 and r.method == "fixed K=3"}
+    five = next(r for r in records if r.batch_size == 5 and r.method == "fixed K=3")
+    assert five.row_tokens == [one[i].new_tokens for i in range(5)]  # a row's output in a batch equals it alone
+    assert five.tokens == [t for i in range(5) for t in one[i].tokens]
+    for r in records:
+        assert len(r.row_finish_s) == len(r.row_tokens) == min(r.batch_size, len(prompts) - r.prompt * r.batch_size)
+        assert all(0 < s <= r.wall_s for s in r.row_finish_s)
+    assert format_batch_table(rows).count("\n") == len(rows) + 1
+    save_json(tmp_path / "b.json", records, rows, {"batch_sizes": [1, 2, 5]})
+    data = load_results(tmp_path / "b.json")
+    assert {r["batch_size"] for r in data["summary"]} == {1, 2, 5} and "row_finish_s" in data["runs"][0]
+    assert (tmp_path / batch_plot(rows, tmp_path / "p.png")).stat().st_size > 0
+    with pytest.raises(ValueError, match="batch_sizes must be integers >= 1"):
+        run_batch_benchmark(pair, prompts, ours, [0], progress=False, costs=TEST_COSTS)
+    with pytest.raises(ValueError, match="this engine's policies only"):
+        run_batch_benchmark(pair, prompts, methods, [1], progress=False, costs=TEST_COSTS)
+
+
+def test_finish_times_follow_the_rounds_a_row_was_in():
+    from specdec_ext.batch_bench import finish_times_s
+    from specdec_ext.engine.stats import GenerationStats, RoundStats
+
+    st = GenerationStats(policy="x", batch_size=3)
+    st.prefill_ms = 10.0
+    st.rounds = [RoundStats([1] * 3, [0] * 3, [1] * 3, 0, 0, 5.0, [0, 1, 2]),
+                 RoundStats([1] * 2, [0] * 2, [1] * 2, 0, 0, 7.0, [0, 2]), RoundStats([1], [0], [1], 0, 0, 3.0, [2])]
+    assert finish_times_s(st) == pytest.approx([0.022, 0.015, 0.025])

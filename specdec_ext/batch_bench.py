@@ -1,0 +1,191 @@
+"""The batch benchmark (``specdec bench --batch-sizes 1,4,16,64``): speculative decoding as concurrent requests.
+
+For each batch size B the prompts are cut into groups of B (in order; left-padded), and every method
+generates each group in one ``generate()`` call, the methods rotating per group as in the single-row
+benchmark. **Static batches, no refill**: a row that finishes leaves the batch (it stops costing
+anything) but no new request takes its place, so the last rows of a group run at a smaller batch. A
+server with continuous batching would refill the row; this benchmark states the weaker setting.
+
+Reported per (method, B):
+
+- aggregate tokens/s: all tokens of all groups / the summed wall time of the groups;
+- per-request tokens/s: median over requests of (the request's tokens / the time from the start of its
+  group's call until the end of the round that finished it), i.e. the speed one user sees;
+- mean accepted length (tokens emitted per row per round, minus one);
+- speedup: aggregate tokens/s over plain decoding's at the same B.
+
+Results use the benchmark's JSON schema (``benchmark.save_json``): one summary row per (method, B) with a
+``batch_size`` field; one run record per (method, group) with its ``batch_size``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from .benchmark import Method, RunRecord
+from .engine import SpeculativeGenerator
+
+
+@dataclass
+class BatchRecord(RunRecord):
+    """A ``RunRecord`` of one group: ``prompt`` is the group's index, ``tokens`` its rows' tokens joined."""
+
+    batch_size: int = 1
+    row_tokens: list = field(default_factory=list)     # tokens of each request
+    row_finish_s: list = field(default_factory=list)   # seconds from the call's start to each request's last round
+
+
+def _groups(encoded: list[list[int]], B: int, pad: int):
+    for g in range(0, len(encoded), B):
+        rows = encoded[g : g + B]
+        T = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows])
+        yield g // B, ids, mask
+
+
+def finish_times_s(stats) -> list[float]:
+    """Per row of a call: seconds from the call's start (prefill included) to the end of the row's last round."""
+    t = stats.prefill_ms
+    last = {}
+    for r in stats.rounds:
+        t += r.total_ms
+        for row in r.rows:
+            last[row] = t
+    return [last.get(b, t) / 1e3 for b in range(stats.batch_size)]
+
+
+def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_sizes, max_new_tokens: int = 64,
+                        temperature: float = 0.0, seed: int = 0, costs=None, progress: bool = True) -> list[BatchRecord]:
+    """Every method on every group of every batch size (see the module docstring). ``methods``: ours only."""
+    if any(m.kind != "ours" or m.family == "oracle" for m in methods):
+        raise ValueError("the batch benchmark runs this engine's policies only (no transformers or oracle methods)")
+    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
+    tok = pair.tokenizer
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
+    encoded = [tok(p)["input_ids"] for p in prompts]
+    if costs is None and any(m.policy().needs_costs for m in methods):
+        from .engine.profile import cached_profile
+
+        costs = cached_profile(pair.target, pair.draft)
+    gens = {}
+    for m in methods:
+        pol = m.policy()
+        gens[m.name] = SpeculativeGenerator(pair.target, pair.draft if pol.speculative else None, policy=pol,
+                                            costs=costs)
+    first = torch.tensor([encoded[0][:16]] * min(4, max(batch_sizes)))
+    for m in methods:  # warm-up: allocation and lazy initialisation
+        gens[m.name].generate(first, max_new_tokens=8, temperature=temperature, seed=seed, eos_token_id=eos)
+    n_groups = sum(-(-len(encoded) // B) for B in batch_sizes)
+    bar = tqdm(total=n_groups * len(methods), desc="bench (batches)", unit="call", disable=not progress)
+    records = []
+    for B in batch_sizes:
+        for g, ids, mask in _groups(encoded, B, pad):
+            order = methods[g % len(methods):] + methods[: g % len(methods)]
+            for m in order:
+                t0 = time.perf_counter()
+                out = gens[m.name].generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                            temperature=temperature, seed=seed + g * B, eos_token_id=eos,
+                                            pad_token_id=pad)
+                wall = time.perf_counter() - t0
+                st = out.stats
+                records.append(BatchRecord(
+                    m.name, g, st.new_tokens, wall, st.target_calls, st.draft_calls,
+                    tokens=[t for row in out.new_tokens for t in row], engine=st.summary(),
+                    forward_s=(st.target_forward_ms + st.draft_forward_ms) / 1e3, batch_size=B,
+                    row_tokens=[len(r) for r in out.new_tokens], row_finish_s=finish_times_s(st)))
+                bar.update(1)
+    bar.close()
+    return records
+
+
+def summarize_batches(records: list[BatchRecord], methods: list[Method], baseline: str = "plain") -> list[dict]:
+    """One row per (method, batch size): aggregate and per-request tokens/s, speedups over ``baseline`` at
+    that batch size, mean accepted length and candidate length, and the texts' agreement with ``baseline``."""
+    rows = []
+    sizes = sorted({r.batch_size for r in records})
+    for B in sizes:
+        at = [r for r in records if r.batch_size == B]
+        agg = {}
+        for m in methods:
+            runs = [r for r in at if r.method == m.name]
+            if not runs:
+                continue
+            tokens, wall = sum(r.new_tokens for r in runs), sum(r.wall_s for r in runs)
+            per_request = [n / s for r in runs for n, s in zip(r.row_tokens, r.row_finish_s) if s > 0]
+            rounds = sum(r.engine["rounds"] for r in runs)
+            agg[m.name] = row = {
+                "method": m.name, "family": m.family, "param": m.param, "batch_size": B, "groups": len(runs),
+                "requests": sum(len(r.row_tokens) for r in runs), "new_tokens": tokens,
+                "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+                "per_request_tokens_per_s": statistics.median(per_request) if per_request else 0.0,
+                "mean_accepted_length": sum(r.engine["mean_accepted_length"] * r.engine["rounds"] for r in runs)
+                / max(1, rounds),
+                "mean_candidate_length": sum(r.engine["mean_candidate_length"] * r.engine["rounds"] for r in runs)
+                / max(1, rounds),
+                "target_calls_per_token": sum(r.target_calls for r in runs) / max(1, tokens)}
+            rows.append(row)
+        base = agg.get(baseline)
+        base_runs = {r.prompt: r for r in at if r.method == baseline}
+        for name, row in agg.items():
+            if base is not None:
+                row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+                row["per_request_speedup"] = row["per_request_tokens_per_s"] / base["per_request_tokens_per_s"]
+            runs = [r for r in at if r.method == name]
+            same = [r.tokens == base_runs[r.prompt].tokens for r in runs if r.prompt in base_runs]
+            row["same_text_share"] = sum(same) / len(same) if same else None
+    return rows
+
+
+def format_batch_table(rows: list[dict]) -> str:
+    lines = ["| B | method | aggregate tokens/s | × plain | per-request tokens/s | × plain | mean accepted length | "
+             "mean candidate length | groups with plain's text |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = f"{r['same_text_share']:.0%}" if r.get("same_text_share") is not None else "–"
+        lines.append(f"| {r['batch_size']} | {r['method']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1.0):.2f}× | "
+                     f"{r['per_request_tokens_per_s']:.1f} | {r.get('per_request_speedup', 1.0):.2f}× | "
+                     f"{r['mean_accepted_length']:.2f} | {r['mean_candidate_length']:.2f} | {same} |")
+    return "\n".join(lines)
+
+
+def batch_plot(rows: list[dict], path: Path) -> str:
+    """Aggregate throughput against per-request speed: one line per method, one point per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5), dpi=120)
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    for i, name in enumerate(names):
+        rs = sorted((r for r in rows if r["method"] == name), key=lambda r: r["batch_size"])
+        style = "k-" if name == "plain" else ("-" if "specdec" in name else "--")
+        ax.plot([r["per_request_tokens_per_s"] for r in rs], [r["tokens_per_s"] for r in rs], style, marker="o",
+                ms=4, label=name, lw=2 if name == "plain" or "specdec" in name else 1)
+        for r in rs:
+            ax.annotate(f"B={r['batch_size']}", (r["per_request_tokens_per_s"], r["tokens_per_s"]), fontsize=5,
+                        xytext=(2, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("per-request speed (tokens/s, median request)")
+    ax.set_ylabel("aggregate throughput (tokens/s)")
+    ax.set_title("Throughput vs per-request speed by batch size", fontsize=9)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.name
+
+
+def best_of(rows: list[dict], B: int, family: str) -> Optional[dict]:
+    rs = [r for r in rows if r["batch_size"] == B and r["family"] == family]
+    return max(rs, key=lambda r: r["tokens_per_s"]) if rs else None
