@@ -1,10 +1,13 @@
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# profiles a test triggers go to a scratch directory, never the user's cache
+os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -10,7 +10,7 @@ import torch
 from specdec_ext import AcceptanceHead, SpeculativeGenerator
 from specdec_ext.head.features import FEATURES
 from specdec_ext.engine.sampling import SamplingConfig, process_logits
-from specdec_ext.policies.goodput import CostModel
+from specdec_ext.policies.goodput import BatchCosts, CostModel
 from stats import assert_follows
 
 # (policy name, keyword arguments); "_head" picks the acceptance head (default: the paper's kind)
@@ -23,6 +23,9 @@ PIDS = [n + "-" + "-".join(k.strip("_") + str(v) for k, v in kw.items()) for n, 
 
 # a GPU-like cost model for tests (no profiling): flat verification, draft step 0.15 of it
 TEST_COSTS = CostModel([10.0] * 30, 1.5, 0.0, 0.2, {"kind": "test"})
+# batch costs for the verification budget: GPU-like, flat in rows and nearly flat in tokens (the batch drafts deep)
+TEST_BATCH_COSTS = BatchCosts([1, 8192], [[10.0 + 1.6 * k for k in range(9)]] * 2,
+                              [[10.0 + 0.1 * n for n in range(1, 10)]] * 2, {"kind": "test"})
 
 
 def head_for(draft, bias=1.5, seed=0, kind="candidate"):
@@ -69,6 +72,7 @@ def make_gen(target, draft, name, kw, **extra):
     """A SpeculativeGenerator for one entry of ``POLICIES`` (test costs for cost-aware policies)."""
     kw = dict(kw)
     kind = kw.pop("_head", "candidate")
+    extra.setdefault("batch_costs", TEST_BATCH_COSTS)
     return SpeculativeGenerator(target, draft, policy=name, head=head_for(draft, kind=kind), costs=TEST_COSTS,
                                 **extra, **kw)
 

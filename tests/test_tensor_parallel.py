@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from models import make_pair
-from support import TEST_COSTS, head_for
+from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
 from specdec_ext import cli
 from specdec_ext.zoo import PAIR_DIR, load_models, pair_available
 
@@ -62,7 +62,7 @@ def test_ranks_agree_and_equal_one_process(tp_run):
     assert {n: r0[n] for n in names} == {n: r1[n] for n in names}  # every rank made the same decisions
     single = load_models(models / "target", models / "draft", models / "head", tokenizer=PAIR_DIR / "target")
     torch.set_num_threads(1)
-    ref = tp_worker.run_cases(single, costs=TEST_COSTS)
+    ref = tp_worker.run_cases(single, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
     for name in names:
         assert r0[name] == ref[name], name  # greedy and seeded sampling: token for token as in one process
     plain = ref["plain"]

@@ -15,6 +15,7 @@ import torch
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.tensor_parallel import check_same_output, rank, tp_size
 from specdec_ext.zoo import PAIR_DIR, load_models
+from support import TEST_BATCH_COSTS
 
 PROMPTS = torch.tensor([[5, 9, 11, 3, 7, 2], [1, 1, 4, 8, 6, 10]])
 MASK = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
@@ -29,8 +30,9 @@ CASES = {
 }
 
 
-def run_cases(pair, costs=None) -> dict:
-    gen = SpeculativeGenerator(pair.target, pair.draft, policy="fixed", head=pair.head, costs=costs)
+def run_cases(pair, costs=None, batch_costs=None) -> dict:
+    gen = SpeculativeGenerator(pair.target, pair.draft, policy="fixed", head=pair.head, costs=costs,
+                               batch_costs=batch_costs)
     out = {}
     for name, (pol, sampling) in CASES.items():
         res = gen.generate(PROMPTS, attention_mask=MASK, max_new_tokens=24, eos_token_id=1, **pol, **sampling)
@@ -41,7 +43,7 @@ def run_cases(pair, costs=None) -> dict:
 
 def main(models: Path, out_dir: Path) -> None:
     pair = load_models(models / "target", models / "draft", models / "head", tokenizer=PAIR_DIR / "target", tp=2)
-    result = run_cases(pair)
+    result = run_cases(pair, batch_costs=TEST_BATCH_COSTS)  # the single-row cost table is profiled by the ranks
     result["tp_size"] = tp_size(pair.target)
     try:  # ranks that disagree are caught, not written
         check_same_output(torch.tensor([[rank()]]))

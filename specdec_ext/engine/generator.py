@@ -64,6 +64,8 @@ class SpeculativeGenerator:
         costs: the pair's :class:`~specdec_ext.policies.goodput.CostModel` for cost-aware policies
             (``threshold="auto"``); default: profiled on first use and cached (see :meth:`costs`).
         allow_other_draft: accept (with a warning) a head whose recorded draft fingerprint is not this draft's.
+        batch_costs: the pair's :class:`~specdec_ext.policies.goodput.BatchCosts` for the batch verification
+            budget of ``threshold="auto"`` at batch size > 1; default: profiled on first use and cached.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
@@ -74,8 +76,9 @@ class SpeculativeGenerator:
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
-                 allow_other_draft: bool = False, **policy_kwargs):
+                 allow_other_draft: bool = False, batch_costs=None, **policy_kwargs):
         self.target = target
+        self._batch_costs = batch_costs
         self.draft = draft
         self.head = head
         self._costs = costs
@@ -113,6 +116,16 @@ class SpeculativeGenerator:
             k_max = max(20, getattr(policy, "max_candidates", 20))
             self._costs = cached_profile(self.target, self.draft, self.fast_draft, k_max)
         return self._costs
+
+    def batch_costs(self):
+        """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` (verification ms by batch size and tokens,
+        draft ms by rows) for the batch verification budget: the one given to the constructor, or measured once
+        where the pair runs and cached on disk (``engine/profile.py``)."""
+        if self._batch_costs is None:
+            from .profile import cached_batch_profile
+
+            self._batch_costs = cached_batch_profile(self.target, self.draft, self.fast_draft)
+        return self._batch_costs
 
     # ------------------------------------------------------------------------------ checks
     def _check_inputs(self, input_ids, attention_mask, max_new_tokens, policy):
@@ -201,6 +214,7 @@ class SpeculativeGenerator:
         rngs = _row_generators(seed, B)
         stats = GenerationStats(policy=pol.describe(), batch_size=B)
         costs = self.costs(pol) if pol.needs_costs else None  # profiled on first use: not part of this call's time
+        batch_costs = self.batch_costs() if B > 1 and getattr(pol, "needs_batch_costs", False) else None
         t_start = time.perf_counter()
         target, draft = self._start_runners(pol, input_ids, attention_mask)
         stats.prefill_ms = (time.perf_counter() - t_start) * 1e3
@@ -210,7 +224,10 @@ class SpeculativeGenerator:
         batch = _Batch(rows=list(range(B)), last=last, pending=last.view(-1, 1),
                        pending_valid=torch.ones(B, 1, dtype=torch.bool), rngs=rngs,
                        generated=[[] for _ in range(B)])
-        pol.configure(cfg, costs)
+        if getattr(pol, "needs_batch_costs", False):
+            pol.configure(cfg, costs, batch_costs=batch_costs)
+        else:
+            pol.configure(cfg, costs)
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
         runners = [r for r in (target, draft) if r is not None]
         try:
@@ -308,6 +325,10 @@ class SpeculativeGenerator:
         kcap = pol.max_candidates
         u = None if cfg.greedy else _uniforms(batch.rngs, 2 * kcap + 1)  # a fixed number per row and round
         drafted = self._draft(pol, call, draft, batch, remaining, u)
+        n = pol.verify_depth(drafted.n)
+        if not torch.equal(n, drafted.n):  # a verification budget keeps fewer slots than were drafted
+            D = int(n.max())
+            drafted = _Drafted(drafted.cands[:, :D], drafted.qs[:D], n, drafted.fed)
         t1 = time.perf_counter()
         out, acc = self._verify(call, target, batch, drafted, u, kcap)
         t2 = time.perf_counter()
@@ -373,6 +394,10 @@ class SpeculativeGenerator:
             t_logits = torch.stack([_processed(call.processor, bases, t_logits[:, i], drafted.cands[:, :i] if i else None)
                                     for i in range(K + 1)], 1)
         n_dev = drafted.n.to(vdev)
+        if K == 0:  # no slot kept: the target's next token, as plain decoding (the same uniform as a bonus token)
+            nxt = t_logits[:, 0].argmax(-1) if cfg.greedy else \
+                sample_with_uniforms(process_logits(t_logits[:, 0], cfg), u[:, kcap].to(vdev))
+            return nxt.view(-1, 1).cpu(), torch.zeros(B, dtype=torch.int64)
         if cfg.greedy:
             out, acc = ops.chain_verify_greedy(cand, t_logits, n_dev)
         else:
@@ -390,7 +415,8 @@ class SpeculativeGenerator:
         draft.rollback(fed - kept)  # the draft saw `fed` candidates; it keeps the accepted ones it saw
         extra = out[torch.arange(B), acc]
         unseen = acc > fed  # x_K accepted but never fed: the draft catches up on it next round
-        batch.pending = torch.stack([torch.where(unseen, drafted.cands[:, K - 1], extra), extra], 1)
+        lastcand = drafted.cands[:, K - 1] if K else extra
+        batch.pending = torch.stack([torch.where(unseen, lastcand, extra), extra], 1)
         batch.pending_valid = torch.stack([unseen, torch.ones_like(unseen)], 1)
         batch.last.copy_(extra.to(batch.last.device))
 

@@ -145,31 +145,114 @@ def cached_profile(target, draft, fast_draft: bool = True, k_max: int = 20, refr
                    progress: bool = True, directory: Optional[Path] = None) -> CostModel:
     """The pair's :class:`CostModel`, measured once per pair and setting (:func:`profile_key`) and cached
     as JSON under ``directory`` (default :func:`cache_dir`)``/profiles``."""
-    key = profile_key(target, draft, fast_draft, k_max)
-    path = (directory or cache_dir()) / "profiles" / f"{key}.json"
-    # a tensor-parallel target: the ranks profile together (its forwards are collective) and all use rank 0's table
-    cached = from_rank0(_read(path) if not refresh and is_main_process() else None)
+    path = (directory or cache_dir()) / "profiles" / f"{profile_key(target, draft, fast_draft, k_max)}.json"
+    return _cached(path, CostModel, lambda log: profile_pair(target, draft, fast_draft, k_max, log=log),
+                   "the pair for threshold='auto' (once per pair, dtype, device and thread count", refresh, progress)
+
+
+def _cached(path: Path, cls, measure, what: str, refresh: bool, progress: bool):
+    """``cls.from_json`` of the JSON at ``path``, or ``measure(log)`` saved there. A tensor-parallel target: the
+    ranks measure together (its forwards are collective) and all use rank 0's measurement."""
+    cached = from_rank0(_read(path, cls.from_json) if not refresh and is_main_process() else None)
     if cached is not None:
-        return CostModel.from_json(cached)
+        return cls.from_json(cached)
     log = (lambda s: print(s, end="", file=sys.stderr, flush=True)) if progress and is_main_process() else None
     if log is not None:
-        log(f"[specdec] profiling the pair for threshold='auto' (once per pair, dtype, device and thread count; "
-            f"cached in {path})\n")
-    costs = profile_pair(target, draft, fast_draft, k_max, log=log)
-    text = from_rank0(costs.to_json())
+        log(f"[specdec] profiling {what}; cached in {path})\n")
+    text = from_rank0(measure(log).to_json())
     if is_main_process():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(path)
-    return CostModel.from_json(text)
+    return cls.from_json(text)
 
 
-def _read(path: Path) -> Optional[str]:
+def _read(path: Path, parse=CostModel.from_json) -> Optional[str]:
     """The cached profile's JSON, or None when missing or damaged (then it is measured again)."""
     try:
         text = path.read_text()
-        CostModel.from_json(text)
+        parse(text)
         return text
     except (OSError, ValueError, KeyError, json.JSONDecodeError):
         return None
+
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+ROUND_KS = (0, 1, 2, 3, 4, 6, 8)
+
+
+@torch.inference_mode()
+def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, ks=ROUND_KS, reps: int = 3,
+                    context: int = 128, tokens: int = 12, log=None):
+    """Measure a :class:`~specdec_ext.policies.goodput.BatchCosts` at each batch size B of ``sizes``:
+
+    - whole rounds as the engine runs them: greedy generations of ``tokens`` tokens from B random
+      ``context``-token prompts with fixed K = k for each k of ``ks`` (k = 0: plain decoding); the median
+      ``total_ms`` of the rounds in which all B rows were live; other k are interpolated linearly;
+    - the target's forward alone over ``[B, n]`` for n = 1 .. max(ks) + 1 (medians of ``reps``).
+    """
+    from ..policies.goodput import BatchCosts
+    from .generator import SpeculativeGenerator
+    from .models import vocab_size
+    from .runner import CausalLMRunner
+
+    V = vocab_size(target)
+    g = torch.Generator().manual_seed(0)
+    gens = {k: SpeculativeGenerator(target, draft if k else None, policy="fixed" if k else "autoregressive",
+                                    fast_draft=fast_draft, **({"k": k} if k else {})) for k in ks}
+    n_max = max(ks) + 1
+    rounds, verify = [], []
+    for i, B in enumerate(sizes):
+        prompt = torch.randint(0, V, (B, context), generator=g)
+        measured = {}
+        for k in ks:
+            gens[k].generate(prompt[:, -8:], max_new_tokens=2, temperature=0)  # warm-up at this size
+            st = gens[k].generate(prompt, max_new_tokens=tokens, temperature=0).stats
+            full = [r.total_ms for r in st.rounds if len(r.rows) == B] or [r.total_ms for r in st.rounds]
+            measured[k] = statistics.median(full)
+        known = sorted(measured)
+        row = []
+        for k in range(max(ks) + 1):  # linear between measured k
+            lo = max(x for x in known if x <= k)
+            hi = min(x for x in known if x >= k)
+            w = 0.0 if hi == lo else (k - lo) / (hi - lo)
+            row.append((1 - w) * measured[lo] + w * measured[hi])
+        rounds.append(row)
+        t_run = CausalLMRunner(target, "target")
+        t_run.start(B)
+        t_run.forward(prompt)
+        times: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
+        toks = {n: torch.randint(0, V, (B, n), generator=g) for n in times}
+
+        def tstep(n):
+            t_run.forward(toks[n], keep=n)
+            t_run.rollback(torch.full((B,), n))
+
+        tstep(1)
+        for _ in range(reps):
+            for n in times:
+                times[n].append(_timed(lambda: tstep(n), t_run.device))
+        t_run.close()
+        verify.append([statistics.median(times[n]) for n in times])
+        if log is not None:
+            log(f"\r[specdec] profiling batch sizes for the verification budget: {i + 1}/{len(sizes)}")
+    if log is not None:
+        log("\n")
+    meta = {"processor": processor_name(), "threads": torch.get_num_threads(), "context": context, "reps": reps,
+            "tokens": tokens, "ks": list(ks), "target_dtype": str(next(target.parameters()).dtype),
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return BatchCosts(list(sizes), rounds, verify, meta)
+
+
+def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool = False, progress: bool = True,
+                         directory: Optional[Path] = None):
+    """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts`, measured once per pair and setting (the key
+    of :func:`profile_key`) and cached as JSON beside the single-row profile."""
+    from ..policies.goodput import BatchCosts
+
+    key = profile_key(target, draft, fast_draft, max(ROUND_KS))
+    path = (directory or cache_dir()) / "profiles" / f"{key}-batch.json"
+    return _cached(path, BatchCosts, lambda log: profile_batches(target, draft, fast_draft, log=log),
+                   f"batch sizes {list(BATCH_SIZES)} for the verification budget (once per pair and setting",
+                   refresh, progress)

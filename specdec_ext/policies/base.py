@@ -69,6 +69,12 @@ class CandidateLengthPolicy:
         """``[B]`` bool: stop drafting after this candidate. Rows at ``max_candidates`` always stop."""
         raise NotImplementedError
 
+    def verify_depth(self, num_drafted: torch.Tensor) -> torch.Tensor:
+        """After drafting, before verification: how many of its ``num_drafted[b]`` candidates (``[B]`` int64) each
+        row verifies (default: all). A batch-level verification budget returns fewer; 0 for every row makes the
+        round one step of plain decoding."""
+        return num_drafted
+
     def end_round(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Feedback after verification: candidates drafted and accepted per row (``[B]`` int64)."""
 

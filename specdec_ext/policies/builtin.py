@@ -12,7 +12,7 @@ from .. import ops
 from ..head import AcceptanceHead
 from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
 from .base import CandidateLengthPolicy, DraftStep, _check_k
-from .goodput import CostModel, GoodputRule
+from .goodput import BatchBudget, CostModel, GoodputRule
 
 
 class Autoregressive(CandidateLengthPolicy):
@@ -117,6 +117,10 @@ class SpecDecPP(CandidateLengthPolicy):
             expected to add more tokens per ms than the pair's goodput: stop after candidate k when
             S_k < lambda * (draft_ms + step_ms + verify(k+2) - verify(k+1)), with the costs from the pair's
             profile and lambda the row's running goodput in tokens/ms (:class:`~specdec_ext.policies.goodput.GoodputRule`).
+            At batch size > 1 (with a ``"proposal"`` head) the rows decide together instead, with a verification
+            budget across the batch from a profiled cost table by batch size
+            (:class:`~specdec_ext.policies.goodput.BatchBudget`): how deep the batch drafts, and how many of the
+            drafted slots it verifies (possibly none: a step of plain decoding).
         k_min, k_max: bounds on K (``k_max`` is K_max).
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
@@ -144,7 +148,10 @@ class SpecDecPP(CandidateLengthPolicy):
         self.heads = heads
         self.head = next(iter(heads.values()))
         self.threshold = threshold
-        self.needs_costs = self.auto
+        self.needs_costs = self.needs_batch_costs = self.auto
+        self.budget: Optional[BatchBudget] = None
+        self.use_budget = False
+        self._survivals: list = []
         self.name = f"specdec++-{threshold if self.auto else format(threshold, 'g')}"
         self.costs: Optional[CostModel] = None
         self.rule: Optional[GoodputRule] = None
@@ -160,7 +167,7 @@ class SpecDecPP(CandidateLengthPolicy):
 
     needs_probs = False  # greedy: the features come from DraftStep.logits by the fused op
 
-    def configure(self, sampling, costs=None):
+    def configure(self, sampling, costs=None, batch_costs=None):
         mode = "greedy" if sampling is None or sampling.greedy else "sample"
         if "any" in self.heads:
             self.head = self.heads["any"]
@@ -173,6 +180,7 @@ class SpecDecPP(CandidateLengthPolicy):
                 raise ValueError("SpecDecPP(threshold='auto') needs the pair's CostModel (the engine profiles it)")
             self.costs = costs
             self.rule = GoodputRule(costs, self.head.mean_accept, self.max_candidates)
+            self.budget = BatchBudget(batch_costs) if batch_costs is not None else None
 
     def reset(self, batch_size, device):
         self._weights = self.head.fused_weights(device)
@@ -184,10 +192,15 @@ class SpecDecPP(CandidateLengthPolicy):
         self._prev_features = None
         if self.rule is not None:
             self.rule.reset(batch_size)
+        # a batch of several rows under threshold="auto": the verification budget decides for the batch
+        self.use_budget = self.budget is not None and batch_size > 1 and self.head.input_position == "proposal"
+        if self.use_budget:
+            self.budget.reset(batch_size)
 
     def begin_round(self):
         self.cum_accept.fill_(1.0)
         self._prev_features = None
+        self._survivals = []
 
     def _features(self, info) -> Optional[torch.Tensor]:
         """The head's input features of the candidates just drafted, ``[B, F]`` (None without features)."""
@@ -221,14 +234,28 @@ class SpecDecPP(CandidateLengthPolicy):
         _, stop = ops.acceptance_head_step(hidden, features, *self._weights, self.cum_accept, k, self.k_min,
                                            self.max_candidates, h)
         stop = stop.cpu()
-        if self.auto and self.k_min <= k < self.max_candidates:
+        if self.use_budget:  # rows stop together, when the batch's next slots do not pay (BatchBudget)
+            self._survivals.append(self.cum_accept.detach().double().cpu())
+            if k >= self.k_min and not self.budget.go_on(k, self._survivals[-1]):
+                stop = torch.ones_like(stop)
+        elif self.auto and self.k_min <= k < self.max_candidates:
             stop = stop | self.rule.stop(k, self.cum_accept)
         return stop
+
+    def verify_depth(self, num_drafted):
+        if not self.use_budget or not self._survivals:
+            return num_drafted
+        S = torch.stack(self._survivals, 1)  # [B, k]: S_bj, 0 past a row's own candidates
+        S = S.masked_fill(torch.arange(1, S.shape[1] + 1).unsqueeze(0) > num_drafted.unsqueeze(1), 0.0)
+        self._drafted, self._depth = S.shape[1], self.budget.depth(S)
+        return num_drafted.clamp(max=self._depth)
 
     def end_round(self, num_drafted, num_accepted):
         self.history = history_update(self.history, num_drafted, num_accepted)
         if self.rule is not None:
             self.rule.update(num_drafted, num_accepted)
+        if self.use_budget and self._survivals:
+            self.budget.update(num_drafted.shape[0], self._drafted, self._depth, int((num_accepted + 1).sum()))
 
     def select_rows(self, index):
         self.cum_accept = self.cum_accept[index.to(self.cum_accept.device)]

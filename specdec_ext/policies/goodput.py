@@ -169,3 +169,122 @@ class GoodputRule:
 def prior_goodput(costs: CostModel, mean_accept: Optional[float], k_max: int) -> float:
     """A starting lambda: the best fixed K's goodput at the head's mean training acceptance (0.6 if unknown)."""
     return costs.best_fixed(0.6 if mean_accept is None else min(max(mean_accept, 0.0), 0.99), k_max)[1]
+
+
+@dataclass
+class BatchCosts:
+    """Costs of a batched round (ms), measured where the pair runs with the engine itself
+    (``engine.profile.profile_batches``), at the batch sizes ``sizes`` (increasing):
+
+    round_ms[i][k]: a whole round at batch size ``sizes[i]`` that drafts and verifies k candidates per row
+        (k = 0: a step of plain decoding), everything included (draft forwards, head, target forward,
+        verification, rollback), for k = 0 .. len - 1;
+    verify_ms[i][n - 1]: the target's forward alone over ``[sizes[i], n]`` tokens (every row verifies n
+        tokens: the verification is padded to the deepest row);
+    meta: what and where it was measured.
+    """
+
+    sizes: Sequence[int]
+    round_ms: Sequence[Sequence[float]]
+    verify_ms: Sequence[Sequence[float]]
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.sizes)
+        if not n or list(self.sizes) != sorted(set(self.sizes)) or len(self.verify_ms) != n or len(self.round_ms) != n:
+            raise ValueError("BatchCosts: need increasing sizes with one round_ms and one verify_ms row each")
+        self.round_ms = [isotonic(v) for v in self.round_ms]
+        self.verify_ms = [isotonic(v) for v in self.verify_ms]
+
+    def _at(self, B: int, values: Sequence[float]) -> float:
+        s = list(self.sizes)
+        if B <= s[0]:
+            return values[0] * (B / s[0] if B < s[0] else 1.0)
+        for i in range(1, len(s)):
+            if B <= s[i]:  # linear between measured sizes
+                w = (B - s[i - 1]) / (s[i] - s[i - 1])
+                return (1 - w) * values[i - 1] + w * values[i]
+        return values[-1] * B / s[-1]  # beyond the table: proportional to rows
+
+    @staticmethod
+    def _extend(v: Sequence[float], i: int) -> float:
+        if i < len(v):
+            return v[i]
+        slope = max(0.0, v[-1] - v[-2]) if len(v) > 1 else 0.0
+        return v[-1] + slope * (i - len(v) + 1)
+
+    def round(self, B: int, k: int) -> float:
+        """A round of k candidates per row at batch size B (ms); beyond the table, the last step's slope continues."""
+        return self._at(B, [self._extend(v, k) for v in self.round_ms])
+
+    def verify(self, B: int, n: int) -> float:
+        """The target's forward over ``[B, n]`` tokens (ms)."""
+        return self._at(B, [self._extend(v, n - 1) for v in self.verify_ms])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "BatchCosts":
+        d = json.loads(text)
+        return cls(d["sizes"], d["round_ms"], d["verify_ms"], d.get("meta", {}))
+
+
+class BatchBudget:
+    """A verification budget across a batch (``threshold="auto"`` at batch size > 1): how deep the whole batch
+    drafts and verifies in this round, from the rows' predicted survivals and the profiled cost table.
+
+    The round's target forward is over ``[B, D + 1]`` tokens, D the deepest row's candidates (rows with fewer
+    are padded; a transformers forward with a per-row KV cache cannot pack rows). So the verification cost of
+    any set of draft slots is set by its deepest slot, and the global top-N choice of vLLM's adaptive
+    verification (rank slots by survival, keep the N that maximise goodput) reduces to choosing a depth:
+    every row keeps its slots 1..D. With S_bk the survival of row b's candidate k (the product of the head's
+    p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + sum_{k<=D} S_bk) tokens (Leviathan et al.
+    2023, Eq. 1, per slot) in T_B(D) ms (``BatchCosts.round``). With lambda the batch's running goodput
+    (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`):
+
+    - drafting goes on after depth k while sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)) (S_bk bounds what
+      slot k + 1 of row b can add);
+    - the verified depth is the d <= k that maximises sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
+      draft time is spent, the verification is not, so slots whose survival does not pay for their
+      verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
+
+    lambda starts at plain decoding's goodput B / T_B(0), so speculation must beat plain decoding to be chosen.
+    Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
+    distribution does not: each verified slot is accepted by the same rejection sampling).
+    """
+
+    def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0):
+        self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
+        self.tokens = self.time = 0.0
+
+    def reset(self, batch_size: int) -> None:
+        plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
+        self.tokens, self.time = plain * self.prior_ms, self.prior_ms
+
+    @property
+    def rate(self) -> float:
+        """lambda: the batch's running goodput, tokens/ms."""
+        return self.tokens / self.time
+
+    def go_on(self, k: int, survival: torch.Tensor) -> bool:
+        """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
+        that cannot draft further)."""
+        B = survival.shape[0]
+        return float(survival.sum()) >= self.rate * (self.batch.round(B, k + 1) - self.batch.round(B, k))
+
+    def depth(self, survivals: torch.Tensor) -> int:
+        """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
+        B, k = survivals.shape
+        gain = torch.cat([torch.zeros(1, dtype=torch.float64), survivals.double().sum(0).cumsum(0)])
+        lam = self.rate
+        values = [float(gain[d]) - lam * self.batch.verify(B, d + 1) for d in range(k + 1)]
+        return max(range(k + 1), key=lambda d: (values[d], d))
+
+    def update(self, batch_size: int, drafted: int, depth: int, emitted: int) -> None:
+        """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch."""
+        b = self.batch
+        ms = b.round(batch_size, drafted) - (b.verify(batch_size, drafted + 1) - b.verify(batch_size, depth + 1))
+        a = self.decay
+        self.tokens = (1 - a) * self.tokens + a * emitted
+        self.time = (1 - a) * self.time + a * ms

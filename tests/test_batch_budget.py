@@ -1,0 +1,141 @@
+"""The verification budget across a batch (issue 13): ``threshold="auto"`` at batch size > 1.
+
+Its arithmetic against hand computation, its decisions against the cost table (cheap verification: deep
+rounds; dear verification: rounds of plain decoding), greedy output equal to target-only decoding, the
+chi-square test of its sampled output (including the rounds that keep no slot), and batch size 1 untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import make_pair
+from stats import assert_follows
+from support import TEST_BATCH_COSTS, TEST_COSTS, constant_head, exact_marginals, head_for
+from specdec_ext import SpeculativeGenerator
+from specdec_ext.engine.sampling import SamplingConfig
+from specdec_ext.policies.goodput import BatchBudget, BatchCosts
+
+# verification that grows fast with tokens (a CPU with many rows): slots rarely pay
+DEAR = BatchCosts([1, 8192], [[10.0 + 10.5 * k for k in range(9)]] * 2, [[10.0 * n for n in range(1, 10)]] * 2)
+# in between: the batch drafts a few candidates and drops the slots whose survival does not pay
+MID = BatchCosts([1, 8192], [[10.0 + 2.5 * k for k in range(9)]] * 2, [[10.0 + 2.0 * (n - 1) for n in range(1, 10)]] * 2)
+
+
+def test_batch_costs_interpolate_by_rows_and_tokens():
+    c = BatchCosts([1, 4, 16], [[1.0, 2.0], [2.0, 3.0], [8.0, 12.0]],
+                   [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [8.0, 16.0, 24.0]])
+    assert c.verify(4, 2) == 4.0 and c.verify(10, 1) == pytest.approx(5.0)   # halfway from 4 to 16 rows
+    assert c.verify(32, 3) == pytest.approx(48.0) and c.verify(16, 5) == pytest.approx(40.0)  # beyond: scaled
+    assert c.round(10, 1) == pytest.approx(7.5) and c.round(4, 3) == pytest.approx(5.0) and c.round(1, 0) == 1.0
+    assert BatchCosts.from_json(c.to_json()).round_ms == c.round_ms
+    with pytest.raises(ValueError, match="increasing sizes"):
+        BatchCosts([4, 1], [[1.0], [1.0]], [[1.0], [1.0]])
+
+
+def test_budget_depth_and_go_on_by_hand():
+    batch = BatchCosts([1, 64], [[10.0, 15.5, 21.0, 26.5]] * 2, [[10.0, 14.0, 18.0, 22.0]] * 2)
+    b = BatchBudget(batch)
+    b.reset(2)
+    lam = 2 / 10.0  # plain decoding's goodput: 2 rows per 10 ms
+    assert b.rate == pytest.approx(lam)
+    # slot k + 1 costs T(k + 1) - T(k) = 5.5 ms: worth 1.1 tokens at lambda = 0.2
+    assert b.go_on(1, torch.tensor([0.6, 0.6])) and not b.go_on(1, torch.tensor([0.5, 0.5]))
+    # depth: gains 0, 1.5, 2.1, 2.3 against lambda * verify = 2.0, 2.8, 3.6, 4.4 -> values -2, -1.3, -1.5, -2.1
+    S = torch.tensor([[0.9, 0.4, 0.1], [0.6, 0.2, 0.1]])
+    assert b.depth(S) == 1
+    assert b.depth(torch.full((2, 3), 0.05)) == 0  # nothing pays for its verification: plain decoding
+    b.update(2, drafted=3, depth=1, emitted=4)  # the round cost T(3) less the verification it did not do
+    assert b.rate == pytest.approx((0.8 * 10 + 0.2 * 4) / (0.8 * 50 + 0.2 * (26.5 - (22.0 - 14.0))))
+
+
+def _ids(B, V, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, V, (B, T), generator=g)
+
+
+@pytest.mark.parametrize("batch", [TEST_BATCH_COSTS, MID, DEAR], ids=["flat", "mid", "dear"])
+def test_budget_greedy_equals_target_only_and_follows_the_costs(batch):
+    target, draft = make_pair("llama", noise=0.3)
+    head = head_for(draft, kind="proposal")
+    ids = _ids(6, target.config.vocab_size)
+    plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=8,
+                               costs=TEST_COSTS, batch_costs=batch)
+    out = gen.generate(ids, max_new_tokens=24, temperature=0)
+    assert out.new_tokens == plain.new_tokens
+    lengths = [max(r.candidates) for r in out.stats.rounds]
+    if batch is DEAR:
+        assert max(lengths) == 0   # every round one token per row: no slot pays for its verification
+    elif batch is TEST_BATCH_COSTS:
+        assert sum(lengths) / len(lengths) > 3 and out.stats.accepted > 0
+    else:
+        assert 0 < sum(lengths) / len(lengths) < 8
+    # rows of a round verify the same number of slots (the budget is a depth), capped by what each may still emit
+    remaining = [24] * 6
+    for r in out.stats.rounds:
+        D = max(r.candidates)
+        for row, c, e in zip(r.rows, r.candidates, r.emitted):
+            assert c == D or c == remaining[row] - 1, (r, remaining)
+            remaining[row] -= e
+
+
+def test_batch_size_one_keeps_the_per_row_rule():
+    target, draft = make_pair("llama", noise=0.3)
+    head = constant_head(draft, 0.7, "proposal")
+    ids = _ids(1, target.config.vocab_size)
+    runs = [SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=8,
+                                 costs=TEST_COSTS, batch_costs=b).generate(ids, max_new_tokens=30, temperature=0)
+            for b in (DEAR, TEST_BATCH_COSTS)]
+    assert [r.candidates for r in runs[0].stats.rounds] == [r.candidates for r in runs[1].stats.rounds]
+    assert runs[0].stats.mean_candidate_length > 1
+
+
+N_ROWS, N_POS = 3000, 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [MID, DEAR], ids=["mid", "dear"])
+def test_budgeted_sampling_is_lossless(batch):
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([[0, 5, 7, 3, 9]])
+    cfg = SamplingConfig(1.0)
+    marg = exact_marginals(target, prompt, cfg, N_POS)
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
+                               threshold="auto", k_max=6, costs=TEST_COSTS, batch_costs=batch)
+    out = gen.generate(prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=1.0, seed=1000)
+    toks = torch.tensor(out.new_tokens)
+    for i in range(N_POS):
+        assert_follows(toks[:, i], marg[i], f"budget {batch.verify(1, 2)}, position {i + 1}")
+    depths = [max(r.candidates) for r in out.stats.rounds]
+    assert (0 in depths) if batch is DEAR else (out.stats.accepted > 0 and out.stats.discarded > 0)
+
+
+def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The single-row and the batch profiles of a tiny pair: positive, of the documented shapes, cached as JSON
+    and read back (not measured again); a damaged cache file is measured again."""
+    from specdec_ext.engine import profile
+
+    target, draft = make_pair("llama", noise=0.3)
+    real = profile.profile_batches
+    monkeypatch.setattr(profile, "profile_batches",
+                        lambda t, d, f, log=None: real(t, d, f, sizes=(1, 3), ks=(0, 1, 3), tokens=4, reps=1, context=8))
+    batch = profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False)
+    assert batch.sizes == [1, 3] and [len(r) for r in batch.round_ms] == [4, 4] and len(batch.verify_ms[0]) == 4
+    assert all(x > 0 for r in batch.round_ms + batch.verify_ms for x in r)
+    costs = profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False)
+    assert len(costs.verify_ms) == 4 and costs.draft_ms > 0
+    files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert len(files) == 2 and sum(f.endswith("-batch.json") for f in files) == 1
+
+    def fail(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(profile, "profile_batches", fail)
+    monkeypatch.setattr(profile, "profile_pair", fail)
+    assert profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False).round_ms == batch.round_ms
+    assert profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False).verify_ms == costs.verify_ms
+    bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch.json"))
+    bad.write_text("{not json")
+    with pytest.raises(AssertionError, match="measured again"):
+        profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False)
