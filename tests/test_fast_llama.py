@@ -50,3 +50,60 @@ def test_supports():
     assert not supports(make_target("gpt2"))
     with pytest.raises(ValueError, match="not a supported Llama"):
         FastLlamaRunner(make_target("gpt2"))
+
+
+def test_forward_of_some_rows_equals_their_rows_of_a_full_forward():
+    """Rows that stopped drafting sit out: a forward over rows [0, 2] of 3 computes what a forward of all three
+    computes for those rows, leaves a hole for row 1, and row 1 goes on as if that column never existed."""
+    from specdec_ext.engine.fast_llama import FastLlamaRunner
+    from models import make_target
+
+    model = make_target("llama", vocab=48)
+    ids = torch.randint(2, 48, (3, 7), generator=torch.Generator().manual_seed(0))
+    nxt = torch.tensor([[5], [6], [7]])
+    full, part = FastLlamaRunner(model), FastLlamaRunner(model)
+    for r in (full, part):
+        r.start(3)
+        r.forward(ids)
+    want, want_h = full.forward(nxt, keep=1, hidden=True)
+    rows = torch.tensor([0, 2])
+    got, got_h = part.forward(nxt[rows], keep=1, hidden=True, rows=rows)
+    torch.testing.assert_close(got, want[rows])
+    torch.testing.assert_close(got_h, want_h[rows])
+    assert part.mask[:, -1].tolist() == [True, False, True] and part.next_pos.tolist() == [8, 7, 8]
+    alone = FastLlamaRunner(model)
+    alone.start(1)
+    alone.forward(ids[1:2])
+    torch.testing.assert_close(part.forward(nxt[1:2] + 1, rows=torch.tensor([1]))[0],
+                               alone.forward(nxt[1:2] + 1)[0])
+    # rollback removes a row's own last valid positions, not the column it sat out
+    part.rollback(torch.tensor([1, 1, 1]))
+    assert part.next_pos.tolist() == [7, 7, 7] and part.length == 7  # both new columns are holes in every row
+
+
+def test_rows_that_stop_are_not_computed():
+    """With per-row stops, later draft forwards compute only the rows still drafting."""
+    from specdec_ext import SpeculativeGenerator
+    from specdec_ext.engine import fast_llama
+    from models import make_pair
+    from support import make_gen
+
+    target, draft = make_pair("llama", noise=0.3)
+    gen = make_gen(target, draft, "specdecpp", {"threshold": 0.5, "_head": "proposal"})
+    sizes = []
+    real = fast_llama.FastLlamaRunner._forward
+
+    def spy(self, tokens, *a, **kw):
+        if kw.get("rows") is not None:
+            sizes.append((tokens.shape[0], self.next_pos.shape[0]))
+        return real(self, tokens, *a, **kw)
+
+    fast_llama.FastLlamaRunner._forward = spy
+    try:
+        ids = torch.randint(2, 48, (6, 5), generator=torch.Generator().manual_seed(1))
+        out = gen.generate(ids, max_new_tokens=20, temperature=0)
+    finally:
+        fast_llama.FastLlamaRunner._forward = real
+    plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=20, temperature=0)
+    assert out.new_tokens == plain.new_tokens
+    assert sizes and all(0 < b < live for b, live in sizes)  # some forwards ran on a subset of the live rows

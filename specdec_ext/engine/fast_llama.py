@@ -106,19 +106,31 @@ class FastLlamaRunner(TimedRunner):
 
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
-                hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                hidden: bool = False, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Feed ``tokens`` ``[B, n]`` (``valid`` ``[B, n]`` bool marks real tokens). With ``rows`` (``[b]`` int64,
+        increasing), only those rows of the batch are computed: ``tokens`` is ``[b, n]``, the other rows get holes
+        in the new columns, and the results are the b rows' (``[b, keep, V]`` logits, ``[b, keep, H]`` hidden)."""
         tokens = tokens.to(self.device)
         B, n = tokens.shape
         valid = torch.ones(B, n, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()
+        sub = rows is not None and rows.numel() < self.next_pos.shape[0]
+        idx = rows.to(self.device) if sub else None
         steps = valid.long().cumsum(-1)
-        pos = (self.next_pos.unsqueeze(1) + (steps - 1).clamp_min(0)).clamp_max(self.max_pos - 1)
+        next_pos = self.next_pos[idx] if sub else self.next_pos
+        pos = (next_pos.unsqueeze(1) + (steps - 1).clamp_min(0)).clamp_max(self.max_pos - 1)
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         self._reserve(n)
         C0, C1 = self.length, self.length + n
-        self.mask = torch.cat([self.mask, valid], 1)
+        if sub:  # rows that sit out this forward get holes
+            column = torch.zeros(self.mask.shape[0], n, dtype=torch.bool, device=self.device)
+            column[idx] = valid
+            self.mask = torch.cat([self.mask, column], 1)
+            row_mask = self.mask[idx]
+        else:
+            self.mask = row_mask = torch.cat([self.mask, valid], 1)
         # query i (absolute column C0 + i) sees valid keys at columns <= C0 + i
         causal = torch.arange(C1, device=self.device).unsqueeze(0) <= (C0 + torch.arange(n, device=self.device)).unsqueeze(1)
-        attn_mask = (self.mask.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # [B, 1, n, C1]
+        attn_mask = (row_mask.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # [B, 1, n, C1]
         x = F.embedding(tokens, self.embed)
         hq, hk, d = self.n_heads, self.n_kv, self.head_dim
         for li, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
@@ -126,17 +138,27 @@ class FastLlamaRunner(TimedRunner):
             qkv = F.linear(h, w_qkv).view(B, n, hq + 2 * hk, d).transpose(1, 2)
             q, k, v = qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            self.k[li][:, :, C0:C1] = k
-            self.v[li][:, :, C0:C1] = v
-            o = F.scaled_dot_product_attention(q, self.k[li][:, :, :C1], self.v[li][:, :, :C1], attn_mask=attn_mask,
-                                               enable_gqa=hq != hk)
+            if sub:  # rows sitting out get zeros, not the buffer's uninitialised bits (0 * NaN would leak into attention)
+                self.k[li][:, :, C0:C1] = 0
+                self.v[li][:, :, C0:C1] = 0
+                self.k[li][idx, :, C0:C1] = k
+                self.v[li][idx, :, C0:C1] = v
+                keys, values = self.k[li][idx, :, :C1], self.v[li][idx, :, :C1]
+            else:
+                self.k[li][:, :, C0:C1] = k
+                self.v[li][:, :, C0:C1] = v
+                keys, values = self.k[li][:, :, :C1], self.v[li][:, :, :C1]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=hq != hk)
             x = x + F.linear(o.transpose(1, 2).reshape(B, n, hq * d), w_o)
             h = self._rms(x, w_post)
             g, u = F.linear(h, w_gu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, w_down)
         hn = self._rms(x[:, -keep:], self.final_norm)
         logits = F.linear(hn, self.lm_head).float()
-        self.next_pos = self.next_pos + steps[:, -1]
+        if sub:
+            self.next_pos = self.next_pos.index_add(0, idx, steps[:, -1])
+        else:
+            self.next_pos = self.next_pos + steps[:, -1]
         self.calls += 1
         return logits, (hn if hidden else None)
 

@@ -354,7 +354,9 @@ class SpeculativeGenerator:
         bases = _prefixes(call, batch) if call.processor is not None else None
         logits, hid = draft.forward(batch.pending, batch.pending_valid, keep=1, hidden=pol.needs_hidden)
         cands, qs = [], []
-        fed = step = 0
+        step = 0
+        fed = torch.zeros(B, dtype=torch.int64)  # candidates fed back to the draft, per row
+        subset = isinstance(draft, fast_llama.FastLlamaRunner)  # can compute only the rows still drafting
         need_probs = not cfg.greedy or pol.needs_probs
         while True:
             step += 1
@@ -375,8 +377,18 @@ class SpeculativeGenerator:
             stopped = stopped | pol.should_stop(info).cpu() | (step >= cap)
             if bool(stopped.all()) or step >= kcap:
                 break
-            logits, hid = draft.forward(x.view(-1, 1), keep=1, hidden=pol.needs_hidden)
-            fed += 1
+            live = ~stopped
+            if subset and not bool(live.all()):  # rows that stopped stop paying: only the live rows are computed
+                idx = live.nonzero().view(-1)
+                part, part_hid = draft.forward(x[idx.to(x.device)].view(-1, 1), keep=1, hidden=pol.needs_hidden, rows=idx)
+                logits = logits.clone()
+                logits[idx.to(logits.device)] = part  # stopped rows keep stale values that nothing reads
+                if part_hid is not None:
+                    hid = hid.clone()
+                    hid[idx.to(hid.device)] = part_hid
+            else:  # the others sit out as holes
+                logits, hid = draft.forward(x.view(-1, 1), live.view(-1, 1), keep=1, hidden=pol.needs_hidden)
+            fed += live.long()
         return _Drafted(torch.stack(cands, 1), qs, n, fed)
 
     def _verify(self, call: "_Call", target, batch: "_Batch", drafted: "_Drafted", u, kcap):
@@ -411,11 +423,11 @@ class SpeculativeGenerator:
         B, K = drafted.cands.shape
         fed = drafted.fed
         target.rollback(K - acc)  # the target saw [last, x_1..x_K]; it keeps last, x_1..x_acc
-        kept = torch.minimum(acc, torch.full_like(acc, fed))
-        draft.rollback(fed - kept)  # the draft saw `fed` candidates; it keeps the accepted ones it saw
+        kept = torch.minimum(acc, fed)
+        draft.rollback(fed - kept)  # row b's draft saw fed[b] candidates; it keeps the accepted ones it saw
         extra = out[torch.arange(B), acc]
-        unseen = acc > fed  # x_K accepted but never fed: the draft catches up on it next round
-        lastcand = drafted.cands[:, K - 1] if K else extra
+        unseen = acc > fed  # its last accepted candidate never fed: the draft catches up on it next round
+        lastcand = drafted.cands.gather(1, (acc - 1).clamp(min=0).view(-1, 1)).view(-1) if K else extra
         batch.pending = torch.stack([torch.where(unseen, lastcand, extra), extra], 1)
         batch.pending_valid = torch.stack([unseen, torch.ones_like(unseen)], 1)
         batch.last.copy_(extra.to(batch.last.device))
@@ -475,12 +487,13 @@ class _Batch:
 @dataclass
 class _Drafted:
     """A round's candidates: cands [B, K] (a row drafted n[b] <= K of them), the draft distributions q
-    (sampling), and how many candidates were fed back to the draft."""
+    (sampling), and how many candidates were fed back to the draft, per row (``[B]`` int64: a row takes part
+    in the draft forwards until it stops)."""
 
     cands: torch.Tensor
     qs: list
     n: torch.Tensor
-    fed: int
+    fed: torch.Tensor
 
 
 def _eos_set(eos_token_id) -> set:

@@ -69,22 +69,29 @@ class TimedRunner:
             self.mask = self.mask[:, :length]
 
     def rollback(self, n_remove: torch.Tensor) -> None:
-        """Drop the last ``n_remove[b]`` positions of row b (all fed in this round, all valid): they become
-        holes, and the tail that every row dropped is cropped for real."""
+        """Drop the last ``n_remove[b]`` valid positions of row b (all fed in this round): they become holes,
+        and the tail of columns that are holes in every row is cropped for real. A row that sat out some of
+        the round's forwards (a hole in their columns) loses its own last valid positions, not those columns."""
         n_remove = n_remove.to(self.device)
-        C = self.length
-        cols = torch.arange(C, device=self.device).unsqueeze(0)
-        self.mask = self.mask.masked_fill(cols >= (C - n_remove).unsqueeze(1), 0)
+        if not n_remove.numel() or int(n_remove.max()) == 0:
+            return
+        valid = self.mask.bool()
+        from_end = valid.flip(1).long().cumsum(1).flip(1)  # valid positions at or after each column, per row
+        self.mask = self.mask.masked_fill(valid & (from_end <= n_remove.unsqueeze(1)), 0)
         self.next_pos = self.next_pos - n_remove
-        self._trim(C - (int(n_remove.min()) if n_remove.numel() else 0))
+        self._trim_holes()
+
+    def _trim_holes(self) -> None:
+        """Crop the tail columns that are holes in every row."""
+        valid_cols = self.mask.any(0).nonzero()
+        self._trim(int(valid_cols.max()) + 1 if valid_cols.numel() else 0)
 
     def _select_mask_rows(self, idx: torch.Tensor) -> None:
         """Keep rows ``idx`` of the mask and positions, then drop tail columns that are holes in every row."""
         self.mask = self.mask[idx]
         self.next_pos = self.next_pos[idx]
         if self.mask.numel():
-            valid_cols = self.mask.any(0).nonzero()
-            self._trim(int(valid_cols.max()) + 1 if valid_cols.numel() else 0)
+            self._trim_holes()
 
 
 def sliding_layout(model) -> Optional[dict]:

@@ -122,6 +122,10 @@ class SpecDecPP(CandidateLengthPolicy):
             (:class:`~specdec_ext.policies.goodput.BatchBudget`): how deep the batch drafts, and how many of the
             drafted slots it verifies (possibly none: a step of plain decoding).
         k_min, k_max: bounds on K (``k_max`` is K_max).
+        batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
+            (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
+            batch (their distribution does not); ``False`` keeps every row's decisions its own (per-row rule),
+            so a row's seeded output in a batch equals its output alone.
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
     ``"proposal"`` head scores candidate k at step k and may stop at any K >= 1; the paper's
@@ -130,7 +134,7 @@ class SpecDecPP(CandidateLengthPolicy):
     order), and its smallest K is 2.
     """
 
-    def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20):
+    def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20, batch_budget: bool = True):
         heads = dict(head) if isinstance(head, Mapping) else {"any": head}
         for key, h in heads.items():
             if not isinstance(h, AcceptanceHead):
@@ -148,7 +152,8 @@ class SpecDecPP(CandidateLengthPolicy):
         self.heads = heads
         self.head = next(iter(heads.values()))
         self.threshold = threshold
-        self.needs_costs = self.needs_batch_costs = self.auto
+        self.needs_costs = self.auto
+        self.needs_batch_costs = self.auto and bool(batch_budget)
         self.budget: Optional[BatchBudget] = None
         self.use_budget = False
         self._survivals: list = []
