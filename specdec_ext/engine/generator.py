@@ -118,8 +118,8 @@ class SpeculativeGenerator:
         return self._costs
 
     def batch_costs(self):
-        """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` (verification ms by batch size and tokens,
-        draft ms by rows) for the batch verification budget: the one given to the constructor, or measured once
+        """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` (whole-round ms by batch size and K, target
+        forward ms by batch size and tokens) for the batch verification budget: the one given to the constructor, or measured once
         where the pair runs and cached on disk (``engine/profile.py``)."""
         if self._batch_costs is None:
             from .profile import cached_batch_profile
