@@ -98,12 +98,12 @@ def _models(args, need_head: bool):
 
 
 def _tp(args) -> int:
-    import os
+    from .engine.tensor_parallel import launched_world_size
 
     tp = getattr(args, "tp", 1)
     if tp < 1:
         raise UsageError(f"--tp {tp}: expected a number of tensor-parallel ranks >= 1")
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = launched_world_size()
     if tp > 1 and world != tp:
         raise UsageError(f"--tp {tp} runs as {tp} processes: launch it with `torchrun --nproc-per-node {tp} --no-python "
                          f"specdec ...` (this process sees WORLD_SIZE={world})")
@@ -252,9 +252,11 @@ def _shard(args):
         if not (n >= 1 and 0 <= i < n):
             raise UsageError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
         return i, n
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from .engine.tensor_parallel import launched_world_size, rank
+
+    world = launched_world_size()
     if args.data_only and world > 1:
-        return int(os.environ.get("RANK", "0")), world
+        return rank(), world
     return None
 
 

@@ -97,14 +97,15 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
 def _tp_kwargs(tp: int, device_map: Optional[str]) -> dict:
     """``from_pretrained`` arguments of a target tensor-parallel over ``tp`` ranks, after checking the launch."""
     import importlib.util
-    import os
+
+    from ..engine.tensor_parallel import launched_world_size
 
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1 (tensor-parallel ranks), got {tp!r}")
     if device_map:
         raise ValueError("tp and device_map are exclusive: tp splits every layer over ranks, device_map spreads layers "
                          "over devices")
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = launched_world_size()
     if world != tp:
         raise ValueError(f"tp={tp} needs {tp} processes launched by `torchrun --nproc-per-node {tp} ...` "
                          f"(this process sees WORLD_SIZE={world})")
