@@ -28,10 +28,28 @@ from ..policies import CandidateLengthPolicy, DraftStep, make_policy
 from ..policies.goodput import CostModel
 from . import fast_llama
 from .models import context_length, fingerprint, hidden_size, vocab_size
-from .runner import CausalLMRunner, sliding_layout
+from .runner import CausalLMRunner, pad_front, sliding_layout
 from .tensor_parallel import check_same_output, tp_size
 from .sampling import SamplingConfig, process_logits, sample_with_uniforms
 from .stats import GenerationStats, RoundStats
+
+
+@dataclass
+class ContinuousOutput:
+    """What :meth:`SpeculativeGenerator.generate_continuous` returns. new_tokens: each request's generated
+    token ids, in the order of the prompts; admitted_ms / finished_ms: per request, ms from the call's
+    start to the start of its prefill and to the end of its last round; stats: :class:`GenerationStats` of
+    the whole call (``RoundStats.rows`` hold request indices)."""
+
+    new_tokens: list[list[int]]
+    admitted_ms: list[float]
+    finished_ms: list[float]
+    stats: GenerationStats
+
+    def tokens_per_s(self) -> list[float]:
+        """Per request: its tokens over the time from its admission to its last round (tokens/s)."""
+        return [len(t) / ((f - a) / 1e3) if f > a else 0.0
+                for t, a, f in zip(self.new_tokens, self.admitted_ms, self.finished_ms)]
 
 
 @dataclass
@@ -213,8 +231,7 @@ class SpeculativeGenerator:
         call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer, logits_processor, prompts)
         rngs = _row_generators(seed, B)
         stats = GenerationStats(policy=pol.describe(), batch_size=B)
-        costs = self.costs(pol) if pol.needs_costs else None  # profiled on first use: not part of this call's time
-        batch_costs = self.batch_costs() if B > 1 and getattr(pol, "needs_batch_costs", False) else None
+        self._configure(pol, cfg, B)  # costs profiled on first use: not part of this call's time
         t_start = time.perf_counter()
         target, draft = self._start_runners(pol, input_ids, attention_mask)
         stats.prefill_ms = (time.perf_counter() - t_start) * 1e3
@@ -224,32 +241,8 @@ class SpeculativeGenerator:
         batch = _Batch(rows=list(range(B)), last=last, pending=last.view(-1, 1),
                        pending_valid=torch.ones(B, 1, dtype=torch.bool), rngs=rngs,
                        generated=[[] for _ in range(B)])
-        if getattr(pol, "needs_batch_costs", False):
-            pol.configure(cfg, costs, batch_costs=batch_costs)
-        else:
-            pol.configure(cfg, costs)
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
-        runners = [r for r in (target, draft) if r is not None]
-        try:
-            while batch.rows:
-                remaining = torch.tensor([max_new_tokens - len(batch.generated[r]) for r in batch.rows])
-                if pol.speculative:
-                    emitted = self._speculative_round(pol, call, target, draft, batch, remaining, stats)
-                else:
-                    emitted = self._plain_step(call, target, batch, stats)
-                keep = self._commit(call, batch, emitted, remaining, stats)
-                if len(keep) < len(batch.rows):
-                    idx = torch.tensor(keep, dtype=torch.int64)
-                    for r in runners:
-                        r.select_rows(idx)
-                    pol.select_rows(idx)
-                    batch.select(keep)
-        finally:
-            stats.target_calls, stats.target_forward_ms = target.calls, target.seconds * 1e3
-            stats.draft_calls = draft.calls if draft is not None else 0
-            stats.draft_forward_ms = draft.seconds * 1e3 if draft is not None else 0.0
-            for r in runners:
-                r.close()
+        self._loop(pol, call, target, draft, batch, stats)
         if streamer is not None:
             streamer.end()
         stats.wall_ms = (time.perf_counter() - t_start) * 1e3
@@ -257,6 +250,143 @@ class SpeculativeGenerator:
         if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
             check_same_output(out.sequences)
         return out
+
+    @torch.inference_mode()
+    def generate_continuous(self, prompts, batch_size: int, max_new_tokens: int = 64, temperature: float = 1.0,
+                            top_k: Optional[int] = None, top_p: Optional[float] = None,
+                            eos_token_id: Union[int, Sequence[int], None] = None, seed: Union[int, Sequence[int]] = 0,
+                            policy: Union[str, CandidateLengthPolicy, None] = None, logits_processor=None,
+                            **policy_kwargs) -> "ContinuousOutput":
+        """Continuous batching: generate for every prompt, with up to ``batch_size`` requests live at once.
+
+        The first ``batch_size`` prompts start together; whenever requests finish, the next prompts of the queue
+        take their places after that round: they are prefilled (target and draft) and their caches join the
+        batch's (:meth:`~specdec_ext.engine.runner.TimedRunner.append_rows`), so the batch stays full until the
+        queue runs dry, as in a server. A request's output equals its output from :meth:`generate` alone (greedy;
+        seeded sampling too, except under the batch verification budget of ``threshold="auto"``, whose
+        decisions couple the rows: there its distribution, not its draws, is the same).
+
+        Args:
+            prompts: a sequence of prompts, each a 1-D int tensor or a list of token ids (at least one token).
+            batch_size: the most requests live at once, >= 1.
+            seed: request i draws from ``seed + i`` (or ``seed[i]`` for a sequence).
+            max_new_tokens / temperature / top_k / top_p / eos_token_id / policy / logits_processor /
+                **policy_kwargs: as :meth:`generate` (the processor sees each request's prompt unpadded).
+
+        Returns: :class:`ContinuousOutput` (tokens, and per request the ms from the call's start to its
+            admission and to its last round).
+
+        Raises: ValueError / TypeError as :meth:`generate`, naming the prompt (``prompts[i]``); ValueError for
+            no prompts or a batch_size that is not an integer >= 1.
+        """
+        pol = self._policy_for_call(policy, policy_kwargs)
+        cfg = SamplingConfig(temperature, top_k, top_p)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(prompts, torch.Tensor) or not len(prompts):
+            raise ValueError("prompts: give a non-empty sequence of prompts (1-D tensors or lists of token ids)")
+        requests = []
+        for i, p in enumerate(prompts):
+            ids = p if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.int64)
+            if ids.dim() != 1:
+                raise ValueError(f"prompts[{i}]: a prompt is 1-D (token ids), got shape {list(ids.shape)}")
+            try:
+                requests.append(self._check_inputs(ids.view(1, -1), None, max_new_tokens, pol)[0][0].cpu())
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+        if logits_processor is not None and not callable(logits_processor):
+            raise TypeError(f"logits_processor must be callable (input_ids, scores) -> scores, got "
+                            f"{type(logits_processor).__name__}")
+        N = len(requests)
+        call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), None, logits_processor,
+                     requests if logits_processor else None)
+        rngs = _row_generators(seed, N)
+        first = min(batch_size, N)
+        stats = GenerationStats(policy=pol.describe(), batch_size=batch_size)
+        self._configure(pol, cfg, first)
+        queue = list(range(N))
+        admitted_ms, finished_ms = [0.0] * N, [0.0] * N
+        t_start = time.perf_counter()
+
+        def start(ids):  # runners that have read these requests' prompts, and their rows' starting state
+            t0 = time.perf_counter()
+            width = max(len(requests[r]) for r in ids)
+            toks = torch.stack([torch.cat([requests[r].new_zeros(width - len(requests[r])), requests[r]]) for r in ids])
+            mask = torch.stack([(torch.arange(width) >= width - len(requests[r])).long() for r in ids])
+            target, draft = self._start_runners(pol, toks, mask)
+            stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            for r in ids:
+                admitted_ms[r] = (t0 - t_start) * 1e3
+            last = toks[:, -1].clone()
+            return target, draft, _Batch(rows=list(ids), last=last, pending=last.view(-1, 1),
+                                         pending_valid=torch.ones(len(ids), 1, dtype=torch.bool),
+                                         rngs=[rngs[r] for r in ids], generated=generated)
+
+        generated = [[] for _ in range(N)]
+        target, draft, batch = start(queue[:first])
+        del queue[:first]
+        live = set(batch.rows)
+        pol.reset(first, draft.device if draft is not None else target.device)
+
+        def admit(batch, target, draft):
+            now = (time.perf_counter() - t_start) * 1e3
+            for r in live - set(batch.rows):
+                finished_ms[r] = now
+            live.intersection_update(batch.rows)
+            free = batch_size - len(batch.rows)
+            if free and queue:
+                ids = queue[:free]
+                del queue[:free]
+                t_new, d_new, new = start(ids)
+                target.append_rows(t_new)
+                if draft is not None:
+                    draft.append_rows(d_new)
+                pol.add_rows(len(ids))
+                batch.extend(new)
+                live.update(ids)
+
+        self._loop(pol, call, target, draft, batch, stats, admit=admit)
+        stats.wall_ms = (time.perf_counter() - t_start) * 1e3
+        stats.new_tokens = sum(len(g) for g in generated)
+        if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
+            check_same_output(torch.tensor([t for g in generated for t in g + [-1]], dtype=torch.int64))
+        return ContinuousOutput(generated, admitted_ms, finished_ms, stats)
+
+    def _configure(self, pol, cfg, batch_size: int) -> None:
+        """Give the policy the call's decoding settings and, when it needs them, the pair's cost tables."""
+        costs = self.costs(pol) if pol.needs_costs else None
+        if getattr(pol, "needs_batch_costs", False):
+            pol.configure(cfg, costs, batch_costs=self.batch_costs() if batch_size > 1 else None)
+        else:  # user policies written for the two-argument configure keep working
+            pol.configure(cfg, costs)
+
+    def _loop(self, pol, call: "_Call", target, draft, batch: "_Batch", stats, admit=None) -> None:
+        """Rounds until no row is live; finished rows leave the batch. ``admit(batch, target, draft)``, when
+        given, is called after each round and may add rows (continuous batching). Closes the runners."""
+        try:
+            while batch.rows:
+                remaining = torch.tensor([call.max_new_tokens - len(batch.generated[r]) for r in batch.rows])
+                if pol.speculative:
+                    emitted = self._speculative_round(pol, call, target, draft, batch, remaining, stats)
+                else:
+                    emitted = self._plain_step(call, target, batch, stats)
+                keep = self._commit(call, batch, emitted, remaining, stats)
+                if len(keep) < len(batch.rows):
+                    idx = torch.tensor(keep, dtype=torch.int64)
+                    for r in (target, draft):
+                        if r is not None:
+                            r.select_rows(idx)
+                    pol.select_rows(idx)
+                    batch.select(keep)
+                if admit is not None:
+                    admit(batch, target, draft)
+        finally:
+            stats.target_calls, stats.target_forward_ms = target.calls, target.seconds * 1e3
+            stats.draft_calls = draft.calls if draft is not None else 0
+            stats.draft_forward_ms = draft.seconds * 1e3 if draft is not None else 0.0
+            for r in (target, draft):
+                if r is not None:
+                    r.close()
 
     def _policy_for_call(self, policy, policy_kwargs) -> CandidateLengthPolicy:
         if policy is None and policy_kwargs:
@@ -473,6 +603,16 @@ class _Batch:
     pending_valid: torch.Tensor   # [B, 1 or 2] bool: which pending slots are real tokens
     rngs: list                    # [B] per-row torch.Generator
     generated: list[list[int]]    # every original row's emitted tokens
+
+    def extend(self, other: "_Batch") -> None:
+        """Rows of ``other`` (new requests, sharing ``generated``) join after the live rows."""
+        self.rows = self.rows + other.rows
+        self.rngs = self.rngs + other.rngs
+        self.last = torch.cat([self.last, other.last.to(self.last.device)])
+        width = max(self.pending.shape[1], other.pending.shape[1])
+        self.pending = torch.cat([pad_front(self.pending, width), pad_front(other.pending.to(self.pending.device), width)])
+        self.pending_valid = torch.cat([pad_front(self.pending_valid, width),
+                                        pad_front(other.pending_valid.to(self.pending_valid.device), width)])
 
     def select(self, keep: list[int]) -> None:
         """Keep live rows ``keep`` (positions in the live batch)."""

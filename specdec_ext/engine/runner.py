@@ -87,11 +87,55 @@ class TimedRunner:
         self._trim(int(valid_cols.max()) + 1 if valid_cols.numel() else 0)
 
     def _select_mask_rows(self, idx: torch.Tensor) -> None:
-        """Keep rows ``idx`` of the mask and positions, then drop tail columns that are holes in every row."""
+        """Keep rows ``idx`` of the mask and positions, then drop the columns, at either end, that are holes
+        in every row (the rows that left held them)."""
         self.mask = self.mask[idx]
         self.next_pos = self.next_pos[idx]
         if self.mask.numel():
             self._trim_holes()
+            self._trim_front()
+
+    def _trim_front(self) -> None:
+        """Drop the leading columns that are holes in every row (positions are explicit, so nothing shifts)."""
+        valid_cols = self.mask.any(0).nonzero()
+        n = int(valid_cols.min()) if valid_cols.numel() else 0
+        if n:
+            self._drop_front(n)
+            self.mask = self.mask[:, n:]
+
+    def _drop_front(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _merge_kv(self, other: "TimedRunner", width: int) -> None:
+        raise NotImplementedError
+
+    def append_rows(self, other: "TimedRunner") -> None:
+        """Take the rows of ``other`` (a runner of the same model that has just read new prompts: continuous
+        batching admits requests so) after this runner's rows. The narrower cache is padded on the left with
+        hole columns (zero keys and values, mask 0), so every row keeps its own positions and sees only its
+        own tokens. ``other``'s forward calls and time are added to this runner's; ``other`` is spent."""
+        if type(other) is not type(self) or other.model is not self.model:
+            raise ValueError("append_rows: the other runner must run the same model with the same runner class")
+        if self.mask.shape[0] == 0 and self.length:  # every row had left: nothing of the old cache is kept
+            self._drop_front(self.length)
+            self.mask = self.mask[:, self.length :]
+        width = max(self.length, other.length)
+        self._merge_kv(other, width)
+        self.mask = torch.cat([pad_front(self.mask, width), pad_front(other.mask.to(self.mask.dtype), width)])
+        self.next_pos = torch.cat([self.next_pos, other.next_pos.to(self.next_pos.device)])
+        self.calls += other.calls
+        self.seconds += other.seconds
+        other.close()
+
+
+def pad_front(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """``t`` with zeros put before it along ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim)
 
 
 def sliding_layout(model) -> Optional[dict]:
@@ -220,6 +264,40 @@ class CausalLMRunner(TimedRunner):
         self.cache.crop(length - self.length)
         if self.col_pos is not None:
             self.col_pos = self.col_pos[:, :length]
+
+    def _drop_front(self, n: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False) and layer.keys.numel():
+                layer.keys, layer.values = layer.keys[:, :, n:], layer.values[:, :, n:]
+        if self.col_pos is not None:
+            self.col_pos = self.col_pos[:, n:]
+
+    def _merge_kv(self, other: "CausalLMRunner", width: int) -> None:
+        rows = (self.mask.shape[0], other.mask.shape[0])
+        caches = (self.cache, other.cache)
+        if self.col_pos is not None:
+            self.col_pos = torch.cat([pad_front(self.col_pos, width), pad_front(other.col_pos, width)])
+        filled = [l for c in caches for l in c.layers if getattr(l, "is_initialized", False) and l.keys.numel()]
+        if not filled:  # both caches hold nothing yet (prompts of one token): start from the empty one
+            self.cache = other.cache
+            return
+        like = filled[0].keys  # [B, H_kv, C, D]: heads, head size, dtype and device of every layer here
+        dst = max(caches, key=lambda c: len(c.layers))  # a cache built lazily may hold fewer layer objects
+        for i, layer in enumerate(dst.layers):
+            merged = []
+            for name in ("keys", "values"):
+                parts = []
+                for cache, b in zip(caches, rows):
+                    src = cache.layers[i] if i < len(cache.layers) else None
+                    if src is None or not getattr(src, "is_initialized", False) or not src.keys.numel():
+                        parts.append(like.new_zeros((b, like.shape[1], width, like.shape[3])))
+                    else:
+                        parts.append(pad_front(getattr(src, name), width, dim=2))
+                merged.append(torch.cat(parts))
+            if not getattr(layer, "is_initialized", False):
+                layer.lazy_initialization(*merged)
+            layer.keys, layer.values = merged
+        self.cache = dst
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)

@@ -81,6 +81,18 @@ class CandidateLengthPolicy:
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the state of rows ``index`` only (finished rows leave the batch)."""
 
+    def add_rows(self, n: int) -> None:
+        """Continuous batching: ``n`` new rows join after the live ones, each starting as a row does at
+        ``reset``. Policies with per-row state override it beside ``select_rows``; the default serves
+        stateless policies.
+
+        Raises: NotImplementedError for a policy that overrides ``select_rows`` (so keeps per-row state) but
+            not this method."""
+        if type(self).select_rows is not CandidateLengthPolicy.select_rows:
+            raise NotImplementedError(f"policy {self.name!r} keeps per-row state (it overrides select_rows) but does "
+                                      "not implement add_rows(n), so it cannot take new rows mid-generation "
+                                      "(generate_continuous)")
+
     def describe(self) -> str:
         return self.name
 

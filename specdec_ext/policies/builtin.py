@@ -63,6 +63,9 @@ class Heuristic(CandidateLengthPolicy):
     def select_rows(self, index):
         self.k = self.k[index.cpu()]
 
+    def add_rows(self, n):
+        self.k = torch.cat([self.k, torch.full((n,), self.initial_k, dtype=torch.int64)])
+
 
 class Confidence(CandidateLengthPolicy):
     """Stop when the draft's probability of its own candidate falls below ``threshold``
@@ -267,6 +270,12 @@ class SpecDecPP(CandidateLengthPolicy):
         self.history = self.history[index.to(self.history.device)]
         if self.rule is not None:
             self.rule.select(index)
+
+    def add_rows(self, n):
+        self.cum_accept = torch.cat([self.cum_accept, self.cum_accept.new_ones(n)])
+        self.history = torch.cat([self.history, self.history.new_full((n,), HISTORY_PRIOR)])
+        if self.rule is not None:
+            self.rule.add_rows(n)
 
     def describe(self):
         return f"{self.name} ({self.head.describe()})"

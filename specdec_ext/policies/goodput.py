@@ -165,6 +165,11 @@ class GoodputRule:
         idx = index.tolist()
         self.tokens, self.time = [self.tokens[i] for i in idx], [self.time[i] for i in idx]
 
+    def add_rows(self, n: int) -> None:
+        """``n`` new rows, each starting from the prior as at ``reset``."""
+        self.tokens = self.tokens + [self.prior * self.prior_ms] * n
+        self.time = self.time + [self.prior_ms] * n
+
 
 def prior_goodput(costs: CostModel, mean_accept: Optional[float], k_max: int) -> float:
     """A starting lambda: the best fixed K's goodput at the head's mean training acceptance (0.6 if unknown)."""

@@ -1,0 +1,155 @@
+"""Continuous batching (``SpeculativeGenerator.generate_continuous``, issue 13): finished requests are replaced
+by queued ones mid-generation, whose caches join the batch's.
+
+A request's output equals target-only decoding (greedy) and its own ``generate()`` alone (seeded sampling)
+for every policy, both draft runners, a GPT-2 pair and sliding-window models; admissions really happen
+mid-stream; the caches stay as narrow as the live requests need; the budgeted path (rows coupled) passes
+the chi-square test; bad input is refused, naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import make_pair
+from stats import assert_follows
+from support import PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen
+from specdec_ext import SpeculativeGenerator
+from specdec_ext.engine.runner import CausalLMRunner
+from specdec_ext.engine.sampling import SamplingConfig
+from specdec_ext.policies import CandidateLengthPolicy
+
+
+def queue(V, n=7, seed=1, longest=9):
+    """``n`` prompts of 1 .. longest - 1 tokens (one-token prompts included: they have no prefill)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, longest - 1] + [int(torch.randint(1, longest, (1,), generator=g)) for _ in range(n - 2)]
+    return [torch.randint(2, V, (t,), generator=g) for t in lengths]
+
+
+def mixed_rounds(stats, first: int) -> int:
+    """Rounds in which a request of the first group ran beside a request admitted later."""
+    return sum(1 for r in stats.rounds if min(r.rows) < first <= max(r.rows))
+
+
+@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+@pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("gpt2", False)],
+                         ids=["llama-fast-draft", "llama-hf-draft", "gpt2"])
+def test_each_request_equals_its_output_alone(name, kw, arch, fast_draft):
+    target, draft = make_pair(arch)
+    V = target.config.vocab_size
+    prompts = queue(V)
+    sampled_kw = dict(kw, batch_budget=False) if kw.get("threshold") == "auto" else kw  # the budget couples rows
+    for temperature, kwargs in ((0.0, kw), (1.0, sampled_kw)):
+        gen = make_gen(target, draft, name, kwargs, fast_draft=fast_draft)
+        out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=14, temperature=temperature, seed=5)
+        assert len(out.new_tokens) == len(prompts)
+        for i, p in enumerate(prompts):
+            if temperature == 0:
+                ref = target.generate(p.view(1, -1), max_new_tokens=14, do_sample=False, pad_token_id=1,
+                                      eos_token_id=None)[0, len(p):].tolist()
+            else:
+                ref = gen.generate(p.view(1, -1), max_new_tokens=14, temperature=1.0, seed=5 + i).new_tokens[0]
+            assert out.new_tokens[i] == ref, f"request {i} (T = {temperature}) differs from its output alone"
+        assert out.stats.new_tokens == 14 * len(prompts)
+        assert all(a <= f for a, f in zip(out.admitted_ms, out.finished_ms))
+        assert max(out.admitted_ms) > 0  # later requests waited for a free row
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_models_equal_target_only(arch):
+    target, draft = make_pair(arch)
+    V = target.config.vocab_size
+    prompts = queue(V, n=6, longest=12)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3)
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=16, temperature=0)
+    for i, p in enumerate(prompts):
+        ref = target.generate(p.view(1, -1), max_new_tokens=16, do_sample=False, pad_token_id=1, eos_token_id=None)
+        assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"{arch}: request {i} differs from target-only decoding"
+
+
+def test_requests_join_mid_generation_and_eos_frees_their_rows():
+    target, draft = make_pair("llama", noise=0.1)
+    V = target.config.vocab_size
+    prompts = queue(V, n=8)
+    ref = [target.generate(p.view(1, -1), max_new_tokens=20, do_sample=False, pad_token_id=1,
+                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    eos = ref[0][4]  # a token that request 0 emits early: rows end at different rounds
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=20, temperature=0, eos_token_id=eos)
+    for i, r in enumerate(ref):
+        cut = r[: r.index(eos) + 1] if eos in r else r
+        assert out.new_tokens[i] == cut
+    assert mixed_rounds(out.stats, 3) > 0, "no round ran a first-group request beside a later one"
+    assert max(len(r.rows) for r in out.stats.rounds) == 3
+
+
+def test_caches_stay_as_wide_as_the_live_requests_need(monkeypatch):
+    target, draft = make_pair("llama")
+    V = target.config.vocab_size
+    widths = []
+    merge = CausalLMRunner.append_rows
+
+    def spy(self, other):
+        merge(self, other)
+        widths.append(self.length)
+
+    monkeypatch.setattr(CausalLMRunner, "append_rows", spy)
+    prompts = queue(V, n=14, longest=8)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=4, fast_draft=False)
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=1.0, seed=3)
+    assert len(widths) >= 6  # admissions happened
+    # without dropping the columns of requests that left, the width would grow with every request served
+    assert max(widths) <= 8 + 10 + 4, widths
+    assert sum(len(t) for t in out.new_tokens) == 140
+
+
+N_ROWS, N_POS = 1500, 3
+
+
+@pytest.mark.slow
+def test_budgeted_continuous_sampling_is_lossless():
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([0, 5, 7, 3, 9])
+    cfg = SamplingConfig(1.0)
+    marg = exact_marginals(target, prompt.view(1, -1), cfg, N_POS)
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
+                               threshold="auto", k_max=6, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    # requests of different lengths beside each other: the prompt's rows finish at different rounds
+    out = gen.generate_continuous([prompt] * N_ROWS, batch_size=64, max_new_tokens=N_POS, temperature=1.0, seed=7)
+    toks = torch.tensor(out.new_tokens)
+    for i in range(N_POS):
+        assert_follows(toks[:, i], marg[i], f"continuous batching with the budget, position {i + 1}")
+    assert out.stats.accepted > 0 and out.stats.discarded > 0
+
+
+class PerRow(CandidateLengthPolicy):
+    name = "per-row"
+    max_candidates = 2
+
+    def should_stop(self, info):
+        return torch.ones(info.batch_size, dtype=torch.bool)
+
+    def select_rows(self, index):
+        pass
+
+
+def test_bad_input_is_refused_with_the_argument_named():
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    ok = [torch.tensor([3, 4, 5])]
+    with pytest.raises(ValueError, match="batch_size"):
+        gen.generate_continuous(ok, batch_size=0)
+    with pytest.raises(ValueError, match="prompts"):
+        gen.generate_continuous([], batch_size=2)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: empty prompt"):
+        gen.generate_continuous(ok + [torch.tensor([], dtype=torch.int64)], batch_size=2)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: a prompt is 1-D"):
+        gen.generate_continuous([torch.tensor([[3, 4]])], batch_size=2)
+    with pytest.raises(ValueError, match=r"prompts\[0\].*outside the vocabulary"):
+        gen.generate_continuous([[3, 10**6]], batch_size=2)
+    with pytest.raises(ValueError, match="seed"):
+        gen.generate_continuous(ok * 3, batch_size=2, seed=[1, 2])
+    with pytest.raises(NotImplementedError, match="add_rows"):
+        SpeculativeGenerator(target, draft, policy=PerRow()).generate_continuous(
+            ok * 3, batch_size=1, max_new_tokens=3, temperature=0)
