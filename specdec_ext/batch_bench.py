@@ -1,21 +1,26 @@
 """The batch benchmark (``specdec bench --batch-sizes 1,4,16,64``): speculative decoding as concurrent requests.
 
-For each batch size B the prompts are cut into groups of B (in order; left-padded), and every method
-generates each group in one ``generate()`` call, the methods rotating per group as in the single-row
-benchmark. **Static batches, no refill**: a row that finishes leaves the batch (it stops costing
-anything) but no new request takes its place, so the last rows of a group run at a smaller batch. A
-server with continuous batching would refill the row; this benchmark states the weaker setting.
+**Continuous batching** (the default, as a server runs): for each batch size B the prompts are cut, in
+order, into streams of 4 B requests, and every method serves each stream in one
+``SpeculativeGenerator.generate_continuous`` call: B requests live at once, and a request that finishes
+hands its row to the next one in the queue after that round. Methods rotate per stream, so machine drift
+falls on all alike. Each stream ends with a tail in which the batch drains (B - 1 requests or fewer).
+
+**Static batches** (``refill=False``, ``--static-batches``): the prompts are cut into groups of B (left-padded)
+served by one ``generate()`` call each; a row that finishes leaves the batch but nothing takes its place, so
+every group ends with a tail that runs at a smaller batch and waits for its slowest row. This setting
+penalises speculation: rows advance at different speeds, and plain decoding's rows finish together.
 
 Reported per (method, B):
 
-- aggregate tokens/s: all tokens of all groups / the summed wall time of the groups;
-- per-request tokens/s: median over requests of (the request's tokens / the time from the start of its
-  group's call until the end of the round that finished it), i.e. the speed one user sees;
+- aggregate tokens/s: all tokens of all streams (groups) / the summed wall time of their calls;
+- per-request tokens/s: median over requests of (the request's tokens / the time from its admission, prefill
+  included, to the end of the round that finished it), i.e. the speed one user sees once served;
 - mean accepted length (tokens emitted per row per round, minus one);
 - speedup: aggregate tokens/s over plain decoding's at the same B.
 
 Results use the benchmark's JSON schema (``benchmark.save_json``): one summary row per (method, B) with a
-``batch_size`` field; one run record per (method, group) with its ``batch_size``.
+``batch_size`` field; one run record per (method, stream or group) with its ``batch_size``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class BatchRecord(RunRecord):
 
     batch_size: int = 1
     row_tokens: list = field(default_factory=list)     # tokens of each request
-    row_finish_s: list = field(default_factory=list)   # seconds from the call's start to each request's last round
+    row_finish_s: list = field(default_factory=list)   # seconds from each request's admission to its last round
 
 
 def _groups(encoded: list[list[int]], B: int, pad: int):
@@ -62,9 +67,14 @@ def finish_times_s(stats) -> list[float]:
     return [last.get(b, t) / 1e3 for b in range(stats.batch_size)]
 
 
+STREAM_BATCHES = 4  # a stream of continuous batching holds this many batches' worth of requests
+
+
 def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_sizes, max_new_tokens: int = 64,
-                        temperature: float = 0.0, seed: int = 0, costs=None, progress: bool = True) -> list[BatchRecord]:
-    """Every method on every group of every batch size (see the module docstring). ``methods``: ours only."""
+                        temperature: float = 0.0, seed: int = 0, costs=None, progress: bool = True,
+                        refill: bool = True) -> list[BatchRecord]:
+    """Every method on every stream (``refill``, continuous batching) or group (static batches) of every batch
+    size (see the module docstring). ``methods``: ours only."""
     if any(m.kind != "ours" or m.family == "oracle" for m in methods):
         raise ValueError("the batch benchmark runs this engine's policies only (no transformers or oracle methods)")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
@@ -85,24 +95,30 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     first = torch.tensor([encoded[0][:16]] * min(4, max(batch_sizes)))
     for m in methods:  # warm-up: allocation and lazy initialisation
         gens[m.name].generate(first, max_new_tokens=8, temperature=temperature, seed=seed, eos_token_id=eos)
-    n_groups = sum(-(-len(encoded) // B) for B in batch_sizes)
-    bar = tqdm(total=n_groups * len(methods), desc="bench (batches)", unit="call", disable=not progress)
+    size = (lambda B: STREAM_BATCHES * B) if refill else (lambda B: B)
+    n_calls = sum(-(-len(encoded) // size(B)) for B in batch_sizes)
+    bar = tqdm(total=n_calls * len(methods), desc="bench (batches)", unit="call", disable=not progress)
     records = []
     for B in batch_sizes:
-        for g, ids, mask in _groups(encoded, B, pad):
+        for g, ids, mask in _groups(encoded, size(B), pad):
             order = methods[g % len(methods):] + methods[: g % len(methods)]
             for m in order:
+                kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + g * size(B),
+                          eos_token_id=eos)
                 t0 = time.perf_counter()
-                out = gens[m.name].generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                            temperature=temperature, seed=seed + g * B, eos_token_id=eos,
-                                            pad_token_id=pad)
+                if refill:
+                    out = gens[m.name].generate_continuous([row[mk.bool()] for row, mk in zip(ids, mask)], B, **kw)
+                else:
+                    out = gens[m.name].generate(ids, attention_mask=mask, pad_token_id=pad, **kw)
                 wall = time.perf_counter() - t0
                 st = out.stats
+                finish = [(f - a) / 1e3 for a, f in zip(out.admitted_ms, out.finished_ms)] if refill \
+                    else finish_times_s(st)
                 records.append(BatchRecord(
                     m.name, g, st.new_tokens, wall, st.target_calls, st.draft_calls,
                     tokens=[t for row in out.new_tokens for t in row], engine=st.summary(),
                     forward_s=(st.target_forward_ms + st.draft_forward_ms) / 1e3, batch_size=B,
-                    row_tokens=[len(r) for r in out.new_tokens], row_finish_s=finish_times_s(st)))
+                    row_tokens=[len(r) for r in out.new_tokens], row_finish_s=finish))
                 bar.update(1)
     bar.close()
     return records

@@ -50,8 +50,11 @@ def add_arguments(p):
     p.add_argument("--hf-ks", type=_numbers(int), default=None,
                    help="K values for transformers' assisted generation (None: the --ks values)")
     p.add_argument("--batch-sizes", type=_numbers(int), default=None,
-                   help="the batch benchmark: prompts as concurrent requests in static batches of each size "
-                        "(e.g. 1,4,16,64) for plain decoding, fixed K, SpecDec++ and the heuristic")
+                   help="the batch benchmark: prompts as concurrent requests, B at a time for each size "
+                        "(e.g. 1,4,16,64), for plain decoding, fixed K, SpecDec++ and the heuristic; continuous "
+                        "batching (a finished request's row goes to the next one) unless --static-batches")
+    p.add_argument("--static-batches", action="store_true",
+                   help="with --batch-sizes: static batches (groups of B; a finished row is not refilled)")
 
 
 def _command_line(args) -> str:
@@ -200,21 +203,23 @@ def run_batches(args, pair, prompts, t0):
     methods = [m for m in standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=False,
                                            oracle=False, adaptive=True)
                if m.family in ("plain", "fixed", "specdecpp", "specdecpp-auto", "heuristic")]
-    print(f"specdec bench: {len(prompts)} {args.dataset} prompts as requests in batches of {args.batch_sizes} x "
+    print(f"specdec bench: {len(prompts)} {args.dataset} prompts as requests in "
+          f"{'static batches' if args.static_batches else 'continuous batching'} of {args.batch_sizes} x "
           f"{len(methods)} methods, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
           f"target {pair.target.dtype}, draft {pair.draft.dtype}")
     records = run_batch_benchmark(pair, prompts, methods, list(args.batch_sizes), args.max_new_tokens,
-                                  args.temperature, args.seed)
+                                  args.temperature, args.seed, refill=not args.static_batches)
     rows = summarize_batches(records, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}-batch"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-            "batch_sizes": list(args.batch_sizes), "refill": False,
+            "batch_sizes": list(args.batch_sizes), "refill": not args.static_batches,
             "target_dtype": str(pair.target.dtype).replace("torch.", ""),
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "duration_s": time.time() - t0,
-            "command": _command_line(args) + " --batch-sizes " + ",".join(map(str, args.batch_sizes))}
+            "command": _command_line(args) + " --batch-sizes " + ",".join(map(str, args.batch_sizes))
+            + (" --static-batches" if args.static_batches else "")}
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_batch_table(rows)
     (args.out / f"bench-{tag}.md").write_text(table + "\n")

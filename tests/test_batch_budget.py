@@ -126,7 +126,7 @@ def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypat
     costs = profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False)
     assert len(costs.verify_ms) == 4 and costs.draft_ms > 0
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
-    assert len(files) == 2 and sum(f.endswith("-batch.json") for f in files) == 1
+    assert len(files) == 2 and sum(f.endswith("-batch2.json") for f in files) == 1
 
     def fail(*a, **k):
         raise AssertionError("measured again")
@@ -135,7 +135,7 @@ def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypat
     monkeypatch.setattr(profile, "profile_pair", fail)
     assert profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False).round_ms == batch.round_ms
     assert profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False).verify_ms == costs.verify_ms
-    bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch.json"))
+    bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch2.json"))
     bad.write_text("{not json")
     with pytest.raises(AssertionError, match="measured again"):
         profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False)

@@ -132,30 +132,36 @@ def test_cli_sweeps_parse_and_reject_bad_lists():
     assert [m.param for m in methods if m.family == "hf-fixed"] == [1, 2]
 
 
-def test_batch_benchmark_rows_texts_and_request_times(run, tmp_path):
-    """Batches of requests: every method at every batch size; greedy groups equal plain decoding's texts; a
-    request's finish time is within its group's call; the JSON keeps a batch_size per summary row and run."""
-    from specdec_ext.batch_bench import (batch_plot, finish_times_s, format_batch_table, run_batch_benchmark,
+@pytest.mark.parametrize("refill", [True, False], ids=["continuous", "static"])
+def test_batch_benchmark_rows_texts_and_request_times(run, tmp_path, refill):
+    """Requests served in batches: every method at every batch size; greedy requests equal plain decoding's
+    texts and their own output at B = 1; a request's time is within its call; the JSON keeps a batch_size per
+    summary row and run."""
+    from specdec_ext.batch_bench import (STREAM_BATCHES, batch_plot, format_batch_table, run_batch_benchmark,
                                          summarize_batches)
 
     pair, prompts, methods, _ = run
     ours = [m for m in methods if m.family in ("plain", "fixed", "specdecpp", "specdecpp-auto", "heuristic")]
     prompts = prompts + ["1 2 3", "9 8 7 6 5"]
-    records = run_batch_benchmark(pair, prompts, ours, [1, 2, 5], max_new_tokens=12, progress=False, costs=TEST_COSTS)
-    assert len(records) == len(ours) * (5 + 3 + 1)
+    N = len(prompts)
+    records = run_batch_benchmark(pair, prompts, ours, [1, 2, 5], max_new_tokens=12, progress=False, costs=TEST_COSTS,
+                                  refill=refill)
+    size = (lambda B: STREAM_BATCHES * B) if refill else (lambda B: B)
+    assert len(records) == len(ours) * sum(-(-N // size(B)) for B in (1, 2, 5))
     rows = summarize_batches(records, ours)
     assert {(r["method"], r["batch_size"]) for r in rows} == {(m.name, b) for m in ours for b in (1, 2, 5)}
     for r in rows:
-        assert r["requests"] == len(prompts) and r["same_text_share"] == 1.0, r
+        assert r["requests"] == N and r["same_text_share"] == 1.0, r
         assert r["tokens_per_s"] > 0 and r["per_request_tokens_per_s"] > 0
     plain = [r for r in rows if r["method"] == "plain"]
     assert all(r["speedup"] == 1.0 and r["mean_accepted_length"] == 0 for r in plain)
-    one = {r.prompt: r for r in records if r.batch_size == 1 and r.method == "fixed K=3"}
-    five = next(r for r in records if r.batch_size == 5 and r.method == "fixed K=3")
-    assert five.row_tokens == [one[i].new_tokens for i in range(5)]  # a row's output in a batch equals it alone
-    assert five.tokens == [t for i in range(5) for t in one[i].tokens]
+    alone = [t for r in sorted((r for r in records if r.batch_size == 1 and r.method == "fixed K=3"),
+                               key=lambda r: r.prompt) for t in r.row_tokens]
+    together = [t for r in sorted((r for r in records if r.batch_size == 5 and r.method == "fixed K=3"),
+                                  key=lambda r: r.prompt) for t in r.row_tokens]
+    assert together == alone  # a request's output in a batch equals it alone
     for r in records:
-        assert len(r.row_finish_s) == len(r.row_tokens) == min(r.batch_size, len(prompts) - r.prompt * r.batch_size)
+        assert len(r.row_finish_s) == len(r.row_tokens) == min(size(r.batch_size), N - r.prompt * size(r.batch_size))
         assert all(0 < s <= r.wall_s for s in r.row_finish_s)
     assert format_batch_table(rows).count("\n") == len(rows) + 1
     save_json(tmp_path / "b.json", records, rows, {"batch_sizes": [1, 2, 5]})

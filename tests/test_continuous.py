@@ -68,6 +68,30 @@ def test_sliding_window_models_equal_target_only(arch):
         assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"{arch}: request {i} differs from target-only decoding"
 
 
+@pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)])
+def test_a_prompt_wider_than_the_cache_widens_it(arch, fast_draft):
+    target, draft = make_pair(arch)
+    V = target.config.vocab_size
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, V, (t,), generator=g) for t in (1, 2, 3, 30, 1, 24, 2)]
+    widths = []
+    replace = CausalLMRunner.replace_rows
+
+    def spy(self, slots, other):
+        before = self.length
+        replace(self, slots, other)
+        widths.append((before, self.length))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(CausalLMRunner, "replace_rows", spy)
+        gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, fast_draft=fast_draft)
+        out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=6, temperature=0)
+    assert any(after > before for before, after in widths), "no admission widened the cache"
+    for i, p in enumerate(prompts):
+        ref = target.generate(p.view(1, -1), max_new_tokens=6, do_sample=False, pad_token_id=1, eos_token_id=None)
+        assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"request {i} differs from target-only decoding"
+
+
 def test_requests_join_mid_generation_and_eos_frees_their_rows():
     target, draft = make_pair("llama", noise=0.1)
     V = target.config.vocab_size
@@ -88,13 +112,13 @@ def test_caches_stay_as_wide_as_the_live_requests_need(monkeypatch):
     target, draft = make_pair("llama")
     V = target.config.vocab_size
     widths = []
-    merge = CausalLMRunner.append_rows
+    replace = CausalLMRunner.replace_rows
 
-    def spy(self, other):
-        merge(self, other)
+    def spy(self, slots, other):
+        replace(self, slots, other)
         widths.append(self.length)
 
-    monkeypatch.setattr(CausalLMRunner, "append_rows", spy)
+    monkeypatch.setattr(CausalLMRunner, "replace_rows", spy)
     prompts = queue(V, n=14, longest=8)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=4, fast_draft=False)
     out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=1.0, seed=3)

@@ -171,16 +171,19 @@ class FastLlamaRunner(TimedRunner):
             for t in buf:
                 t[:, :, : end - n] = t[:, :, n:end].clone()
 
-    def _merge_kv(self, other: "FastLlamaRunner", width: int) -> None:
-        cap = max(self.k[0].shape[2], other.k[0].shape[2], width)
-        Ba, Bb = self.mask.shape[0], other.mask.shape[0]
-        wa, wb = self.length, other.length
+    def _pad_front(self, n: int) -> None:
+        end = self.length
+        self._reserve(n)
+        for buf in (self.k, self.v):
+            for t in buf:
+                t[:, :, n : end + n] = t[:, :, :end].clone()
+                t[:, :, :n] = 0
+
+    def _write_rows(self, idx: torch.Tensor, other: "FastLlamaRunner") -> None:
+        width, w = self.length, other.length
         for mine, theirs in ((self.k, other.k), (self.v, other.v)):
-            for i, (a, b) in enumerate(zip(mine, theirs)):
-                merged = a.new_zeros((Ba + Bb, a.shape[1], cap, a.shape[3]))  # zeros, never stale bits, in the holes
-                merged[:Ba, :, width - wa : width] = a[:, :, :wa]
-                merged[Ba:, :, width - wb : width] = b[:, :, :wb]
-                mine[i] = merged
+            for a, b in zip(mine, theirs):
+                a[idx, :, width - w : width] = b[:, :, :w]
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)

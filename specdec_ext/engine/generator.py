@@ -260,9 +260,9 @@ class SpeculativeGenerator:
         """Continuous batching: generate for every prompt, with up to ``batch_size`` requests live at once.
 
         The first ``batch_size`` prompts start together; whenever requests finish, the next prompts of the queue
-        take their places after that round: they are prefilled (target and draft) and their caches join the
-        batch's (:meth:`~specdec_ext.engine.runner.TimedRunner.append_rows`), so the batch stays full until the
-        queue runs dry, as in a server. A request's output equals its output from :meth:`generate` alone (greedy;
+        take their places after that round: they are prefilled (target and draft) and their caches are written
+        into the finished rows' places (:meth:`~specdec_ext.engine.runner.TimedRunner.replace_rows`), so the batch
+        stays full until the queue runs dry, as in a server. A request's output equals its output from :meth:`generate` alone (greedy;
         seeded sampling too, except under the batch verification budget of ``threshold="auto"``, whose
         decisions couple the rows: there its distribution, not its draws, is the same).
 
@@ -325,25 +325,29 @@ class SpeculativeGenerator:
         generated = [[] for _ in range(N)]
         target, draft, batch = start(queue[:first])
         del queue[:first]
-        live = set(batch.rows)
         pol.reset(first, draft.device if draft is not None else target.device)
 
-        def admit(batch, target, draft):
+        def admit(batch, target, draft, done):  # queued requests take the places of finished ones
             now = (time.perf_counter() - t_start) * 1e3
-            for r in live - set(batch.rows):
-                finished_ms[r] = now
-            live.intersection_update(batch.rows)
-            free = batch_size - len(batch.rows)
-            if free and queue:
-                ids = queue[:free]
-                del queue[:free]
-                t_new, d_new, new = start(ids)
-                target.append_rows(t_new)
-                if draft is not None:
-                    draft.append_rows(d_new)
-                pol.add_rows(len(ids))
-                batch.extend(new)
-                live.update(ids)
+            for i in done:
+                finished_ms[batch.rows[i]] = now
+            ids = queue[: len(done)]
+            if not ids:
+                return done
+            del queue[: len(ids)]
+            slots = done[: len(ids)]
+            t_new, d_new, new = start(ids)
+            target.replace_rows(torch.tensor(slots), t_new)
+            if draft is not None:
+                draft.replace_rows(torch.tensor(slots), d_new)
+            order = list(range(len(batch.rows)))  # the new rows, appended, move into the finished rows' places
+            for j, slot in enumerate(slots):
+                order[slot] = len(batch.rows) + j
+            pol.add_rows(len(ids))
+            pol.select_rows(torch.tensor(order))
+            batch.extend(new)
+            batch.select(order)
+            return done[len(ids) :]
 
         self._loop(pol, call, target, draft, batch, stats, admit=admit)
         stats.wall_ms = (time.perf_counter() - t_start) * 1e3
@@ -361,25 +365,33 @@ class SpeculativeGenerator:
             pol.configure(cfg, costs)
 
     def _loop(self, pol, call: "_Call", target, draft, batch: "_Batch", stats, admit=None) -> None:
-        """Rounds until no row is live; finished rows leave the batch. ``admit(batch, target, draft)``, when
-        given, is called after each round and may add rows (continuous batching). Closes the runners."""
+        """Rounds until no row is live; finished rows leave the batch. ``admit(batch, target, draft, done)``, when
+        given, is called after each round with the positions of the rows that finished; it may give their places
+        to new requests (continuous batching) and returns the positions left to remove. Closes the runners."""
         try:
             while batch.rows:
                 remaining = torch.tensor([call.max_new_tokens - len(batch.generated[r]) for r in batch.rows])
-                if pol.speculative:
-                    emitted = self._speculative_round(pol, call, target, draft, batch, remaining, stats)
-                else:
+                if not pol.speculative:
                     emitted = self._plain_step(call, target, batch, stats)
+                elif pol.draft_round(target.length):
+                    emitted = self._speculative_round(pol, call, target, draft, batch, remaining, stats)
+                else:  # the policy skips drafting: a plain step, the draft falls one more token behind
+                    emitted = self._plain_step(call, target, batch, stats)
+                    batch.defer(batch.last)
+                    none = torch.zeros(len(batch.rows), dtype=torch.int64)
+                    pol.end_round(none, none)
                 keep = self._commit(call, batch, emitted, remaining, stats)
-                if len(keep) < len(batch.rows):
+                done = sorted(set(range(len(batch.rows))) - set(keep))
+                if admit is not None:
+                    done = admit(batch, target, draft, done)
+                if done:
+                    keep = [i for i in range(len(batch.rows)) if i not in set(done)]
                     idx = torch.tensor(keep, dtype=torch.int64)
                     for r in (target, draft):
                         if r is not None:
                             r.select_rows(idx)
                     pol.select_rows(idx)
                     batch.select(keep)
-                if admit is not None:
-                    admit(batch, target, draft)
         finally:
             stats.target_calls, stats.target_forward_ms = target.calls, target.seconds * 1e3
             stats.draft_calls = draft.calls if draft is not None else 0
@@ -599,10 +611,15 @@ class _Batch:
 
     rows: list[int]               # original row index of each live row
     last: torch.Tensor            # [B] last committed token of each live row (not yet in the target's cache)
-    pending: torch.Tensor         # [B, 1 or 2] tokens the draft has not seen yet
-    pending_valid: torch.Tensor   # [B, 1 or 2] bool: which pending slots are real tokens
+    pending: torch.Tensor         # [B, P] tokens the draft has not seen yet (P = 1 or 2, more after plain steps)
+    pending_valid: torch.Tensor   # [B, P] bool: which pending slots are real tokens
     rngs: list                    # [B] per-row torch.Generator
     generated: list[list[int]]    # every original row's emitted tokens
+
+    def defer(self, token: torch.Tensor) -> None:
+        """The draft did not run this round: ``token`` ``[B]`` (the new last token) joins what it has not seen."""
+        self.pending = torch.cat([self.pending, token.view(-1, 1).to(self.pending.device)], 1)
+        self.pending_valid = torch.cat([self.pending_valid, torch.ones_like(self.pending_valid[:, :1])], 1)
 
     def extend(self, other: "_Batch") -> None:
         """Rows of ``other`` (new requests, sharing ``generated``) join after the live rows."""

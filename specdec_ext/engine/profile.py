@@ -184,25 +184,28 @@ ROUND_KS = (0, 1, 2, 3, 4, 6, 8)
 
 @torch.inference_mode()
 def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, ks=ROUND_KS, reps: int = 3,
-                    context: int = 128, tokens: int = 12, log=None):
+                    context: int = 128, tokens: int = 12, wide_context: int = 512, log=None):
     """Measure a :class:`~specdec_ext.policies.goodput.BatchCosts` at each batch size B of ``sizes``:
 
     - whole rounds as the engine runs them: greedy generations of ``tokens`` tokens from B random
       ``context``-token prompts with fixed K = k for each k of ``ks`` (k = 0: plain decoding); the median
       ``total_ms`` of the rounds in which all B rows were live; other k are interpolated linearly;
-    - the target's forward alone over ``[B, n]`` for n = 1 .. max(ks) + 1 (medians of ``reps``).
+    - the target's forward alone over ``[B, n]`` for n = 1 .. max(ks) + 1 (medians of ``reps``), with a cache of
+      ``context`` columns and again of ``wide_context`` columns (attention over the cache grows with it),
+      both capped by the target's context length.
     """
     from ..policies.goodput import BatchCosts
     from .generator import SpeculativeGenerator
-    from .models import vocab_size
-    from .runner import CausalLMRunner
+    from .models import context_length, vocab_size
 
     V = vocab_size(target)
     g = torch.Generator().manual_seed(0)
     gens = {k: SpeculativeGenerator(target, draft if k else None, policy="fixed" if k else "autoregressive",
                                     fast_draft=fast_draft, **({"k": k} if k else {})) for k in ks}
     n_max = max(ks) + 1
-    rounds, verify = [], []
+    ctx = context_length(target)
+    wide = min(wide_context, ctx - n_max - 1) if ctx is not None else wide_context
+    rounds, verify, verify_wide = [], [], []
     for i, B in enumerate(sizes):
         prompt = torch.randint(0, V, (B, context), generator=g)
         measured = {}
@@ -219,22 +222,10 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
             w = 0.0 if hi == lo else (k - lo) / (hi - lo)
             row.append((1 - w) * measured[lo] + w * measured[hi])
         rounds.append(row)
-        t_run = CausalLMRunner(target, "target")
-        t_run.start(B)
-        t_run.forward(prompt)
-        times: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
-        toks = {n: torch.randint(0, V, (B, n), generator=g) for n in times}
-
-        def tstep(n):
-            t_run.forward(toks[n], keep=n)
-            t_run.rollback(torch.full((B,), n))
-
-        tstep(1)
-        for _ in range(reps):
-            for n in times:
-                times[n].append(_timed(lambda: tstep(n), t_run.device))
-        t_run.close()
-        verify.append([statistics.median(times[n]) for n in times])
+        verify.append(_forward_times(target, prompt, n_max, reps, g))
+        if wide > context:
+            wide_prompt = torch.cat([torch.randint(0, V, (B, wide - context), generator=g), prompt], 1)
+            verify_wide.append(_forward_times(target, wide_prompt, n_max, reps, g))
         if log is not None:
             log(f"\r[specdec] profiling batch sizes for the verification budget: {i + 1}/{len(sizes)}")
     if log is not None:
@@ -242,7 +233,33 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
     meta = {"processor": processor_name(), "threads": torch.get_num_threads(), "context": context, "reps": reps,
             "tokens": tokens, "ks": list(ks), "target_dtype": str(next(target.parameters()).dtype),
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if verify_wide:
+        return BatchCosts(list(sizes), rounds, verify, meta, context, wide, verify_wide)
     return BatchCosts(list(sizes), rounds, verify, meta)
+
+
+def _forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g) -> list[float]:
+    """Median ms of the target's forward over ``[B, n]`` new tokens, n = 1 .. n_max, after reading ``prompt``."""
+    from .models import vocab_size
+    from .runner import CausalLMRunner
+
+    B = prompt.shape[0]
+    t_run = CausalLMRunner(target, "target")
+    t_run.start(B)
+    t_run.forward(prompt)
+    times: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
+    toks = {n: torch.randint(0, vocab_size(target), (B, n), generator=g) for n in times}
+
+    def tstep(n):
+        t_run.forward(toks[n], keep=n)
+        t_run.rollback(torch.full((B,), n))
+
+    tstep(1)
+    for _ in range(reps):
+        for n in times:
+            times[n].append(_timed(lambda: tstep(n), t_run.device))
+    t_run.close()
+    return [statistics.median(times[n]) for n in times]
 
 
 def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool = False, progress: bool = True,
@@ -252,7 +269,7 @@ def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool =
     from ..policies.goodput import BatchCosts
 
     key = profile_key(target, draft, fast_draft, max(ROUND_KS))
-    path = (directory or cache_dir()) / "profiles" / f"{key}-batch.json"
+    path = (directory or cache_dir()) / "profiles" / f"{key}-batch2.json"  # 2: with the wide-cache forward table
     return _cached(path, BatchCosts, lambda log: profile_batches(target, draft, fast_draft, log=log),
                    f"batch sizes {list(BATCH_SIZES)} for the verification budget (once per pair and setting",
                    refresh, progress)

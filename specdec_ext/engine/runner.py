@@ -106,26 +106,36 @@ class TimedRunner:
     def _drop_front(self, n: int) -> None:
         raise NotImplementedError
 
-    def _merge_kv(self, other: "TimedRunner", width: int) -> None:
+    def _pad_front(self, n: int) -> None:
         raise NotImplementedError
 
-    def append_rows(self, other: "TimedRunner") -> None:
-        """Take the rows of ``other`` (a runner of the same model that has just read new prompts: continuous
-        batching admits requests so) after this runner's rows. The narrower cache is padded on the left with
-        hole columns (zero keys and values, mask 0), so every row keeps its own positions and sees only its
-        own tokens. ``other``'s forward calls and time are added to this runner's; ``other`` is spent."""
+    def _write_rows(self, idx: torch.Tensor, other: "TimedRunner") -> None:
+        raise NotImplementedError
+
+    def replace_rows(self, slots: torch.Tensor, other: "TimedRunner") -> None:
+        """Continuous batching: the rows at positions ``slots`` (``[n]`` int64, requests that finished) take the n
+        rows of ``other`` (a runner of the same model that has just read the new requests' prompts), in place.
+        Each new row's cache is written right-aligned into its slot (its positions are its own) and the slot's
+        older columns become holes, so only the new rows' data moves; the whole cache is copied only when a new
+        prompt is wider than the cache (it is padded on the left). ``other``'s forward calls and time are added
+        to this runner's; ``other`` is spent."""
         if type(other) is not type(self) or other.model is not self.model:
-            raise ValueError("append_rows: the other runner must run the same model with the same runner class")
-        if self.mask.shape[0] == 0 and self.length:  # every row had left: nothing of the old cache is kept
-            self._drop_front(self.length)
-            self.mask = self.mask[:, self.length :]
-        width = max(self.length, other.length)
-        self._merge_kv(other, width)
-        self.mask = torch.cat([pad_front(self.mask, width), pad_front(other.mask.to(self.mask.dtype), width)])
-        self.next_pos = torch.cat([self.next_pos, other.next_pos.to(self.next_pos.device)])
+            raise ValueError("replace_rows: the other runner must run the same model with the same runner class")
+        if other.length > self.length:
+            self._pad_front(other.length - self.length)
+            self.mask = pad_front(self.mask, other.length)
+        idx = slots.to(self.device)
+        width, w = self.length, other.length
+        self.mask = self.mask.clone()
+        self.mask[idx] = 0
+        self.mask[idx, width - w :] = other.mask.to(self.mask.dtype)
+        self.next_pos = self.next_pos.clone()
+        self.next_pos[idx] = other.next_pos.to(self.next_pos.device)
+        self._write_rows(idx, other)
         self.calls += other.calls
         self.seconds += other.seconds
         other.close()
+        self._trim_front()
 
 
 def pad_front(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
@@ -266,38 +276,32 @@ class CausalLMRunner(TimedRunner):
             self.col_pos = self.col_pos[:, :length]
 
     def _drop_front(self, n: int) -> None:
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False) and layer.keys.numel():
-                layer.keys, layer.values = layer.keys[:, :, n:], layer.values[:, :, n:]
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[:, :, n:], layer.values[:, :, n:]
         if self.col_pos is not None:
             self.col_pos = self.col_pos[:, n:]
 
-    def _merge_kv(self, other: "CausalLMRunner", width: int) -> None:
-        rows = (self.mask.shape[0], other.mask.shape[0])
-        caches = (self.cache, other.cache)
-        if self.col_pos is not None:
-            self.col_pos = torch.cat([pad_front(self.col_pos, width), pad_front(other.col_pos, width)])
-        filled = [l for c in caches for l in c.layers if getattr(l, "is_initialized", False) and l.keys.numel()]
-        if not filled:  # both caches hold nothing yet (prompts of one token): start from the empty one
-            self.cache = other.cache
-            return
-        like = filled[0].keys  # [B, H_kv, C, D]: heads, head size, dtype and device of every layer here
-        dst = max(caches, key=lambda c: len(c.layers))  # a cache built lazily may hold fewer layer objects
-        for i, layer in enumerate(dst.layers):
-            merged = []
-            for name in ("keys", "values"):
-                parts = []
-                for cache, b in zip(caches, rows):
-                    src = cache.layers[i] if i < len(cache.layers) else None
-                    if src is None or not getattr(src, "is_initialized", False) or not src.keys.numel():
-                        parts.append(like.new_zeros((b, like.shape[1], width, like.shape[3])))
-                    else:
-                        parts.append(pad_front(getattr(src, name), width, dim=2))
-                merged.append(torch.cat(parts))
-            if not getattr(layer, "is_initialized", False):
-                layer.lazy_initialization(*merged)
-            layer.keys, layer.values = merged
-        self.cache = dst
+    def _layers(self) -> list:
+        """The cache layers that hold keys and values (none before the first forward)."""
+        return [l for l in self.cache.layers if getattr(l, "is_initialized", False) and l.keys.numel()]
+
+    def _pad_front(self, n: int) -> None:
+        for layer in self._layers():
+            layer.keys = pad_front(layer.keys, layer.keys.shape[2] + n, dim=2)
+            layer.values = pad_front(layer.values, layer.values.shape[2] + n, dim=2)
+        if self.layout:
+            self.col_pos = pad_front(self.col_pos, self.col_pos.shape[1] + n)
+
+    def _write_rows(self, idx: torch.Tensor, other: "CausalLMRunner") -> None:
+        width, w = self.length, other.length
+        if self.layout:
+            self.col_pos = self.col_pos.clone()
+            self.col_pos[idx] = 0
+            self.col_pos[idx, width - w :] = other.col_pos
+        if w:
+            for mine, theirs in zip(self._layers(), other._layers()):
+                mine.keys[idx, :, width - w :] = theirs.keys
+                mine.values[idx, :, width - w :] = theirs.values
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)

@@ -62,6 +62,13 @@ class CandidateLengthPolicy:
     def reset(self, batch_size: int, device: torch.device) -> None:
         """Start a generation call with ``batch_size`` rows."""
 
+    def draft_round(self, width: int) -> bool:
+        """Before a round: whether the live rows draft at all (default: yes). False makes the round one step of
+        plain decoding by the target alone (the draft catches up on the tokens it missed when it next drafts;
+        ``end_round`` then gets zeros). ``width``: the target's cache width in columns (positions, holes
+        included), on which a batched verification's cost depends."""
+        return True
+
     def begin_round(self) -> None:
         """Start a draft round for the live rows."""
 

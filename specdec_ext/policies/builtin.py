@@ -202,8 +202,13 @@ class SpecDecPP(CandidateLengthPolicy):
             self.rule.reset(batch_size)
         # a batch of several rows under threshold="auto": the verification budget decides for the batch
         self.use_budget = self.budget is not None and batch_size > 1 and self.head.input_position == "proposal"
+        self._plain = False
         if self.use_budget:
             self.budget.reset(batch_size)
+
+    def draft_round(self, width):
+        self._plain = self.use_budget and not self.budget.plan(int(self.cum_accept.shape[0]), width)
+        return not self._plain
 
     def begin_round(self):
         self.cum_accept.fill_(1.0)
@@ -262,8 +267,11 @@ class SpecDecPP(CandidateLengthPolicy):
         self.history = history_update(self.history, num_drafted, num_accepted)
         if self.rule is not None:
             self.rule.update(num_drafted, num_accepted)
-        if self.use_budget and self._survivals:
-            self.budget.update(num_drafted.shape[0], self._drafted, self._depth, int((num_accepted + 1).sum()))
+        if self.use_budget and self._plain:
+            self.budget.update(num_drafted.shape[0], 0, 0, num_drafted.shape[0])
+        elif self.use_budget and self._survivals:
+            self.budget.update(num_drafted.shape[0], self._drafted, self._depth, int((num_accepted + 1).sum()),
+                               torch.stack(self._survivals, 1))
 
     def select_rows(self, index):
         self.cum_accept = self.cum_accept[index.to(self.cum_accept.device)]

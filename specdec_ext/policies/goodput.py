@@ -185,14 +185,23 @@ class BatchCosts:
         (k = 0: a step of plain decoding), everything included (draft forwards, head, target forward,
         verification, rollback), for k = 0 .. len - 1;
     verify_ms[i][n - 1]: the target's forward alone over ``[sizes[i], n]`` tokens (every row verifies n
-        tokens: the verification is padded to the deepest row);
-    meta: what and where it was measured.
+        tokens: the verification is padded to the deepest row), with a cache of ``context`` columns;
+    meta: what and where it was measured;
+    context, wide_context, verify_wide_ms: the cache width (columns) of ``round_ms`` / ``verify_ms``, and the
+        forward's cost again at the width ``wide_context`` (same layout as ``verify_ms``). On a CPU the
+        target's attention over the cache is a large share of a batched forward (bundled pair, B = 16:
+        31 ms at 128 columns, 52 ms at 512), and it grows with the number of tokens per row, so what a
+        candidate costs depends on the width: costs at other widths are linear in it (0 / empty: no width
+        dependence).
     """
 
     sizes: Sequence[int]
     round_ms: Sequence[Sequence[float]]
     verify_ms: Sequence[Sequence[float]]
     meta: dict = field(default_factory=dict)
+    context: int = 0
+    wide_context: int = 0
+    verify_wide_ms: Sequence[Sequence[float]] = ()
 
     def __post_init__(self):
         n = len(self.sizes)
@@ -200,6 +209,10 @@ class BatchCosts:
             raise ValueError("BatchCosts: need increasing sizes with one round_ms and one verify_ms row each")
         self.round_ms = [isotonic(v) for v in self.round_ms]
         self.verify_ms = [isotonic(v) for v in self.verify_ms]
+        if self.verify_wide_ms:
+            if len(self.verify_wide_ms) != n or not 0 < self.context < self.wide_context:
+                raise ValueError("BatchCosts: verify_wide_ms needs one row per size and 0 < context < wide_context")
+            self.verify_wide_ms = [isotonic(v) for v in self.verify_wide_ms]
 
     def _at(self, B: int, values: Sequence[float]) -> float:
         s = list(self.sizes)
@@ -218,13 +231,24 @@ class BatchCosts:
         slope = max(0.0, v[-1] - v[-2]) if len(v) > 1 else 0.0
         return v[-1] + slope * (i - len(v) + 1)
 
-    def round(self, B: int, k: int) -> float:
-        """A round of k candidates per row at batch size B (ms); beyond the table, the last step's slope continues."""
-        return self._at(B, [self._extend(v, k) for v in self.round_ms])
+    def round(self, B: int, k: int, width: Optional[int] = None) -> float:
+        """A round of k candidates per row at batch size B (ms) with a target cache of ``width`` columns (None: the
+        profiled width); beyond the table, the last step's slope continues. The width moves the round's cost by
+        what it moves the verification's."""
+        base = self._at(B, [self._extend(v, k) for v in self.round_ms])
+        if width is None or not self.verify_wide_ms:
+            return base
+        return base + self.verify(B, k + 1, width) - self.verify(B, k + 1)
 
-    def verify(self, B: int, n: int) -> float:
-        """The target's forward over ``[B, n]`` tokens (ms)."""
-        return self._at(B, [self._extend(v, n - 1) for v in self.verify_ms])
+    def verify(self, B: int, n: int, width: Optional[int] = None) -> float:
+        """The target's forward over ``[B, n]`` tokens (ms) with a cache of ``width`` columns (None: ``context``):
+        linear in the width through the two measured widths (never below a quarter of the narrow figure)."""
+        base = self._at(B, [self._extend(v, n - 1) for v in self.verify_ms])
+        if width is None or not self.verify_wide_ms or width == self.context:
+            return base
+        wide = self._at(B, [self._extend(v, n - 1) for v in self.verify_wide_ms])
+        slope = max(0.0, wide - base) / (self.wide_context - self.context)
+        return max(0.25 * base, base + slope * (width - self.context))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -232,12 +256,14 @@ class BatchCosts:
     @classmethod
     def from_json(cls, text: str) -> "BatchCosts":
         d = json.loads(text)
-        return cls(d["sizes"], d["round_ms"], d["verify_ms"], d.get("meta", {}))
+        return cls(d["sizes"], d["round_ms"], d["verify_ms"], d.get("meta", {}), d.get("context", 0),
+                   d.get("wide_context", 0), d.get("verify_wide_ms", ()))
 
 
 class BatchBudget:
-    """A verification budget across a batch (``threshold="auto"`` at batch size > 1): how deep the whole batch
-    drafts and verifies in this round, from the rows' predicted survivals and the profiled cost table.
+    """A verification budget across a batch (``threshold="auto"`` at batch size > 1): whether the batch drafts
+    at all this round, how deep it drafts, and how many of the drafted slots it verifies, from the rows'
+    predicted survivals and the profiled cost table.
 
     The round's target forward is over ``[B, D + 1]`` tokens, D the deepest row's candidates (rows with fewer
     are padded; a transformers forward with a per-row KV cache cannot pack rows). So the verification cost of
@@ -245,9 +271,15 @@ class BatchBudget:
     verification (rank slots by survival, keep the N that maximise goodput) reduces to choosing a depth:
     every row keeps its slots 1..D. With S_bk the survival of row b's candidate k (the product of the head's
     p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + sum_{k<=D} S_bk) tokens (Leviathan et al.
-    2023, Eq. 1, per slot) in T_B(D) ms (``BatchCosts.round``). With lambda the batch's running goodput
-    (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`):
+    2023, Eq. 1, per slot) in T_B(D) ms (``BatchCosts.round`` at the target cache's current width). With
+    lambda the batch's running goodput (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`):
 
+    - before the round (:meth:`plan`): the batch drafts only if some depth d >= 1 is expected to pay,
+      B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), g_j being the running mean survival of slot j over
+      rows and rounds (prior ``prior_accept ** j``); otherwise the round is one step of plain decoding by the
+      target alone and the draft does not run (it catches up on the tokens it missed when it next drafts).
+      After ``probe`` such steps in a row the batch drafts once anyway, so g can follow the text; the
+      interval doubles while drafting keeps not paying;
     - drafting goes on after depth k while sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)) (S_bk bounds what
       slot k + 1 of row b can add);
     - the verified depth is the d <= k that maximises sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
@@ -256,40 +288,73 @@ class BatchBudget:
 
     lambda starts at plain decoding's goodput B / T_B(0), so speculation must beat plain decoding to be chosen.
     Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
-    distribution does not: each verified slot is accepted by the same rejection sampling).
+    distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
+    samples the target's distribution).
     """
 
-    def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0):
+    def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
+                 depth_max: int = 8, probe: int = 8):
         self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
+        self.prior_accept, self.depth_max, self.probe = prior_accept, depth_max, probe
         self.tokens = self.time = 0.0
+        self.width: Optional[int] = None
+        self.gain: list[float] = []
+        self._plain_run, self._interval = 0, probe
 
     def reset(self, batch_size: int) -> None:
+        self.width = None
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
+        self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
+        self._plain_run, self._interval = 0, self.probe
 
     @property
     def rate(self) -> float:
         """lambda: the batch's running goodput, tokens/ms."""
         return self.tokens / self.time
 
+    def plan(self, batch_size: int, width: Optional[int] = None) -> bool:
+        """Before a round: whether the batch drafts (False: one step of plain decoding), with the target cache
+        ``width`` columns wide (kept for this round's other decisions)."""
+        self.width = width
+        B, b, lam = batch_size, self.batch, self.rate
+        plain = b.round(B, 0, width)
+        pays = any(B * sum(self.gain[:d]) > lam * (b.round(B, d, width) - plain) for d in range(1, len(self.gain) + 1))
+        if pays or self._plain_run >= self._interval:
+            if not pays:  # a probe: drafting is checked again, less often while it keeps not paying
+                self._interval *= 2
+            self._plain_run = 0
+            return True
+        self._plain_run += 1
+        return False
+
     def go_on(self, k: int, survival: torch.Tensor) -> bool:
         """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
         that cannot draft further)."""
-        B = survival.shape[0]
-        return float(survival.sum()) >= self.rate * (self.batch.round(B, k + 1) - self.batch.round(B, k))
+        B, w = survival.shape[0], self.width
+        return float(survival.sum()) >= self.rate * (self.batch.round(B, k + 1, w) - self.batch.round(B, k, w))
 
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
         B, k = survivals.shape
         gain = torch.cat([torch.zeros(1, dtype=torch.float64), survivals.double().sum(0).cumsum(0)])
         lam = self.rate
-        values = [float(gain[d]) - lam * self.batch.verify(B, d + 1) for d in range(k + 1)]
+        values = [float(gain[d]) - lam * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
-    def update(self, batch_size: int, drafted: int, depth: int, emitted: int) -> None:
-        """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch."""
-        b = self.batch
-        ms = b.round(batch_size, drafted) - (b.verify(batch_size, drafted + 1) - b.verify(batch_size, depth + 1))
+    def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
+               survivals: Optional[torch.Tensor] = None) -> None:
+        """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch, and the
+        drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot). A plain step
+        is ``drafted = depth = 0``."""
+        b, w = self.batch, self.width
+        ms = b.round(batch_size, drafted, w) - (b.verify(batch_size, drafted + 1, w) - b.verify(batch_size, depth + 1, w))
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
+        if survivals is not None and survivals.numel():
+            mean = survivals.double().mean(0).tolist()
+            for j, m in enumerate(mean[: len(self.gain)]):
+                self.gain[j] = (1 - a) * self.gain[j] + a * m
+            if depth > 0:
+                self._interval = self.probe
