@@ -33,6 +33,57 @@ def test_batch_costs_interpolate_by_rows_and_tokens():
         BatchCosts([4, 1], [[1.0], [1.0]], [[1.0], [1.0]])
 
 
+def test_batch_costs_grow_with_the_cache_width():
+    c = BatchCosts([1, 4], [[5.0, 20.0, 30.0]] * 2, [[10.0, 12.0, 14.0]] * 2, {}, 100, 500, [[30.0, 40.0, 50.0]] * 2)
+    assert c.verify(4, 1) == 10.0 and c.verify(4, 1, 100) == 10.0
+    assert c.verify(4, 1, 300) == pytest.approx(20.0) and c.verify(4, 2, 300) == pytest.approx(26.0)
+    assert c.verify(4, 1, 900) == pytest.approx(50.0)     # beyond the wide width: the same slope
+    assert c.verify(4, 1, 0) == pytest.approx(5.0) and c.verify(4, 1, -10**4) == pytest.approx(2.5)  # floor: a quarter
+    # a round moves with the width by what its verification (k + 1 tokens) moves
+    assert c.round(4, 1, 300) == pytest.approx(20.0 + 26.0 - 12.0) and c.round(4, 0, 300) == pytest.approx(15.0)
+    back = BatchCosts.from_json(c.to_json())
+    assert (back.context, back.wide_context, back.verify(4, 2, 300)) == (100, 500, pytest.approx(26.0))
+    with pytest.raises(ValueError, match="wide_context"):
+        BatchCosts([1], [[1.0]], [[1.0]], {}, 0, 500, [[2.0]])
+
+
+def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
+    b = BatchBudget(DEAR, probe=3)
+    b.reset(8)
+    plans = [b.plan(8, 64) for _ in range(14)]
+    assert plans == [False] * 3 + [True] + [False] * 6 + [True] + [False] * 3, plans
+    assert b.width == 64
+    b.update(8, 1, 1, 12, torch.full((8, 1), 0.9))  # a probe whose slot paid: the interval starts again
+    assert [b.plan(8, 64) for _ in range(8)] == [True] + [False] * 6 + [True]
+    cheap = BatchBudget(TEST_BATCH_COSTS)
+    cheap.reset(8)
+    assert all(cheap.plan(8, 64) for _ in range(20))
+    # the running mean survival of each slot follows the drafted rounds (decay 0.2 per round)
+    cheap.update(8, 2, 2, 20, torch.tensor([[1.0, 0.5]] * 8))
+    assert cheap.gain[:3] == pytest.approx([0.8 * 0.7 + 0.2, 0.8 * 0.49 + 0.1, 0.343])
+
+
+def test_measured_round_times_correct_the_table():
+    b = BatchBudget(MID)
+    b.reset(4)
+    plain = MID.round(4, 0)
+    assert b.plan(4) and b._round(4, 2) == pytest.approx(MID.round(4, 2))
+    b.update(4, 0, 0, 4)
+    b.observe(2 * plain)  # plain steps take twice the table's time
+    assert b.c_plain == pytest.approx(1.2) and b.c_spec == 1.0
+    assert b.time == pytest.approx(0.8 * 50.0 + 0.2 * 2 * plain)  # lambda counts the measured time
+    b.update(4, 2, 2, 8, torch.full((4, 2), 0.5))
+    spec = MID.round(4, 2) - plain
+    b.observe(1.2 * plain + 3 * spec)  # the speculative part of a round takes three times the table's
+    assert b.c_spec == pytest.approx(1.4)
+    assert b._round(4, 3) - b._round(4, 2) == pytest.approx(1.4 * (MID.round(4, 3) - MID.round(4, 2)))
+    fixed = BatchBudget(MID, calibrate=False)
+    fixed.reset(4)
+    fixed.update(4, 0, 0, 4)
+    fixed.observe(2 * plain)
+    assert fixed.c_plain == 1.0 and fixed.time == pytest.approx(0.8 * 50.0 + 0.2 * plain)
+
+
 def test_budget_depth_and_go_on_by_hand():
     batch = BatchCosts([1, 64], [[10.0, 15.5, 21.0, 26.5]] * 2, [[10.0, 14.0, 18.0, 22.0]] * 2)
     b = BatchBudget(batch)
@@ -61,12 +112,18 @@ def test_budget_greedy_equals_target_only_and_follows_the_costs(batch):
     ids = _ids(6, target.config.vocab_size)
     plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=8,
-                               costs=TEST_COSTS, batch_costs=batch)
+                               costs=TEST_COSTS, batch_costs=batch, calibrate=False)  # decisions from the table
+    seen = []
+    gen.policy.budget_observe = gen.policy.round_time
+    gen.policy.round_time = lambda ms: (seen.append(ms), gen.policy.budget_observe(ms))
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
+    assert seen == [r.total_ms for r in out.stats.rounds]  # the engine reports every round's measured time
     lengths = [max(r.candidates) for r in out.stats.rounds]
     if batch is DEAR:
         assert max(lengths) == 0   # every round one token per row: no slot pays for its verification
+        # and the draft does not run in most of them (plain steps; the draft catches up when it probes)
+        assert out.stats.draft_calls < len(out.stats.rounds) / 2, (out.stats.draft_calls, len(out.stats.rounds))
     elif batch is TEST_BATCH_COSTS:
         assert sum(lengths) / len(lengths) > 3 and out.stats.accepted > 0
     else:
@@ -126,7 +183,7 @@ def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypat
     costs = profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False)
     assert len(costs.verify_ms) == 4 and costs.draft_ms > 0
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
-    assert len(files) == 2 and sum(f.endswith("-batch2.json") for f in files) == 1
+    assert len(files) == 2 and sum(f.endswith("-batch3.json") for f in files) == 1
 
     def fail(*a, **k):
         raise AssertionError("measured again")
@@ -135,7 +192,7 @@ def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypat
     monkeypatch.setattr(profile, "profile_pair", fail)
     assert profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False).round_ms == batch.round_ms
     assert profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False).verify_ms == costs.verify_ms
-    bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch2.json"))
+    bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch3.json"))
     bad.write_text("{not json")
     with pytest.raises(AssertionError, match="measured again"):
         profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False)

@@ -189,7 +189,8 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
 
     - whole rounds as the engine runs them: greedy generations of ``tokens`` tokens from B random
       ``context``-token prompts with fixed K = k for each k of ``ks`` (k = 0: plain decoding); the median
-      ``total_ms`` of the rounds in which all B rows were live; other k are interpolated linearly;
+      ``total_ms`` of the rounds in which all B rows were live; k >= 1 are then put on a fitted line
+      (``_round_row``; the raw medians are kept in ``meta["round_measured"]``);
     - the target's forward alone over ``[B, n]`` for n = 1 .. max(ks) + 1 (medians of ``reps``), with a cache of
       ``context`` columns and again of ``wide_context`` columns (attention over the cache grows with it),
       both capped by the target's context length.
@@ -205,7 +206,7 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
     n_max = max(ks) + 1
     ctx = context_length(target)
     wide = min(wide_context, ctx - n_max - 1) if ctx is not None else wide_context
-    rounds, verify, verify_wide = [], [], []
+    rounds, verify, verify_wide, raw = [], [], [], {}
     for i, B in enumerate(sizes):
         prompt = torch.randint(0, V, (B, context), generator=g)
         measured = {}
@@ -214,14 +215,8 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
             st = gens[k].generate(prompt, max_new_tokens=tokens, temperature=0).stats
             full = [r.total_ms for r in st.rounds if len(r.rows) == B] or [r.total_ms for r in st.rounds]
             measured[k] = statistics.median(full)
-        known = sorted(measured)
-        row = []
-        for k in range(max(ks) + 1):  # linear between measured k
-            lo = max(x for x in known if x <= k)
-            hi = min(x for x in known if x >= k)
-            w = 0.0 if hi == lo else (k - lo) / (hi - lo)
-            row.append((1 - w) * measured[lo] + w * measured[hi])
-        rounds.append(row)
+        raw[B] = measured
+        rounds.append(_round_row(measured, max(ks)))
         verify.append(_forward_times(target, prompt, n_max, reps, g))
         if wide > context:
             wide_prompt = torch.cat([torch.randint(0, V, (B, wide - context), generator=g), prompt], 1)
@@ -232,10 +227,25 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
         log("\n")
     meta = {"processor": processor_name(), "threads": torch.get_num_threads(), "context": context, "reps": reps,
             "tokens": tokens, "ks": list(ks), "target_dtype": str(next(target.parameters()).dtype),
-            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "round_measured": raw}
     if verify_wide:
         return BatchCosts(list(sizes), rounds, verify, meta, context, wide, verify_wide)
     return BatchCosts(list(sizes), rounds, verify, meta)
+
+
+def _round_row(measured: dict, k_max: int) -> list[float]:
+    """Round ms for k = 0 .. k_max from the measured rounds: k = 0 (plain decoding) as measured; k >= 1 on the
+    least-squares line through the measured k >= 1 (slope >= 0). A round's cost grows by about a draft step and
+    a verified token per candidate, and single short measurements on a loaded machine are noisy: a fit keeps a
+    noisy point from making one step look free (or dear) to the budget's marginal decisions."""
+    pts = [(k, m) for k, m in measured.items() if k >= 1]
+    if len(pts) < 2:
+        return [measured.get(0, pts[0][1] if pts else 0.0)] + [pts[0][1] if pts else 0.0] * k_max
+    mk = sum(k for k, _ in pts) / len(pts)
+    mm = sum(m for _, m in pts) / len(pts)
+    var = sum((k - mk) ** 2 for k, _ in pts)
+    slope = max(0.0, sum((k - mk) * (m - mm) for k, m in pts) / var)
+    return [measured[0]] + [mm + slope * (k - mk) for k in range(1, k_max + 1)]
 
 
 def _forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g) -> list[float]:
@@ -269,7 +279,7 @@ def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool =
     from ..policies.goodput import BatchCosts
 
     key = profile_key(target, draft, fast_draft, max(ROUND_KS))
-    path = (directory or cache_dir()) / "profiles" / f"{key}-batch2.json"  # 2: with the wide-cache forward table
+    path = (directory or cache_dir()) / "profiles" / f"{key}-batch3.json"  # 3: wide-cache forward table, fitted rounds
     return _cached(path, BatchCosts, lambda log: profile_batches(target, draft, fast_draft, log=log),
                    f"batch sizes {list(BATCH_SIZES)} for the verification budget (once per pair and setting",
                    refresh, progress)

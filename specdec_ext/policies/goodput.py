@@ -287,15 +287,24 @@ class BatchBudget:
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
     lambda starts at plain decoding's goodput B / T_B(0), so speculation must beat plain decoding to be chosen.
+
+    With ``calibrate`` (the engine reports each round's measured ms, :meth:`observe`), the table is corrected
+    online where the batch runs: T_B(k) is read as c_0 T_B(0) + c_s (T_B(k) - T_B(0)), c_0 the running ratio
+    of measured to modelled plain steps and c_s that of the speculative part of rounds (both exponential
+    averages, clamped to [1/4, 4]), and lambda uses measured times. The profile is taken once, on random
+    prompts and a few widths, and a machine's speed drifts; the decisions then depend on timings, so sampled
+    rows' draws (not their distribution) vary from run to run. Greedy output never depends on the decisions.
     Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
     distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
     samples the target's distribution).
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8):
+                 depth_max: int = 8, probe: int = 8, calibrate: bool = True):
         self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
-        self.prior_accept, self.depth_max, self.probe = prior_accept, depth_max, probe
+        self.prior_accept, self.depth_max, self.probe, self.calibrate = prior_accept, depth_max, probe, calibrate
+        self.c_plain = self.c_spec = 1.0
+        self._last: Optional[tuple] = None
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
         self.gain: list[float] = []
@@ -307,6 +316,17 @@ class BatchBudget:
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
         self._plain_run, self._interval = 0, self.probe
+        self._last = None
+
+    def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
+        """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
+        current width, with the online corrections."""
+        b, w = self.batch, self.width
+        plain = b.round(B, 0, w)
+        spec = b.round(B, k, w) - plain
+        if verified is not None:
+            spec -= b.verify(B, k + 1, w) - b.verify(B, verified + 1, w)
+        return self.c_plain * plain + self.c_spec * spec
 
     @property
     def rate(self) -> float:
@@ -317,9 +337,9 @@ class BatchBudget:
         """Before a round: whether the batch drafts (False: one step of plain decoding), with the target cache
         ``width`` columns wide (kept for this round's other decisions)."""
         self.width = width
-        B, b, lam = batch_size, self.batch, self.rate
-        plain = b.round(B, 0, width)
-        pays = any(B * sum(self.gain[:d]) > lam * (b.round(B, d, width) - plain) for d in range(1, len(self.gain) + 1))
+        B, lam = batch_size, self.rate
+        plain = self._round(B, 0)
+        pays = any(B * sum(self.gain[:d]) > lam * (self._round(B, d) - plain) for d in range(1, len(self.gain) + 1))
         if pays or self._plain_run >= self._interval:
             if not pays:  # a probe: drafting is checked again, less often while it keeps not paying
                 self._interval *= 2
@@ -331,15 +351,15 @@ class BatchBudget:
     def go_on(self, k: int, survival: torch.Tensor) -> bool:
         """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
         that cannot draft further)."""
-        B, w = survival.shape[0], self.width
-        return float(survival.sum()) >= self.rate * (self.batch.round(B, k + 1, w) - self.batch.round(B, k, w))
+        B = survival.shape[0]
+        return float(survival.sum()) >= self.rate * (self._round(B, k + 1) - self._round(B, k))
 
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
         B, k = survivals.shape
         gain = torch.cat([torch.zeros(1, dtype=torch.float64), survivals.double().sum(0).cumsum(0)])
         lam = self.rate
-        values = [float(gain[d]) - lam * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
+        values = [float(gain[d]) - lam * self.c_spec * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
     def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
@@ -347,8 +367,8 @@ class BatchBudget:
         """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch, and the
         drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot). A plain step
         is ``drafted = depth = 0``."""
-        b, w = self.batch, self.width
-        ms = b.round(batch_size, drafted, w) - (b.verify(batch_size, drafted + 1, w) - b.verify(batch_size, depth + 1, w))
+        ms = self._round(batch_size, drafted, depth)
+        self._last = (batch_size, drafted, depth, ms)
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
@@ -358,3 +378,21 @@ class BatchBudget:
                 self.gain[j] = (1 - a) * self.gain[j] + a * m
             if depth > 0:
                 self._interval = self.probe
+
+    def observe(self, ms: float) -> None:
+        """The measured wall time of the round just updated (ms): corrects the cost model (``calibrate``) and
+        puts the measured time in place of the modelled one in lambda."""
+        if not self.calibrate or self._last is None:
+            return
+        B, drafted, depth, modelled = self._last
+        self._last = None
+        a, b, w = self.decay, self.batch, self.width
+        self.time += a * (ms - modelled)
+        plain = b.round(B, 0, w)
+        if drafted == 0:
+            self.c_plain = min(4.0, max(0.25, (1 - a) * self.c_plain + a * ms / plain))
+        else:
+            spec = b.round(B, drafted, w) - plain - (b.verify(B, drafted + 1, w) - b.verify(B, depth + 1, w))
+            if spec > 0:
+                ratio = (ms - self.c_plain * plain) / spec
+                self.c_spec = min(4.0, max(0.25, (1 - a) * self.c_spec + a * ratio))
