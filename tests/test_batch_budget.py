@@ -64,7 +64,7 @@ def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
 
 
 def test_measured_round_times_correct_the_table():
-    b = BatchBudget(MID)
+    b = BatchBudget(MID, calibrate_decay=0.2)
     b.reset(4)
     plain = MID.round(4, 0)
     assert b.plan(4) and b._round(4, 2) == pytest.approx(MID.round(4, 2))

@@ -518,7 +518,8 @@ class SpeculativeGenerator:
             qs.append(q if not cfg.greedy else None)
             n = torch.where(stopped, n, torch.full_like(n, step))
             info = DraftStep(step, B, q.gather(-1, x.view(-1, 1)).squeeze(-1) if q is not None else None, q,
-                             hidden=hid[:, -1] if hid is not None else None, tokens=x, logits=last_logits)
+                             hidden=hid[:, -1] if hid is not None else None, tokens=x, logits=last_logits,
+                             drafting=~stopped, room=~stopped & (step < cap))
             stopped = stopped | pol.should_stop(info).cpu() | (step >= cap)
             if bool(stopped.all()) or step >= kcap:
                 break

@@ -30,6 +30,10 @@ class DraftStep:
     tokens: ``[B]`` int64, the candidate ids just drafted.
     logits: ``[B, V]`` float32, the draft's raw logits from which the candidate came (always given; under
         greedy decoding q = softmax(logits)).
+    drafting: ``[B]`` bool, rows whose candidate ``step`` is real (they had not stopped before this step);
+        the other rows' entries are stale and their decisions ignored.
+    room: ``[B]`` bool, rows that may draft candidate ``step + 1`` (drafting, and below K_max and the tokens
+        the row may still emit).
 
     Stopping after candidate ``step`` costs no further draft forward: the engine feeds a candidate to
     the draft only to propose the next one, so a round of K candidates costs K draft forwards.
@@ -42,6 +46,8 @@ class DraftStep:
     hidden: Optional[torch.Tensor] = None
     tokens: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None
+    drafting: Optional[torch.Tensor] = None
+    room: Optional[torch.Tensor] = None
 
 
 class CandidateLengthPolicy:

@@ -253,8 +253,12 @@ class SpecDecPP(CandidateLengthPolicy):
                                            self.max_candidates, h)
         stop = stop.cpu()
         if self.use_budget:  # rows stop together, when the batch's next slots do not pay (BatchBudget)
-            self._survivals.append(self.cum_accept.detach().double().cpu())
-            if k >= self.k_min and not self.budget.go_on(k, self._survivals[-1]):
+            S = self.cum_accept.detach().double().cpu()
+            if info.drafting is not None:  # a row that stopped has no slot here, one without room no next slot
+                S = S * info.drafting.double()
+            self._survivals.append(S)
+            room = S * info.room.double() if info.room is not None else S
+            if k >= self.k_min and not self.budget.go_on(k, room):
                 stop = torch.ones_like(stop)
         elif self.auto and self.k_min <= k < self.max_candidates:
             stop = stop | self.rule.stop(k, self.cum_accept)

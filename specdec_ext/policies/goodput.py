@@ -290,8 +290,8 @@ class BatchBudget:
 
     With ``calibrate`` (the engine reports each round's measured ms, :meth:`observe`), the table is corrected
     online where the batch runs: T_B(k) is read as c_0 T_B(0) + c_s (T_B(k) - T_B(0)), c_0 the running ratio
-    of measured to modelled plain steps and c_s that of the speculative part of rounds (both exponential
-    averages, clamped to [1/4, 4]), and lambda uses measured times. The profile is taken once, on random
+    of measured to modelled plain steps and c_s that of the speculative part of rounds (exponential averages
+    with weight ``calibrate_decay`` per round, clamped to [1/4, 4]), and lambda uses measured times. The profile is taken once, on random
     prompts and a few widths, and a machine's speed drifts; the decisions then depend on timings, so sampled
     rows' draws (not their distribution) vary from run to run. Greedy output never depends on the decisions.
     Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
@@ -300,9 +300,10 @@ class BatchBudget:
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8, calibrate: bool = True):
+                 depth_max: int = 8, probe: int = 8, calibrate: bool = True, calibrate_decay: float = 0.05):
         self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
         self.prior_accept, self.depth_max, self.probe, self.calibrate = prior_accept, depth_max, probe, calibrate
+        self.calibrate_decay = calibrate_decay
         self.c_plain = self.c_spec = 1.0
         self._last: Optional[tuple] = None
         self.tokens = self.time = 0.0
@@ -386,8 +387,9 @@ class BatchBudget:
             return
         B, drafted, depth, modelled = self._last
         self._last = None
-        a, b, w = self.decay, self.batch, self.width
-        self.time += a * (ms - modelled)
+        b, w = self.batch, self.width
+        self.time += self.decay * (ms - modelled)
+        a = self.calibrate_decay  # slower than lambda's: one round's time is noisy, the machine's speed drifts slowly
         plain = b.round(B, 0, w)
         if drafted == 0:
             self.c_plain = min(4.0, max(0.25, (1 - a) * self.c_plain + a * ms / plain))
