@@ -209,6 +209,7 @@ class BatchCosts:
             raise ValueError("BatchCosts: need increasing sizes with one round_ms and one verify_ms row each")
         self.round_ms = [isotonic(v) for v in self.round_ms]
         self.verify_ms = [isotonic(v) for v in self.verify_ms]
+        self._memo: dict = {}
         if self.verify_wide_ms:
             if len(self.verify_wide_ms) != n or not 0 < self.context < self.wide_context:
                 raise ValueError("BatchCosts: verify_wide_ms needs one row per size and 0 < context < wide_context")
@@ -231,11 +232,20 @@ class BatchCosts:
         slope = max(0.0, v[-1] - v[-2]) if len(v) > 1 else 0.0
         return v[-1] + slope * (i - len(v) + 1)
 
+    def _table(self, name: str, B: int, i: int) -> float:
+        """``round_ms`` / ``verify_ms`` / ``verify_wide_ms`` at batch size B and column i (memoised: the budget
+        reads the table many times per round)."""
+        key = (name, B, i)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._at(B, [self._extend(v, i) for v in getattr(self, name)])
+        return hit
+
     def round(self, B: int, k: int, width: Optional[int] = None) -> float:
         """A round of k candidates per row at batch size B (ms) with a target cache of ``width`` columns (None: the
         profiled width); beyond the table, the last step's slope continues. The width moves the round's cost by
         what it moves the verification's."""
-        base = self._at(B, [self._extend(v, k) for v in self.round_ms])
+        base = self._table("round_ms", B, k)
         if width is None or not self.verify_wide_ms:
             return base
         return base + self.verify(B, k + 1, width) - self.verify(B, k + 1)
@@ -243,10 +253,10 @@ class BatchCosts:
     def verify(self, B: int, n: int, width: Optional[int] = None) -> float:
         """The target's forward over ``[B, n]`` tokens (ms) with a cache of ``width`` columns (None: ``context``):
         linear in the width through the two measured widths (never below a quarter of the narrow figure)."""
-        base = self._at(B, [self._extend(v, n - 1) for v in self.verify_ms])
+        base = self._table("verify_ms", B, n - 1)
         if width is None or not self.verify_wide_ms or width == self.context:
             return base
-        wide = self._at(B, [self._extend(v, n - 1) for v in self.verify_wide_ms])
+        wide = self._table("verify_wide_ms", B, n - 1)
         slope = max(0.0, wide - base) / (self.wide_context - self.context)
         return max(0.25 * base, base + slope * (width - self.context))
 
@@ -280,32 +290,22 @@ class BatchBudget:
       target alone and the draft does not run (it catches up on the tokens it missed when it next drafts).
       After ``probe`` such steps in a row the batch drafts once anyway, so g can follow the text; the
       interval doubles while drafting keeps not paying;
-    - drafting goes on after depth k while sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)) (S_bk bounds what
-      slot k + 1 of row b can add);
+    - drafting goes on after depth k while rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1 of
+      row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward, so
+      its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
+      rule, optimal while the marginal gains fall);
     - the verified depth is the d <= k that maximises sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
       draft time is spent, the verification is not, so slots whose survival does not pay for their
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
     lambda starts at plain decoding's goodput B / T_B(0), so speculation must beat plain decoding to be chosen.
 
-    With ``calibrate`` (the engine reports each round's measured ms, :meth:`observe`), the table is corrected
-    online where the batch runs: T_B(k) is read as c_0 T_B(0) + c_s (T_B(k) - T_B(0)), c_0 the running ratio
-    of measured to modelled plain steps and c_s that of the speculative part of rounds (exponential averages
-    with weight ``calibrate_decay`` per round, clamped to [1/4, 4]), and lambda uses measured times. The profile is taken once, on random
-    prompts and a few widths, and a machine's speed drifts; the decisions then depend on timings, so sampled
-    rows' draws (not their distribution) vary from run to run. Greedy output never depends on the decisions.
-    Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
-    distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
-    samples the target's distribution).
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8, calibrate: bool = True, calibrate_decay: float = 0.05):
+                 depth_max: int = 8, probe: int = 8):
         self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
-        self.prior_accept, self.depth_max, self.probe, self.calibrate = prior_accept, depth_max, probe, calibrate
-        self.calibrate_decay = calibrate_decay
-        self.c_plain = self.c_spec = 1.0
-        self._last: Optional[tuple] = None
+        self.prior_accept, self.depth_max, self.probe = prior_accept, depth_max, probe
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
         self.gain: list[float] = []
@@ -317,17 +317,21 @@ class BatchBudget:
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
         self._plain_run, self._interval = 0, self.probe
-        self._last = None
 
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
-        current width, with the online corrections."""
+        current width."""
         b, w = self.batch, self.width
-        plain = b.round(B, 0, w)
-        spec = b.round(B, k, w) - plain
+        ms = b.round(B, k, w)
         if verified is not None:
-            spec -= b.verify(B, k + 1, w) - b.verify(B, verified + 1, w)
-        return self.c_plain * plain + self.c_spec * spec
+            ms -= b.verify(B, k + 1, w) - b.verify(B, verified + 1, w)
+        return ms
+
+    def _next_ratio(self, k: int) -> float:
+        """E[p_hat of slot k + 1]: the running mean survival of slot k + 1 over that of slot k (at most 1)."""
+        g = self.gain
+        j = min(k, len(g) - 1)
+        return min(1.0, g[j] / g[j - 1]) if j >= 1 and g[j - 1] > 0 else g[0]
 
     @property
     def rate(self) -> float:
@@ -353,14 +357,14 @@ class BatchBudget:
         """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
         that cannot draft further)."""
         B = survival.shape[0]
-        return float(survival.sum()) >= self.rate * (self._round(B, k + 1) - self._round(B, k))
+        return float(survival.sum()) * self._next_ratio(k) >= self.rate * (self._round(B, k + 1) - self._round(B, k))
 
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
         B, k = survivals.shape
         gain = torch.cat([torch.zeros(1, dtype=torch.float64), survivals.double().sum(0).cumsum(0)])
         lam = self.rate
-        values = [float(gain[d]) - lam * self.c_spec * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
+        values = [float(gain[d]) - lam * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
     def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
@@ -369,32 +373,14 @@ class BatchBudget:
         drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot). A plain step
         is ``drafted = depth = 0``."""
         ms = self._round(batch_size, drafted, depth)
-        self._last = (batch_size, drafted, depth, ms)
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
         if survivals is not None and survivals.numel():
-            mean = survivals.double().mean(0).tolist()
-            for j, m in enumerate(mean[: len(self.gain)]):
-                self.gain[j] = (1 - a) * self.gain[j] + a * m
+            S = survivals.double()
+            real = S > 0  # rows that drafted the slot
+            for j in range(min(S.shape[1], len(self.gain))):
+                if bool(real[:, j].any()):
+                    self.gain[j] = (1 - a) * self.gain[j] + a * float(S[real[:, j], j].mean())
             if depth > 0:
                 self._interval = self.probe
-
-    def observe(self, ms: float) -> None:
-        """The measured wall time of the round just updated (ms): corrects the cost model (``calibrate``) and
-        puts the measured time in place of the modelled one in lambda."""
-        if not self.calibrate or self._last is None:
-            return
-        B, drafted, depth, modelled = self._last
-        self._last = None
-        b, w = self.batch, self.width
-        self.time += self.decay * (ms - modelled)
-        a = self.calibrate_decay  # slower than lambda's: one round's time is noisy, the machine's speed drifts slowly
-        plain = b.round(B, 0, w)
-        if drafted == 0:
-            self.c_plain = min(4.0, max(0.25, (1 - a) * self.c_plain + a * ms / plain))
-        else:
-            spec = b.round(B, drafted, w) - plain - (b.verify(B, drafted + 1, w) - b.verify(B, depth + 1, w))
-            if spec > 0:
-                ratio = (ms - self.c_plain * plain) / spec
-                self.c_spec = min(4.0, max(0.25, (1 - a) * self.c_spec + a * ratio))
