@@ -122,8 +122,9 @@ class SpecDecPP(CandidateLengthPolicy):
             profile and lambda the row's running goodput in tokens/ms (:class:`~specdec_ext.policies.goodput.GoodputRule`).
             At batch size > 1 (with a ``"proposal"`` head) the rows decide together instead, with a verification
             budget across the batch from a profiled cost table by batch size
-            (:class:`~specdec_ext.policies.goodput.BatchBudget`): how deep the batch drafts, and how many of the
-            drafted slots it verifies (possibly none: a step of plain decoding).
+            (:class:`~specdec_ext.policies.goodput.BatchBudget`): whether the batch drafts at all this round (if
+            not, a step of plain decoding without a draft forward), how deep it drafts, and how many of the
+            drafted slots it verifies (possibly none).
         k_min, k_max: bounds on K (``k_max`` is K_max).
         batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
