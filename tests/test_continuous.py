@@ -92,6 +92,37 @@ def test_a_prompt_wider_than_the_cache_widens_it(arch, fast_draft):
         assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"request {i} differs from target-only decoding"
 
 
+@pytest.mark.parametrize("runner", ["transformers", "lean"])
+@pytest.mark.parametrize("old_len,new_len", [(1, 4), (6, 3), (3, 9)], ids=["empty-cache", "narrower", "wider"])
+def test_replace_rows_gives_the_new_row_the_state_of_its_prompt_alone(runner, old_len, new_len):
+    """A row written into a slot computes what a runner that read only its prompt computes; the other row is
+    untouched. Covers a cache that holds nothing yet, a narrower and a wider new prompt."""
+    from specdec_ext.engine.fast_llama import FastLlamaRunner
+
+    target, draft = make_pair("llama")
+    model = draft
+    make = (lambda: CausalLMRunner(model, "draft")) if runner == "transformers" else (lambda: FastLlamaRunner(model))
+    g = torch.Generator().manual_seed(0)
+    old = torch.randint(2, 40, (2, old_len), generator=g)
+    new = torch.randint(2, 40, (1, new_len), generator=g)
+    nxt = torch.randint(2, 40, (2, 1), generator=g)
+
+    def fresh(prompt):
+        r = make()
+        r.start(prompt.shape[0])
+        if prompt.shape[1] > 1:
+            r.forward(prompt[:, :-1])
+        return r
+
+    batch, incoming = fresh(old), fresh(new)
+    batch.replace_rows(torch.tensor([1]), incoming)
+    got, _ = batch.forward(torch.stack([torch.cat([old[0, -1:], nxt[0]]), torch.cat([new[0, -1:], nxt[1]])]), keep=1)
+    alone_new, _ = fresh(new).forward(torch.cat([new[0, -1:], nxt[1]]).view(1, -1), keep=1)
+    alone_old, _ = fresh(old[:1]).forward(torch.cat([old[0, -1:], nxt[0]]).view(1, -1), keep=1)
+    torch.testing.assert_close(got[1], alone_new[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[0], alone_old[0], rtol=1e-4, atol=1e-5)
+
+
 def test_requests_join_mid_generation_and_eos_frees_their_rows():
     target, draft = make_pair("llama", noise=0.1)
     V = target.config.vocab_size

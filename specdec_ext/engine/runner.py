@@ -112,6 +112,7 @@ class TimedRunner:
     def _write_rows(self, idx: torch.Tensor, other: "TimedRunner") -> None:
         raise NotImplementedError
 
+    @torch.inference_mode()
     def replace_rows(self, slots: torch.Tensor, other: "TimedRunner") -> None:
         """Continuous batching: the rows at positions ``slots`` (``[n]`` int64, requests that finished) take the n
         rows of ``other`` (a runner of the same model that has just read the new requests' prompts), in place.
@@ -298,7 +299,16 @@ class CausalLMRunner(TimedRunner):
             self.col_pos = self.col_pos.clone()
             self.col_pos[idx] = 0
             self.col_pos[idx, width - w :] = other.col_pos
-        if w:
+        if w and not self._layers():  # nothing stored here yet (one-token prompts, no forward): start from zeros
+            rows = self.mask.shape[0]
+            for layer in other._layers():
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    full = t.new_zeros((rows, t.shape[1], width, t.shape[3]))
+                    full[idx, :, width - w :] = t
+                    setattr(layer, name, full)
+            self.cache = other.cache
+        elif w:
             for mine, theirs in zip(self._layers(), other._layers()):
                 mine.keys[idx, :, width - w :] = theirs.keys
                 mine.values[idx, :, width - w :] = theirs.values
