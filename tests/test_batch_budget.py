@@ -55,12 +55,33 @@ def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
     assert b.width == 64
     b.update(8, 1, 1, 12, torch.full((8, 1), 0.9))  # a probe whose slot paid: the interval starts again
     assert [b.plan(8, 64) for _ in range(8)] == [True] + [False] * 6 + [True]
-    cheap = BatchBudget(TEST_BATCH_COSTS)
+    cheap = BatchBudget(TEST_BATCH_COSTS, measure=False)  # nothing measured: the table decides, no plain probes
     cheap.reset(8)
     assert all(cheap.plan(8, 64) for _ in range(20))
     # the running mean survival of each slot follows the drafted rounds (decay 0.2 per round)
     cheap.update(8, 2, 2, 20, torch.tensor([[1.0, 0.5]] * 8))
     assert cheap.gain[:3] == pytest.approx([0.8 * 0.7 + 0.2, 0.8 * 0.49 + 0.1, 0.343])
+
+
+def test_measured_goodput_chooses_between_plain_steps_and_drafting():
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2)  # the table: drafting pays
+    b.reset(4)
+    assert b.plan(4, 64)
+    b.update(4, 2, 2, 10, torch.full((4, 2), 0.8))
+    b.observe(40.0)                          # drafting measured: 10 tokens in 40 ms, 0.0625 per ms per row
+    assert b.measured == [None, pytest.approx(0.0625)]
+    assert [b.plan(4, 64) for _ in range(2)] == [True, False]  # a probe of plain decoding after 2 drafting rounds
+    b.update(4, 0, 0, 4)
+    b.observe(8.0)                           # plain steps measured: 4 tokens in 8 ms, 0.125 per ms per row
+    assert b.measured == [pytest.approx(0.125), pytest.approx(0.0625)]
+    # plain decoding now wins on measured goodput, whatever the table says; drafting is retried at doubling
+    # intervals (2, then 4 plain steps)
+    assert [b.plan(4, 64) for _ in range(8)] == [False, False, True, False, False, False, False, True]
+    unmeasured = BatchBudget(TEST_BATCH_COSTS, measure=False)
+    unmeasured.reset(4)
+    unmeasured.update(4, 0, 0, 4)
+    unmeasured.observe(8.0)
+    assert unmeasured.measured == [None, None]
 
 
 def test_budget_depth_and_go_on_by_hand():
@@ -93,9 +114,13 @@ def test_budget_greedy_equals_target_only_and_follows_the_costs(batch):
     ids = _ids(6, target.config.vocab_size)
     plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=8,
-                               costs=TEST_COSTS, batch_costs=batch)
+                               costs=TEST_COSTS, batch_costs=batch, measured_costs=False)  # decisions from the table
+    seen = []
+    observe = gen.policy.round_time
+    gen.policy.round_time = lambda ms: (seen.append(ms), observe(ms))
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
+    assert seen == [r.total_ms for r in out.stats.rounds]  # the engine reports every round's measured time
     lengths = [max(r.candidates) for r in out.stats.rounds]
     if batch is DEAR:
         assert max(lengths) == 0   # every round one token per row: no slot pays for its verification

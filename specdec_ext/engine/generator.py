@@ -368,6 +368,7 @@ class SpeculativeGenerator:
         """Rounds until no row is live; finished rows leave the batch. ``admit(batch, target, draft, done)``, when
         given, is called after each round with the positions of the rows that finished; it may give their places
         to new requests (continuous batching) and returns the positions left to remove. Closes the runners."""
+        tp = tp_size(self.target) > 1
         try:
             while batch.rows:
                 remaining = torch.tensor([call.max_new_tokens - len(batch.generated[r]) for r in batch.rows])
@@ -380,6 +381,8 @@ class SpeculativeGenerator:
                     batch.defer(batch.last)
                     none = torch.zeros(len(batch.rows), dtype=torch.int64)
                     pol.end_round(none, none)
+                if pol.speculative and not tp:  # the ranks of a tensor-parallel target would measure differently
+                    pol.round_time(stats.rounds[-1].total_ms)
                 keep = self._commit(call, batch, emitted, remaining, stats)
                 done = sorted(set(range(len(batch.rows))) - set(keep))
                 if admit is not None:

@@ -91,6 +91,10 @@ class CandidateLengthPolicy:
     def end_round(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Feedback after verification: candidates drafted and accepted per row (``[B]`` int64)."""
 
+    def round_time(self, ms: float) -> None:
+        """After ``end_round``: the round's measured wall time in ms (not reported for a tensor-parallel target,
+        whose ranks must decide alike). Policies that learn from measured costs use it."""
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep the state of rows ``index`` only (finished rows leave the batch)."""
 

@@ -130,6 +130,9 @@ class SpecDecPP(CandidateLengthPolicy):
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
             batch (their distribution does not); ``False`` keeps every row's decisions its own (per-row rule),
             so a row's seeded output in a batch equals its output alone.
+        measured_costs: the budget chooses between drafting and plain steps by their measured goodput once it has
+            both (default; see :class:`~specdec_ext.policies.goodput.BatchBudget`); ``False`` decides from the
+            profiled table alone, so the decisions, and a sampled row's draws, are reproducible run to run.
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
     ``"proposal"`` head scores candidate k at step k and may stop at any K >= 1; the paper's
@@ -138,7 +141,8 @@ class SpecDecPP(CandidateLengthPolicy):
     order), and its smallest K is 2.
     """
 
-    def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20, batch_budget: bool = True):
+    def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20, batch_budget: bool = True,
+                 measured_costs: bool = True):
         heads = dict(head) if isinstance(head, Mapping) else {"any": head}
         for key, h in heads.items():
             if not isinstance(h, AcceptanceHead):
@@ -158,6 +162,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self.threshold = threshold
         self.needs_costs = self.auto
         self.needs_batch_costs = self.auto and bool(batch_budget)
+        self.measured_costs = bool(measured_costs)
         self.budget: Optional[BatchBudget] = None
         self.use_budget = False
         self._survivals: list = []
@@ -189,7 +194,7 @@ class SpecDecPP(CandidateLengthPolicy):
                 raise ValueError("SpecDecPP(threshold='auto') needs the pair's CostModel (the engine profiles it)")
             self.costs = costs
             self.rule = GoodputRule(costs, self.head.mean_accept, self.max_candidates)
-            self.budget = BatchBudget(batch_costs) if batch_costs is not None else None
+            self.budget = BatchBudget(batch_costs, measure=self.measured_costs) if batch_costs is not None else None
 
     def reset(self, batch_size, device):
         self._weights = self.head.fused_weights(device)
@@ -277,6 +282,10 @@ class SpecDecPP(CandidateLengthPolicy):
         elif self.use_budget and self._survivals:
             self.budget.update(num_drafted.shape[0], self._drafted, self._depth, int((num_accepted + 1).sum()),
                                torch.stack(self._survivals, 1))
+
+    def round_time(self, ms):
+        if self.use_budget:
+            self.budget.observe(ms)
 
     def select_rows(self, index):
         self.cum_accept = self.cum_accept[index.to(self.cum_accept.device)]

@@ -289,7 +289,12 @@ class BatchBudget:
       rows and rounds (prior ``prior_accept ** j``); otherwise the round is one step of plain decoding by the
       target alone and the draft does not run (it catches up on the tokens it missed when it next drafts).
       After ``probe`` such steps in a row the batch drafts once anyway, so g can follow the text; the
-      interval doubles while drafting keeps not paying;
+      interval doubles while drafting keeps not paying. Once the engine has reported measured round times
+      (:meth:`observe`) for both kinds of round, their measured goodput (tokens per ms per row, running
+      averages) decides instead of the table, and the losing kind is still tried at doubling intervals (a
+      two-armed bandit, as BanditSpec, Hou et al. 2025, tunes speculation online): the profiled table is
+      taken once on random prompts, and it can misjudge a batch's real cost badly (at B = 64 on a 2-core CPU
+      it put a round of 4 candidates at 2.0 plain steps where it took 3.8);
     - drafting goes on after depth k while rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1 of
       row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward, so
       its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
@@ -303,9 +308,9 @@ class BatchBudget:
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8):
+                 depth_max: int = 8, probe: int = 8, measure: bool = True):
         self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
-        self.prior_accept, self.depth_max, self.probe = prior_accept, depth_max, probe
+        self.prior_accept, self.depth_max, self.probe, self.measure = prior_accept, depth_max, probe, measure
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
         self.gain: list[float] = []
@@ -317,6 +322,9 @@ class BatchBudget:
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
         self._plain_run, self._interval = 0, self.probe
+        self._spec_run, self._interval_spec = 0, self.probe
+        self.measured: list = [None, None]  # tokens per ms per row: plain steps, speculative rounds
+        self._last = None
 
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
@@ -345,9 +353,19 @@ class BatchBudget:
         B, lam = batch_size, self.rate
         plain = self._round(B, 0)
         pays = any(B * sum(self.gain[:d]) > lam * (self._round(B, d) - plain) for d in range(1, len(self.gain) + 1))
-        if pays or self._plain_run >= self._interval:
-            if not pays:  # a probe: drafting is checked again, less often while it keeps not paying
-                self._interval *= 2
+        plain_rate, spec_rate = self.measured
+        if plain_rate is not None and spec_rate is not None:  # both measured: the measured goodput decides
+            pays = spec_rate >= plain_rate
+        if pays:
+            if self.measure and self._spec_run >= self._interval_spec:  # a probe of plain decoding, rarer while it loses
+                self._interval_spec *= 2
+                self._spec_run = 0
+                return False
+            self._spec_run += 1
+            self._plain_run = 0
+            return True
+        if self._plain_run >= self._interval:  # a probe: drafting is checked again, less often while it loses
+            self._interval *= 2
             self._plain_run = 0
             return True
         self._plain_run += 1
@@ -373,6 +391,7 @@ class BatchBudget:
         drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot). A plain step
         is ``drafted = depth = 0``."""
         ms = self._round(batch_size, drafted, depth)
+        self._last = (batch_size, drafted > 0, emitted)
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
@@ -384,3 +403,15 @@ class BatchBudget:
                     self.gain[j] = (1 - a) * self.gain[j] + a * float(S[real[:, j], j].mean())
             if depth > 0:
                 self._interval = self.probe
+
+    def observe(self, ms: float) -> None:
+        """The measured wall time (ms) of the round just updated: the running measured goodput, tokens per ms per
+        row, of plain steps or of speculative rounds (exponential averages, weight ``decay``). Once both are
+        known they decide between drafting and a plain step (:meth:`plan`)."""
+        if not self.measure or self._last is None or ms <= 0:
+            return
+        B, spec, emitted = self._last
+        self._last = None
+        rate = emitted / ms / B
+        old = self.measured[spec]
+        self.measured[spec] = rate if old is None else (1 - self.decay) * old + self.decay * rate
