@@ -304,7 +304,11 @@ class BatchBudget:
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
     lambda starts at plain decoding's goodput B / T_B(0), so speculation must beat plain decoding to be chosen.
-
+    Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
+    distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
+    samples the target's distribution); with measured times (``measure``) they also depend on the machine's
+    timing, so a seeded sampled run's draws vary from run to run. Greedy output never depends on the
+    decisions.
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
@@ -315,6 +319,9 @@ class BatchBudget:
         self.width: Optional[int] = None
         self.gain: list[float] = []
         self._plain_run, self._interval = 0, probe
+        self._spec_run, self._interval_spec = 0, probe
+        self.measured: list = [None, None]  # tokens per ms per row: plain steps, speculative rounds
+        self._last = None
 
     def reset(self, batch_size: int) -> None:
         self.width = None
