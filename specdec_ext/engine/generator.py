@@ -224,9 +224,7 @@ class SpeculativeGenerator:
         B, T = input_ids.shape
         if streamer is not None and B != 1:
             raise ValueError("streamer supports batch size 1 only")
-        if logits_processor is not None and not callable(logits_processor):
-            raise TypeError(f"logits_processor must be callable (input_ids, scores) -> scores, got "
-                            f"{type(logits_processor).__name__}")
+        _check_processor(logits_processor)
         prompts = [input_ids[b].cpu() for b in range(B)] if logits_processor else None  # padded, as transformers
         call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer, logits_processor, prompts)
         rngs = _row_generators(seed, B)
@@ -238,9 +236,7 @@ class SpeculativeGenerator:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         last = input_ids[:, -1].clone()
-        batch = _Batch(rows=list(range(B)), last=last, pending=last.view(-1, 1),
-                       pending_valid=torch.ones(B, 1, dtype=torch.bool), rngs=rngs,
-                       generated=[[] for _ in range(B)])
+        batch = _Batch.starting(list(range(B)), last, rngs, [[] for _ in range(B)])
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
         self._loop(pol, call, target, draft, batch, stats)
         if streamer is not None:
@@ -294,9 +290,7 @@ class SpeculativeGenerator:
                 requests.append(self._check_inputs(ids.view(1, -1), None, max_new_tokens, pol)[0][0].cpu())
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
-        if logits_processor is not None and not callable(logits_processor):
-            raise TypeError(f"logits_processor must be callable (input_ids, scores) -> scores, got "
-                            f"{type(logits_processor).__name__}")
+        _check_processor(logits_processor)
         N = len(requests)
         call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), None, logits_processor,
                      requests if logits_processor else None)
@@ -318,9 +312,7 @@ class SpeculativeGenerator:
             for r in ids:
                 admitted_ms[r] = (t0 - t_start) * 1e3
             last = toks[:, -1].clone()
-            return target, draft, _Batch(rows=list(ids), last=last, pending=last.view(-1, 1),
-                                         pending_valid=torch.ones(len(ids), 1, dtype=torch.bool),
-                                         rngs=[rngs[r] for r in ids], generated=generated)
+            return target, draft, _Batch.starting(list(ids), last, [rngs[r] for r in ids], generated)
 
         generated = [[] for _ in range(N)]
         target, draft, batch = start(queue[:first])
@@ -388,7 +380,8 @@ class SpeculativeGenerator:
                 if admit is not None:
                     done = admit(batch, target, draft, done)
                 if done:
-                    keep = [i for i in range(len(batch.rows)) if i not in set(done)]
+                    gone = set(done)
+                    keep = [i for i in range(len(batch.rows)) if i not in gone]
                     idx = torch.tensor(keep, dtype=torch.int64)
                     for r in (target, draft):
                         if r is not None:
@@ -620,6 +613,12 @@ class _Batch:
     rngs: list                    # [B] per-row torch.Generator
     generated: list[list[int]]    # every original row's emitted tokens
 
+    @classmethod
+    def starting(cls, rows: list[int], last: torch.Tensor, rngs: list, generated: list[list[int]]) -> "_Batch":
+        """Rows that have just read their prompts: ``last`` ``[B]`` (each prompt's last token) is what the target
+        and the draft see next."""
+        return cls(rows, last, last.view(-1, 1), torch.ones(len(rows), 1, dtype=torch.bool), rngs, generated)
+
     def defer(self, token: torch.Tensor) -> None:
         """The draft did not run this round: ``token`` ``[B]`` (the new last token) joins what it has not seen."""
         self.pending = torch.cat([self.pending, token.view(-1, 1).to(self.pending.device)], 1)
@@ -655,6 +654,12 @@ class _Drafted:
     qs: list
     n: torch.Tensor
     fed: torch.Tensor
+
+
+def _check_processor(logits_processor) -> None:
+    if logits_processor is not None and not callable(logits_processor):
+        raise TypeError(f"logits_processor must be callable (input_ids, scores) -> scores, got "
+                        f"{type(logits_processor).__name__}")
 
 
 def _eos_set(eos_token_id) -> set:

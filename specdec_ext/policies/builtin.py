@@ -268,8 +268,7 @@ class SpecDecPP(CandidateLengthPolicy):
     def verify_depth(self, num_drafted):
         if not self.use_budget or not self._survivals:
             return num_drafted
-        S = torch.stack(self._survivals, 1)  # [B, k]: S_bj, 0 past a row's own candidates
-        S = S.masked_fill(torch.arange(1, S.shape[1] + 1).unsqueeze(0) > num_drafted.unsqueeze(1), 0.0)
+        self._S = S = torch.stack(self._survivals, 1)  # [B, k]: S_bj, 0 past a row's own candidates (DraftStep.drafting)
         self._drafted, self._depth = S.shape[1], self.budget.depth(S)
         return num_drafted.clamp(max=self._depth)
 
@@ -281,7 +280,7 @@ class SpecDecPP(CandidateLengthPolicy):
             self.budget.update(num_drafted.shape[0], 0, 0, num_drafted.shape[0])
         elif self.use_budget and self._survivals:
             self.budget.update(num_drafted.shape[0], self._drafted, self._depth, int((num_accepted + 1).sum()),
-                               torch.stack(self._survivals, 1))
+                               self._S)
 
     def round_time(self, ms):
         if self.use_budget:

@@ -357,12 +357,13 @@ class BatchBudget:
         """Before a round: whether the batch drafts (False: one step of plain decoding), with the target cache
         ``width`` columns wide (kept for this round's other decisions)."""
         self.width = width
-        B, lam = batch_size, self.rate
-        plain = self._round(B, 0)
-        pays = any(B * sum(self.gain[:d]) > lam * (self._round(B, d) - plain) for d in range(1, len(self.gain) + 1))
         plain_rate, spec_rate = self.measured
         if plain_rate is not None and spec_rate is not None:  # both measured: the measured goodput decides
             pays = spec_rate >= plain_rate
+        else:
+            B, lam = batch_size, self.rate
+            plain = self._round(B, 0)
+            pays = any(B * sum(self.gain[:d]) > lam * (self._round(B, d) - plain) for d in range(1, len(self.gain) + 1))
         if pays:
             if self.measure and self._spec_run >= self._interval_spec:  # a probe of plain decoding, rarer while it loses
                 self._interval_spec *= 2
