@@ -63,25 +63,70 @@ def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
     assert cheap.gain[:3] == pytest.approx([0.8 * 0.7 + 0.2, 0.8 * 0.49 + 0.1, 0.343])
 
 
-def test_measured_goodput_chooses_between_plain_steps_and_drafting():
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2)  # the table: drafting pays
-    b.reset(4)
-    assert b.plan(4, 64)
-    b.update(4, 2, 2, 10, torch.full((4, 2), 0.8))
-    b.observe(40.0)                          # drafting measured: 10 tokens in 40 ms, 0.0625 per ms per row
-    assert b.measured == [None, pytest.approx(0.0625)]
-    assert [b.plan(4, 64) for _ in range(2)] == [True, False]  # a probe of plain decoding after 2 drafting rounds
-    b.update(4, 0, 0, 4)
-    b.observe(8.0)                           # plain steps measured: 4 tokens in 8 ms, 0.125 per ms per row
-    assert b.measured == [pytest.approx(0.125), pytest.approx(0.0625)]
-    # plain decoding now wins on measured goodput, whatever the table says; drafting is retried at doubling
-    # intervals (2, then 4 plain steps)
-    assert [b.plan(4, 64) for _ in range(8)] == [False, False, True, False, False, False, False, True]
-    unmeasured = BatchBudget(TEST_BATCH_COSTS, measure=False)
-    unmeasured.reset(4)
-    unmeasured.update(4, 0, 0, 4)
-    unmeasured.observe(8.0)
-    assert unmeasured.measured == [None, None]
+def _play(b, B, rates, rounds):
+    """Plan ``rounds`` rounds; each arm's round emits ``rates[cap]`` tokens per ms per row (10 ms rounds)."""
+    caps = []
+    for _ in range(rounds):
+        drafts = b.plan(B, 64)
+        cap = b.cap if drafts else 0
+        caps.append(cap)
+        if drafts:
+            b.update(B, cap, cap, int(rates[cap] * 10 * B), torch.full((B, cap), 0.8))
+        else:
+            b.update(B, 0, 0, B)
+        b.observe(10.0)
+    return caps
+
+
+def test_measured_goodput_climbs_to_the_best_cap_and_probes_its_neighbours():
+    """Once rounds are measured, the budget plays the arm (plain step, or drafting at most 1, 2, 4 or 8 candidates)
+    with the best measured goodput per row, and tries its neighbours again at doubling intervals."""
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2)   # the table: drafting pays, so the first round drafts uncapped
+    assert b.caps == [0, 1, 2, 4, 8]
+    rates = {0: 0.1, 1: 0.14, 2: 0.16, 4: 0.12, 8: 0.05}  # tokens per ms per row: K <= 2 is best
+    caps = _play(b, 4, rates, 31)[1:]            # the first round is not measured
+    assert caps[:5] == [8, 4, 2, 1, 0]           # every arm once, the one nearest the best measured first
+    assert caps.count(2) >= 18 and 0 not in caps[5:] and 8 not in caps[1:]
+    for neighbour in (1, 4):                     # each neighbour's probes come less and less often
+        probes = [i for i, c in enumerate(caps) if c == neighbour and i > 4]
+        gaps = [j - i for i, j in zip(probes, probes[1:])]
+        assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0], (neighbour, caps)
+    # at B = 64 drafting may lose to plain steps outright: the budget goes down to them
+    dear = {0: 0.1, 1: 0.09, 2: 0.08, 4: 0.06, 8: 0.03}
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2)
+    caps = _play(b, 4, dear, 41)[1:]
+    assert caps[:5] == [8, 4, 2, 1, 0] and caps.count(0) >= 28
+    # without measurements the table decides and drafting is never capped
+    table_only = BatchBudget(TEST_BATCH_COSTS, measure=False)
+    table_only.reset(4)
+    assert set(_play(table_only, 4, dear, 10)) == {8} and table_only.measured == [None] * 5
+
+
+def test_calibration_scales_speculative_costs_by_what_was_measured():
+    """Measured rounds twice as dear as the table says (plain steps as the table says) double every modelled cost of
+    a speculative round: the batch drafts and verifies less deep than a twin that trusts the table."""
+    batch = BatchCosts([1, 64], [[10.0, 13.0, 16.0, 19.0, 22.0]] * 2, [[10.0, 11.0, 12.0, 13.0, 14.0]] * 2)
+    S = torch.tensor([[0.9, 0.45, 0.15], [0.9, 0.45, 0.15]])
+    b, twin = BatchBudget(batch), BatchBudget(batch, measure=False)
+    for x in (b, twin):
+        x.reset(2)
+        for ms in (10.0 ** 6, 10.0):                 # the first round is not measured (cold); then a plain step
+            x.update(2, 0, 0, 2)                     # as modelled
+            x.observe(ms)
+    assert b.calibration == 1.0                      # one kind measured: no correction yet
+    for _ in range(30):
+        for x in (b, twin):
+            x.update(2, 3, 3, 5, S)
+            x.observe(2 * 19.0)                      # a round of 3 candidates: twice the table's 19 ms
+    assert b.calibration == pytest.approx(2.0) and twin.calibration == 1.0
+    assert b._round(2, 3) == pytest.approx(38.0) and b._round(2, 0) == pytest.approx(10.0)
+    # the twin: lambda 5 / 19 tokens/ms, slot 3 pays for its 1 ms of verification, slot 2 for its 3 ms round cost
+    assert twin.depth(S) == 3 and twin.go_on(1, torch.tensor([0.9, 0.9]))
+    # calibrated: lambda at plain decoding's 0.2 tokens per plain-step ms (the rounds, 5 tokens in 38, do worse),
+    # every speculative ms counted twice
+    assert b.depth(S) == 2 and not b.go_on(1, torch.tensor([0.9, 0.9]))
+    b.observe(10.0 ** 6)                             # nothing to attribute it to (no round updated since): ignored
+    assert b.calibration == pytest.approx(2.0)
 
 
 def test_budget_depth_and_go_on_by_hand():

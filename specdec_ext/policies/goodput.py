@@ -289,12 +289,21 @@ class BatchBudget:
       rows and rounds (prior ``prior_accept ** j``); otherwise the round is one step of plain decoding by the
       target alone and the draft does not run (it catches up on the tokens it missed when it next drafts).
       After ``probe`` such steps in a row the batch drafts once anyway, so g can follow the text; the
-      interval doubles while drafting keeps not paying. Once the engine has reported measured round times
-      (:meth:`observe`) for both kinds of round, their measured goodput (tokens per ms per row, running
-      averages) decides instead of the table, and the losing kind is still tried at doubling intervals (a
-      two-armed bandit, as BanditSpec, Hou et al. 2025, tunes speculation online): the profiled table is
-      taken once on random prompts, and it can misjudge a batch's real cost badly (at B = 64 on a 2-core CPU
-      it put a round of 4 candidates at 2.0 plain steps where it took 3.8);
+      interval doubles while drafting keeps not paying. That is the first round's decision, and every round's
+      with ``measure=False``. Once the engine reports measured round times (:meth:`observe`), measured goodput
+      decides instead, as a bandit over arms (BanditSpec, Hou et al. 2025, tunes speculation online so): a plain
+      step, or drafting at most ``cap`` candidates per row for each cap of ``caps`` (1, 2, 4 and ``depth_max``),
+      the budget's rule deciding below the cap. Each arm is played once (nearest the best first), then the arm
+      with the best measured goodput (tokens per row per modelled plain step, running averages) is played, and
+      its two neighbours (the next lower and higher caps) again at doubling intervals while they lose, so the
+      batch settles on the best cap and follows it as the text and the cache width change. The profiled table is taken once on random prompts and
+      can misjudge a batch's real cost badly: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0
+      plain steps where it took 3.8, and it made each candidate after the first cost 8 ms where rounds measured
+      about 20 ms more per candidate, so the table alone drafted 4 candidates per row where 1 was best. The same
+      measurements correct the decisions below the cap: the ratio of measured to modelled time, averaged in log
+      space over speculative rounds and over plain steps, gives ``calibration`` c (speculative over plain,
+      clipped to [1/4, 4]), and every modelled cost of a speculative round is multiplied by c, so lambda and the
+      marginal costs are in plain-step time as measured (c = 1 until both kinds have been measured);
     - drafting goes on after depth k while rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1 of
       row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward, so
       its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
@@ -303,7 +312,8 @@ class BatchBudget:
       draft time is spent, the verification is not, so slots whose survival does not pay for their
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
-    lambda starts at plain decoding's goodput B / T_B(0), so speculation must beat plain decoding to be chosen.
+    lambda starts at plain decoding's goodput B / T_B(0) and never falls below it (the goodput the time a slot
+    costs would give as plain steps), so speculation must beat plain decoding to be chosen.
     Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
     distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
     samples the target's distribution); with measured times (``measure``) they also depend on the machine's
@@ -312,30 +322,54 @@ class BatchBudget:
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8, measure: bool = True):
+                 depth_max: int = 8, probe: int = 8, measure: bool = True, caps: Sequence[int] = (1, 2, 4)):
         self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
         self.prior_accept, self.depth_max, self.probe, self.measure = prior_accept, depth_max, probe, measure
+        # the arms of the measured bandit: 0 (a plain step), then drafting at most ``cap`` candidates
+        self.caps = [0] + sorted({int(c) for c in caps if 0 < int(c) < depth_max}) + [depth_max]
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
         self.gain: list[float] = []
-        self._plain_run, self._interval = 0, probe
-        self._spec_run, self._interval_spec = 0, probe
-        self.measured: list = [None, None]  # tokens per ms per row: plain steps, speculative rounds
-        self._last = None
+        self.reset(1)
 
     def reset(self, batch_size: int) -> None:
         self.width = None
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
-        self._plain_run, self._interval = 0, self.probe
-        self._spec_run, self._interval_spec = 0, self.probe
-        self.measured: list = [None, None]  # tokens per ms per row: plain steps, speculative rounds
+        self._plain_run, self._interval = 0, self.probe      # table decisions: plain steps since drafting, probe interval
+        n = len(self.caps)
+        self.measured: list = [None] * n      # tokens per ms per row of each arm (running averages)
+        self._since = [0] * n                 # rounds since each arm was last played
+        self._every = [self.probe] * n        # each arm's probe interval (doubles while it keeps losing)
+        self._best: Optional[int] = None
+        self.arm = n - 1                      # this round's arm; ``cap`` bounds its depth
+        self._log_ratio = [None, None]  # running mean log(measured / modelled ms): plain steps, speculative rounds
         self._last = None
+        self._cold = True  # the call's first round is not measured
+
+    @property
+    def cap(self) -> int:
+        """The most candidates per row this round may draft (the arm's cap)."""
+        return self.caps[self.arm]
+
+    @property
+    def calibration(self) -> float:
+        """c: how much dearer, relative to the table, a speculative round measured than a plain step (ratio of the
+        two kinds' mean measured / modelled time; 1 until both are measured), clipped to [1/4, 4]."""
+        plain, spec = self._log_ratio
+        if plain is None or spec is None:
+            return 1.0
+        return math.exp(min(max(spec - plain, -math.log(4.0)), math.log(4.0)))
 
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
-        current width."""
+        current width, in plain-step time (a speculative round's cost times ``calibration``)."""
+        ms = self._table_round(B, k, verified)
+        return ms * self.calibration if k > 0 else ms
+
+    def _table_round(self, B: int, k: int, verified: Optional[int] = None) -> float:
+        """The table's ms of that round (uncalibrated)."""
         b, w = self.batch, self.width
         ms = b.round(B, k, w)
         if verified is not None:
@@ -350,26 +384,26 @@ class BatchBudget:
 
     @property
     def rate(self) -> float:
-        """lambda: the batch's running goodput, tokens/ms."""
+        """The batch's running goodput, tokens/ms."""
         return self.tokens / self.time
+
+    def _lambda(self, B: int) -> float:
+        """lambda (tokens per plain-step ms): the running goodput, never below plain decoding's B / T_B(0), the
+        goodput a plain step would give the time a slot costs (the opportunity cost of drafting)."""
+        return max(self.rate, B / self._round(B, 0))
 
     def plan(self, batch_size: int, width: Optional[int] = None) -> bool:
         """Before a round: whether the batch drafts (False: one step of plain decoding), with the target cache
         ``width`` columns wide (kept for this round's other decisions)."""
         self.width = width
-        plain_rate, spec_rate = self.measured
-        if plain_rate is not None and spec_rate is not None:  # both measured: the measured goodput decides
-            pays = spec_rate >= plain_rate
-        else:
-            B, lam = batch_size, self.rate
-            plain = self._round(B, 0)
-            pays = any(B * sum(self.gain[:d]) > lam * (self._round(B, d) - plain) for d in range(1, len(self.gain) + 1))
+        if self.measure and any(m is not None for m in self.measured):
+            self.arm = self._measured_arm()
+            return self.arm > 0
+        B, lam = batch_size, self._lambda(batch_size)
+        plain = self._round(B, 0)
+        pays = any(B * sum(self.gain[:d]) > lam * (self._round(B, d) - plain) for d in range(1, len(self.gain) + 1))
+        self.arm = len(self.caps) - 1
         if pays:
-            if self.measure and self._spec_run >= self._interval_spec:  # a probe of plain decoding, rarer while it loses
-                self._interval_spec *= 2
-                self._spec_run = 0
-                return False
-            self._spec_run += 1
             self._plain_run = 0
             return True
         if self._plain_run >= self._interval:  # a probe: drafting is checked again, less often while it loses
@@ -377,19 +411,42 @@ class BatchBudget:
             self._plain_run = 0
             return True
         self._plain_run += 1
+        self.arm = 0
         return False
+
+    def _measured_arm(self) -> int:
+        """The arm of this round once rounds have been measured: each arm is played once first (the unmeasured arm
+        nearest the best measured one), then the best measured arm, except that its neighbours (the next lower and
+        higher caps) are played again after ``probe`` rounds, the interval doubling each time one is played and
+        still loses (it starts again when the best arm changes)."""
+        m = self.measured
+        best = max((i for i in range(len(m)) if m[i] is not None), key=lambda i: m[i])
+        if best != self._best:
+            self._best, self._every = best, [self.probe] * len(m)
+        self._since = [s + 1 for s in self._since]
+        unmeasured = [i for i in range(len(m)) if m[i] is None]
+        arm = min(unmeasured, key=lambda i: (abs(i - best), i)) if unmeasured else best
+        for i in ((best - 1, best + 1) if not unmeasured else ()):
+            if 0 <= i < len(m) and self._since[i] >= self._every[i]:
+                self._every[i] *= 2
+                arm = i
+                break
+        self._since[arm] = 0
+        return arm
 
     def go_on(self, k: int, survival: torch.Tensor) -> bool:
         """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
         that cannot draft further)."""
+        if k >= self.cap:
+            return False
         B = survival.shape[0]
-        return float(survival.sum()) * self._next_ratio(k) >= self.rate * (self._round(B, k + 1) - self._round(B, k))
+        return float(survival.sum()) * self._next_ratio(k) >= self._lambda(B) * (self._round(B, k + 1) - self._round(B, k))
 
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
         B, k = survivals.shape
         gain = torch.cat([torch.zeros(1, dtype=torch.float64), survivals.double().sum(0).cumsum(0)])
-        lam = self.rate
+        lam = self._lambda(B) * self.calibration
         values = [float(gain[d]) - lam * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
@@ -399,7 +456,8 @@ class BatchBudget:
         drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot). A plain step
         is ``drafted = depth = 0``."""
         ms = self._round(batch_size, drafted, depth)
-        self._last = (batch_size, drafted > 0, emitted)
+        self._last = (batch_size, self.arm if drafted > 0 else 0, emitted, self._table_round(batch_size, drafted, depth),
+                      self._table_round(batch_size, 0))
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
@@ -409,17 +467,26 @@ class BatchBudget:
             for j in range(min(S.shape[1], len(self.gain))):
                 if bool(real[:, j].any()):
                     self.gain[j] = (1 - a) * self.gain[j] + a * float(S[real[:, j], j].mean())
-            if depth > 0:
+            if depth > 0:  # table decisions: a probe whose slots paid starts the interval again
                 self._interval = self.probe
 
     def observe(self, ms: float) -> None:
-        """The measured wall time (ms) of the round just updated: the running measured goodput, tokens per ms per
-        row, of plain steps or of speculative rounds (exponential averages, weight ``decay``). Once both are
-        known they decide between drafting and a plain step (:meth:`plan`)."""
+        """The measured wall time (ms) of the round just updated: the running measured goodput of the round's arm
+        (exponential averages, weight ``decay``), which then chooses the arms (:meth:`plan`), and the running log
+        ratio of measured to modelled time behind ``calibration``. Goodput is counted in tokens per row per
+        modelled plain step (``BatchCosts.round(B, 0, width)``) rather than per ms, so that arms measured at other
+        batch sizes (rows leave as the queue runs dry) or cache widths compare fairly."""
         if not self.measure or self._last is None or ms <= 0:
             return
-        B, spec, emitted = self._last
+        B, arm, emitted, modelled, plain = self._last
         self._last = None
-        rate = emitted / ms / B
-        old = self.measured[spec]
-        self.measured[spec] = rate if old is None else (1 - self.decay) * old + self.decay * rate
+        if self._cold:  # a call's first round: its caches grow for the first time, and every row's first tokens
+            self._cold = False  # (the ends of prompts' lines) are the easiest to draft; it says little of the rest
+            return
+        rate = emitted / B * plain / ms  # tokens per row per modelled plain step: comparable across B and widths
+        old = self.measured[arm]
+        self.measured[arm] = rate if old is None else (1 - self.decay) * old + self.decay * rate
+        spec = int(arm > 0)
+        ratio = math.log(ms / modelled)
+        old = self._log_ratio[spec]
+        self._log_ratio[spec] = ratio if old is None else (1 - self.decay) * old + self.decay * ratio
