@@ -289,21 +289,22 @@ class BatchBudget:
       rows and rounds (prior ``prior_accept ** j``); otherwise the round is one step of plain decoding by the
       target alone and the draft does not run (it catches up on the tokens it missed when it next drafts).
       After ``probe`` such steps in a row the batch drafts once anyway, so g can follow the text; the
-      interval doubles while drafting keeps not paying. That is the first round's decision, and every round's
-      with ``measure=False``. Once the engine reports measured round times (:meth:`observe`), measured goodput
-      decides instead, as a bandit over arms (BanditSpec, Hou et al. 2025, tunes speculation online so): a plain
-      step, or drafting at most ``cap`` candidates per row for each cap of ``caps`` (1, 2, 4 and ``depth_max``),
-      the budget's rule deciding below the cap. Each arm is played once (nearest the best first), then the arm
-      with the best measured goodput (tokens per row per modelled plain step, running averages) is played, and
-      its two neighbours (the next lower and higher caps) again at doubling intervals while they lose, so the
-      batch settles on the best cap and follows it as the text and the cache width change. The profiled table is taken once on random prompts and
-      can misjudge a batch's real cost badly: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0
-      plain steps where it took 3.8, and it made each candidate after the first cost 8 ms where rounds measured
-      about 20 ms more per candidate, so the table alone drafted 4 candidates per row where 1 was best. The same
-      measurements correct the decisions below the cap: the ratio of measured to modelled time, averaged in log
-      space over speculative rounds and over plain steps, gives ``calibration`` c (speculative over plain,
-      clipped to [1/4, 4]), and every modelled cost of a speculative round is multiplied by c, so lambda and the
-      marginal costs are in plain-step time as measured (c = 1 until both kinds have been measured);
+      interval doubles while drafting keeps not paying. That is the first round's decision, and every round's with
+      ``measure=False``. Once the engine reports measured round times (:meth:`observe`), measured goodput decides
+      instead, as a bandit over arms (BanditSpec, Hou et al. 2025, tunes speculation online so): a plain step, or
+      drafting at most ``cap`` candidates per row for each cap of ``caps`` (1, 2, 4 and ``depth_max``), the
+      budget's rule deciding below the cap. Each arm is played once (nearest the best first), then the arm with
+      the best measured goodput (tokens per row per modelled plain step, running averages) is played, and its two
+      neighbours (the next lower and higher caps) again at doubling intervals while they lose, so the batch
+      settles on the best cap and follows it as the text and the cache width change. The profiled table is taken
+      once on random prompts and can misjudge a batch's real cost badly: at B = 64 on a 2-core CPU it put a round
+      of 4 candidates at 2.0 plain steps where it took 3.8, and it made each candidate after the first cost 8 ms
+      where rounds measured about 20 ms more per candidate, so the table alone drafted 4 candidates per row where
+      1 was best. The same measurements correct the decisions below the cap: the ratio of measured to modelled
+      time, averaged in log space over speculative rounds and over plain steps, gives ``calibration`` c
+      (speculative over plain, clipped to [1/4, 4]), and every modelled cost of a speculative round is multiplied
+      by c, so lambda and the marginal costs are in plain-step time as measured (c = 1 until both kinds have been
+      measured);
     - drafting goes on after depth k while rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1 of
       row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward, so
       its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
@@ -337,9 +338,9 @@ class BatchBudget:
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
-        self._plain_run, self._interval = 0, self.probe      # table decisions: plain steps since drafting, probe interval
+        self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
         n = len(self.caps)
-        self.measured: list = [None] * n      # tokens per ms per row of each arm (running averages)
+        self.measured: list = [None] * n      # each arm's goodput, tokens per row per modelled plain step (running)
         self._since = [0] * n                 # rounds since each arm was last played
         self._every = [self.probe] * n        # each arm's probe interval (doubles while it keeps losing)
         self._best: Optional[int] = None
@@ -440,7 +441,8 @@ class BatchBudget:
         if k >= self.cap:
             return False
         B = survival.shape[0]
-        return float(survival.sum()) * self._next_ratio(k) >= self._lambda(B) * (self._round(B, k + 1) - self._round(B, k))
+        marginal = self._round(B, k + 1) - self._round(B, k)
+        return float(survival.sum()) * self._next_ratio(k) >= self._lambda(B) * marginal
 
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
@@ -456,8 +458,9 @@ class BatchBudget:
         drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot). A plain step
         is ``drafted = depth = 0``."""
         ms = self._round(batch_size, drafted, depth)
-        self._last = (batch_size, self.arm if drafted > 0 else 0, emitted, self._table_round(batch_size, drafted, depth),
-                      self._table_round(batch_size, 0))
+        arm = self.arm if drafted > 0 else 0
+        table = self._table_round(batch_size, drafted, depth)
+        self._last = (batch_size, arm, emitted, table, self._table_round(batch_size, 0))
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
