@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from specdec_ext.engine.profile import processor_name
 
 
 def explicit_attention(q, k, v, mask):
@@ -78,15 +79,9 @@ def main(argv=None):
                 rows.append(row)
                 print(f"| {row['dtype']} | {B} | {C} | {n} | {sdpa:.2f} | {explicit:.2f} | {sdpa / explicit:.2f}× "
                       f"| {diff:.1e} |", flush=True)
-    meta = {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
+    meta = {"processor": processor_name(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "heads": 8, "head_dim": 64, "reps": reps,
             "command": "python bench/attention_cpu.py" + (" --quick" if args.quick else "")}
-    try:
-        from specdec_ext.engine.profile import processor_name
-
-        meta["processor"] = processor_name()
-    except ImportError:
-        pass
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "attention_cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out / 'attention_cpu.json'}")

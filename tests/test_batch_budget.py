@@ -64,7 +64,7 @@ def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
 
 
 def _play(b, B, rates, rounds):
-    """Plan ``rounds`` rounds; each arm's round emits ``rates[cap]`` tokens per ms per row (10 ms rounds)."""
+    """Plan ``rounds`` rounds of 10 ms; a round of arm ``cap`` emits ``rates[cap] * 10 * B`` tokens."""
     caps = []
     for _ in range(rounds):
         drafts = b.plan(B, 64)

@@ -487,9 +487,10 @@ class BatchBudget:
             self._cold = False  # (the ends of prompts' lines) are the easiest to draft; it says little of the rest
             return
         rate = emitted / B * plain / ms  # tokens per row per modelled plain step: comparable across B and widths
-        old = self.measured[arm]
-        self.measured[arm] = rate if old is None else (1 - self.decay) * old + self.decay * rate
+        self.measured[arm] = self._average(self.measured[arm], rate)
         spec = int(arm > 0)
-        ratio = math.log(ms / modelled)
-        old = self._log_ratio[spec]
-        self._log_ratio[spec] = ratio if old is None else (1 - self.decay) * old + self.decay * ratio
+        self._log_ratio[spec] = self._average(self._log_ratio[spec], math.log(ms / modelled))
+
+    def _average(self, old: Optional[float], new: float) -> float:
+        """The running average (weight ``decay``) after ``new``; ``new`` itself when nothing came before."""
+        return new if old is None else (1 - self.decay) * old + self.decay * new
