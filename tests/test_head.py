@@ -18,7 +18,7 @@ from specdec_ext.training.head_data import HeadDataConfig, HeadDataset, generate
 from specdec_ext.training.head_features import draft_features
 from specdec_ext.training.head_train import HeadTrainConfig, binary_kl, roc_auc, train_head, weighted_bce
 from specdec_ext.training.pipeline import run_pipeline
-from specdec_ext.training.replay import flat_costs, replay
+from specdec_ext.training.replay import flat_costs, replay, soft_label_scorer
 from models import make_pair
 from support import DigitTokenizer
 
@@ -264,6 +264,15 @@ def test_replay_by_hand():
     perfect = lambda rows, hist: acc[rows].float().clamp(0.01, 0.99)  # noqa: E731
     t = replay(feats, perfect, costs, "h=0.5")
     assert (t.mean_candidates, t.mean_accepted) == (o.mean_candidates, o.mean_accepted)
+    # greedy labels are the outcomes, so the auto rule fed them (the bound of any head) is the oracle
+    feats["labels"] = acc.float()
+    b = replay(feats, soft_label_scorer(feats), costs, "auto", mean_accept=float(acc.float().mean()))
+    assert (b.mean_candidates, b.mean_accepted, b.median_speedup) == (o.mean_candidates, o.mean_accepted,
+                                                                      o.median_speedup)
+    # soft labels: a candidate the bound scores at 0.05 ends the round there; one it scores at 1 never does
+    feats["labels"] = torch.tensor([1, 1, 0.05, 1, 1, 1, 0.05, 1, 1])
+    s = replay(feats, soft_label_scorer(feats), costs, "auto", mean_accept=0.8)
+    assert (s.mean_candidates, s.mean_accepted) == (o.mean_candidates, o.mean_accepted)
 
 
 def test_save_load_round_trip(tmp_path):
@@ -351,6 +360,10 @@ def test_pipeline_writes_head_metrics_and_plot(pair, tmp_path, recipe):
     for mode in ("greedy", "sample-T1"):
         ev = report["evaluation"][mode]
         assert {"head", "q_y", "q_margin", "constant"} <= set(ev) and ev["positions"] > 30
+        if recipe == "deployment":  # proposal-position heads are replayed, beside the bound of any head
+            assert ev["replay"]["label_bound_vs_best_fixed"] > 0
+            if mode == "greedy":  # greedy labels are the outcomes: the bound is the oracle
+                assert ev["replay"]["label_bound_vs_best_fixed"] == ev["replay"]["oracle_vs_best_fixed"]
     assert any("evaluation, greedy" in line for line in logs)
 
 

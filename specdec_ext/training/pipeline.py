@@ -15,7 +15,8 @@ Recipes (``RECIPES``):
 Evaluation (``eval_prompts``, e.g. HumanEval, never used for training or selection): the head beside
 the draft's own confidence (q(y) and the top-1 minus top-2 margin) on every response position, for
 greedy decoding and for sampling at temperature 1: ROC AUC and Brier score, and the replayed speedup of
-the auto rule against the best fixed K.
+the auto rule against the best fixed K, with the head's p_hat and with the recorded labels in its place
+(sampling: min(1, p/q), which knows the target's p; the bound of any head under that rule).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..head.module import AcceptanceHead
 from .head_data import HeadDataConfig, HeadDataset, generate_head_data, shard_path
 from .head_features import draft_features, select_features
 from .head_train import HeadTrainConfig, calibration_plot, evaluate_against_baselines, split_by_example, train_head
-from .replay import best_fixed, flat_costs, head_scorer, replay
+from .replay import best_fixed, flat_costs, head_scorer, replay, soft_label_scorer
 
 RECIPES = {
     "deployment": {"input_position": "proposal", "features": CONFIDENCE_FEATURES, "weights": (1.0, 2.0, 4.0)},
@@ -45,14 +46,23 @@ RECIPES = {
 EVAL_MODES = {"greedy": {"decoding": "greedy"}, "sample-T1": {"decoding": "sample", "temperature": 1.0}}
 
 
-def _replay_report(head: AcceptanceHead, feats: dict, costs) -> dict:
+def replay_report(head: AcceptanceHead, feats: dict, costs) -> dict:
+    """The offline replay of ``feats``'s recorded rounds under ``costs`` (:mod:`~specdec_ext.training.replay`),
+    as ratios of median (and aggregate) speedups to the best fixed K's: the auto rule with the head's p_hat,
+    the same rule fed the recorded labels (``label_bound_*``: the bound of any head), and the oracle that
+    drafts exactly to the first rejection."""
     k, fixed = best_fixed(feats, costs)
     auto = replay(feats, head_scorer(head, feats), costs, "auto", mean_accept=head.mean_accept)
     oracle = replay(feats, None, costs, "oracle")
+    bound = replay(feats, soft_label_scorer(feats), costs, "auto", mean_accept=float(feats["labels"].float().mean()))
     return {"cost_model": costs.meta, "best_fixed_k": k, "best_fixed_median_speedup": fixed.median_speedup,
             "auto_median_speedup": auto.median_speedup, "auto_vs_best_fixed": auto.median_speedup / fixed.median_speedup,
             "auto_aggregate_vs_best_fixed": auto.aggregate_speedup / fixed.aggregate_speedup,
-            "auto_mean_candidates": auto.mean_candidates, "oracle_vs_best_fixed": oracle.median_speedup / fixed.median_speedup}
+            "auto_mean_candidates": auto.mean_candidates,
+            # the bound of any head: the auto rule fed the recorded labels (sampling: soft labels min(1, p/q))
+            "label_bound_vs_best_fixed": bound.median_speedup / fixed.median_speedup,
+            "label_bound_aggregate_vs_best_fixed": bound.aggregate_speedup / fixed.aggregate_speedup,
+            "oracle_vs_best_fixed": oracle.median_speedup / fixed.median_speedup}
 
 
 def run_pipeline(target, draft, tokenizer, prompts: Sequence[str], out_dir: Union[str, Path],
@@ -115,7 +125,7 @@ def run_pipeline(target, draft, tokenizer, prompts: Sequence[str], out_dir: Unio
         head, report = train_head(feats, cfg, progress=progress, train_mask=tr, **head_kwargs)
         row = {"rejection_weight": w, "held_out": report["held_out"]}
         if train_cfg.input_position == "proposal" and len(weights) > 1:
-            row["validation_replay"] = _replay_report(head, val_feats, costs)
+            row["validation_replay"] = replay_report(head, val_feats, costs)
             score = row["validation_replay"]["auto_aggregate_vs_best_fixed"]
             log(f"[train-head] w = {w:g}: validation replay, auto rule vs best fixed K: "
                 f"{row['validation_replay']['auto_vs_best_fixed']:.3f}x (median), {score:.3f}x (aggregate); "
@@ -163,10 +173,11 @@ def evaluate_on_prompts(head: AcceptanceHead, target, draft, tokenizer, prompts:
         feats = draft_features(draft, data, position, progress=progress, contexts="target")
         r = evaluate_against_baselines(head, feats)
         if position == "proposal":
-            r["replay"] = _replay_report(head, feats, flat_costs(0.1))
+            r["replay"] = replay_report(head, feats, flat_costs(0.1))
         result[mode] = r
         line = "  ".join(f"{name} AUC {r[name]['roc_auc']:.3f} Brier {r[name]['brier']:.3f}"
                          for name in ("head", "q_y", "q_margin"))
         log(f"[train-head] evaluation, {mode} ({r['positions']} positions): {line}"
-            + (f"; replay auto vs best fixed K {r['replay']['auto_vs_best_fixed']:.3f}x" if "replay" in r else ""))
+            + (f"; replay auto vs best fixed K {r['replay']['auto_vs_best_fixed']:.3f}x (with the recorded labels "
+               f"as p_hat, the bound of any head: {r['replay']['label_bound_vs_best_fixed']:.3f}x)" if "replay" in r else ""))
     return result

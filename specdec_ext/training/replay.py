@@ -77,6 +77,22 @@ def head_scorer(head: AcceptanceHead, feats: dict) -> Callable:
     return score
 
 
+def soft_label_scorer(feats: dict) -> Callable:
+    """A scorer for :func:`replay` that knows each candidate's recorded label: under sampling the soft label
+    min(1, p(y) / q(y)) (the candidate's acceptance probability given the target's p, which no draft-side head
+    sees), under greedy decoding the outcome itself. A candidate-length rule fed these labels bounds what any
+    acceptance head can reach under the same rule on these responses: a head sees only the draft's side, whose
+    best prediction of acceptance is the expectation of this label given that side. At temperature 1 it is
+    the figure that says whether a sampling head can beat the best fixed K at all (README, "Sampling at
+    temperature 1")."""
+    labels = feats["labels"].float()
+
+    def score(rows: torch.Tensor, history: torch.Tensor) -> torch.Tensor:  # rows [B, k] -> [B, k]
+        return labels[rows]
+
+    return score
+
+
 def replay(feats: dict, score: Callable, costs: CostModel, rule: str = "auto", k_min: int = 1, k_max: int = 20,
            mean_accept: Optional[float] = None, outcomes: Optional[torch.Tensor] = None) -> ReplayResult:
     """Replay every response of ``feats`` (``training.head_features.draft_features`` output) with a
