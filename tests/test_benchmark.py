@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +184,27 @@ def test_finish_times_follow_the_rounds_a_row_was_in():
     st.rounds = [RoundStats([1] * 3, [0] * 3, [1] * 3, 0, 0, 5.0, [0, 1, 2]),
                  RoundStats([1] * 2, [0] * 2, [1] * 2, 0, 0, 7.0, [0, 2]), RoundStats([1], [0], [1], 0, 0, 3.0, [2])]
     assert finish_times_s(st) == pytest.approx([0.022, 0.015, 0.025])
+
+
+def test_paired_comparison_script_by_hand():
+    """bench/paired.py: per-prompt ratios of tokens/s, their median, the share faster, and total tokens/s."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("paired", Path(__file__).parents[1] / "bench" / "paired.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs = [{"method": "a", "prompt": 0, "new_tokens": 10, "wall_s": 1.0},    # 10 tokens/s
+            {"method": "b", "prompt": 0, "new_tokens": 10, "wall_s": 2.0},    # 5: ratio 2
+            {"method": "a", "prompt": 1, "new_tokens": 30, "wall_s": 3.0},    # 10
+            {"method": "b", "prompt": 1, "new_tokens": 30, "wall_s": 2.0},    # 15: ratio 2/3
+            {"method": "a", "prompt": 2, "new_tokens": 8, "wall_s": 1.0},     # 8
+            {"method": "b", "prompt": 2, "new_tokens": 8, "wall_s": 2.0},     # 4: ratio 2
+            {"method": "b", "prompt": 3, "new_tokens": 8, "wall_s": 2.0},     # b alone: not compared
+            {"method": "a", "prompt": 0, "new_tokens": 99, "wall_s": 1.0, "batch_size": 4}]  # a batch run: skipped
+    by = mod.per_prompt(runs)
+    assert by["a"][0] == (10, 1.0) and 3 not in by["a"]
+    p = mod.paired(by["a"], by["b"], reps=200)
+    assert p["prompts"] == 3 and p["median_ratio"] == 2.0 and p["faster_on"] == 2
+    assert abs(p["total_ratio"] - (48 / 5.0) / (48 / 6.0)) < 1e-12
+    assert 2 / 3 <= p["ci95"][0] <= p["ci95"][1] <= 2.0
+    with pytest.raises(ValueError, match="share no prompt"):
+        mod.paired(by["a"], {9: (1, 1.0)})
