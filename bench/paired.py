@@ -47,7 +47,7 @@ def main():
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--baseline", default="plain", help="the method every other is compared with")
     group.add_argument("--best-fixed", action="store_true",
-                       help="compare with the fixed K of the highest median tokens/s in the file's summary")
+                       help="compare with the fixed K of the highest median speedup over plain decoding in the file's summary")
     args = ap.parse_args()
     data = load_results(args.results)
     runs = per_prompt(data["runs"])
