@@ -241,14 +241,22 @@ class BatchCosts:
             hit = self._memo[key] = self._at(B, [self._extend(v, i) for v in getattr(self, name)])
         return hit
 
-    def round(self, B: int, k: int, width: Optional[int] = None) -> float:
-        """A round of k candidates per row at batch size B (ms) with a target cache of ``width`` columns (None: the
-        profiled width); beyond the table, the last step's slope continues. The width moves the round's cost by
-        what it moves the verification's."""
-        base = self._table("round_ms", B, k)
-        if width is None or not self.verify_wide_ms:
-            return base
-        return base + self.verify(B, k + 1, width) - self.verify(B, k + 1)
+    def round(self, B: int, k: int, width: Optional[int] = None, verified: Optional[int] = None) -> float:
+        """A round that drafts k candidates per row at batch size B (ms) and verifies ``verified`` of them (None: all
+        k), with a target cache of ``width`` columns (None: the profiled width); beyond the table, the last step's
+        slope continues. The width moves the round's cost by what it moves the verification's, and slots drafted
+        but not verified take their share of the verification off. Never below a quarter of the round's own target
+        forward over ``verified + 1`` tokens (as :meth:`verify` is never below a quarter of its narrow figure):
+        whole rounds and forwards are profiled apart, so on small, noisy timings the differences could otherwise
+        reach zero or below, and a measured-to-modelled time ratio (``BatchBudget.calibration``) its logarithm's
+        domain error."""
+        v = k if verified is None else verified
+        ms = self._table("round_ms", B, k)
+        if width is not None and self.verify_wide_ms:
+            ms += self.verify(B, k + 1, width) - self.verify(B, k + 1)
+        if v != k:
+            ms -= self.verify(B, k + 1, width) - self.verify(B, v + 1, width)
+        return max(ms, 0.25 * self.verify(B, v + 1, width))
 
     def verify(self, B: int, n: int, width: Optional[int] = None) -> float:
         """The target's forward over ``[B, n]`` tokens (ms) with a cache of ``width`` columns (None: ``context``):
@@ -371,11 +379,7 @@ class BatchBudget:
 
     def _table_round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """The table's ms of that round (uncalibrated)."""
-        b, w = self.batch, self.width
-        ms = b.round(B, k, w)
-        if verified is not None:
-            ms -= b.verify(B, k + 1, w) - b.verify(B, verified + 1, w)
-        return ms
+        return self.batch.round(B, k, self.width, verified)
 
     def _next_ratio(self, k: int) -> float:
         """E[p_hat of slot k + 1]: the running mean survival of slot k + 1 over that of slot k (at most 1)."""
