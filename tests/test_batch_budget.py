@@ -50,7 +50,7 @@ def test_batch_costs_grow_with_the_cache_width():
 
 
 def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
-    b = BatchBudget(DEAR, probe=3)
+    b = BatchBudget(DEAR, probe=3, measure=False)  # the table decides
     b.reset(8)
     plans = [b.plan(8, 64) for _ in range(14)]
     assert plans == [False] * 3 + [True] + [False] * 6 + [True] + [False] * 3, plans
@@ -59,49 +59,62 @@ def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
     assert [b.plan(8, 64) for _ in range(8)] == [True] + [False] * 6 + [True]
     cheap = BatchBudget(TEST_BATCH_COSTS, measure=False)  # nothing measured: the table decides, no plain probes
     cheap.reset(8)
-    assert all(cheap.plan(8, 64) for _ in range(20))
-    # the running mean survival of each slot follows the drafted rounds (decay 0.2 per round)
+    assert all(cheap.plan(8, 64) for _ in range(20)) and cheap.cap == 8
+    # the running mean survival of each slot follows the drafted rounds: the prior counts as one round, then
+    # weights 1/3, 1/4 and from the fourth round on 0.2
     cheap.update(8, 2, 2, 20, torch.tensor([[1.0, 0.5]] * 8))
-    assert cheap.gain[:3] == pytest.approx([0.8 * 0.7 + 0.2, 0.8 * 0.49 + 0.1, 0.343])
+    assert cheap.gain[:3] == pytest.approx([0.5 * 0.7 + 0.5, 0.5 * 0.49 + 0.25, 0.343])
+    for _ in range(5):
+        cheap.update(8, 1, 1, 12, torch.full((8, 1), 0.6))
+    g = 0.85
+    for w in (1 / 3, 1 / 4, 0.2, 0.2, 0.2):
+        g = (1 - w) * g + w * 0.6
+    assert cheap.gain[0] == pytest.approx(g)
 
 
-def _play(b, B, rates, rounds):
-    """Plan ``rounds`` rounds of 10 ms; a round of arm ``cap`` emits ``rates[cap] * 10 * B`` tokens."""
+def _play(b, B, true_ms, rounds, survival=0.8):
+    """Plan ``rounds`` rounds; every drafted slot has survival ``survival`` (S_bj = survival ** j) and the head is
+    right on average, so a round drafting c candidates emits B (1 + sum_{j<=c} survival ** j) tokens; it takes
+    ``true_ms(c)`` ms, whatever the table says. Returns each round's cap."""
     caps = []
     for _ in range(rounds):
-        drafts = b.plan(B, 64)
-        cap = b.cap if drafts else 0
-        caps.append(cap)
-        if drafts:
-            b.update(B, cap, cap, int(rates[cap] * 10 * B), torch.full((B, cap), 0.8))
-        else:
-            b.update(B, 0, 0, B)
-        b.observe(10.0)
+        b.plan(B, 64)
+        c = b.cap
+        caps.append(c)
+        S = torch.tensor([survival ** j for j in range(1, c + 1)], dtype=torch.float64).expand(B, c)
+        b.update(B, c, c, round(B * (1 + float(S[0].sum()))), S if c else None)
+        b.observe(true_ms(c))
     return caps
 
 
-def test_measured_goodput_climbs_to_the_best_cap_and_probes_its_neighbours():
-    """Once rounds are measured, the budget plays the arm (plain step, or drafting at most 1, 2, 4 or 8 candidates)
-    with the best measured goodput per row, and tries its neighbours again at doubling intervals."""
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2)   # the table: drafting pays, so the first round drafts uncapped
-    assert b.caps == [0, 1, 2, 4, 8]
-    rates = {0: 0.1, 1: 0.14, 2: 0.16, 4: 0.12, 8: 0.05}  # tokens per ms per row: K <= 2 is best
-    caps = _play(b, 4, rates, 31)[1:]            # the first round is not measured
-    assert caps[:5] == [8, 4, 2, 1, 0]           # every arm once, the one nearest the best measured first
-    assert caps.count(2) >= 18 and 0 not in caps[5:] and 8 not in caps[1:]
-    for neighbour in (1, 4):                     # each neighbour's probes come less and less often
-        probes = [i for i, c in enumerate(caps) if c == neighbour and i > 4]
-        gaps = [j - i for i, j in zip(probes, probes[1:])]
-        assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0], (neighbour, caps)
-    # at B = 64 drafting may lose to plain steps outright: the budget goes down to them
-    dear = {0: 0.1, 1: 0.09, 2: 0.08, 4: 0.06, 8: 0.03}
+def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
+    """Measured rounds correct the table per drafted depth: the budget measures each depth 0..4 once (nearest the
+    table's best first), then drafts at the depth of best expected goodput under the measured costs, and plays
+    its two neighbours again at doubling intervals."""
+    # the table says every candidate costs 1.6 ms (drafting 8 pays); the rounds say 10 ms per candidate
     b = BatchBudget(TEST_BATCH_COSTS, probe=2)
-    caps = _play(b, 4, dear, 41)[1:]
-    assert caps[:5] == [8, 4, 2, 1, 0] and caps.count(0) >= 28
-    # without measurements the table decides and drafting is never capped
+    dear_slots = lambda c: 10.0 + 10.0 * c
+    # goodput by depth at survival 0.8: (1 + 0.8 + ... ) / (10 + 10 c): c = 1: 0.09, c = 2: 0.08, c = 0: 0.1 per row
+    # per ms, so plain steps are best; with survival 0.95 and 4 ms per candidate, c = 4..5 are best
+    caps = _play(b, 4, dear_slots, 40)
+    # the table's best depth first (prior survival 0.7 ** j, 1.6 ms per candidate: 3), which is not measured (cold);
+    # then each depth 0..4 once, the unmeasured one nearest the best first (4, once slot 3 was seen to survive)
+    assert caps[:6] == [3, 4, 3, 2, 1, 0], caps
+    assert caps[6:].count(0) >= 26 and max(caps[6:]) == 1, caps
+    probes = [i for i, c in enumerate(caps) if c == 1 and i > 6]
+    gaps = [j - i for i, j in zip(probes, probes[1:])]
+    assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0], caps
+    assert b.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0))
+
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2)
+    caps = _play(b, 4, lambda c: 10.0 + 4.0 * c, 40, survival=0.95)
+    assert sorted(caps[1:6]) == [0, 1, 2, 3, 4], caps
+    settled = caps[6:]
+    assert 0 not in settled and min(settled) >= 2 and sum(c >= 4 for c in settled) >= 20, caps
+    # without measurements the table decides, and drafting is never capped
     table_only = BatchBudget(TEST_BATCH_COSTS, measure=False)
     table_only.reset(4)
-    assert set(_play(table_only, 4, dear, 10)) == {8} and table_only.measured == [None] * 5
+    assert set(_play(table_only, 4, dear_slots, 10)) == {8} and table_only.log_ratio == [None] * 9
 
 
 def test_calibration_scales_speculative_costs_by_what_was_measured():
@@ -115,20 +128,39 @@ def test_calibration_scales_speculative_costs_by_what_was_measured():
         for ms in (10.0 ** 6, 10.0):                 # the first round is not measured (cold); then a plain step
             x.update(2, 0, 0, 2)                     # as modelled
             x.observe(ms)
-    assert b.calibration == 1.0                      # one kind measured: no correction yet
+    assert b.calibration(3) == 1.0                   # only depth 0 measured: every depth takes its ratio
     for _ in range(30):
         for x in (b, twin):
             x.update(2, 3, 3, 5, S)
             x.observe(2 * 19.0)                      # a round of 3 candidates: twice the table's 19 ms
-    assert b.calibration == pytest.approx(2.0) and twin.calibration == 1.0
+    assert b.calibration(3) == pytest.approx(2.0) and twin.calibration(3) == 1.0
+    assert b.calibration(2) == pytest.approx(2.0)    # unmeasured depths take the nearest measured depth's ratio
+    assert b.calibration(1) == 1.0                   # ... the lower one on a tie (depth 0)
     assert b._round(2, 3) == pytest.approx(38.0) and b._round(2, 0) == pytest.approx(10.0)
+    # the head's calibration: 3 accepted tokens for survivals summing to 3.0 over the verified slots
+    assert b.head_scale == pytest.approx(1.0) and twin.head_scale == 1.0
     # the twin: lambda 5 / 19 tokens/ms, slot 3 pays for its 1 ms of verification, slot 2 for its 3 ms round cost
     assert twin.depth(S) == 3 and twin.go_on(1, torch.tensor([0.9, 0.9]))
     # calibrated: lambda at plain decoding's 0.2 tokens per plain-step ms (the rounds, 5 tokens in 38, do worse),
     # every speculative ms counted twice
     assert b.depth(S) == 2 and not b.go_on(1, torch.tensor([0.9, 0.9]))
     b.observe(10.0 ** 6)                             # nothing to attribute it to (no round updated since): ignored
-    assert b.calibration == pytest.approx(2.0)
+    assert b.calibration(3) == pytest.approx(2.0)
+
+
+def test_the_heads_measured_calibration_scales_the_expected_tokens():
+    """Rows that accept twice the tokens their survivals predict count their slots twice (clipped to [1/2, 2])."""
+    b = BatchBudget(TEST_BATCH_COSTS)
+    b.reset(2)
+    S = torch.tensor([[0.5, 0.25], [0.5, 0.25]])
+    b.update(2, 2, 2, 2 + 3, S)                      # 3 accepted where the survivals sum to 1.5
+    assert b.head_scale == pytest.approx(2.0)
+    b.update(2, 2, 2, 2 + 6, S)
+    assert b.head_scale == 2.0                       # the running ratio is 2.4: clipped
+    g = sum(b.gain[:2])
+    assert b.expected_goodput(2, 2) == pytest.approx(2 * (1 + 2.0 * g) / b._round(2, 2))
+    b.accuracy = 0.1
+    assert b.head_scale == 0.5 and b.expected_goodput(2, 2) == pytest.approx(2 * (1 + 0.5 * g) / b._round(2, 2))
 
 
 def test_budget_depth_and_go_on_by_hand():
@@ -262,4 +294,4 @@ def test_a_modelled_round_never_falls_below_a_quarter_of_its_own_target_forward(
     for drafted, depth in ((0, 0), (0, 0), (3, 0), (3, 3)):  # the first round is not measured (cold)
         b.update(4, drafted, depth, 4, torch.full((4, drafted), 0.5) if drafted else None)
         b.observe(2.0)
-    assert math.isfinite(b.calibration) and b.calibration > 0
+    assert math.isfinite(b.calibration(3)) and b.calibration(3) > 0

@@ -130,11 +130,11 @@ class SpecDecPP(CandidateLengthPolicy):
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
             batch (their distribution does not); ``False`` keeps every row's decisions its own (per-row rule),
             so a row's seeded output in a batch equals its output alone.
-        measured_costs: once rounds have been measured, the budget chooses among plain steps and drafting at most
-            1, 2, 4 or ``depth_max`` candidates by their measured goodput, and corrects the table's costs of
-            speculative rounds by what they measured (default; see :class:`~specdec_ext.policies.goodput.BatchBudget`);
-            ``False`` decides from the profiled table alone, so the decisions, and a sampled row's draws, are
-            reproducible run to run.
+        measured_costs: once rounds have been measured, the budget corrects the table's cost of each depth by what
+            rounds of that depth measured, and the head's survivals by the tokens they turned into, and chooses
+            each round's depth cap (0: a plain step) by the goodput expected from both (default; see
+            :class:`~specdec_ext.policies.goodput.BatchBudget`); ``False`` decides from the profiled table alone, so
+            the decisions, and a sampled row's draws, are reproducible run to run.
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
     ``"proposal"`` head scores candidate k at step k and may stop at any K >= 1; the paper's

@@ -281,45 +281,49 @@ class BatchCosts:
 class BatchBudget:
     """A verification budget across a batch (``threshold="auto"`` at batch size > 1): whether the batch drafts
     at all this round, how deep it drafts, and how many of the drafted slots it verifies, from the rows'
-    predicted survivals and the profiled cost table.
+    predicted survivals and the profiled cost table, corrected by what the rounds measure.
 
     The round's target forward is over ``[B, D + 1]`` tokens, D the deepest row's candidates (rows with fewer
     are padded; a transformers forward with a per-row KV cache cannot pack rows). So the verification cost of
     any set of draft slots is set by its deepest slot, and the global top-N choice of vLLM's adaptive
     verification (rank slots by survival, keep the N that maximise goodput) reduces to choosing a depth:
     every row keeps its slots 1..D. With S_bk the survival of row b's candidate k (the product of the head's
-    p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + sum_{k<=D} S_bk) tokens (Leviathan et al.
-    2023, Eq. 1, per slot) in T_B(D) ms (``BatchCosts.round`` at the target cache's current width). With
-    lambda the batch's running goodput (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`):
+    p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
+    2023, Eq. 1, per slot; a the head's measured calibration below) in T_B(D) ms. With lambda the batch's running
+    goodput (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`):
 
-    - before the round (:meth:`plan`): the batch drafts only if some depth d >= 1 is expected to pay,
-      B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), g_j being the running mean survival of slot j over
-      rows and rounds (prior ``prior_accept ** j``); otherwise the round is one step of plain decoding by the
-      target alone and the draft does not run (it catches up on the tokens it missed when it next drafts).
-      After ``probe`` such steps in a row the batch drafts once anyway, so g can follow the text; the
-      interval doubles while drafting keeps not paying. That is the first round's decision, and every round's with
-      ``measure=False``. Once the engine reports measured round times (:meth:`observe`), measured goodput decides
-      instead, as a bandit over arms (BanditSpec, Hou et al. 2025, tunes speculation online so): a plain step, or
-      drafting at most ``cap`` candidates per row for each cap of ``caps`` (1, 2, 4 and ``depth_max``), the
-      budget's rule deciding below the cap. Each arm is played once (nearest the best first), then the arm with
-      the best measured goodput (tokens per row per modelled plain step, running averages) is played, and its two
-      neighbours (the next lower and higher caps) again at doubling intervals while they lose, so the batch
-      settles on the best cap and follows it as the text and the cache width change. The profiled table is taken
-      once on random prompts and can misjudge a batch's real cost badly: at B = 64 on a 2-core CPU it put a round
-      of 4 candidates at 2.0 plain steps where it took 3.8, and it made each candidate after the first cost 8 ms
-      where rounds measured about 20 ms more per candidate, so the table alone drafted 4 candidates per row where
-      1 was best. The same measurements correct the decisions below the cap: the ratio of measured to modelled
-      time, averaged in log space over speculative rounds and over plain steps, gives ``calibration`` c
-      (speculative over plain, clipped to [1/4, 4]), and every modelled cost of a speculative round is multiplied
-      by c, so lambda and the marginal costs are in plain-step time as measured (c = 1 until both kinds have been
-      measured);
-    - drafting goes on after depth k while rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1 of
-      row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward, so
-      its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
+    - before the round (:meth:`plan`), the depth cap c: the depth whose expected goodput
+      B (1 + a sum_{j<=c} g_j) / T_B(c) is highest, c = 0 being a step of plain decoding by the target alone (the
+      draft does not run; it catches up on the tokens it missed when it next drafts). g_j is the running mean
+      survival of slot j over rows and rounds (prior ``prior_accept ** j``, counted as one round; a slot never
+      drafted continues the ratio of the last one drafted). T_B(c) is the table's round
+      (``BatchCosts.round`` at the target cache's current width) times the time it measured against the table at
+      that depth (below), so the choice is made from tokens expected now and costs measured where the batch runs:
+      the tokens of every depth move together with the text, and a round's time is far less noisy than its
+      tokens (an earlier version compared each cap's measured goodput, a bandit whose arms were measured in
+      different stretches of text; at B = 64 it settled on 4 candidates per row where 1 was best). The
+      neighbours c* - 1 and c* + 1 of the best depth are played again after ``probe`` rounds, the interval
+      doubling each time one is played and still loses, so that a depth the table misjudges gets measured;
+    - drafting goes on after depth k < c while a rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1
+      of row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward,
+      so its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
       rule, optimal while the marginal gains fall);
-    - the verified depth is the d <= k that maximises sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
+    - the verified depth is the d <= k that maximises a sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
       draft time is spent, the verification is not, so slots whose survival does not pay for their
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
+
+    What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), the running mean
+    of log(measured / table ms) of its rounds. The profiled table is taken once on random prompts and misjudges a
+    batch's real rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0 plain steps where it took
+    3.8, and a plain step (one query per row) measured dearer than a round of one candidate. A depth not yet
+    measured takes the ratio of the nearest measured one. Costs are then counted in the table's plain-step time:
+    the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
+    The head's calibration a is the running ratio of accepted tokens to the sum of the verified slots'
+    survivals (1 until measured, clipped to [1/2, 2]). Without ``measure`` the table alone decides (a = 1, every
+    ratio 0), and the decisions, and a sampled row's draws, are reproducible run to run: then the batch drafts
+    only if some depth d >= 1 is expected to pay, B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), uncapped, and
+    after ``probe`` plain steps in a row it drafts once anyway, so g can follow the text, the interval doubling
+    while drafting keeps not paying.
 
     lambda starts at plain decoding's goodput B / T_B(0) and never falls below it (the goodput the time a slot
     costs would give as plain steps), so speculation must beat plain decoding to be chosen.
@@ -331,11 +335,9 @@ class BatchBudget:
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8, measure: bool = True, caps: Sequence[int] = (1, 2, 4)):
-        self.batch, self.decay, self.prior_ms = batch, decay, prior_ms
+                 depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4):
+        self.batch, self.decay, self.prior_ms, self.explore = batch, decay, prior_ms, explore
         self.prior_accept, self.depth_max, self.probe, self.measure = prior_accept, depth_max, probe, measure
-        # the arms of the measured bandit: 0 (a plain step), then drafting at most ``cap`` candidates
-        self.caps = [0] + sorted({int(c) for c in caps if 0 < int(c) < depth_max}) + [depth_max]
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
         self.gain: list[float] = []
@@ -346,36 +348,44 @@ class BatchBudget:
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
+        self._seen = 0  # slots 1 .. _seen have been drafted at least once since the reset
+        self._counts = [0] * self.depth_max  # rounds that drafted each slot
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
-        n = len(self.caps)
-        self.measured: list = [None] * n      # each arm's goodput, tokens per row per modelled plain step (running)
-        self._since = [0] * n                 # rounds since each arm was last played
-        self._every = [self.probe] * n        # each arm's probe interval (doubles while it keeps losing)
+        n = self.depth_max + 1
+        self.log_ratio: list = [None] * n     # per drafted depth: running mean log(measured / table ms)
+        self.accuracy: Optional[float] = None  # a: accepted tokens over the verified slots' survivals (running)
+        self._since = [0] * n                 # rounds since each depth was last played
+        self._every = [self.probe] * n        # each neighbour's probe interval (doubles while it keeps losing)
         self._best: Optional[int] = None
-        self.arm = n - 1                      # this round's arm; ``cap`` bounds its depth
-        self._log_ratio = [None, None]  # running mean log(measured / modelled ms): plain steps, speculative rounds
+        self.cap = self.depth_max             # this round's cap: the most candidates per row it may draft
         self._last = None
         self._cold = True  # the call's first round is not measured
 
     @property
-    def cap(self) -> int:
-        """The most candidates per row this round may draft (the arm's cap)."""
-        return self.caps[self.arm]
+    def head_scale(self) -> float:
+        """a: the head's measured calibration (accepted tokens per unit of predicted survival), 1 until measured."""
+        return 1.0 if self.accuracy is None else min(max(self.accuracy, 0.5), 2.0)
 
-    @property
-    def calibration(self) -> float:
-        """c: how much dearer, relative to the table, a speculative round measured than a plain step (ratio of the
-        two kinds' mean measured / modelled time; 1 until both are measured), clipped to [1/4, 4]."""
-        plain, spec = self._log_ratio
-        if plain is None or spec is None:
+    def _ratio(self, k: int) -> float:
+        """The running mean log(measured / table ms) at drafted depth k, or that of the nearest measured depth
+        (the lower one on a tie); 0 when nothing has been measured."""
+        r = self.log_ratio
+        near = [i for i in range(len(r)) if r[i] is not None]
+        if not near:
+            return 0.0
+        return r[min(near, key=lambda i: (abs(i - k), i))]
+
+    def calibration(self, k: int) -> float:
+        """How much dearer, relative to the table, a round drafting k candidates measured than a plain step:
+        exp(ratio_k - ratio_0), clipped to [1/4, 4] (1 for k = 0, and while nothing is measured)."""
+        if k == 0:
             return 1.0
-        return math.exp(min(max(spec - plain, -math.log(4.0)), math.log(4.0)))
+        return math.exp(min(max(self._ratio(min(k, self.depth_max)) - self._ratio(0), -math.log(4.0)), math.log(4.0)))
 
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
-        current width, in plain-step time (a speculative round's cost times ``calibration``)."""
-        ms = self._table_round(B, k, verified)
-        return ms * self.calibration if k > 0 else ms
+        current width, in plain-step time (the table's cost times ``calibration(k)``)."""
+        return self._table_round(B, k, verified) * self.calibration(k)
 
     def _table_round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """The table's ms of that round (uncalibrated)."""
@@ -397,17 +407,30 @@ class BatchBudget:
         goodput a plain step would give the time a slot costs (the opportunity cost of drafting)."""
         return max(self.rate, B / self._round(B, 0))
 
+    def expected_goodput(self, B: int, c: int) -> float:
+        """Tokens per plain-step ms expected of a round drafting c candidates per row: B (1 + a sum_{j<=c} g_j) /
+        T_B(c). Slots never drafted yet continue the last drafted slot's ratio g_j / g_{j-1}."""
+        g, seen = self.gain, self._seen
+        total, last = 0.0, 1.0
+        for j in range(min(c, len(g))):
+            if j < seen or j == 0:
+                last = g[j]
+            else:
+                last *= self._next_ratio(max(seen - 1, 1)) if seen > 1 else self.prior_accept
+            total += last
+        return B * (1.0 + self.head_scale * total) / self._round(B, c)
+
     def plan(self, batch_size: int, width: Optional[int] = None) -> bool:
         """Before a round: whether the batch drafts (False: one step of plain decoding), with the target cache
-        ``width`` columns wide (kept for this round's other decisions)."""
+        ``width`` columns wide (kept for this round's other decisions); sets :attr:`cap`."""
         self.width = width
-        if self.measure and any(m is not None for m in self.measured):
-            self.arm = self._measured_arm()
-            return self.arm > 0
+        if self.measure:
+            self.cap = self._measured_cap(batch_size)
+            return self.cap > 0
         B, lam = batch_size, self._lambda(batch_size)
         plain = self._round(B, 0)
         pays = any(B * sum(self.gain[:d]) > lam * (self._round(B, d) - plain) for d in range(1, len(self.gain) + 1))
-        self.arm = len(self.caps) - 1
+        self.cap = self.depth_max
         if pays:
             self._plain_run = 0
             return True
@@ -416,28 +439,28 @@ class BatchBudget:
             self._plain_run = 0
             return True
         self._plain_run += 1
-        self.arm = 0
+        self.cap = 0
         return False
 
-    def _measured_arm(self) -> int:
-        """The arm of this round once rounds have been measured: each arm is played once first (the unmeasured arm
-        nearest the best measured one), then the best measured arm, except that its neighbours (the next lower and
-        higher caps) are played again after ``probe`` rounds, the interval doubling each time one is played and
-        still loses (it starts again when the best arm changes)."""
-        m = self.measured
-        best = max((i for i in range(len(m)) if m[i] is not None), key=lambda i: m[i])
+    def _measured_cap(self, B: int) -> int:
+        """The best depth by :meth:`expected_goodput`, except that each depth 0 .. ``explore`` is played once first
+        (the unmeasured one nearest the best first), and that the best depth's neighbours are played again after ``probe``
+        rounds, the interval doubling each time one is played and still loses (it starts again when the best
+        depth changes)."""
+        values = [self.expected_goodput(B, c) for c in range(self.depth_max + 1)]
+        best = max(range(len(values)), key=lambda c: (values[c], -c))
         if best != self._best:
-            self._best, self._every = best, [self.probe] * len(m)
+            self._best, self._every = best, [self.probe] * len(values)
         self._since = [s + 1 for s in self._since]
-        unmeasured = [i for i in range(len(m)) if m[i] is None]
-        arm = min(unmeasured, key=lambda i: (abs(i - best), i)) if unmeasured else best
-        for i in ((best - 1, best + 1) if not unmeasured else ()):
-            if 0 <= i < len(m) and self._since[i] >= self._every[i]:
-                self._every[i] *= 2
-                arm = i
+        unmeasured = [c for c in range(min(self.explore, self.depth_max) + 1) if self.log_ratio[c] is None]
+        cap = min(unmeasured, key=lambda c: (abs(c - best), c)) if unmeasured else best
+        for c in ((best - 1, best + 1) if not unmeasured else ()):
+            if 0 <= c < len(values) and self._since[c] >= self._every[c]:
+                self._every[c] *= 2
+                cap = c
                 break
-        self._since[arm] = 0
-        return arm
+        self._since[cap] = 0
+        return cap
 
     def go_on(self, k: int, survival: torch.Tensor) -> bool:
         """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
@@ -446,25 +469,24 @@ class BatchBudget:
             return False
         B = survival.shape[0]
         marginal = self._round(B, k + 1) - self._round(B, k)
-        return float(survival.sum()) * self._next_ratio(k) >= self._lambda(B) * marginal
+        return self.head_scale * float(survival.sum()) * self._next_ratio(k) >= self._lambda(B) * marginal
 
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
         B, k = survivals.shape
         gain = torch.cat([torch.zeros(1, dtype=torch.float64), survivals.double().sum(0).cumsum(0)])
-        lam = self._lambda(B) * self.calibration
-        values = [float(gain[d]) - lam * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
+        lam = self._lambda(B) * self.calibration(k)
+        a = self.head_scale
+        values = [a * float(gain[d]) - lam * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
     def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
                survivals: Optional[torch.Tensor] = None) -> None:
         """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch, and the
-        drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot). A plain step
-        is ``drafted = depth = 0``."""
+        drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot and the head's
+        calibration). A plain step is ``drafted = depth = 0``."""
         ms = self._round(batch_size, drafted, depth)
-        arm = self.arm if drafted > 0 else 0
-        table = self._table_round(batch_size, drafted, depth)
-        self._last = (batch_size, arm, emitted, table, self._table_round(batch_size, 0))
+        self._last = (drafted, self._table_round(batch_size, drafted, depth))
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
@@ -472,28 +494,28 @@ class BatchBudget:
             S = survivals.double()
             real = S > 0  # rows that drafted the slot
             for j in range(min(S.shape[1], len(self.gain))):
-                if bool(real[:, j].any()):
-                    self.gain[j] = (1 - a) * self.gain[j] + a * float(S[real[:, j], j].mean())
-            if depth > 0:  # table decisions: a probe whose slots paid starts the interval again
-                self._interval = self.probe
+                if bool(real[:, j].any()):  # the prior counts as one round: weight 1/2, 1/3, ... then ``decay``
+                    self._counts[j] += 1
+                    w = max(a, 1.0 / (self._counts[j] + 1))
+                    self.gain[j] = (1 - w) * self.gain[j] + w * float(S[real[:, j], j].mean())
+                    self._seen = max(self._seen, j + 1)
+            if depth > 0:
+                predicted = float(S[:, :depth].sum())
+                if self.measure and predicted > 0:
+                    self.accuracy = self._average(self.accuracy, (emitted - batch_size) / predicted)
+                self._interval = self.probe  # table decisions: a probe whose slots paid starts the interval again
 
     def observe(self, ms: float) -> None:
-        """The measured wall time (ms) of the round just updated: the running measured goodput of the round's arm
-        (exponential averages, weight ``decay``), which then chooses the arms (:meth:`plan`), and the running log
-        ratio of measured to modelled time behind ``calibration``. Goodput is counted in tokens per row per
-        modelled plain step (``BatchCosts.round(B, 0, width)``) rather than per ms, so that arms measured at other
-        batch sizes (rows leave as the queue runs dry) or cache widths compare fairly."""
+        """The measured wall time (ms) of the round just updated: the running log ratio of measured to table time
+        at the round's drafted depth (weight ``decay``), behind :meth:`calibration`."""
         if not self.measure or self._last is None or ms <= 0:
             return
-        B, arm, emitted, modelled, plain = self._last
+        k, table = self._last
         self._last = None
         if self._cold:  # a call's first round: its caches grow for the first time, and every row's first tokens
             self._cold = False  # (the ends of prompts' lines) are the easiest to draft; it says little of the rest
             return
-        rate = emitted / B * plain / ms  # tokens per row per modelled plain step: comparable across B and widths
-        self.measured[arm] = self._average(self.measured[arm], rate)
-        spec = int(arm > 0)
-        self._log_ratio[spec] = self._average(self._log_ratio[spec], math.log(ms / modelled))
+        self.log_ratio[k] = self._average(self.log_ratio[k], math.log(ms / table))
 
     def _average(self, old: Optional[float], new: float) -> float:
         """The running average (weight ``decay``) after ``new``; ``new`` itself when nothing came before."""
