@@ -117,6 +117,30 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     assert set(_play(table_only, 4, dear_slots, 10)) == {8} and table_only.log_ratio == [None] * 9
 
 
+def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
+    """The per-depth cost ratios and the head's calibration are the pair's and the machine's: a second call at the
+    same batch size starts from them (no depth is measured again first); a call at another batch size does not,
+    and the running survivals start from the prior in every call."""
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2)
+    b.reset(4)                                # a call of 4 rows
+    first = _play(b, 4, lambda c: 10.0 + 10.0 * c, 12)
+    assert sorted(first[1:6]) == [0, 1, 2, 3, 4]
+    ratios, scale = list(b.log_ratio), b.head_scale
+    b.reset(4)
+    assert b.log_ratio == ratios and b.head_scale == scale and b.gain[0] == pytest.approx(0.7)
+    again = _play(b, 4, lambda c: 10.0 + 10.0 * c, 6)
+    assert again[0] == 0 and max(again) == 1, again  # plain steps from the start, depth 1 probed as a neighbour
+    b.reset(8)
+    assert b.log_ratio == [None] * 9 and b.head_scale == 1.0
+    b.reset(4)
+    assert all(r is not None for r in b.log_ratio[:5])
+    table_only = BatchBudget(TEST_BATCH_COSTS, measure=False)
+    table_only.reset(4)
+    _play(table_only, 4, lambda c: 10.0 + 10.0 * c, 4)
+    table_only.reset(4)
+    assert table_only.log_ratio == [None] * 9
+
+
 def test_calibration_scales_speculative_costs_by_what_was_measured():
     """Measured rounds twice as dear as the table says (plain steps as the table says) double every modelled cost of
     a speculative round: the batch drafts and verifies less deep than a twin that trusts the table."""

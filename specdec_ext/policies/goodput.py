@@ -248,7 +248,7 @@ class BatchCosts:
         but not verified take their share of the verification off. Never below a quarter of the round's own target
         forward over ``verified + 1`` tokens (as :meth:`verify` is never below a quarter of its narrow figure):
         whole rounds and forwards are profiled apart, so on small, noisy timings the differences could otherwise
-        reach zero or below, and a measured-to-modelled time ratio (``BatchBudget.calibration``) its logarithm's
+        reach zero or below, and a measured-to-modelled time ratio (``BatchBudget.observe``) its logarithm's
         domain error."""
         v = k if verified is None else verified
         ms = self._table("round_ms", B, k)
@@ -319,7 +319,8 @@ class BatchBudget:
     measured takes the ratio of the nearest measured one. Costs are then counted in the table's plain-step time:
     the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the running ratio of accepted tokens to the sum of the verified slots'
-    survivals (1 until measured, clipped to [1/2, 2]). Without ``measure`` the table alone decides (a = 1, every
+    survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
+    (:meth:`reset`), so only a policy's first call at a batch size spends rounds measuring depths. Without ``measure`` the table alone decides (a = 1, every
     ratio 0), and the decisions, and a sampled row's draws, are reproducible run to run: then the batch drafts
     only if some depth d >= 1 is expected to pay, B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), uncapped, and
     after ``probe`` plain steps in a row it drafts once anyway, so g can follow the text, the interval doubling
@@ -341,9 +342,17 @@ class BatchBudget:
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
         self.gain: list[float] = []
+        self._kept: dict = {}  # batch size -> (log_ratio, accuracy) measured by earlier calls
+        self._size: Optional[int] = None
         self.reset(1)
 
     def reset(self, batch_size: int) -> None:
+        """Start a call of ``batch_size`` rows. What earlier calls measured at this batch size, the per-depth cost
+        ratios and the head's calibration (properties of the pair and the machine, not of the text), is kept, as a
+        server keeps it from request to request; the running survivals and goodput start again."""
+        if self._size is not None and self.measure:
+            self._kept[self._size] = (list(self.log_ratio), self.accuracy)
+        self._size = batch_size
         self.width = None
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
@@ -360,6 +369,9 @@ class BatchBudget:
         self.cap = self.depth_max             # this round's cap: the most candidates per row it may draft
         self._last = None
         self._cold = True  # the call's first round is not measured
+        if batch_size in self._kept:
+            ratios, self.accuracy = self._kept[batch_size]
+            self.log_ratio = list(ratios)
 
     @property
     def head_scale(self) -> float:
