@@ -17,7 +17,9 @@ Reported per (method, B):
 - per-request tokens/s: median over requests of (the request's tokens / the time from its admission, prefill
   included, to the end of the round that finished it), i.e. the speed one user sees once served;
 - mean accepted length (tokens emitted per row per round, minus one);
-- speedup: aggregate tokens/s over plain decoding's at the same B.
+- speedup: aggregate tokens/s over plain decoding's at the same B;
+- with ``repeats`` > 1 (``--repeats``), the figures above pool every pass, and ``tokens_per_s_by_repeat`` gives each
+  pass's aggregate tokens/s.
 
 Results use the benchmark's JSON schema (``benchmark.save_json``): one summary row per (method, B) with a
 ``batch_size`` field; one run record per (method, stream or group) with its ``batch_size``.
@@ -43,6 +45,7 @@ class BatchRecord(RunRecord):
     """A ``RunRecord`` of one group: ``prompt`` is the group's index, ``tokens`` its rows' tokens joined."""
 
     batch_size: int = 1
+    repeat: int = 0                                    # which pass over the streams (``repeats``)
     row_tokens: list = field(default_factory=list)     # tokens of each request
     row_finish_s: list = field(default_factory=list)   # seconds from each request's admission to its last round
 
@@ -72,13 +75,19 @@ STREAM_BATCHES = 4  # a stream of continuous batching holds this many batches' w
 
 def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_sizes, max_new_tokens: int = 64,
                         temperature: float = 0.0, seed: int = 0, costs=None, progress: bool = True,
-                        refill: bool = True) -> list[BatchRecord]:
+                        refill: bool = True, repeats: int = 1) -> list[BatchRecord]:
     """Every method on every stream (``refill``, continuous batching) or group (static batches) of every batch
-    size (see the module docstring). ``methods``: ours only."""
+    size (see the module docstring), ``repeats`` passes over them per batch size (the method order rotated by
+    stream and pass, so slow drift of the machine's speed falls on every method alike). ``methods``: ours only.
+
+    Raises: ValueError for methods that are not this engine's, batch sizes or ``repeats`` that are not integers
+    >= 1."""
     if any(m.kind != "ours" or m.family == "oracle" for m in methods):
         raise ValueError("the batch benchmark runs this engine's policies only (no transformers or oracle methods)")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     tok = pair.tokenizer
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
@@ -96,12 +105,13 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     for m in methods:  # warm-up: allocation and lazy initialisation
         gens[m.name].generate(first, max_new_tokens=8, temperature=temperature, seed=seed, eos_token_id=eos)
     size = (lambda B: STREAM_BATCHES * B) if refill else (lambda B: B)
-    n_calls = sum(-(-len(encoded) // size(B)) for B in batch_sizes)
+    n_calls = repeats * sum(-(-len(encoded) // size(B)) for B in batch_sizes)
     bar = tqdm(total=n_calls * len(methods), desc="bench (batches)", unit="call", disable=not progress)
     records = []
     for B in batch_sizes:
-        for g, ids, mask in _groups(encoded, size(B), pad):
-            order = methods[g % len(methods):] + methods[: g % len(methods)]
+        for rep, (g, ids, mask) in ((r, x) for r in range(repeats) for x in _groups(encoded, size(B), pad)):
+            shift = (g + rep) % len(methods)
+            order = methods[shift:] + methods[:shift]
             for m in order:
                 kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + g * size(B),
                           eos_token_id=eos)
@@ -117,7 +127,7 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
                 records.append(BatchRecord(
                     m.name, g, st.new_tokens, wall, st.target_calls, st.draft_calls,
                     tokens=[t for row in out.new_tokens for t in row], engine=st.summary(),
-                    forward_s=(st.target_forward_ms + st.draft_forward_ms) / 1e3, batch_size=B,
+                    forward_s=(st.target_forward_ms + st.draft_forward_ms) / 1e3, batch_size=B, repeat=rep,
                     row_tokens=[len(r) for r in out.new_tokens], row_finish_s=finish))
                 bar.update(1)
     bar.close()
@@ -149,15 +159,20 @@ def summarize_batches(records: list[BatchRecord], methods: list[Method], baselin
                 "mean_candidate_length": sum(r.engine["mean_candidate_length"] * r.engine["rounds"] for r in runs)
                 / max(1, rounds),
                 "target_calls_per_token": sum(r.target_calls for r in runs) / max(1, tokens)}
+            passes = sorted({r.repeat for r in runs})
+            if len(passes) > 1:  # each pass's aggregate tokens/s, to show the machine's drift between passes
+                row["tokens_per_s_by_repeat"] = [
+                    sum(r.new_tokens for r in runs if r.repeat == p) / sum(r.wall_s for r in runs if r.repeat == p)
+                    for p in passes]
             rows.append(row)
         base = agg.get(baseline)
-        base_runs = {r.prompt: r for r in at if r.method == baseline}
+        base_runs = {(r.prompt, r.repeat): r for r in at if r.method == baseline}
         for name, row in agg.items():
             if base is not None:
                 row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
                 row["per_request_speedup"] = row["per_request_tokens_per_s"] / base["per_request_tokens_per_s"]
             runs = [r for r in at if r.method == name]
-            same = [r.tokens == base_runs[r.prompt].tokens for r in runs if r.prompt in base_runs]
+            same = [r.tokens == base_runs[r.prompt, r.repeat].tokens for r in runs if (r.prompt, r.repeat) in base_runs]
             row["same_text_share"] = sum(same) / len(same) if same else None
     return rows
 

@@ -53,6 +53,9 @@ def add_arguments(p):
                    help="the batch benchmark: prompts as concurrent requests, B at a time for each size "
                         "(e.g. 1,4,16,64), for plain decoding, fixed K, SpecDec++ and the heuristic; continuous "
                         "batching (a finished request's row goes to the next one) unless --static-batches")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --batch-sizes: passes over the streams per batch size, the method order rotated per pass "
+                        "(the figures pool every pass; on a shared machine one pass can drift by 10-20%%)")
     p.add_argument("--static-batches", action="store_true",
                    help="with --batch-sizes: static batches (groups of B; a finished row is not refilled)")
 
@@ -200,6 +203,8 @@ def run_batches(args, pair, prompts, t0):
 
     if any(b < 1 for b in args.batch_sizes):
         raise ValueError(f"--batch-sizes: expected sizes >= 1, got {args.batch_sizes}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: expected an integer >= 1, got {args.repeats}")
     methods = [m for m in standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=False,
                                            oracle=False, adaptive=True)
                if m.family in ("plain", "fixed", "specdecpp", "specdecpp-auto", "heuristic")]
@@ -208,18 +213,19 @@ def run_batches(args, pair, prompts, t0):
           f"{len(methods)} methods, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
           f"target {pair.target.dtype}, draft {pair.draft.dtype}")
     records = run_batch_benchmark(pair, prompts, methods, list(args.batch_sizes), args.max_new_tokens,
-                                  args.temperature, args.seed, refill=not args.static_batches)
+                                  args.temperature, args.seed, refill=not args.static_batches, repeats=args.repeats)
     rows = summarize_batches(records, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}-batch"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-            "batch_sizes": list(args.batch_sizes), "refill": not args.static_batches,
+            "batch_sizes": list(args.batch_sizes), "refill": not args.static_batches, "repeats": args.repeats,
             "target_dtype": str(pair.target.dtype).replace("torch.", ""),
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "duration_s": time.time() - t0,
             "command": _command_line(args) + " --batch-sizes " + ",".join(map(str, args.batch_sizes))
-            + (" --static-batches" if args.static_batches else "")}
+            + (" --static-batches" if args.static_batches else "")
+            + (f" --repeats {args.repeats}" if args.repeats > 1 else "")}
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_batch_table(rows)
     (args.out / f"bench-{tag}.md").write_text(table + "\n")

@@ -175,6 +175,32 @@ def test_batch_benchmark_rows_texts_and_request_times(run, tmp_path, refill):
         run_batch_benchmark(pair, prompts, methods, [1], progress=False, costs=TEST_COSTS)
 
 
+def test_batch_benchmark_repeats_pool_every_pass(run):
+    """``repeats=2``: every (method, stream) twice, the method order rotated between passes; the summary pools both
+    passes (tokens and wall time) and gives each pass's tokens/s; texts are compared pass by pass."""
+    from specdec_ext.batch_bench import run_batch_benchmark, summarize_batches
+
+    pair, prompts, methods, _ = run
+    ours = [m for m in methods if m.family in ("plain", "fixed")][:3]
+    records = run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                                  repeats=2)
+    assert sorted((r.method, r.repeat) for r in records) == sorted((m.name, p) for m in ours for p in (0, 1))
+    first = [r.method for r in records if r.repeat == 0]
+    second = [r.method for r in records if r.repeat == 1]
+    assert first != second and sorted(first) == sorted(second)  # rotated, not the same order again
+    rows = summarize_batches(records, ours)
+    for row in rows:
+        runs = [r for r in records if r.method == row["method"]]
+        assert row["new_tokens"] == sum(r.new_tokens for r in runs) and row["same_text_share"] == 1.0
+        assert row["tokens_per_s"] == pytest.approx(row["new_tokens"] / sum(r.wall_s for r in runs))
+        assert row["tokens_per_s_by_repeat"] == pytest.approx(
+            [sum(r.new_tokens for r in runs if r.repeat == p) / sum(r.wall_s for r in runs if r.repeat == p)
+             for p in (0, 1)])
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+            run_batch_benchmark(pair, prompts, ours, [2], progress=False, costs=TEST_COSTS, repeats=bad)
+
+
 def test_finish_times_follow_the_rounds_a_row_was_in():
     from specdec_ext.batch_bench import finish_times_s
     from specdec_ext.engine.stats import GenerationStats, RoundStats

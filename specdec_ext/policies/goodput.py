@@ -320,8 +320,9 @@ class BatchBudget:
     the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the running ratio of accepted tokens to the sum of the verified slots'
     survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
-    (:meth:`reset`), so only a policy's first call at a batch size spends rounds measuring depths. Without ``measure`` the table alone decides (a = 1, every
-    ratio 0), and the decisions, and a sampled row's draws, are reproducible run to run: then the batch drafts
+    (:meth:`reset`), so only a policy's first call at a batch size spends rounds measuring depths. Without
+    ``measure`` the table alone decides (a = 1, every ratio 0), and the decisions, and a sampled row's draws, are
+    reproducible run to run: then the batch drafts
     only if some depth d >= 1 is expected to pay, B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), uncapped, and
     after ``probe`` plain steps in a row it drafts once anyway, so g can follow the text, the interval doubling
     while drafting keeps not paying.
@@ -456,9 +457,9 @@ class BatchBudget:
 
     def _measured_cap(self, B: int) -> int:
         """The best depth by :meth:`expected_goodput`, except that each depth 0 .. ``explore`` is played once first
-        (the unmeasured one nearest the best first), and that the best depth's neighbours are played again after ``probe``
-        rounds, the interval doubling each time one is played and still loses (it starts again when the best
-        depth changes)."""
+        (the unmeasured one nearest the best first), and that the best depth's neighbours are played again after
+        ``probe`` rounds, the interval doubling each time one is played and still loses (it starts again when the
+        best depth changes)."""
         values = [self.expected_goodput(B, c) for c in range(self.depth_max + 1)]
         best = max(range(len(values)), key=lambda c: (values[c], -c))
         if best != self._best:
@@ -527,6 +528,7 @@ class BatchBudget:
         if self._cold:  # a call's first round: its caches grow for the first time, and every row's first tokens
             self._cold = False  # (the ends of prompts' lines) are the easiest to draft; it says little of the rest
             return
+        k = min(k, self.depth_max)
         self.log_ratio[k] = self._average(self.log_ratio[k], math.log(ms / table))
 
     def _average(self, old: Optional[float], new: float) -> float:
