@@ -373,6 +373,7 @@ class BatchBudget:
         if batch_size in self._kept:
             ratios, self.accuracy = self._kept[batch_size]
             self.log_ratio = list(ratios)
+        self._nearest = None  # _ratio's table, rebuilt from log_ratio when next read
 
     @property
     def head_scale(self) -> float:
@@ -382,11 +383,11 @@ class BatchBudget:
     def _ratio(self, k: int) -> float:
         """The running mean log(measured / table ms) at drafted depth k, or that of the nearest measured depth
         (the lower one on a tie); 0 when nothing has been measured."""
-        r = self.log_ratio
-        near = [i for i in range(len(r)) if r[i] is not None]
-        if not near:
-            return 0.0
-        return r[min(near, key=lambda i: (abs(i - k), i))]
+        if self._nearest is None:  # recomputed after each measurement: the budget reads this many times a round
+            r = self.log_ratio
+            near = [i for i in range(len(r)) if r[i] is not None]
+            self._nearest = [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
+        return self._nearest[k]
 
     def calibration(self, k: int) -> float:
         """How much dearer, relative to the table, a round drafting k candidates measured than a plain step:
@@ -429,7 +430,7 @@ class BatchBudget:
             if j < seen or j == 0:
                 last = g[j]
             else:
-                last *= self._next_ratio(max(seen - 1, 1)) if seen > 1 else self.prior_accept
+                last *= self._next_ratio(seen - 1) if seen > 1 else self.prior_accept
             total += last
         return B * (1.0 + self.head_scale * total) / self._round(B, c)
 
@@ -530,6 +531,7 @@ class BatchBudget:
             return
         k = min(k, self.depth_max)
         self.log_ratio[k] = self._average(self.log_ratio[k], math.log(ms / table))
+        self._nearest = None
 
     def _average(self, old: Optional[float], new: float) -> float:
         """The running average (weight ``decay``) after ``new``; ``new`` itself when nothing came before."""
