@@ -421,17 +421,21 @@ class BatchBudget:
         goodput a plain step would give the time a slot costs (the opportunity cost of drafting)."""
         return max(self.rate, B / self._round(B, 0))
 
-    def expected_goodput(self, B: int, c: int) -> float:
-        """Tokens per plain-step ms expected of a round drafting c candidates per row: B (1 + a sum_{j<=c} g_j) /
-        T_B(c). Slots never drafted yet continue the last drafted slot's ratio g_j / g_{j-1}."""
+    def _survival_sums(self) -> list[float]:
+        """sum_{j<=c} g_j for c = 0 .. depth_max; slots never drafted yet continue the last drafted slot's ratio
+        g_j / g_{j-1} (the prior's ratio while at most one slot has been drafted)."""
         g, seen = self.gain, self._seen
-        total, last = 0.0, 1.0
-        for j in range(min(c, len(g))):
-            if j < seen or j == 0:
-                last = g[j]
-            else:
-                last *= self._next_ratio(seen - 1) if seen > 1 else self.prior_accept
-            total += last
+        step = self._next_ratio(seen - 1) if seen > 1 else self.prior_accept
+        sums, last = [0.0], 1.0
+        for j in range(len(g)):
+            last = g[j] if j < seen or j == 0 else last * step
+            sums.append(sums[-1] + last)
+        return sums
+
+    def expected_goodput(self, B: int, c: int, sums: Optional[list] = None) -> float:
+        """Tokens per plain-step ms expected of a round drafting c candidates per row: B (1 + a sum_{j<=c} g_j) /
+        T_B(c) (``sums``: :meth:`_survival_sums`, computed when not given)."""
+        total = (self._survival_sums() if sums is None else sums)[min(c, len(self.gain))]
         return B * (1.0 + self.head_scale * total) / self._round(B, c)
 
     def plan(self, batch_size: int, width: Optional[int] = None) -> bool:
@@ -461,7 +465,8 @@ class BatchBudget:
         (the unmeasured one nearest the best first), and that the best depth's neighbours are played again after
         ``probe`` rounds, the interval doubling each time one is played and still loses (it starts again when the
         best depth changes)."""
-        values = [self.expected_goodput(B, c) for c in range(self.depth_max + 1)]
+        sums = self._survival_sums()
+        values = [self.expected_goodput(B, c, sums) for c in range(self.depth_max + 1)]
         best = max(range(len(values)), key=lambda c: (values[c], -c))
         if best != self._best:
             self._best, self._every = best, [self.probe] * len(values)
