@@ -8,6 +8,10 @@
   C++ programs link it beside libtorch; Python loads it with torch.ops.load_library.
 * CPU flags: -O3 -fopenmp-simd (vectorised reductions without -ffast-math); on x86-64 also
   AVX2/FMA/F16C. Override with SPECDEC_CPU_FLAGS (e.g. "-march=native" or "" for baseline x86-64).
+* When torch's intra-op backend is OpenMP (its CPU wheels), -fopenmp, compiled and linked: at::parallel_for is a
+  header template that runs serially in code compiled without it, so the kernels' row loops would use one
+  thread whatever torch.get_num_threads() says. The extension then shares torch's OpenMP runtime (libgomp,
+  loaded by torch first) and its thread count.
 """
 import glob
 import os
@@ -36,20 +40,27 @@ def cpu_flags() -> list:
     return ["-mavx2", "-mfma", "-mf16c"] if platform.machine() in ("x86_64", "AMD64") else []
 
 
+def openmp_flags() -> list:
+    """["-fopenmp"] when torch parallelises with OpenMP (at::parallel_for needs it at compile time)."""
+    info = torch.__config__.parallel_info()
+    return ["-fopenmp"] if "OpenMP" in info and "OpenMP not found" not in info and platform.system() == "Linux" else []
+
+
 def extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno"] + cpu_flags()
+    cxx = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno"] + openmp_flags() + cpu_flags()
+    link = openmp_flags()
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not want_cuda():
         sources = [s for s in sources if not s.endswith("bindings_cuda.cpp")]
         return CppExtension("specdec_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx},
-                            py_limited_api=True)
+                            extra_link_args=link, py_limited_api=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension(
         "specdec_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-        py_limited_api=True,
+        extra_link_args=link, py_limited_api=True,
     )
 
 
