@@ -123,6 +123,25 @@ def test_acceptance_head_step_matches_reference(dtype, L, inputs):
     assert torch.equal(s1[~near], s2[~near])
 
 
+@pytest.mark.parametrize("B", [1, 5, 13, 64])
+def test_acceptance_head_step_rows_are_batch_and_thread_invariant(B):
+    # the CPU op runs the batch in tiles of rows, padded, with the threads splitting each weight matrix:
+    # a row's p_hat must be bit-identical alone, at any place in a batch, and with any thread count
+    args = list(head_args(B=B, H=96, L=3, F=3, seed=B))
+    p_batch, _ = ops.acceptance_head_step(*args, torch.ones(B), 1, 1, 20, 0.5)
+    for b in {0, B // 2, B - 1}:
+        alone = [args[0][b : b + 1], args[1][b : b + 1]] + args[2:]
+        p_alone, _ = ops.acceptance_head_step(*alone, torch.ones(1), 1, 1, 20, 0.5)
+        assert torch.equal(p_alone[0], p_batch[b]), f"row {b} of {B}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        p_one, _ = ops.acceptance_head_step(*args, torch.ones(B), 1, 1, 20, 0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(p_one, p_batch)
+
+
 def test_acceptance_head_features_change_the_prediction():
     # a control for the test above: the features are really read (p differs when they change)
     args = list(head_args(F=3))

@@ -511,34 +511,36 @@ void chain_verify_logits(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_
 void chain_verify_greedy(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_greedy_impl, a); }
 void residual_sample(const ResidualArgs& a) { SPECDEC_DISPATCH(a.dtype, residual_sample_impl, a); }
 
-// y = W x for W [H, H] row-major: four rows at a time share each load of x and give four independent
-// FMA chains (a single running sum per row is bound by the FMA latency, not its throughput).
-inline void matvec(const float* W, const float* x, int64_t H, float* y) {
-  int64_t i = 0;
-  for (; i + 4 <= H; i += 4) {
-    const float* w0 = W + i * H;
-    const float* w1 = w0 + H;
-    const float* w2 = w1 + H;
-    const float* w3 = w2 + H;
+// The acceptance head runs layer by layer over the whole batch, the threads splitting each weight matrix's
+// output rows: a thread's slice of W ([L, H, H] float32 is 768 KiB at H = 256, L = 3) is read from memory
+// once per layer and call, then reused from cache by every tile of kHeadRows batch rows (read a batch row at
+// a time, the weights cost more than the arithmetic). The batch is padded with zero rows to whole tiles, and
+// every output element is computed by the same code wherever its row and thread are, so a row's p_hat does
+// not depend on its place in the batch.
+constexpr int64_t kHeadRows = 4;
+
+// Y[r, i] = sum_j W[i, j] X[r, j] for the kHeadRows rows of X and Y (row stride H) and i in [i0, i1), W [H, H]
+// row-major: four independent FMA chains per weight row (one running sum is bound by the FMA latency).
+inline void matvec_tile(const float* W, const float* X, int64_t H, int64_t i0, int64_t i1, float* Y) {
+  const float* x0 = X;
+  const float* x1 = X + H;
+  const float* x2 = X + 2 * H;
+  const float* x3 = X + 3 * H;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* w = W + i * H;
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
     for (int64_t j = 0; j < H; ++j) {
-      const float xv = x[j];
-      s0 += w0[j] * xv;
-      s1 += w1[j] * xv;
-      s2 += w2[j] * xv;
-      s3 += w3[j] * xv;
+      const float wv = w[j];
+      s0 += wv * x0[j];
+      s1 += wv * x1[j];
+      s2 += wv * x2[j];
+      s3 += wv * x3[j];
     }
-    y[i] = s0;
-    y[i + 1] = s1;
-    y[i + 2] = s2;
-    y[i + 3] = s3;
-  }
-  for (; i < H; ++i) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < H; ++j) s += W[i * H + j] * x[j];
-    y[i] = s;
+    Y[i] = s0;
+    Y[H + i] = s1;
+    Y[2 * H + i] = s2;
+    Y[3 * H + i] = s3;
   }
 }
 
@@ -549,57 +551,62 @@ inline void matvec(const float* W, const float* x, int64_t H, float* y) {
 template <typename T>
 static void head_step_impl(const HeadArgs& a) {
   const int64_t H = a.hidden_size, F = a.num_features;
-  std::atomic<int64_t> bad_row{-1};
-  at::parallel_for(0, a.batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(H), y(H);
-    for (int64_t b = begin; b < end; ++b) {
-      if (a.hidden != nullptr) {
-        const T* h = static_cast<const T*>(a.hidden) + b * H;
-        for (int64_t j = 0; j < H; ++j) x[j] = static_cast<float>(h[j]);
-      } else {
-        std::fill(x.begin(), x.end(), 0.0f);
-      }
-      if (F > 0) {
-        const float* f = a.features + b * F;
-        for (int64_t i = 0; i < H; ++i) {
-          float acc = a.feature_bias[i];
-          for (int64_t j = 0; j < F; ++j) acc += a.feature_weight[i * F + j] * f[j];
-          x[i] += acc;
-        }
-      }
-      for (int64_t l = 0; l < a.num_layers; ++l) {
-        const float* W = a.block_weight + l * H * H;
-        const float* bias = a.block_bias + l * H;
-        matvec(W, x.data(), H, y.data());
-        for (int64_t i = 0; i < H; ++i) y[i] += bias[i];
-        // x + SiLU(z), SiLU(z) = z * sigmoid(z) with sigmoid from e = exp(-|z|) <= 1 (exp_nonpos: a
-        // polynomial the compiler vectorises, about 1 ulp, no overflow for any z)
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) {
-          const float z = y[i];
-          const float e = exp_nonpos(-std::fabs(z));
-          const float sig = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-          y[i] = x[i] + z * sig;
-        }
-        std::swap(x, y);
-      }
-      float logit = a.out_bias[0];
-#pragma omp simd reduction(+ : logit)
-      for (int64_t j = 0; j < H; ++j) logit += a.out_weight[j] * x[j];
-      const float p = 1.0f / (1.0f + std::exp(-logit));
-      const float c = a.cum_accept[b] * p;
-      a.p_accept[b] = p;
-      a.cum_accept[b] = c;
-      a.stop[b] = specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold);
-      if (!finite_f(logit) || !finite_f(c)) {
-        int64_t none = -1;
-        bad_row.compare_exchange_strong(none, b);
+  const int64_t rows = (a.batch + kHeadRows - 1) / kHeadRows * kHeadRows;
+  std::vector<float> xs(rows * H, 0.0f), ys(rows * H);
+  for (int64_t b = 0; b < a.batch; ++b) {
+    float* x = xs.data() + b * H;
+    if (a.hidden != nullptr) {
+      const T* h = static_cast<const T*>(a.hidden) + b * H;
+      for (int64_t j = 0; j < H; ++j) x[j] = static_cast<float>(h[j]);
+    }
+    if (F > 0) {
+      const float* f = a.features + b * F;
+      for (int64_t i = 0; i < H; ++i) {
+        float acc = a.feature_bias[i];
+        for (int64_t j = 0; j < F; ++j) acc += a.feature_weight[i * F + j] * f[j];
+        x[i] += acc;
       }
     }
-  });
-  const int64_t r = bad_row.load();
-  TORCH_CHECK_VALUE(r < 0, "acceptance_head_step: row ", r, " gives a NaN or Inf acceptance probability or running product ",
-                    "(hidden, features or cum_accept hold a NaN or Inf); a NaN would silently disable the stop rule");
+  }
+  for (int64_t l = 0; l < a.num_layers; ++l) {
+    const float* W = a.block_weight + l * H * H;
+    const float* bias = a.block_bias + l * H;
+    at::parallel_for(0, H, 32, [&](int64_t i0, int64_t i1) {
+      for (int64_t t = 0; t < rows; t += kHeadRows) {
+        matvec_tile(W, xs.data() + t * H, H, i0, i1, ys.data() + t * H);
+        for (int64_t r = t; r < t + kHeadRows; ++r) {
+          const float* x = xs.data() + r * H;
+          float* y = ys.data() + r * H;
+          // x + SiLU(z), SiLU(z) = z * sigmoid(z) with sigmoid from e = exp(-|z|) <= 1 (exp_nonpos: a
+          // polynomial the compiler vectorises, about 1 ulp, no overflow for any z)
+#pragma omp simd
+          for (int64_t i = i0; i < i1; ++i) {
+            const float z = y[i] + bias[i];
+            const float e = exp_nonpos(-std::fabs(z));
+            const float sig = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            y[i] = x[i] + z * sig;
+          }
+        }
+      }
+    });
+    std::swap(xs, ys);
+  }
+  int64_t bad_row = -1;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const float* x = xs.data() + b * H;
+    float logit = a.out_bias[0];
+#pragma omp simd reduction(+ : logit)
+    for (int64_t j = 0; j < H; ++j) logit += a.out_weight[j] * x[j];
+    const float p = 1.0f / (1.0f + std::exp(-logit));
+    const float c = a.cum_accept[b] * p;
+    a.p_accept[b] = p;
+    a.cum_accept[b] = c;
+    a.stop[b] = specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold);
+    if (bad_row < 0 && (!finite_f(logit) || !finite_f(c))) bad_row = b;
+  }
+  TORCH_CHECK_VALUE(bad_row < 0, "acceptance_head_step: row ", bad_row, " gives a NaN or Inf acceptance probability or ",
+                    "running product (hidden, features or cum_accept hold a NaN or Inf); a NaN would silently disable ",
+                    "the stop rule");
 }
 
 void acceptance_head_step(const HeadArgs& a) { SPECDEC_DISPATCH(a.dtype, head_step_impl, a); }
