@@ -319,3 +319,87 @@ def test_a_modelled_round_never_falls_below_a_quarter_of_its_own_target_forward(
         b.update(4, drafted, depth, 4, torch.full((4, drafted), 0.5) if drafted else None)
         b.observe(2.0)
     assert math.isfinite(b.calibration(3)) and b.calibration(3) > 0
+
+
+def test_rounds_that_measure_a_depth_reach_it_and_an_unreachable_depth_is_tried_twice():
+    """An exploration or probe round drafts to its cap whatever the survivals (else the depth it is to measure
+    never is: go_on stopped such rounds at depth 1 and the budget explored for ever); rows that lack the room to
+    reach a depth leave it unmeasured after two tries; at the best depth the rule decides again."""
+    b = BatchBudget(TEST_BATCH_COSTS, probe=100)
+    b.reset(4)
+    nothing = torch.zeros(4)
+    b.plan(4, 64)
+    assert b.forced and b.cap >= 2 and b.go_on(1, nothing)   # exploring: on to the cap despite zero survivals
+    assert not b.go_on(b.cap, torch.ones(4))
+    # every round drafts only 2 candidates (the rows' room): depths 3 and 4 stay unmeasured, each tried twice
+    caps = []
+    for _ in range(12):
+        b.plan(4, 64)
+        caps.append(b.cap)
+        d = min(b.cap, 2)
+        b.update(4, d, d, 4 + 2 * d, torch.full((4, d), 0.9) if d else None)
+        b.observe(10.0 + 2.0 * d)
+    assert caps.count(3) <= 2 and caps.count(4) <= 2 and b.log_ratio[3] is None and b.log_ratio[4] is None, caps
+    assert not b.forced and b.cap == caps[-1] and not b.go_on(1, nothing)  # settled: the rule decides below the cap
+
+
+def test_steady_rounds_score_the_capped_slot_one_round_in_score_every():
+    b = BatchBudget(TEST_BATCH_COSTS, probe=100, score_every=4)
+    b.reset(4)
+    b.log_ratio = [0.0] * 9          # every depth measured: no exploration
+    b.plan(4, 64)
+    best = b.cap
+    scored = []
+    for _ in range(12):
+        b.plan(4, 64)
+        assert b.cap == best and not b.forced
+        scored.append(b.score_last)
+    assert sum(scored) == 3 and scored.index(True) < 4, scored
+    # a round whose survivals cover fewer slots than it verified updates those slots' means, not the head's scale
+    g1, g2 = b.gain[0], b.gain[1]
+    b.update(4, 2, 2, 4 + 6, torch.full((4, 1), 0.9))
+    assert b.gain[0] != g1 and b.gain[1] == g2 and b.accuracy is None
+    b.update(4, 2, 2, 4 + 6, torch.full((4, 2), 0.5))
+    assert b.accuracy == pytest.approx(6 / 4.0)
+    with pytest.raises(ValueError, match="score_every"):
+        BatchBudget(TEST_BATCH_COSTS, score_every=0)
+
+
+def test_the_policy_skips_the_head_on_an_unscored_capped_slot(monkeypatch):
+    """SpecDecPP under the budget: a round capped at one candidate whose slot goes unscored does not run the
+    acceptance head (nor its features), verifies the slot, and still reports the round (tokens, time); a scored
+    round runs the head and feeds the slot's running survival."""
+    from specdec_ext import ops
+    from specdec_ext.policies import SpecDecPP
+    from specdec_ext.policies.base import DraftStep
+
+    target, draft = make_pair("llama", noise=0.3)
+    pol = SpecDecPP(head_for(draft, kind="proposal"), threshold="auto", k_max=8)
+    pol.configure(SamplingConfig(0.0), TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    pol.reset(3, torch.device("cpu"))
+    calls = []
+    real = ops.acceptance_head_step
+    monkeypatch.setattr(ops, "acceptance_head_step", lambda *a: (calls.append(1), real(*a))[1])
+    budget = pol.budget
+    V, H = target.config.vocab_size, draft.config.hidden_size
+    info = DraftStep(1, 3, hidden=torch.randn(3, H), tokens=torch.tensor([1, 2, 3]), logits=torch.randn(3, V),
+                     drafting=torch.ones(3, dtype=torch.bool), room=torch.ones(3, dtype=torch.bool))
+
+    def one_round(score):
+        def plan(B, width):
+            budget.cap, budget.forced, budget.score_last, budget.width = 1, False, score, width
+            return True
+        monkeypatch.setattr(budget, "plan", plan)
+        assert pol.draft_round(64)
+        pol.begin_round()
+        stop = pol.should_stop(info)
+        n = pol.verify_depth(torch.ones(3, dtype=torch.int64))
+        pol.end_round(n, torch.tensor([1, 0, 1]))
+        return stop, n
+
+    tokens, g1 = budget.tokens, budget.gain[0]
+    stop, n = one_round(score=False)
+    assert not calls and bool(stop.all()) and n.tolist() == [1, 1, 1]
+    assert budget.tokens != tokens and budget.gain[0] == g1 and budget._last[0] == 1
+    stop, n = one_round(score=True)
+    assert len(calls) == 1 and bool(stop.all()) and budget.gain[0] != g1

@@ -168,6 +168,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self.budget: Optional[BatchBudget] = None
         self.use_budget = False
         self._survivals: list = []
+        self._unscored = False
         self.name = f"specdec++-{threshold if self.auto else format(threshold, 'g')}"
         self.costs: Optional[CostModel] = None
         self.rule: Optional[GoodputRule] = None
@@ -215,6 +216,7 @@ class SpecDecPP(CandidateLengthPolicy):
             self.budget.reset(batch_size)
 
     def draft_round(self, width):
+        self._unscored = False
         self._plain = self.use_budget and not self.budget.plan(int(self.cum_accept.shape[0]), width)
         return not self._plain
 
@@ -222,6 +224,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self.cum_accept.fill_(1.0)
         self._prev_features = None
         self._survivals = []
+        self._unscored = False  # the round's last slot went unscored (BatchBudget.score_last)
 
     def _features(self, info) -> Optional[torch.Tensor]:
         """The head's input features of the candidates just drafted, ``[B, F]`` (None without features)."""
@@ -241,6 +244,11 @@ class SpecDecPP(CandidateLengthPolicy):
 
     def should_stop(self, info):
         head, k = self.head, info.step
+        if self.use_budget and k >= self.k_min and k >= self.budget.cap and not self.budget.score_last:
+            # the budget stops the batch here whatever the head says: its features and forward are skipped
+            # (one round in ``score_every`` at the budget's best depth still scores the slot, for its statistics)
+            self._unscored = True
+            return torch.ones(info.batch_size, dtype=torch.bool)
         dev = self._weights[-1].device
         features = self._features(info)
         if features is not None:
@@ -268,9 +276,15 @@ class SpecDecPP(CandidateLengthPolicy):
         return stop
 
     def verify_depth(self, num_drafted):
-        if not self.use_budget or not self._survivals:
+        if not self.use_budget:
             return num_drafted
-        self._S = S = torch.stack(self._survivals, 1)  # [B, k]: S_bj, 0 past a row's own candidates (DraftStep.drafting)
+        # [B, k]: S_bj, 0 past a row's own candidates (DraftStep.drafting)
+        self._S = S = torch.stack(self._survivals, 1) if self._survivals else None
+        if self._unscored:  # the slot at the cap has no survival: the planned depth is verified whole
+            self._drafted = self._depth = len(self._survivals) + 1
+            return num_drafted
+        if S is None:
+            return num_drafted
         self._drafted, self._depth = S.shape[1], self.budget.depth(S)
         return num_drafted.clamp(max=self._depth)
 
@@ -280,7 +294,7 @@ class SpecDecPP(CandidateLengthPolicy):
             self.rule.update(num_drafted, num_accepted)
         if self.use_budget and self._plain:
             self.budget.update(num_drafted.shape[0], 0, 0, num_drafted.shape[0])
-        elif self.use_budget and self._survivals:
+        elif self.use_budget and (self._survivals or self._unscored):
             self.budget.update(num_drafted.shape[0], self._drafted, self._depth, int((num_accepted + 1).sum()),
                                self._S)
 

@@ -303,7 +303,14 @@ class BatchBudget:
       tokens (an earlier version compared each cap's measured goodput, a bandit whose arms were measured in
       different stretches of text; at B = 64 it settled on 4 candidates per row where 1 was best). The
       neighbours c* - 1 and c* + 1 of the best depth are played again after ``probe`` rounds, the interval
-      doubling each time one is played and still loses, so that a depth the table misjudges gets measured;
+      doubling each time one is played and still loses, so that a depth the table misjudges gets measured.
+      Such a round, and each first round of depths 0 .. ``explore``, is :attr:`forced`: it drafts to its cap
+      whatever the survivals say (an earlier version let the rule below stop it short, so the depth it was to
+      measure never was, and every round stayed an exploration round);
+    - at the best depth, the head does not score the slot at the cap (its p_hat cannot change the round: the
+      batch stops there), but for one round in ``score_every`` (:attr:`score_last`), which keeps g and a
+      current: with a cap of one candidate the head then costs nothing in most rounds (its features and
+      forward take 0.2-0.5 ms a step at B = 4-16 on a 2-core CPU, against rounds of 20-50 ms);
     - drafting goes on after depth k < c while a rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1
       of row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward,
       so its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
@@ -318,8 +325,8 @@ class BatchBudget:
     3.8, and a plain step (one query per row) measured dearer than a round of one candidate. A depth not yet
     measured takes the ratio of the nearest measured one. Costs are then counted in the table's plain-step time:
     the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
-    The head's calibration a is the running ratio of accepted tokens to the sum of the verified slots'
-    survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
+    The head's calibration a is the ratio of the running means of accepted tokens and of the verified slots'
+    summed survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
     (:meth:`reset`), so only a policy's first call at a batch size spends rounds measuring depths. Without
     ``measure`` the table alone decides (a = 1, every ratio 0), and the decisions, and a sampled row's draws, are
     reproducible run to run: then the batch drafts
@@ -337,8 +344,11 @@ class BatchBudget:
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4):
+                 depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4):
+        if isinstance(score_every, bool) or not isinstance(score_every, int) or score_every < 1:
+            raise ValueError(f"score_every must be an integer >= 1, got {score_every!r}")
         self.batch, self.decay, self.prior_ms, self.explore = batch, decay, prior_ms, explore
+        self.score_every = score_every
         self.prior_accept, self.depth_max, self.probe, self.measure = prior_accept, depth_max, probe, measure
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
@@ -352,7 +362,7 @@ class BatchBudget:
         ratios and the head's calibration (properties of the pair and the machine, not of the text), is kept, as a
         server keeps it from request to request; the running survivals and goodput start again."""
         if self._size is not None and self.measure:
-            self._kept[self._size] = (list(self.log_ratio), self.accuracy)
+            self._kept[self._size] = (list(self.log_ratio), self._accepted, self._predicted, self.accuracy)
         self._size = batch_size
         self.width = None
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
@@ -364,14 +374,20 @@ class BatchBudget:
         n = self.depth_max + 1
         self.log_ratio: list = [None] * n     # per drafted depth: running mean log(measured / table ms)
         self.accuracy: Optional[float] = None  # a: accepted tokens over the verified slots' survivals (running)
+        self._accepted = self._predicted = None  # their running means (a ratio of means: a round whose survivals
+        #                                          sum to little would swing a running mean of ratios)
         self._since = [0] * n                 # rounds since each depth was last played
+        self._tries = [0] * n                 # rounds played to measure each depth (rows may lack the room to reach it)
         self._every = [self.probe] * n        # each neighbour's probe interval (doubles while it keeps losing)
         self._best: Optional[int] = None
         self.cap = self.depth_max             # this round's cap: the most candidates per row it may draft
+        self.score_last = True                # whether this round's head scores the slot at the cap (see plan)
+        self.forced = False                   # a round measuring a depth other than the best: it drafts to the cap
+        self._rounds = 0                      # rounds planned since the reset
         self._last = None
         self._cold = True  # the call's first round is not measured
         if batch_size in self._kept:
-            ratios, self.accuracy = self._kept[batch_size]
+            ratios, self._accepted, self._predicted, self.accuracy = self._kept[batch_size]
             self.log_ratio = list(ratios)
         self._nearest = None  # _ratio's table, rebuilt from log_ratio when next read
 
@@ -443,7 +459,9 @@ class BatchBudget:
         ``width`` columns wide (kept for this round's other decisions); sets :attr:`cap`."""
         self.width = width
         if self.measure:
-            self.cap = self._measured_cap(batch_size)
+            self.cap = self._measured_cap(batch_size)  # sets forced
+            self._rounds += 1
+            self.score_last = self.forced or self._rounds % self.score_every == 0
             return self.cap > 0
         B, lam = batch_size, self._lambda(batch_size)
         plain = self._round(B, 0)
@@ -462,21 +480,26 @@ class BatchBudget:
 
     def _measured_cap(self, B: int) -> int:
         """The best depth by :meth:`expected_goodput`, except that each depth 0 .. ``explore`` is played once first
-        (the unmeasured one nearest the best first), and that the best depth's neighbours are played again after
-        ``probe`` rounds, the interval doubling each time one is played and still loses (it starts again when the
-        best depth changes)."""
+        (the unmeasured one nearest the best first; twice at most, when the rows lack the room to reach it), and
+        that the best depth's neighbours are played again after ``probe`` rounds, the interval doubling each time
+        one is played and still loses (it starts again when the best depth changes). Sets :attr:`forced` for the
+        rounds that measure a depth (those drafts go to the cap, :meth:`go_on`)."""
         sums = self._survival_sums()
         values = [self.expected_goodput(B, c, sums) for c in range(self.depth_max + 1)]
         best = max(range(len(values)), key=lambda c: (values[c], -c))
         if best != self._best:
             self._best, self._every = best, [self.probe] * len(values)
         self._since = [s + 1 for s in self._since]
-        unmeasured = [c for c in range(min(self.explore, self.depth_max) + 1) if self.log_ratio[c] is None]
+        unmeasured = [c for c in range(min(self.explore, self.depth_max) + 1)
+                      if self.log_ratio[c] is None and self._tries[c] < 2]
         cap = min(unmeasured, key=lambda c: (abs(c - best), c)) if unmeasured else best
+        if unmeasured:
+            self._tries[cap] += 1
+        self.forced = bool(unmeasured)
         for c in ((best - 1, best + 1) if not unmeasured else ()):
             if 0 <= c < len(values) and self._since[c] >= self._every[c]:
                 self._every[c] *= 2
-                cap = c
+                cap, self.forced = c, True
                 break
         self._since[cap] = 0
         return cap
@@ -486,6 +509,8 @@ class BatchBudget:
         that cannot draft further)."""
         if k >= self.cap:
             return False
+        if self.forced:  # measuring this depth's cost: the round must reach it
+            return True
         B = survival.shape[0]
         marginal = self._round(B, k + 1) - self._round(B, k)
         return self.head_scale * float(survival.sum()) * self._next_ratio(k) >= self._lambda(B) * marginal
@@ -502,27 +527,33 @@ class BatchBudget:
     def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
                survivals: Optional[torch.Tensor] = None) -> None:
         """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch, and the
-        drafted slots' survivals ``[B, drafted]`` (S_bj, for the running mean survival per slot and the head's
-        calibration). A plain step is ``drafted = depth = 0``."""
+        survivals ``[B, j]`` (S_bj, 0 where a row did not draft the slot) of the first j drafted slots the head
+        scored (for the running mean survival per slot; when they cover the ``depth`` verified slots, also for
+        the head's calibration). j < ``drafted`` when the round did not score its last slot (:attr:`score_last`).
+        A plain step is ``drafted = depth = 0``."""
         ms = self._round(batch_size, drafted, depth)
         self._last = (drafted, self._table_round(batch_size, drafted, depth))
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
-        if survivals is not None and survivals.numel():
-            S = survivals.double()
-            real = S > 0  # rows that drafted the slot
-            for j in range(min(S.shape[1], len(self.gain))):
-                if bool(real[:, j].any()):  # the prior counts as one round: weight 1/2, 1/3, ... then ``decay``
-                    self._counts[j] += 1
-                    w = max(a, 1.0 / (self._counts[j] + 1))
-                    self.gain[j] = (1 - w) * self.gain[j] + w * float(S[real[:, j], j].mean())
-                    self._seen = max(self._seen, j + 1)
-            if depth > 0:
-                predicted = float(S[:, :depth].sum())
-                if self.measure and predicted > 0:
-                    self.accuracy = self._average(self.accuracy, (emitted - batch_size) / predicted)
-                self._interval = self.probe  # table decisions: a probe whose slots paid starts the interval again
+        if depth > 0:
+            self._interval = self.probe  # table decisions: a probe whose slots paid starts the interval again
+        if survivals is None or not survivals.numel():
+            return
+        columns = survivals.double().t().tolist()  # per slot, the rows' survivals
+        for j, col in enumerate(columns[: len(self.gain)]):
+            real = [v for v in col if v > 0]  # rows that drafted the slot
+            if real:  # the prior counts as one round: weight 1/2, 1/3, ... then ``decay``
+                self._counts[j] += 1
+                w = max(a, 1.0 / (self._counts[j] + 1))
+                self.gain[j] = (1 - w) * self.gain[j] + w * sum(real) / len(real)
+                self._seen = max(self._seen, j + 1)
+        if self.measure and 0 < depth <= len(columns):
+            predicted = sum(sum(col) for col in columns[:depth])
+            if predicted > 0:
+                self._accepted = self._average(self._accepted, float(emitted - batch_size))
+                self._predicted = self._average(self._predicted, predicted)
+                self.accuracy = self._accepted / self._predicted
 
     def observe(self, ms: float) -> None:
         """The measured wall time (ms) of the round just updated: the running log ratio of measured to table time
