@@ -204,6 +204,7 @@ class SpecDecPP(CandidateLengthPolicy):
         feats = self.head.features
         self._conf_only = tuple(feats) == CONFIDENCE_FEATURES  # the op's output is the feature matrix as it is
         self._columns = [(n, CONFIDENCE_FEATURES.index(n) if n in CONFIDENCE_FEATURES else None) for n in feats]
+        self._uses_history = any(i is None for _, i in self._columns)  # recent_accept
         self.cum_accept = torch.ones(batch_size, dtype=torch.float32, device=device)
         self.history = torch.full((batch_size,), HISTORY_PRIOR, dtype=torch.float32, device=device)
         self._prev_features = None
@@ -289,8 +290,9 @@ class SpecDecPP(CandidateLengthPolicy):
         return num_drafted.clamp(max=self._depth)
 
     def end_round(self, num_drafted, num_accepted):
-        self.history = history_update(self.history, num_drafted, num_accepted)
-        if self.rule is not None:
+        if self._uses_history:
+            self.history = history_update(self.history, num_drafted, num_accepted)
+        if self.rule is not None and not self.use_budget:  # the per-row rule sits out a budgeted call
             self.rule.update(num_drafted, num_accepted)
         if self.use_budget and self._plain:
             self.budget.update(num_drafted.shape[0], 0, 0, num_drafted.shape[0])
@@ -305,13 +307,13 @@ class SpecDecPP(CandidateLengthPolicy):
     def select_rows(self, index):
         self.cum_accept = self.cum_accept[index.to(self.cum_accept.device)]
         self.history = self.history[index.to(self.history.device)]
-        if self.rule is not None:
+        if self.rule is not None and not self.use_budget:
             self.rule.select(index)
 
     def add_rows(self, n):
         self.cum_accept = torch.cat([self.cum_accept, self.cum_accept.new_ones(n)])
         self.history = torch.cat([self.history, self.history.new_full((n,), HISTORY_PRIOR)])
-        if self.rule is not None:
+        if self.rule is not None and not self.use_budget:
             self.rule.add_rows(n)
 
     def describe(self):
