@@ -295,8 +295,10 @@ class BatchBudget:
     - before the round (:meth:`plan`), the depth cap c: the depth whose expected goodput
       B (1 + a sum_{j<=c} g_j) / T_B(c) is highest, c = 0 being a step of plain decoding by the target alone (the
       draft does not run; it catches up on the tokens it missed when it next drafts). g_j is the running mean
-      survival of slot j over rows and rounds (prior ``prior_accept ** j``, counted as one round; a slot never
-      drafted continues the ratio of the last one drafted). T_B(c) is the table's round
+      survival of slot j over rows and the rounds in which slot j is a fair sample: slot 1 of every round, every
+      slot of a round that drafted to its cap (a round the rule below carried on to slot 2 is one whose slot-1
+      survivals were high) (prior ``prior_accept ** j``, counted as one round; a slot never drafted continues
+      the ratio of the last one drafted). T_B(c) is the table's round
       (``BatchCosts.round`` at the target cache's current width) times the time it measured against the table at
       that depth (below), so the choice is made from tokens expected now and costs measured where the batch runs:
       the tokens of every depth move together with the text, and a round's time is far less noisy than its
@@ -308,8 +310,8 @@ class BatchBudget:
       whatever the survivals say (an earlier version let the rule below stop it short, so the depth it was to
       measure never was, and every round stayed an exploration round);
     - at the best depth, the head does not score the slot at the cap (its p_hat cannot change the round: the
-      batch stops there), but for one round in ``score_every`` (:attr:`score_last`), which keeps g and a
-      current: with a cap of one candidate the head then costs nothing in most rounds (its features and
+      batch stops there), but for one round in ``score_every`` (:attr:`score_last`; it drafts to its cap, so
+      its survivals are a fair sample of every slot), which keeps g and a current: with a cap of one candidate the head then costs nothing in most rounds (its features and
       forward take 0.2-0.5 ms a step at B = 4-16 on a 2-core CPU, against rounds of 20-50 ms);
     - drafting goes on after depth k < c while a rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1
       of row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward,
@@ -384,7 +386,7 @@ class BatchBudget:
         self._best: Optional[int] = None
         self.cap = self.depth_max             # this round's cap: the most candidates per row it may draft
         self.score_last = True                # whether this round's head scores the slot at the cap (see plan)
-        self.forced = False                   # a round measuring a depth other than the best: it drafts to the cap
+        self.forced = False                   # this round drafts to its cap whatever the survivals (see plan)
         self._rounds = 0                      # rounds planned since the reset
         self._last = None
         self._cold = True  # the call's first round is not measured
@@ -486,7 +488,7 @@ class BatchBudget:
         """The best depth by :meth:`expected_goodput`, except that each depth 0 .. ``explore`` is played once first
         (the unmeasured one nearest the best first; twice at most, when the rows lack the room to reach it), and
         that the best depth's neighbours are played again after ``probe`` rounds, the interval doubling each time
-        one is played and still loses (it starts again when the best depth changes). Sets :attr:`forced` for the
+        one is played and still loses (a new best depth's own interval starts again). Sets :attr:`forced` for the
         rounds that measure a depth (those drafts go to the cap, :meth:`go_on`)."""
         sums = self._survival_sums()
         values = [self.expected_goodput(B, c, sums) for c in range(self.depth_max + 1)]
