@@ -217,7 +217,6 @@ class SpecDecPP(CandidateLengthPolicy):
             self.budget.reset(batch_size)
 
     def draft_round(self, width):
-        self._unscored = False
         self._plain = self.use_budget and not self.budget.plan(int(self.cum_accept.shape[0]), width)
         return not self._plain
 
