@@ -48,8 +48,8 @@ def openmp_flags() -> list:
 
 def extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno"] + openmp_flags() + cpu_flags()
     link = openmp_flags()
+    cxx = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno"] + link + cpu_flags()
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not want_cuda():
         sources = [s for s in sources if not s.endswith("bindings_cuda.cpp")]
