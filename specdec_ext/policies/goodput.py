@@ -365,7 +365,7 @@ class BatchBudget:
         neighbours' probe schedule, is kept, as a server keeps it from request to request; the running survivals
         and goodput start again."""
         if self._size is not None and self.measure:
-            self._kept[self._size] = (list(self.log_ratio), self._accepted, self._predicted, self.accuracy,
+            self._kept[self._size] = (list(self.log_ratio), self._accepted, self._predicted,
                                       list(self._since), list(self._every), list(self._tries), self._best)
         self._size = batch_size
         self.width = None
@@ -391,9 +391,10 @@ class BatchBudget:
         self._last = None
         self._cold = True  # the call's first round is not measured
         if batch_size in self._kept:
-            ratios, self._accepted, self._predicted, self.accuracy, since, every, tries, self._best = \
-                self._kept[batch_size]
+            ratios, self._accepted, self._predicted, since, every, tries, self._best = self._kept[batch_size]
             self.log_ratio, self._since, self._every, self._tries = list(ratios), list(since), list(every), list(tries)
+            if self._predicted:
+                self.accuracy = self._accepted / self._predicted
         self._nearest = None  # _ratio's table, rebuilt from log_ratio when next read
 
     @property
