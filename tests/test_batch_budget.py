@@ -413,3 +413,27 @@ def test_the_policy_skips_the_head_on_an_unscored_capped_slot(monkeypatch):
     assert budget.tokens != tokens and budget.gain[0] == g1 and budget._last[0] == 1
     stop, n = one_round(score=True)
     assert len(calls) == 1 and bool(stop.all()) and budget.gain[0] != g1
+
+
+def test_the_policy_keeps_its_budget_from_call_to_call(monkeypatch):
+    """What the budget measured (per-depth cost ratios, the head's calibration, the probe schedule) is the pair's
+    and the machine's: the engine configures the policy at every call, and the budget survives it while the cost
+    table and the head stay the same, so a second call at the same batch size does not explore the depths again
+    (an earlier version made a new budget at every call: each call began with rounds of 0, 2, 3, 4 candidates)."""
+    target, draft = make_pair("llama", noise=0.3)
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
+                               threshold="auto", k_max=8, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    ids = _ids(4, target.config.vocab_size)
+    forced = []
+    plan = BatchBudget.plan
+    monkeypatch.setattr(BatchBudget, "plan", lambda self, B, width: (plan(self, B, width), forced.append(self.forced))[0])
+    gen.generate(ids, max_new_tokens=24, temperature=0)
+    budget, first = gen.policy.budget, list(forced)
+    assert sum(r is not None for r in budget.log_ratio[:5]) >= 4 and sum(first[:6]) >= 4, first  # exploring
+    forced.clear()
+    gen.generate(ids, max_new_tokens=24, temperature=0)
+    assert gen.policy.budget is budget and len(forced) > 3
+    assert sum(forced[:6]) <= 2, forced  # a scored round and a neighbour's probe at most
+    other = BatchCosts(TEST_BATCH_COSTS.sizes, TEST_BATCH_COSTS.round_ms, TEST_BATCH_COSTS.verify_ms)
+    gen.policy.configure(SamplingConfig(0.0), TEST_COSTS, batch_costs=other)
+    assert gen.policy.budget is not budget  # another cost table: what was measured against the old one goes

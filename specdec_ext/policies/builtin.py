@@ -166,6 +166,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self.needs_batch_costs = self.auto and bool(batch_budget)
         self.measured_costs = bool(measured_costs)
         self.budget: Optional[BatchBudget] = None
+        self._budget_head = None  # the head the budget measured (its calibration is that head's)
         self.use_budget = False
         self._survivals: list = []
         self._unscored = False
@@ -197,7 +198,13 @@ class SpecDecPP(CandidateLengthPolicy):
                 raise ValueError("SpecDecPP(threshold='auto') needs the pair's CostModel (the engine profiles it)")
             self.costs = costs
             self.rule = GoodputRule(costs, self.head.mean_accept, self.max_candidates)
-            self.budget = BatchBudget(batch_costs, measure=self.measured_costs) if batch_costs is not None else None
+            if batch_costs is None:
+                self.budget = None
+            elif self.budget is None or self.budget.batch is not batch_costs or self._budget_head is not self.head:
+                # a budget is kept from call to call with the same cost table and head: what it measured (cost
+                # ratios per depth, the head's calibration, the probe schedule; BatchBudget.reset) carries over
+                self.budget = BatchBudget(batch_costs, measure=self.measured_costs)
+                self._budget_head = self.head
 
     def reset(self, batch_size, device):
         self._weights = self.head.fused_weights(device)
