@@ -415,6 +415,40 @@ def test_the_policy_skips_the_head_on_an_unscored_capped_slot(monkeypatch):
     assert len(calls) == 1 and bool(stop.all()) and budget.gain[0] != g1
 
 
+def test_headroom_lets_the_one_step_rule_decide_the_slot_past_a_tied_best_depth():
+    """When the depth past the best is expected to do nearly as well (within ``headroom``), a steady round's cap
+    is one deeper and go_on decides that slot from the round's own survivals; lambda is then the best depth's
+    expected goodput (the model's, not the last rounds' luck). A clear best depth keeps its cap."""
+    # rounds of 1 and 2 candidates cost what their expected tokens (1.7, 2.19 per row at the prior survivals 0.7,
+    # 0.49) make all but equal: 4 * 1.7 / 14 against 4 * 2.19 / 18.2 tokens/ms, 1% apart
+    tied = BatchCosts([1, 64], [[10.0, 14.0, 18.2, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0]] * 2,
+                      [[10.0 + n for n in range(1, 10)]] * 2)
+    for headroom, deeper in ((0.03, True), (0.0, False)):
+        b = BatchBudget(tied, probe=100, score_every=1000, headroom=headroom)
+        b.reset(4)
+        b.log_ratio = [0.0] * 9          # every depth measured: no exploration, the table's costs as they are
+        b.plan(4, None)
+        values = [b.expected_goodput(4, c) for c in range(9)]
+        best = max(range(9), key=lambda c: (values[c], -c))
+        assert best == 1 and values[2] >= 0.97 * values[1]
+        assert b._lambda(4) == pytest.approx(values[1]) and not b.forced
+        assert b.cap == (2 if deeper else 1)
+        if deeper:  # slot 2 is expected to add a rho_1 sum_b S_b1 = 0.7 sum_b S_b1 tokens, at lambda (T(2) - T(1))
+            cut = values[1] * (b._round(4, 2) - b._round(4, 1)) / (b.head_scale * b._next_ratio(1)) / 4
+            assert b.go_on(1, torch.full((4,), cut * 1.05)) and not b.go_on(1, torch.full((4,), cut * 0.95))
+            assert not b.go_on(2, torch.ones(4))
+    clear = BatchBudget(BatchCosts([1, 64], [[10.0, 14.0, 22.0] + tied.round_ms[0][3:]] * 2, tied.verify_ms),
+                        probe=100, score_every=1000)
+    clear.reset(4)
+    clear.log_ratio = [0.0] * 9
+    clear.plan(4, None)
+    values = [clear.expected_goodput(4, c) for c in range(9)]
+    best = max(range(9), key=lambda c: (values[c], -c))
+    assert values[best + 1] < 0.97 * values[best] and clear.cap == best
+    with pytest.raises(ValueError, match="headroom"):
+        BatchBudget(TEST_BATCH_COSTS, headroom=1.0)
+
+
 def test_the_policy_keeps_its_budget_from_call_to_call(monkeypatch):
     """What the budget measured (per-depth cost ratios, the head's calibration, the probe schedule) is the pair's
     and the machine's: the engine configures the policy at every call, and the budget survives it while the cost

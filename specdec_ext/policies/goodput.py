@@ -289,8 +289,10 @@ class BatchBudget:
     verification (rank slots by survival, keep the N that maximise goodput) reduces to choosing a depth:
     every row keeps its slots 1..D. With S_bk the survival of row b's candidate k (the product of the head's
     p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
-    2023, Eq. 1, per slot; a the head's measured calibration below) in T_B(D) ms. With lambda the batch's running
-    goodput (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`):
+    2023, Eq. 1, per slot; a the head's measured calibration below) in T_B(D) ms. With lambda the goodput to beat
+    (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`): with ``measure``, the expected goodput of the round's
+    best depth below (an earlier version took the running goodput of the last rounds, whose luck moved the
+    one-step rule's cut by a third from round to round); without, the batch's running goodput:
 
     - before the round (:meth:`plan`), the depth cap c: the depth whose expected goodput
       B (1 + a sum_{j<=c} g_j) / T_B(c) is highest, c = 0 being a step of plain decoding by the target alone (the
@@ -308,7 +310,11 @@ class BatchBudget:
       doubling each time one is played and still loses, so that a depth the table misjudges gets measured.
       Such a round, and each first round of depths 0 .. ``explore``, is :attr:`forced`: it drafts to its cap
       whatever the survivals say (an earlier version let the rule below stop it short, so the depth it was to
-      measure never was, and every round stayed an exploration round);
+      measure never was, and every round stayed an exploration round). When depth c* + 1 is expected to do
+      within ``headroom`` (a fraction) of c*, the cap of the other rounds is c* + 1 and the one-step rule below
+      decides that slot from the round's own survivals: two depths tie on average (at B = 4 on a 2-core CPU,
+      one and two candidates per row did), and a round whose rows' first slots survive well gains from the
+      second while one whose rows do not saves it (replayed over recorded rounds, +2% over either depth);
     - at the best depth, the head does not score the slot at the cap (its p_hat cannot change the round: the
       batch stops there), but for one round in ``score_every`` (:attr:`score_last`; it drafts to its cap, so
       its survivals are a fair sample of every slot), which keeps g and a current: with a cap of one candidate the head then costs nothing in most rounds (its features and
@@ -336,7 +342,7 @@ class BatchBudget:
     after ``probe`` plain steps in a row it drafts once anyway, so g can follow the text, the interval doubling
     while drafting keeps not paying.
 
-    lambda starts at plain decoding's goodput B / T_B(0) and never falls below it (the goodput the time a slot
+    lambda (the running goodput) starts at plain decoding's goodput B / T_B(0), and never falls below it (the goodput the time a slot
     costs would give as plain steps), so speculation must beat plain decoding to be chosen.
     Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
     distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
@@ -346,9 +352,13 @@ class BatchBudget:
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
-                 depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4):
+                 depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
+                 headroom: float = 0.03):
         if isinstance(score_every, bool) or not isinstance(score_every, int) or score_every < 1:
             raise ValueError(f"score_every must be an integer >= 1, got {score_every!r}")
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+        self.headroom = headroom
         self.batch, self.decay, self.prior_ms, self.explore = batch, decay, prior_ms, explore
         self.score_every = score_every
         self.prior_accept, self.depth_max, self.probe, self.measure = prior_accept, depth_max, probe, measure
@@ -389,6 +399,7 @@ class BatchBudget:
         self.forced = False                   # this round drafts to its cap whatever the survivals (see plan)
         self._rounds = 0                      # rounds planned since the reset
         self._last = None
+        self._planned: Optional[float] = None  # the expected goodput of the best depth (measure: lambda)
         self._cold = True  # the call's first round is not measured
         if batch_size in self._kept:
             ratios, self._accepted, self._predicted, since, every, tries, self._best = self._kept[batch_size]
@@ -439,9 +450,11 @@ class BatchBudget:
         return self.tokens / self.time
 
     def _lambda(self, B: int) -> float:
-        """lambda (tokens per plain-step ms): the running goodput, never below plain decoding's B / T_B(0), the
-        goodput a plain step would give the time a slot costs (the opportunity cost of drafting)."""
-        return max(self.rate, B / self._round(B, 0))
+        """lambda (tokens per plain-step ms): with ``measure``, the expected goodput of this round's best depth
+        (:meth:`plan`); without, the running goodput; never below plain decoding's B / T_B(0), the goodput a
+        plain step would give the time a slot costs (the opportunity cost of drafting)."""
+        rate = self._planned if self.measure and self._planned is not None else self.rate
+        return max(rate, B / self._round(B, 0))
 
     def _survival_sums(self) -> list[float]:
         """sum_{j<=c} g_j for c = 0 .. depth_max; slots never drafted yet continue the last drafted slot's ratio
@@ -494,6 +507,7 @@ class BatchBudget:
         sums = self._survival_sums()
         values = [self.expected_goodput(B, c, sums) for c in range(self.depth_max + 1)]
         best = max(range(len(values)), key=lambda c: (values[c], -c))
+        self._planned = values[best]
         if best != self._best:  # the new best's interval starts again; a neighbour that kept losing keeps its own
             self._best = best
             self._every[best] = self.probe
@@ -509,6 +523,9 @@ class BatchBudget:
                 self._every[c] *= 2
                 cap, self.forced = c, True
                 break
+        if (not self.forced and self.headroom > 0 and 1 <= cap < self.depth_max
+                and values[cap + 1] >= (1.0 - self.headroom) * values[cap]):
+            cap += 1  # the one-step rule (go_on) decides the last slot from this round's survivals
         self._since[cap] = 0
         return cap
 
