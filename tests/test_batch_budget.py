@@ -460,11 +460,14 @@ def test_the_policy_keeps_its_budget_from_call_to_call(monkeypatch):
     ids = _ids(4, target.config.vocab_size)
     forced = []
     plan = BatchBudget.plan
-    monkeypatch.setattr(BatchBudget, "plan", lambda self, B, width: (plan(self, B, width), forced.append(self.forced))[0])
+    monkeypatch.setattr(BatchBudget, "plan",
+                        lambda self, B, width: (plan(self, B, width), forced.append(self.forced))[0])
     gen.generate(ids, max_new_tokens=24, temperature=0)
     budget, first = gen.policy.budget, list(forced)
     assert sum(r is not None for r in budget.log_ratio[:5]) >= 4 and sum(first[:6]) >= 4, first  # exploring
     forced.clear()
+    gen.generate(ids[:1], max_new_tokens=4, temperature=0)  # one row: the per-row rule, the budget sits out
+    assert not forced and gen.policy.budget is budget
     gen.generate(ids, max_new_tokens=24, temperature=0)
     assert gen.policy.budget is budget and len(forced) > 3
     assert sum(forced[:6]) <= 2, forced  # a scored round and a neighbour's probe at most

@@ -198,11 +198,11 @@ class SpecDecPP(CandidateLengthPolicy):
                 raise ValueError("SpecDecPP(threshold='auto') needs the pair's CostModel (the engine profiles it)")
             self.costs = costs
             self.rule = GoodputRule(costs, self.head.mean_accept, self.max_candidates)
-            if batch_costs is None:
-                self.budget = None
-            elif self.budget is None or self.budget.batch is not batch_costs or self._budget_head is not self.head:
-                # a budget is kept from call to call with the same cost table and head: what it measured (cost
-                # ratios per depth, the head's calibration, the probe schedule; BatchBudget.reset) carries over
+            # a budget is kept from call to call with the same cost table and head: what it measured (cost ratios
+            # per depth, the head's calibration, the probe schedule; BatchBudget.reset) carries over, also past a
+            # call of one row (no table given, and the per-row rule decides: use_budget needs batch size > 1)
+            if batch_costs is not None and (self.budget is None or self.budget.batch is not batch_costs
+                                            or self._budget_head is not self.head):
                 self.budget = BatchBudget(batch_costs, measure=self.measured_costs)
                 self._budget_head = self.head
 
