@@ -234,3 +234,25 @@ def test_paired_comparison_script_by_hand():
     assert 2 / 3 <= p["ci95"][0] <= p["ci95"][1] <= 2.0
     with pytest.raises(ValueError, match="share no prompt"):
         mod.paired(by["a"], {9: (1, 1.0)})
+
+
+def test_batch_replay_script_by_hand():
+    """bench/batch_replay.py: a recorded round's tokens at every depth c (1 + min(accepted, c, drafted) per row),
+    fixed depths' tokens/s under the given round times, and the one-step rule's cut on the slot-c survival sum."""
+    import importlib.util
+    path = Path(__file__).parents[1] / "bench" / "batch_replay.py"
+    spec = importlib.util.spec_from_file_location("batch_replay", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    easy = dict(S=[[0.9, 0.8], [0.9, 0.8]], drafted=[2, 2], accepted=[2, 2])   # depth 1: 4 tokens, depth 2: 6
+    hard = dict(S=[[0.2, 0.1], [0.3, 0.1]], drafted=[2, 2], accepted=[0, 1])   # depth 1: 3 tokens, depth 2: 3
+    tail = dict(S=[[0.9, 0.8]], drafted=[2], accepted=[2])                     # one row left: not a full batch
+    times = {0: 5.0, 1: 10.0, 2: 12.0}
+    r = mod.replay([easy, hard, tail], times, depth=2, B=2)
+    assert r["rounds"] == 2 and r["best_fixed"] == 2
+    assert r["fixed_tokens_per_s"][1] == pytest.approx(7 / 20.0 * 1e3)
+    assert r["fixed_tokens_per_s"][2] == pytest.approx(9 / 24.0 * 1e3)
+    # the rule drafts slot 2 only where slot 1's survivals sum to the cut: the easy round, 9 tokens in 22 ms
+    rule = r["rule"]["1..2"]
+    assert rule["best_tokens_per_s"] == pytest.approx(9 / 22.0 * 1e3) and 0.5 < rule["best_cut"] <= 1.8
+    assert r["best_rule_over_best_fixed"] == pytest.approx(24 / 22.0)

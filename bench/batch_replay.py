@@ -1,0 +1,143 @@
+"""What deciding the depth per round from the rows' survivals can gain over the best fixed depth, in a batch.
+
+A batch's round verifies every row to the deepest row's depth, so the verification budget chooses one depth
+per round (``policies/goodput.BatchBudget``). This replays that choice offline. Every round of one
+``generate_continuous`` call drafts D candidates per row (greedy, the bundled pair, continuous batching at batch
+size B) and records the head's survivals S_bj and each row's accepted candidates; greedy acceptance of slot j
+depends only on the prefix, so the tokens any depth c <= D would have emitted in that round are known:
+sum_b (1 + min(accepted_b, c)). Round times per depth are the medians of full-batch rounds of fixed K = 1 .. D
+measured in the same process just before. The replay then compares
+
+- fixed depth c, every round;
+- the one-step rule between c and c + 1 (the budget's headroom): draft slot c + 1 only when the rows' summed
+  survival of slot c, sum_b S_bc, reaches a cut; every cut of a grid (the quantiles of that sum) is played.
+
+The best cut is chosen on the same rounds it is scored on (in-sample), so it bounds what a rule of this kind gains
+on this text; the budget's own cut comes from its cost model (:meth:`BatchBudget.go_on`).
+
+    python bench/batch_replay.py --batch-size 4 --out docs/results/batch_replay_b4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec_ext import SpeculativeGenerator
+from specdec_ext.benchmark import machine_description
+from specdec_ext.policies import SpecDecPP, make_policy
+from specdec_ext.policies.goodput import BatchBudget
+from specdec_ext.prompts import load_prompts
+from specdec_ext.zoo import load_pair
+
+
+class _EveryRoundAtDepth(BatchBudget):
+    """A budget whose every round drafts ``depth`` candidates per row and scores every slot."""
+
+    def __init__(self, batch, depth: int):
+        super().__init__(batch)
+        self.fixed_depth = depth
+
+    def _measured_cap(self, B: int) -> int:
+        self.forced = True
+        return self.fixed_depth
+
+
+class _Recording(SpecDecPP):
+    """SpecDecPP that keeps each round's survivals ``[B, D]`` and per-row drafted / accepted counts."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.recorded: list[dict] = []
+
+    def end_round(self, num_drafted, num_accepted):
+        if not self._plain and self._S is not None:
+            self.recorded.append(dict(S=self._S.tolist(), drafted=num_drafted.tolist(),
+                                      accepted=num_accepted.tolist()))
+        super().end_round(num_drafted, num_accepted)
+
+
+def round_times(gen, prompts, B, depths, **kw) -> dict[int, float]:
+    """Median ms of full-batch rounds of fixed K = c, for each c in ``depths`` (0: plain decoding)."""
+    times = {}
+    for c in depths:
+        policy = make_policy("autoregressive") if c == 0 else make_policy("fixed", k=c)
+        out = gen.generate_continuous(prompts, B, policy=policy, **kw)
+        times[c] = statistics.median(r.total_ms for r in out.stats.rounds if len(r.rows) == B)
+    return times
+
+
+def replay(rounds: list[dict], times: dict[int, float], depth: int, B: int) -> dict:
+    """Tokens/s of fixed depths and of the one-step rule between c and c + 1 over the recorded full-batch
+    ``rounds`` (those of B rows that drafted ``depth`` slots), each depth's round taking ``times[c]`` ms."""
+    rounds = [r for r in rounds if len(r["S"]) == B and len(r["S"][0]) >= depth]
+
+    def tokens(r, c):
+        return sum(1 + min(a, c, d) for a, d in zip(r["accepted"], r["drafted"]))
+
+    def rate(choose):
+        tok = ms = 0.0
+        for r in rounds:
+            c = choose(r)
+            tok, ms = tok + tokens(r, c), ms + times[c]
+        return tok / ms * 1e3
+
+    fixed = {c: rate(lambda r, c=c: c) for c in range(1, depth + 1)}
+    rules = {}
+    for c in range(1, depth):
+        sums = sorted(sum(row[c - 1] for row in r["S"]) for r in rounds)
+        cuts = [sums[int(q * (len(sums) - 1))] for q in [i / 20 for i in range(21)]]
+        curve = [(cut, rate(lambda r, cut=cut, c=c: c + 1 if sum(row[c - 1] for row in r["S"]) >= cut else c))
+                 for cut in cuts]
+        best = max(curve, key=lambda x: x[1])
+        rules[f"{c}..{c + 1}"] = dict(best_cut=best[0], best_tokens_per_s=best[1],
+                                      curve=[dict(cut=x, tokens_per_s=y) for x, y in curve])
+    best_fixed = max(fixed, key=fixed.get)
+    return dict(rounds=len(rounds), fixed_tokens_per_s=fixed, best_fixed=best_fixed,
+                rule=rules, best_rule_over_best_fixed=max(v["best_tokens_per_s"] for v in rules.values())
+                / fixed[best_fixed])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=3, help="candidates drafted per row in the recorded rounds")
+    ap.add_argument("--prompts", type=int, default=128, help="the first N HumanEval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if args.batch_size < 2 or args.depth < 2:
+        ap.error("--batch-size and --depth must be >= 2")
+    pair = load_pair()
+    tok = pair.tokenizer
+    prompts = [torch.tensor(tok(p)["input_ids"]) for p in load_prompts("humaneval")[: args.prompts]]
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=0, eos_token_id=tok.eos_token_id)
+    policy = _Recording(pair.heads["greedy"], threshold="auto")
+    gen = SpeculativeGenerator(pair.target, pair.draft, policy=policy)
+    gen.generate_continuous(prompts[: args.batch_size], args.batch_size, **dict(kw, max_new_tokens=8))  # warm-up
+    t0 = time.perf_counter()
+    times = round_times(gen, prompts, args.batch_size, range(args.depth + 1), **kw)
+    policy.budget = _EveryRoundAtDepth(gen.batch_costs(), args.depth)  # kept by configure (same table and head)
+    policy.recorded.clear()
+    gen.generate_continuous(prompts, args.batch_size, **kw)
+    report = dict(batch_size=args.batch_size, depth=args.depth, prompts=len(prompts),
+                  max_new_tokens=args.max_new_tokens, round_ms=times, machine=machine_description(pair),
+                  seconds=time.perf_counter() - t0, **replay(policy.recorded, times, args.depth, args.batch_size))
+    line = {k: round(v, 1) for k, v in report["fixed_tokens_per_s"].items()}
+    ms = {k: round(v, 1) for k, v in times.items()}
+    print(f"B = {args.batch_size}: fixed depth tokens/s {line}; round ms {ms}")
+    for name, r in report["rule"].items():
+        print(f"  one-step rule {name}: best cut {r['best_cut']:.2f} -> {r['best_tokens_per_s']:.1f} tokens/s")
+    print(f"  best rule / best fixed depth ({report['best_fixed']}): {report['best_rule_over_best_fixed']:.3f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
