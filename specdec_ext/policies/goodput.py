@@ -314,11 +314,12 @@ class BatchBudget:
       within ``headroom`` (a fraction) of c*, the cap of the other rounds is c* + 1 and the one-step rule below
       decides that slot from the round's own survivals: two depths tie on average (at B = 4 on a 2-core CPU,
       one and two candidates per row did), and a round whose rows' first slots survive well gains from the
-      second while one whose rows do not saves it (replayed over recorded rounds, +2% over either depth);
+      second while one whose rows do not saves it (``bench/batch_replay.py``: +1.8% over either depth);
     - at the best depth, the head does not score the slot at the cap (its p_hat cannot change the round: the
       batch stops there), but for one round in ``score_every`` (:attr:`score_last`; it drafts to its cap, so
-      its survivals are a fair sample of every slot), which keeps g and a current: with a cap of one candidate the head then costs nothing in most rounds (its features and
-      forward take 0.2-0.5 ms a step at B = 4-16 on a 2-core CPU, against rounds of 20-50 ms);
+      its survivals are a fair sample of every slot), which keeps g and a current: with a cap of one candidate
+      (and no headroom) the head then costs nothing in most rounds (its features and forward take 0.2-0.5 ms a
+      step at B = 4-16 on a 2-core CPU, against rounds of 20-50 ms);
     - drafting goes on after depth k < c while a rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1
       of row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward,
       so its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
@@ -342,8 +343,8 @@ class BatchBudget:
     after ``probe`` plain steps in a row it drafts once anyway, so g can follow the text, the interval doubling
     while drafting keeps not paying.
 
-    lambda (the running goodput) starts at plain decoding's goodput B / T_B(0), and never falls below it (the goodput the time a slot
-    costs would give as plain steps), so speculation must beat plain decoding to be chosen.
+    lambda (the running goodput) starts at plain decoding's goodput B / T_B(0); lambda never falls below it (the
+    goodput the time a slot costs would give as plain steps), so speculation must beat plain decoding to be chosen.
     Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
     distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
     samples the target's distribution); with measured times (``measure``) they also depend on the machine's
