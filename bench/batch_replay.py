@@ -6,7 +6,7 @@ per round (``policies/goodput.BatchBudget``). This replays that choice offline. 
 size B) and records the head's survivals S_bj and each row's accepted candidates; greedy acceptance of slot j
 depends only on the prefix, so the tokens any depth c <= D would have emitted in that round are known:
 sum_b (1 + min(accepted_b, c)). Round times per depth are the medians of full-batch rounds of fixed K = 1 .. D
-measured in the same process just before. The replay then compares
+measured in the same process just before, the depths rotating stream by stream. The replay then compares
 
 - fixed depth c, every round;
 - the one-step rule between c and c + 1 (the budget's headroom): draft slot c + 1 only when the rows' summed
@@ -63,13 +63,16 @@ class _Recording(SpecDecPP):
 
 
 def round_times(gen, prompts, B, depths, **kw) -> dict[int, float]:
-    """Median ms of full-batch rounds of fixed K = c, for each c in ``depths`` (0: plain decoding)."""
-    times = {}
-    for c in depths:
-        policy = make_policy("autoregressive") if c == 0 else make_policy("fixed", k=c)
-        out = gen.generate_continuous(prompts, B, policy=policy, **kw)
-        times[c] = statistics.median(r.total_ms for r in out.stats.rounds if len(r.rows) == B)
-    return times
+    """Median ms of full-batch rounds of fixed K = c, for each c in ``depths`` (0: plain decoding), the prompts
+    served in streams of 4 B requests with the depths rotating per stream (the machine's drift falls on all)."""
+    depths = list(depths)
+    rounds = {c: [] for c in depths}
+    for i, s in enumerate(range(0, len(prompts), 4 * B)):
+        for c in depths[i % len(depths):] + depths[: i % len(depths)]:
+            policy = make_policy("autoregressive") if c == 0 else make_policy("fixed", k=c)
+            out = gen.generate_continuous(prompts[s: s + 4 * B], B, policy=policy, **kw)
+            rounds[c] += [r.total_ms for r in out.stats.rounds if len(r.rows) == B]
+    return {c: statistics.median(v) for c, v in rounds.items()}
 
 
 def replay(rounds: list[dict], times: dict[int, float], depth: int, B: int) -> dict:
