@@ -37,7 +37,8 @@ from specdec_ext.zoo import load_pair
 
 
 class _EveryRoundAtDepth(BatchBudget):
-    """A budget whose every round drafts ``depth`` candidates per row and scores every slot."""
+    """A budget whose every round drafts ``depth`` candidates per row, scores every slot and verifies them all
+    (the budget's own verified depth could drop the last slots, and their outcomes would go unrecorded)."""
 
     def __init__(self, batch, depth: int):
         super().__init__(batch)
@@ -46,6 +47,9 @@ class _EveryRoundAtDepth(BatchBudget):
     def _measured_cap(self, B: int) -> int:
         self.forced = True
         return self.fixed_depth
+
+    def depth(self, survivals: torch.Tensor) -> int:
+        return survivals.shape[1]
 
 
 class _Recording(SpecDecPP):
