@@ -557,8 +557,9 @@ class BatchBudget:
         scored (for the running mean survival per slot; when they cover the ``depth`` verified slots, also for
         the head's calibration). j < ``drafted`` when the round did not score its last slot (:attr:`score_last`).
         A plain step is ``drafted = depth = 0``."""
-        ms = self._round(batch_size, drafted, depth)
-        self._last = (drafted, self._table_round(batch_size, drafted, depth))
+        table = self._table_round(batch_size, drafted, depth)
+        self._last = (drafted, table)
+        ms = table * self.calibration(drafted)  # _round, from the table ms just read
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
