@@ -49,6 +49,34 @@ def test_batch_costs_grow_with_the_cache_width():
         BatchCosts([1], [[1.0]], [[1.0]], {}, 0, 500, [[2.0]])
 
 
+
+def test_rows_of_the_table_equal_its_single_entries_and_the_budget_recomputes_them_after_a_measurement():
+    """``round_row`` / ``verify_row`` (every depth at once, as the budget reads them each round) give exactly what
+    ``round`` / ``verify`` give one depth at a time, at every batch size and width; the budget's per-round copy of
+    its modelled costs follows a new measurement and a new width."""
+    c = BatchCosts([1, 4, 16], [[5.0, 20.0, 30.0], [6.0, 21.0, 33.0], [9.0, 30.0, 45.0]],
+                   [[10.0, 12.0, 14.0], [11.0, 13.0, 16.0], [15.0, 19.0, 26.0]], {}, 100, 500,
+                   [[30.0, 40.0, 50.0], [31.0, 43.0, 52.0], [40.0, 60.0, 80.0]])
+    narrow = BatchCosts(c.sizes, c.round_ms, c.verify_ms)
+    for table in (c, narrow):
+        for B in (1, 3, 4, 9, 16, 40):
+            for width in (None, 0, 100, 137, 500, 2000, -10**4):
+                assert table.round_row(B, 4, width) == [table.round(B, k, width) for k in range(5)], (B, width)
+                assert table.verify_row(B, 5, width) == [table.verify(B, n, width) for n in range(1, 6)], (B, width)
+    b = BatchBudget(c, depth_max=4)
+    b.reset(4)
+    b.width = 137
+    before = [b._round(4, k) for k in range(5)]
+    assert before == [c.round(4, k, 137) for k in range(5)]   # nothing measured: the table's costs
+    b.log_ratio = [0.0, math.log(2.0), None, None, None]      # depth 1 measured at twice depth 0's ratio
+    assert [b._round(4, k) for k in range(5)] == [before[0]] + [2.0 * x for x in before[1:]]
+    b.update(4, 0, 0, 4)
+    b._cold = False
+    b.observe(4.0 * c.round(4, 0, 137))                       # a plain step at 4x the table: depth 0's ratio moves
+    assert b._round(4, 0) == pytest.approx(before[0]) and b._round(4, 1) < 2.0 * before[1]
+    b.width = 300
+    assert b._round(4, 2) == pytest.approx(c.round(4, 2, 300) * b.calibration(2))
+
 def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
     b = BatchBudget(DEAR, probe=3, measure=False)  # the table decides
     b.reset(8)

@@ -19,6 +19,7 @@ ranks drafted slots by survival against a profiled cost table.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -264,9 +265,34 @@ class BatchCosts:
         base = self._table("verify_ms", B, n - 1)
         if width is None or not self.verify_wide_ms or width == self.context:
             return base
-        wide = self._table("verify_wide_ms", B, n - 1)
+        return self._widen(base, self._table("verify_wide_ms", B, n - 1), width)
+
+    def _widen(self, base: float, wide: float, width: int) -> float:
+        """A forward's ms at ``width`` columns from its ms at ``context`` (``base``) and ``wide_context`` (``wide``)."""
         slope = max(0.0, wide - base) / (self.wide_context - self.context)
         return max(0.25 * base, base + slope * (width - self.context))
+
+    def _row(self, name: str, B: int, n: int) -> list[float]:
+        """Columns 0 .. n - 1 of ``round_ms`` / ``verify_ms`` / ``verify_wide_ms`` at batch size B (memoised)."""
+        key = (name, B, -n)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = [self._table(name, B, i) for i in range(n)]
+        return hit
+
+    def verify_row(self, B: int, n_max: int, width: Optional[int] = None) -> list[float]:
+        """``[verify(B, n, width) for n = 1 .. n_max]`` (ms), computed at once: the budget reads every depth's cost
+        each round, at a width that changes every round."""
+        base = self._row("verify_ms", B, n_max)
+        if width is None or not self.verify_wide_ms or width == self.context:
+            return list(base)
+        return [self._widen(b, w, width) for b, w in zip(base, self._row("verify_wide_ms", B, n_max))]
+
+    def round_row(self, B: int, k_max: int, width: Optional[int] = None) -> list[float]:
+        """``[round(B, k, width) for k = 0 .. k_max]`` (ms), every slot verified, computed at once."""
+        v = self.verify_row(B, k_max + 1, width)
+        narrow = self._row("verify_ms", B, k_max + 1) if width is not None and self.verify_wide_ms else v
+        return [max(ms + (vk - nk), 0.25 * vk) for ms, vk, nk in zip(self._row("round_ms", B, k_max + 1), v, narrow)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -387,7 +413,7 @@ class BatchBudget:
         self._counts = [0] * self.depth_max  # rounds that drafted each slot
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
         n = self.depth_max + 1
-        self.log_ratio: list = [None] * n     # per drafted depth: running mean log(measured / table ms)
+        self.log_ratio = [None] * n           # per drafted depth: running mean log(measured / table ms)
         self.accuracy: Optional[float] = None  # a: accepted tokens over the verified slots' survivals (running)
         self._accepted = self._predicted = None  # their running means (a ratio of means: a round whose survivals
         #                                          sum to little would swing a running mean of ratios)
@@ -407,7 +433,23 @@ class BatchBudget:
             self.log_ratio, self._since, self._every, self._tries = list(ratios), list(since), list(every), list(tries)
             if self._predicted:
                 self.accuracy = self._accepted / self._predicted
-        self._nearest = None  # _ratio's table, rebuilt from log_ratio when next read
+
+    @property
+    def log_ratio(self) -> list:
+        """Per drafted depth k = 0 .. ``depth_max``: the running mean log(measured / table ms) of its rounds (None
+        until measured)."""
+        return self._log_ratio
+
+    @log_ratio.setter
+    def log_ratio(self, ratios: list) -> None:
+        self._log_ratio = ratios
+        self._measured()
+
+    def _measured(self) -> None:
+        """The ratios changed: what is computed from them is recomputed when next read."""
+        self._nearest = None  # _ratio's table
+        self._costs_at = None  # _costs: (batch size, width) and the modelled ms of each depth there
+        self._calibrations = None  # calibration(k) for k = 0 .. depth_max
 
     @property
     def head_scale(self) -> float:
@@ -433,7 +475,20 @@ class BatchBudget:
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
         current width, in plain-step time (the table's cost times ``calibration(k)``)."""
+        if verified is None and k <= self.depth_max:
+            return self._costs(B)[k]
         return self._table_round(B, k, verified) * self.calibration(k)
+
+    def _costs(self, B: int) -> list[float]:
+        """``_round(B, k)`` for k = 0 .. ``depth_max`` at the current width, computed once per batch size, width
+        and measurement (a round reads them some thirty times: the plan, the one-step rule, the verified depth)."""
+        key = (B, self.width)
+        if self._costs_at is None or self._costs_at[0] != key:
+            if self._calibrations is None:
+                self._calibrations = [self.calibration(k) for k in range(self.depth_max + 1)]
+            table = self.batch.round_row(B, self.depth_max, self.width)
+            self._costs_at = (key, [ms * c for ms, c in zip(table, self._calibrations)])
+        return self._costs_at[1]
 
     def _table_round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """The table's ms of that round (uncalibrated)."""
@@ -544,10 +599,10 @@ class BatchBudget:
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
         B, k = survivals.shape
-        gain = torch.cat([torch.zeros(1, dtype=torch.float64), survivals.double().sum(0).cumsum(0)])
+        gain = [0.0, *itertools.accumulate(survivals.double().sum(0).tolist())]  # a few floats: lists beat tensors
         lam = self._lambda(B) * self.calibration(k)
         a = self.head_scale
-        values = [a * float(gain[d]) - lam * self.batch.verify(B, d + 1, self.width) for d in range(k + 1)]
+        values = [a * g - lam * v for g, v in zip(gain, self.batch.verify_row(B, k + 1, self.width))]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
     def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
@@ -599,7 +654,7 @@ class BatchBudget:
             return
         k = min(k, self.depth_max)
         self.log_ratio[k] = self._average(self.log_ratio[k], math.log(ms / table))
-        self._nearest = None
+        self._measured()
 
     def _average(self, old: Optional[float], new: float) -> float:
         """The running average (weight ``decay``) after ``new``; ``new`` itself when nothing came before."""
