@@ -256,3 +256,25 @@ def test_batch_replay_script_by_hand():
     rule = r["rule"]["1..2"]
     assert rule["best_tokens_per_s"] == pytest.approx(9 / 22.0 * 1e3) and 0.5 < rule["best_cut"] <= 1.8
     assert r["best_rule_over_best_fixed"] == pytest.approx(24 / 22.0)
+
+
+def test_draft_dtype_script_compares_the_two_drafts_on_the_same_requests():
+    """bench/draft_dtype.py on a tiny float32 target: both drafts run every request, and with a float32 target
+    greedy speculative decoding gives target-only decoding's tokens whatever the draft, so every request's
+    tokens are the same under both dtypes (share 1.0)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = Path(__file__).parents[1] / "bench" / "draft_dtype.py"
+    spec = importlib.util.spec_from_file_location("draft_dtype", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    target, draft = make_pair("llama", noise=0.3)
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+    row = mod.compare(pair, prompts, batch_size=2, k=2, max_new_tokens=6, rows_per_stream=1)
+    assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == 2
+    assert set(row["tokens_per_s"]) == {"float32", "bfloat16"} and min(row["tokens_per_s"].values()) > 0
+    assert row["bfloat16_over_float32"] == pytest.approx(row["tokens_per_s"]["bfloat16"] / row["tokens_per_s"]["float32"])
+    assert draft.dtype == torch.float32  # the bfloat16 draft is a copy

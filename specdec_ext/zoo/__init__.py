@@ -130,7 +130,8 @@ def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dty
     """The bundled pair: ``ModelPair(target, draft, tokenizer, head, heads)``; ``head`` is the mapping
     ``{"greedy": ..., "sample": ...}`` that picks the head of each call's decoding mode, ``heads`` also holds
     ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
-    the CPU has native bf16 matrix instructions); the draft is faster in float32 on CPUs. ``tp``: as in
+    the CPU has native bf16 matrix instructions); the draft defaults to float32, in which the heads were trained and
+    the README's figures measured (a bfloat16 draft can be faster end to end: ``bench/draft_dtype.py``). ``tp``: as in
     :func:`load_models` (a tensor-parallel target under ``torchrun``).
 
     Raises FileNotFoundError when this checkout has no trained pair (train it with ``specdec zoo train``)."""
