@@ -274,7 +274,7 @@ class BatchCosts:
 
     def _row(self, name: str, B: int, n: int) -> list[float]:
         """Columns 0 .. n - 1 of ``round_ms`` / ``verify_ms`` / ``verify_wide_ms`` at batch size B (memoised)."""
-        key = (name, B, -n)
+        key = ("row", name, B, n)
         hit = self._memo.get(key)
         if hit is None:
             hit = self._memo[key] = [self._table(name, B, i) for i in range(n)]
