@@ -447,30 +447,26 @@ class BatchBudget:
 
     def _measured(self) -> None:
         """The ratios changed: what is computed from them is recomputed when next read."""
-        self._nearest = None  # _ratio's table
-        self._costs_at = None  # _costs: (batch size, width) and the modelled ms of each depth there
         self._calibrations = None  # calibration(k) for k = 0 .. depth_max
+        self._costs_at = None  # _costs: (batch size, width) and the modelled ms of each depth there
 
     @property
     def head_scale(self) -> float:
         """a: the head's measured calibration (accepted tokens per unit of predicted survival), 1 until measured."""
         return 1.0 if self.accuracy is None else min(max(self.accuracy, 0.5), 2.0)
 
-    def _ratio(self, k: int) -> float:
-        """The running mean log(measured / table ms) at drafted depth k, or that of the nearest measured depth
-        (the lower one on a tie); 0 when nothing has been measured."""
-        if self._nearest is None:  # recomputed after each measurement: the budget reads this many times a round
-            r = self.log_ratio
-            near = [i for i in range(len(r)) if r[i] is not None]
-            self._nearest = [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
-        return self._nearest[k]
-
     def calibration(self, k: int) -> float:
         """How much dearer, relative to the table, a round drafting k candidates measured than a plain step:
-        exp(ratio_k - ratio_0), clipped to [1/4, 4] (1 for k = 0, and while nothing is measured)."""
-        if k == 0:
-            return 1.0
-        return math.exp(min(max(self._ratio(min(k, self.depth_max)) - self._ratio(0), -math.log(4.0)), math.log(4.0)))
+        exp(ratio_k - ratio_0), clipped to [1/4, 4] (1 for k = 0, and while nothing is measured); ratio_k is the
+        running mean log(measured / table ms) at drafted depth k (at most ``depth_max``), or that of the nearest
+        measured depth (the lower one on a tie), 0 when nothing has been measured."""
+        if self._calibrations is None:  # recomputed after each measurement: the budget reads this many times a round
+            r = self.log_ratio
+            near = [i for i in range(len(r)) if r[i] is not None]
+            ratio = [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
+            bound = math.log(4.0)
+            self._calibrations = [1.0] + [math.exp(min(max(x - ratio[0], -bound), bound)) for x in ratio[1:]]
+        return self._calibrations[min(k, self.depth_max)]
 
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
@@ -484,10 +480,8 @@ class BatchBudget:
         and measurement (a round reads them some thirty times: the plan, the one-step rule, the verified depth)."""
         key = (B, self.width)
         if self._costs_at is None or self._costs_at[0] != key:
-            if self._calibrations is None:
-                self._calibrations = [self.calibration(k) for k in range(self.depth_max + 1)]
             table = self.batch.round_row(B, self.depth_max, self.width)
-            self._costs_at = (key, [ms * c for ms, c in zip(table, self._calibrations)])
+            self._costs_at = (key, [ms * self.calibration(k) for k, ms in enumerate(table)])
         return self._costs_at[1]
 
     def _table_round(self, B: int, k: int, verified: Optional[int] = None) -> float:
