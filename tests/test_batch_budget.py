@@ -49,7 +49,6 @@ def test_batch_costs_grow_with_the_cache_width():
         BatchCosts([1], [[1.0]], [[1.0]], {}, 0, 500, [[2.0]])
 
 
-
 def test_rows_of_the_table_equal_its_single_entries_and_the_budget_recomputes_them_after_a_measurement():
     """``round_row`` / ``verify_row`` (every depth at once, as the budget reads them each round) give exactly what
     ``round`` / ``verify`` give one depth at a time, at every batch size and width; the budget's per-round copy of
@@ -76,6 +75,7 @@ def test_rows_of_the_table_equal_its_single_entries_and_the_budget_recomputes_th
     assert b._round(4, 0) == pytest.approx(before[0]) and b._round(4, 1) < 2.0 * before[1]
     b.width = 300
     assert b._round(4, 2) == pytest.approx(c.round(4, 2, 300) * b.calibration(2))
+
 
 def test_plan_drafts_only_when_a_depth_pays_and_probes_at_doubling_intervals():
     b = BatchBudget(DEAR, probe=3, measure=False)  # the table decides

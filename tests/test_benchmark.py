@@ -212,12 +212,18 @@ def test_finish_times_follow_the_rounds_a_row_was_in():
     assert finish_times_s(st) == pytest.approx([0.022, 0.015, 0.025])
 
 
-def test_paired_comparison_script_by_hand():
-    """bench/paired.py: per-prompt ratios of tokens/s, their median, the share faster, and total tokens/s."""
+def _bench_script(name: str):
+    """The module of ``bench/<name>.py`` (a script, not a package module)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("paired", Path(__file__).parents[1] / "bench" / "paired.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_paired_comparison_script_by_hand():
+    """bench/paired.py: per-prompt ratios of tokens/s, their median, the share faster, and total tokens/s."""
+    mod = _bench_script("paired")
     runs = [{"method": "a", "prompt": 0, "new_tokens": 10, "wall_s": 1.0},    # 10 tokens/s
             {"method": "b", "prompt": 0, "new_tokens": 10, "wall_s": 2.0},    # 5: ratio 2
             {"method": "a", "prompt": 1, "new_tokens": 30, "wall_s": 3.0},    # 10
@@ -239,11 +245,7 @@ def test_paired_comparison_script_by_hand():
 def test_batch_replay_script_by_hand():
     """bench/batch_replay.py: a recorded round's tokens at every depth c (1 + min(accepted, c, drafted) per row),
     fixed depths' tokens/s under the given round times, and the one-step rule's cut on the slot-c survival sum."""
-    import importlib.util
-    path = Path(__file__).parents[1] / "bench" / "batch_replay.py"
-    spec = importlib.util.spec_from_file_location("batch_replay", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_script("batch_replay")
     easy = dict(S=[[0.9, 0.8], [0.9, 0.8]], drafted=[2, 2], accepted=[2, 2])   # depth 1: 4 tokens, depth 2: 6
     hard = dict(S=[[0.2, 0.1], [0.3, 0.1]], drafted=[2, 2], accepted=[0, 1])   # depth 1: 3 tokens, depth 2: 3
     tail = dict(S=[[0.9, 0.8]], drafted=[2], accepted=[2])                     # one row left: not a full batch
@@ -262,13 +264,9 @@ def test_draft_dtype_script_compares_the_two_drafts_on_the_same_requests():
     """bench/draft_dtype.py on a tiny float32 target: both drafts run every request, and with a float32 target
     greedy speculative decoding gives target-only decoding's tokens whatever the draft, so every request's
     tokens are the same under both dtypes (share 1.0)."""
-    import importlib.util
     from types import SimpleNamespace
 
-    path = Path(__file__).parents[1] / "bench" / "draft_dtype.py"
-    spec = importlib.util.spec_from_file_location("draft_dtype", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_script("draft_dtype")
     target, draft = make_pair("llama", noise=0.3)
     pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
     g = torch.Generator().manual_seed(0)
