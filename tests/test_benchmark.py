@@ -13,6 +13,7 @@ import torch
 from specdec_ext.benchmark import (Oracle, format_table, load_results, run_benchmark, save_json, standard_methods,
                                    summarize)
 from specdec_ext.benchmark_cli import cost_model_replay
+from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
 from specdec_ext.zoo import ModelPair
 from models import make_pair
 from support import TEST_COSTS, DigitTokenizer, head_for
@@ -276,3 +277,26 @@ def test_draft_dtype_script_compares_the_two_drafts_on_the_same_requests():
     assert set(row["tokens_per_s"]) == {"float32", "bfloat16"} and min(row["tokens_per_s"].values()) > 0
     assert row["bfloat16_over_float32"] == pytest.approx(row["tokens_per_s"]["bfloat16"] / row["tokens_per_s"]["float32"])
     assert draft.dtype == torch.float32  # the bfloat16 draft is a copy
+
+
+@pytest.mark.skipif(not packed_linear_available(torch.device("cpu"), torch.float32),
+                    reason="this torch has no oneDNN (mkldnn) packed linear")
+def test_draft_linear_script_compares_the_two_runners_on_the_same_requests():
+    """bench/draft_linear.py on a tiny float32 pair: both runners time the same draft step and run every request;
+    with a float32 target greedy decoding gives the target's tokens whatever the draft's matmuls, so every request's
+    tokens are the same under both; and the class-wide default is back to None after the comparison."""
+    from types import SimpleNamespace
+
+    mod = _bench_script("draft_linear")
+    target, draft = make_pair("llama", noise=0.3)
+    step = mod.step_ms(draft, batch_size=2, context=8, steps=2, blocks=2)
+    assert set(step["step_ms"]) == {"packed", "F.linear"} and min(step["step_ms"].values()) > 0
+    assert step["speedup"] == pytest.approx(step["step_ms"]["F.linear"] / step["step_ms"]["packed"])
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+    row = mod.end_to_end(pair, prompts, batch_size=2, k=2, max_new_tokens=6, rows_per_stream=1)
+    assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == 2
+    assert min(row["tokens_per_s"].values()) > 0 and row["accepted"]["packed"] == row["accepted"]["F.linear"]
+    assert row["packed_over_linear"] == pytest.approx(row["tokens_per_s"]["packed"] / row["tokens_per_s"]["F.linear"])
+    assert FastLlamaRunner.packed_default is None

@@ -6,18 +6,24 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec_ext.engine.fast_llama import FastLlamaRunner, supports
+from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available, supports
 from specdec_ext.engine.runner import CausalLMRunner
 from models import make_target
 
 
+PACKED = packed_linear_available(torch.device("cpu"), torch.float32)
+needs_packed = pytest.mark.skipif(not PACKED, reason="this torch has no oneDNN (mkldnn) packed linear")
+
+
+@pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_packed), False])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_fast_runner_matches_transformers(kv_heads):
+def test_fast_runner_matches_transformers(kv_heads, packed):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=kv_heads, max_position_embeddings=512)
     m = LlamaForCausalLM(cfg).eval()
-    a, b = CausalLMRunner(m, "hf"), FastLlamaRunner(m)
+    a, b = CausalLMRunner(m, "hf"), FastLlamaRunner(m, packed=packed)
+    assert b.packed == packed
     B = 3
     a.start(B)
     b.start(B, capacity=8)  # small capacity: exercises growth
@@ -107,3 +113,39 @@ def test_rows_that_stop_are_not_computed():
     plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=20, temperature=0)
     assert out.new_tokens == plain.new_tokens
     assert sizes and all(0 < b < live for b, live in sizes)  # some forwards ran on a subset of the live rows
+
+
+@needs_packed
+def test_packed_weights_are_kept_per_model_and_follow_a_change_of_the_weights():
+    """The packed weights are prepared once per model (a runner is made per generation call) and prepared again
+    when a weight changes in place or is replaced, so the runner always computes the model's current function."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def logits(runner):
+        runner.start(2)
+        return runner.forward(ids, keep=5)[0]
+
+    first, second = FastLlamaRunner(m), FastLlamaRunner(m)
+    assert first.packed and second.layers is first.layers and second.lm_head is first.lm_head  # reused, not repacked
+    hf = CausalLMRunner(m, "hf")
+    torch.testing.assert_close(logits(second), logits(hf), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        m.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # in place: the tensor's version moves
+    changed = FastLlamaRunner(m)
+    assert changed.layers is not first.layers
+    torch.testing.assert_close(logits(changed), logits(CausalLMRunner(m, "hf")), rtol=1e-5, atol=1e-5)
+    m.lm_head.weight = torch.nn.Parameter(torch.randn(64, 32))  # replaced
+    torch.testing.assert_close(logits(FastLlamaRunner(m)), logits(CausalLMRunner(m, "hf")), rtol=1e-5, atol=1e-5)
+    assert not FastLlamaRunner(m, packed=False).packed
+
+
+def test_packed_linear_needs_a_cpu_model_of_float32_or_bfloat16():
+    m = make_target("llama").to(torch.float16)
+    assert not packed_linear_available(torch.device("cpu"), torch.float16)
+    assert not FastLlamaRunner(m).packed  # None: packed where available, F.linear elsewhere
+    with pytest.raises(ValueError, match="packed=True needs a CPU float32/bfloat16 model"):
+        FastLlamaRunner(m, packed=True)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..policies.goodput import CostModel, isotonic
+from . import fast_llama
 from .tensor_parallel import from_rank0, is_main_process, tp_size
 
 
@@ -51,7 +52,10 @@ def _model_key(model) -> dict:
 
 
 def profile_key(target, draft, fast_draft: bool, k_max: int) -> str:
+    p = next(draft.parameters())  # the lean runner's matmuls (packed oneDNN weights or F.linear) change its costs
+    packed = bool(fast_draft) and fast_llama.supports(draft) and fast_llama.uses_packed(p.device, p.dtype)
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
+            "draft_linear": "onednn-packed" if packed else "torch",
             "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tp": tp_size(target)}
     return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -74,7 +78,6 @@ def _timed(fn, device) -> float:
 def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: int = 7, context: int = 128,
                  log=None) -> CostModel:
     """Measure a :class:`~specdec_ext.policies.goodput.CostModel` for this pair (see the module docstring)."""
-    from . import fast_llama
     from .generator import SpeculativeGenerator
     from .models import vocab_size
     from .runner import CausalLMRunner
