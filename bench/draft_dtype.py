@@ -1,11 +1,10 @@
 """The draft's dtype on a CPU: the bundled draft in float32 (the default) against a bfloat16 copy, end to end.
 
-The bundled draft (2 layers x 256, vocabulary 8192) is small enough that one forward alone is faster in float32,
-but in a speculative round its weights (about 15 MB in float32, 7.5 MB in bfloat16) leave the cache each time the
-target runs, so a draft step reads them from memory again. This measures what that costs where it happens: the
-same generator settings with either draft, greedy, continuous batching at each batch size, the two dtypes
-alternating stream by stream (``--prompts`` prompts in streams of ``--rows-per-stream`` per batch slot) in one
-process. The share of requests with the same tokens under both drafts is reported: greedy speculative decoding
+A draft step's cost at its few rows is mostly its matmuls (``bench/draft_linear.py``: the LM head alone, 256 x
+8192, took about 1 ms in float32 through ``F.linear`` on the AMD EPYC, before the runner packed its weights for
+oneDNN), and bfloat16 halves the bytes each one reads. This measures the difference where it happens: the same
+generator settings with either draft, greedy, continuous batching at each batch size, the two dtypes alternating
+stream by stream (``--prompts`` prompts in streams of ``--rows-per-stream`` per batch slot) in one process. The share of requests with the same tokens under both drafts is reported: greedy speculative decoding
 emits the target's argmax, but a bf16 target's logits move with the shape of its forward (how many candidates a
 row verifies, the rows beside it), so where two tokens nearly tie a different draft can flip the text.
 

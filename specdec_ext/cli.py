@@ -122,9 +122,8 @@ def _model_args(p):
     p.add_argument("--target-dtype", default="auto", choices=["auto"] + list(DTYPES),
                    help="auto: bfloat16 on a GPU or a CPU with bf16 matrix instructions (AMX, AVX512_BF16), else float32")
     p.add_argument("--draft-dtype", default="float32", choices=DTYPES,
-                   help="float32: the bundled heads were trained and the README's figures measured with it; on the "
-                        "AMD EPYC of 2026-11-23 a bfloat16 draft ran fixed K = 2 1.04-1.17x faster end to end "
-                        "(bench/draft_dtype.py)")
+                   help="float32: the bundled heads were trained and the README's figures measured with it; "
+                        "bench/draft_dtype.py compares a bfloat16 draft end to end")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
