@@ -17,12 +17,11 @@ import argparse
 import copy
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.benchmark import machine_description
+from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
 from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
@@ -36,37 +35,18 @@ def compare(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, r
     drafts = {"float32": pair.draft, "bfloat16": copy.deepcopy(pair.draft).to(torch.bfloat16)}
     gens = {d: SpeculativeGenerator(pair.target, m, policy=make_policy("fixed", k=k)) for d, m in drafts.items()}
     eos = pair.tokenizer.eos_token_id
-    for g in gens.values():  # warm-up at this batch size
-        g.generate_continuous(prompts[:batch_size], batch_size, max_new_tokens=8, temperature=0, eos_token_id=eos)
-    seconds = dict.fromkeys(DTYPES, 0.0)
-    tokens = dict.fromkeys(DTYPES, 0)
-    accepted = dict.fromkeys(DTYPES, 0)
-    texts: dict = {d: [] for d in DTYPES}
-    step = rows_per_stream * batch_size
-    for i, start in enumerate(range(0, len(prompts), step)):
-        stream = prompts[start:start + step]
-        for d in (DTYPES if i % 2 == 0 else DTYPES[::-1]):
-            t0 = time.perf_counter()
-            out = gens[d].generate_continuous(stream, batch_size, max_new_tokens=max_new_tokens, temperature=0,
-                                              eos_token_id=eos)
-            seconds[d] += time.perf_counter() - t0
-            tokens[d] += out.stats.new_tokens
-            accepted[d] += sum(sum(r.accepted) for r in out.stats.rounds)
-            texts[d].extend(out.new_tokens)
-    rate = {d: tokens[d] / seconds[d] for d in DTYPES}
-    return {"batch_size": batch_size, "k": k, "tokens_per_s": rate, "accepted": accepted,
-            "bfloat16_over_float32": rate["bfloat16"] / rate["float32"],
-            "same_tokens": sum(x == y for x, y in zip(texts["float32"], texts["bfloat16"])) / len(prompts)}
+    r = alternate_streams(lambda d, stream, n: gens[d].generate_continuous(stream, batch_size, max_new_tokens=n,
+                                                                           temperature=0, eos_token_id=eos),
+                          DTYPES, prompts, batch_size, rows_per_stream, max_new_tokens)
+    rate = r["tokens_per_s"]
+    return {"batch_size": batch_size, "k": k, "tokens_per_s": rate, "accepted": r["accepted"],
+            "bfloat16_over_float32": rate["bfloat16"] / rate["float32"], "same_tokens": r["same_tokens"]}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes")
-    ap.add_argument("--k", type=int, default=2, help="fixed candidate length K")
-    ap.add_argument("--prompts", type=int, default=128, help="HumanEval prompts per batch size")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--rows-per-stream", type=int, default=4, help="prompts per stream and batch slot")
-    ap.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    add_stream_arguments(ap)
     args = ap.parse_args(argv)
     pair = load_pair(draft_dtype=torch.float32)
     prompts = [torch.tensor(pair.tokenizer(p)["input_ids"]) for p in load_prompts("humaneval")[:args.prompts]]

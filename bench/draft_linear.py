@@ -21,12 +21,11 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.benchmark import machine_description
+from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
 from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
 from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
@@ -67,42 +66,25 @@ def end_to_end(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int
     F.linear, accepted candidates, and the share of requests whose tokens are the same with either."""
     gen = SpeculativeGenerator(pair.target, pair.draft, policy=make_policy("fixed", k=k))
     eos = pair.tokenizer.eos_token_id
-    seconds = dict.fromkeys(RUNNERS, 0.0)
-    tokens = dict.fromkeys(RUNNERS, 0)
-    accepted = dict.fromkeys(RUNNERS, 0)
-    texts: dict = {name: [] for name in RUNNERS}
-    step = rows_per_stream * batch_size
+
+    def generate(arm, stream, n):
+        FastLlamaRunner.packed_default = arm == "packed"  # the generator makes its draft runner per call
+        return gen.generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
+
     try:
-        for i, start in enumerate([None] + list(range(0, len(prompts), step))):
-            for name in (RUNNERS if i % 2 == 0 else RUNNERS[::-1]):
-                FastLlamaRunner.packed_default = name == "packed"  # the generator makes its runner per call
-                stream = prompts[:batch_size] if start is None else prompts[start:start + step]
-                t0 = time.perf_counter()
-                out = gen.generate_continuous(stream, batch_size, max_new_tokens=max_new_tokens if start is not None
-                                              else 8, temperature=0, eos_token_id=eos)
-                if start is None:  # warm-up at this batch size
-                    continue
-                seconds[name] += time.perf_counter() - t0
-                tokens[name] += out.stats.new_tokens
-                accepted[name] += sum(sum(r.accepted) for r in out.stats.rounds)
-                texts[name].extend(out.new_tokens)
+        r = alternate_streams(generate, RUNNERS, prompts, batch_size, rows_per_stream, max_new_tokens)
     finally:
         FastLlamaRunner.packed_default = None
-    rate = {name: tokens[name] / seconds[name] for name in RUNNERS}
-    return {"batch_size": batch_size, "k": k, "tokens_per_s": rate, "accepted": accepted,
-            "packed_over_linear": rate["packed"] / rate["F.linear"],
-            "same_tokens": sum(x == y for x, y in zip(texts["packed"], texts["F.linear"])) / len(prompts)}
+    rate = r["tokens_per_s"]
+    return {"batch_size": batch_size, "k": k, "tokens_per_s": rate, "accepted": r["accepted"],
+            "packed_over_linear": rate["packed"] / rate["F.linear"], "same_tokens": r["same_tokens"]}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes of the draft step alone")
     ap.add_argument("--e2e-batch-sizes", default="1,4", help="comma-separated batch sizes end to end")
-    ap.add_argument("--k", type=int, default=2, help="fixed candidate length K end to end")
-    ap.add_argument("--prompts", type=int, default=128, help="HumanEval prompts per batch size end to end")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--rows-per-stream", type=int, default=4, help="prompts per stream and batch slot")
-    ap.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    add_stream_arguments(ap, "fixed candidate length K end to end")
     args = ap.parse_args(argv)
     pair = load_pair()
     p = next(pair.draft.parameters())

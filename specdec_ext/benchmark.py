@@ -15,6 +15,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -329,6 +330,46 @@ def machine_description(pair) -> dict:
                        "layers": pair.target.config.num_hidden_layers, "hidden": pair.target.config.hidden_size},
             "draft": {"params": params(pair.draft), "dtype": str(pair.draft.dtype),
                       "layers": pair.draft.config.num_hidden_layers, "hidden": pair.draft.config.hidden_size}}
+
+
+def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size: int, rows_per_stream: int,
+                      max_new_tokens: int) -> dict:
+    """Two or more arms (e.g. two drafts) over the same requests, greedy, continuous batching: ``prompts`` split
+    into streams of ``rows_per_stream * batch_size``, the arms taking turns first from stream to stream, after one
+    short warm-up call of each at this batch size. ``generate(arm, stream, max_new_tokens)`` runs one stream and
+    returns a ``GenerationOutput``.
+
+    Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), ``accepted`` (accepted candidates) per arm,
+    and ``same_tokens``: the share of requests whose tokens are the same under every arm."""
+    seconds = dict.fromkeys(arms, 0.0)
+    tokens = dict.fromkeys(arms, 0)
+    accepted = dict.fromkeys(arms, 0)
+    texts: dict = {a: [] for a in arms}
+    for a in arms:
+        generate(a, prompts[:batch_size], 8)
+    step = rows_per_stream * batch_size
+    for i, start in enumerate(range(0, len(prompts), step)):
+        stream = prompts[start:start + step]
+        for a in arms[i % len(arms):] + arms[:i % len(arms)]:
+            t0 = time.perf_counter()
+            out = generate(a, stream, max_new_tokens)
+            seconds[a] += time.perf_counter() - t0
+            tokens[a] += out.stats.new_tokens
+            accepted[a] += sum(sum(r.accepted) for r in out.stats.rounds)
+            texts[a].extend(out.new_tokens)
+    same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
+    return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "accepted": accepted,
+            "same_tokens": same / len(prompts)}
+
+
+def add_stream_arguments(ap, k_help: str = "fixed candidate length K") -> None:
+    """The options of a script built on :func:`alternate_streams`: --k, --prompts, --max-new-tokens,
+    --rows-per-stream, --out."""
+    ap.add_argument("--k", type=int, default=2, help=k_help)
+    ap.add_argument("--prompts", type=int, default=128, help="HumanEval prompts per batch size")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--rows-per-stream", type=int, default=4, help="prompts per stream and batch slot")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file to write")
 
 
 def format_table(rows: list[dict]) -> str:
