@@ -149,3 +149,19 @@ def test_packed_linear_needs_a_cpu_model_of_float32_or_bfloat16():
     assert not FastLlamaRunner(m).packed  # None: packed where available, F.linear elsewhere
     with pytest.raises(ValueError, match="packed=True needs a CPU float32/bfloat16 model"):
         FastLlamaRunner(m, packed=True)
+
+
+@needs_packed
+def test_profile_key_tells_the_packed_runner_from_f_linear():
+    """The two runners cost differently, so a cost profile cached for one is not read for the other."""
+    from specdec_ext.engine.profile import profile_key
+
+    target, draft = make_target("llama"), make_target("llama")
+    packed = profile_key(target, draft, True, 8)
+    try:
+        FastLlamaRunner.packed_default = False
+        linear = profile_key(target, draft, True, 8)
+    finally:
+        FastLlamaRunner.packed_default = None
+    assert packed != linear and profile_key(target, draft, True, 8) == packed
+    assert profile_key(target, draft, False, 8) != packed  # the transformers runner: no packed weights either way
