@@ -21,7 +21,7 @@ import time
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
+from specdec_ext.benchmark import add_stream_arguments, alternate_streams, arms_line, machine_description
 from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
@@ -56,9 +56,7 @@ def main(argv=None) -> dict:
     result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
               "command": "python bench/draft_dtype.py " + " ".join(argv if argv is not None else []), "rows": rows}
     for r in rows:
-        print(f"B = {r['batch_size']}, K = {r['k']}: float32 {r['tokens_per_s']['float32']:.1f} tokens/s, "
-              f"bfloat16 {r['tokens_per_s']['bfloat16']:.1f} ({r['bfloat16_over_float32']:.3f}x), "
-              f"same tokens: {r['same_tokens']:.0%} of requests")
+        print(arms_line(r, "bfloat16_over_float32"))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

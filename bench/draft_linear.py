@@ -25,7 +25,7 @@ import time
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
+from specdec_ext.benchmark import add_stream_arguments, alternate_streams, arms_line, machine_description
 from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
 from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
@@ -102,9 +102,7 @@ def main(argv=None) -> dict:
         print(f"draft step, B = {s['batch_size']}: packed {s['step_ms']['packed']:.2f} ms, F.linear "
               f"{s['step_ms']['F.linear']:.2f} ms ({s['speedup']:.2f}x)")
     for r in rows:
-        print(f"B = {r['batch_size']}, K = {r['k']}: packed {r['tokens_per_s']['packed']:.1f} tokens/s, F.linear "
-              f"{r['tokens_per_s']['F.linear']:.1f} ({r['packed_over_linear']:.3f}x), same tokens: "
-              f"{r['same_tokens']:.0%} of requests")
+        print(arms_line(r, "packed_over_linear"))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

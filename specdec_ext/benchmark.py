@@ -362,6 +362,14 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             "same_tokens": same / len(prompts)}
 
 
+def arms_line(row: dict, ratio: str) -> str:
+    """A row of two arms compared by :func:`alternate_streams` (with its ``batch_size`` and ``k``) as one printed
+    line: each arm's tokens/s in the row's order, ``row[ratio]``, and the share of requests with the same tokens."""
+    (a, rate_a), (b, rate_b) = row["tokens_per_s"].items()
+    return (f"B = {row['batch_size']}, K = {row['k']}: {a} {rate_a:.1f} tokens/s, {b} {rate_b:.1f} "
+            f"({row[ratio]:.3f}x), same tokens: {row['same_tokens']:.0%} of requests")
+
+
 def add_stream_arguments(ap, k_help: str = "fixed candidate length K") -> None:
     """The options of a script built on :func:`alternate_streams`: --k, --prompts, --max-new-tokens,
     --rows-per-stream, --out."""
