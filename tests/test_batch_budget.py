@@ -132,7 +132,12 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     probes = [i for i, c in enumerate(caps) if c == 1 and i > 6]
     gaps = [j - i for i, j in zip(probes, probes[1:])]
     assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0], caps
-    assert b.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0))
+    # the drafted depths' ratios lie on a line fitted to them all (cost_fit="line"): near depth 1's own ratio, the
+    # table's and the rounds' ms not being exactly proportional
+    assert b.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0), rel=0.03)
+    per_depth = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth")
+    assert _play(per_depth, 4, dear_slots, 40)[:6] == caps[:6]
+    assert per_depth.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0))  # its own rounds' ratio exactly
 
     b = BatchBudget(TEST_BATCH_COSTS, probe=2)
     caps = _play(b, 4, lambda c: 10.0 + 4.0 * c, 40, survival=0.95)
@@ -145,6 +150,39 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     assert set(_play(table_only, 4, dear_slots, 10)) == {8} and table_only.log_ratio == [None] * 9
 
 
+def test_the_line_fit_shares_the_depths_measurements():
+    """cost_fit="line": the drafted depths' log ratios are the weighted least-squares line through their running
+    means (weights: rounds measured, at most 1 / decay); depth 0 keeps its own. A depth measured once, far off the
+    line its well-measured neighbours set, does not make a false step in the modelled costs that moves the best
+    depth, as it does with each depth's own mean (cost_fit="depth")."""
+    numpy = pytest.importorskip("numpy")
+    costs = BatchCosts([1, 64], [[10.0 + 4.0 * k for k in range(9)]] * 2, [[10.0 + 2.0 * (n - 1) for n in range(1, 10)]] * 2)
+    line, own = BatchBudget(costs), BatchBudget(costs, cost_fit="depth")
+    ratios = [0.1, 0.2, 0.22, 0.24, -0.3, None, None, None, None]  # depth 4: one round, 0.55 below the line
+    weights = [5, 5, 5, 5, 1, 0, 0, 0, 0]
+    for b in (line, own):
+        b.reset(4)
+        b._weight, b.log_ratio = list(weights), list(ratios)
+    k = numpy.array([1, 2, 3, 4])
+    v, u = numpy.polyfit(k, numpy.array(ratios[1:5]), 1, w=numpy.sqrt([5, 5, 5, 1]))
+    for j in range(1, 9):
+        assert math.log(line.calibration(j)) == pytest.approx(u + v * j - 0.1, abs=1e-9), j
+    assert line.calibration(0) == own.calibration(0) == 1.0
+    assert own.calibration(4) == pytest.approx(math.exp(-0.4)) and own.calibration(6) == pytest.approx(math.exp(-0.4))
+    # survivals of 0.7 per slot: by the table and the line, depth 2 is best, by depth 4's one cheap round, depth 4
+    for b in (line, own):
+        b.gain = [0.7, 0.49, 0.343, 0.24, 0.17, 0.12, 0.08, 0.06]
+    best = lambda b: max(range(9), key=lambda c: b.expected_goodput(4, c))
+    assert best(line) < 4 == best(own)
+    # one drafted depth measured: nothing to fit, every depth takes the nearest measured ratio
+    one = BatchBudget(costs)
+    one.reset(4)
+    one.log_ratio = [0.0, None, 0.5, None, None, None, None, None, None]
+    assert one.calibration(3) == one.calibration(7) == pytest.approx(math.exp(0.5)) and one.calibration(1) == 1.0
+    with pytest.raises(ValueError, match="cost_fit"):
+        BatchBudget(costs, cost_fit="per-depth")
+
+
 def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
     """The per-depth cost ratios and the head's calibration are the pair's and the machine's: a second call at the
     same batch size starts from them (no depth is measured again first); a call at another batch size does not,
@@ -153,9 +191,10 @@ def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
     b.reset(4)                                # a call of 4 rows
     first = _play(b, 4, lambda c: 10.0 + 10.0 * c, 12)
     assert sorted(first[1:6]) == [0, 1, 2, 3, 4]
-    ratios, scale = list(b.log_ratio), b.head_scale
+    ratios, scale, calibrations = list(b.log_ratio), b.head_scale, [b.calibration(k) for k in range(9)]
     b.reset(4)
     assert b.log_ratio == ratios and b.head_scale == scale and b.gain[0] == pytest.approx(0.7)
+    assert [b.calibration(k) for k in range(9)] == calibrations  # the line's weights carried over too
     schedule = (list(b._every), b._best)
     again = _play(b, 4, lambda c: 10.0 + 10.0 * c, 6)
     # plain steps from the start, depth 1 at most probed as a neighbour on the schedule the first call left

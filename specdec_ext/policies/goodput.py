@@ -357,8 +357,11 @@ class BatchBudget:
     What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), the running mean
     of log(measured / table ms) of its rounds. The profiled table is taken once on random prompts and misjudges a
     batch's real rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0 plain steps where it took
-    3.8, and a plain step (one query per row) measured dearer than a round of one candidate. A depth not yet
-    measured takes the ratio of the nearest measured one. Costs are then counted in the table's plain-step time:
+    3.8, and a plain step (one query per row) measured dearer than a round of one candidate. With ``cost_fit="line"``
+    (default) the drafted depths' ratios are smoothed by a weighted line in k (:meth:`_ratios`): most depths are
+    measured in a few rounds only, and independent per-depth means made false steps between neighbours;
+    ``cost_fit="depth"`` keeps each depth's own mean, and a depth not yet measured takes the ratio of the nearest
+    measured one. Costs are then counted in the table's plain-step time:
     the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the ratio of the running means of accepted tokens and of the verified slots'
     summed survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
@@ -380,7 +383,10 @@ class BatchBudget:
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
-                 headroom: float = 0.03):
+                 headroom: float = 0.03, cost_fit: str = "line"):
+        if cost_fit not in ("line", "depth"):
+            raise ValueError(f"cost_fit must be 'line' or 'depth', got {cost_fit!r}")
+        self.cost_fit = cost_fit
         if isinstance(score_every, bool) or not isinstance(score_every, int) or score_every < 1:
             raise ValueError(f"score_every must be an integer >= 1, got {score_every!r}")
         if not 0.0 <= headroom < 1.0:
@@ -403,7 +409,8 @@ class BatchBudget:
         and goodput start again."""
         if self._size is not None and self.measure:
             self._kept[self._size] = (list(self.log_ratio), self._accepted, self._predicted,
-                                      list(self._since), list(self._every), list(self._tries), self._best)
+                                      list(self._since), list(self._every), list(self._tries), self._best,
+                                      list(self._weight))
         self._size = batch_size
         self.width = None
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
@@ -413,6 +420,7 @@ class BatchBudget:
         self._counts = [0] * self.depth_max  # rounds that drafted each slot
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
         n = self.depth_max + 1
+        self._weight = [0] * n                # per drafted depth: rounds measured (at most 1 / decay)
         self.log_ratio = [None] * n           # per drafted depth: running mean log(measured / table ms)
         self.accuracy: Optional[float] = None  # a: accepted tokens over the verified slots' survivals (running)
         self._accepted = self._predicted = None  # their running means (a ratio of means: a round whose survivals
@@ -429,7 +437,8 @@ class BatchBudget:
         self._planned: Optional[float] = None  # the expected goodput of the best depth (measure: lambda)
         self._cold = True  # the call's first round is not measured
         if batch_size in self._kept:
-            ratios, self._accepted, self._predicted, since, every, tries, self._best = self._kept[batch_size]
+            ratios, self._accepted, self._predicted, since, every, tries, self._best, weight = self._kept[batch_size]
+            self._weight = list(weight)
             self.log_ratio, self._since, self._every, self._tries = list(ratios), list(since), list(every), list(tries)
             if self._predicted:
                 self.accuracy = self._accepted / self._predicted
@@ -457,16 +466,40 @@ class BatchBudget:
 
     def calibration(self, k: int) -> float:
         """How much dearer, relative to the table, a round drafting k candidates measured than a plain step:
-        exp(ratio_k - ratio_0), clipped to [1/4, 4] (1 for k = 0, and while nothing is measured); ratio_k is the
-        running mean log(measured / table ms) at drafted depth k (at most ``depth_max``), or that of the nearest
-        measured depth (the lower one on a tie), 0 when nothing has been measured."""
+        exp(ratio_k - ratio_0), clipped to [1/4, 4] (1 for k = 0, and while nothing is measured); ratio_k is read
+        from the running means log(measured / table ms) per drafted depth (at most ``depth_max``) as
+        :meth:`_ratios` says (``cost_fit``)."""
         if self._calibrations is None:  # recomputed after each measurement: the budget reads this many times a round
-            r = self.log_ratio
-            near = [i for i in range(len(r)) if r[i] is not None]
-            ratio = [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
-            bound = math.log(4.0)
+            ratio, bound = self._ratios(), math.log(4.0)
             self._calibrations = [1.0] + [math.exp(min(max(x - ratio[0], -bound), bound)) for x in ratio[1:]]
         return self._calibrations[min(k, self.depth_max)]
+
+    def _ratios(self) -> list[float]:
+        """The log(measured / table ms) that :meth:`calibration` uses at each depth 0 .. ``depth_max``.
+
+        ``cost_fit="depth"``: each depth's own running mean, or the nearest measured depth's (the lower one on a
+        tie), 0 when nothing has been measured. ``cost_fit="line"`` (default), once two drafted depths (k >= 1)
+        are measured: the drafted depths follow the weighted least-squares line u + v k through their running
+        means, each weighted by its measured rounds (at most 1 / ``decay``, what the running mean remembers), and
+        depth 0 keeps its own (the line's value at 0 until measured). A depth played once or twice (an
+        exploration round, a neighbour's probe) then moves the line a little instead of setting its own cost. On
+        the bundled pair at B = 4 (2-core CPU), the per-depth means put a round of one candidate at 0.85 of the
+        table's cost relative to a plain step, where the medians of many rounds gave 0.95; such a false step
+        between neighbouring depths moves the best depth."""
+        r = self.log_ratio
+        near = [i for i in range(len(r)) if r[i] is not None]
+        ratio = [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
+        drafted = [i for i in near if i >= 1]
+        if self.cost_fit == "depth" or len(drafted) < 2:
+            return ratio
+        w = [max(self._weight[i], 1) for i in drafted]  # ratios set directly (tests, a reset) count as one round
+        total = sum(w)
+        mean_k = sum(wi * i for wi, i in zip(w, drafted)) / total
+        mean_r = sum(wi * r[i] for wi, i in zip(w, drafted)) / total
+        slope = (sum(wi * (i - mean_k) * (r[i] - mean_r) for wi, i in zip(w, drafted))
+                 / sum(wi * (i - mean_k) ** 2 for wi, i in zip(w, drafted)))
+        line = [mean_r + slope * (j - mean_k) for j in range(len(r))]
+        return [r[0] if r[0] is not None else line[0]] + line[1:]
 
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
@@ -647,6 +680,7 @@ class BatchBudget:
             self._cold = False  # (the ends of prompts' lines) are the easiest to draft; it says little of the rest
             return
         k = min(k, self.depth_max)
+        self._weight[k] = min(self._weight[k] + 1, round(1 / self.decay))
         self.log_ratio[k] = self._average(self.log_ratio[k], math.log(ms / table))
         self._measured()
 
