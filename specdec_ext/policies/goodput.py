@@ -492,7 +492,7 @@ class BatchBudget:
         drafted = [i for i in near if i >= 1]
         if self.cost_fit == "depth" or len(drafted) < 2:
             return ratio
-        w = [max(self._weight[i], 1) for i in drafted]  # ratios set directly (tests, a reset) count as one round
+        w = [max(self._weight[i], 1) for i in drafted]  # a ratio set without a measured round counts as one
         total = sum(w)
         mean_k = sum(wi * i for wi, i in zip(w, drafted)) / total
         mean_r = sum(wi * r[i] for wi, i in zip(w, drafted)) / total
