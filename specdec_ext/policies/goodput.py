@@ -488,10 +488,9 @@ class BatchBudget:
         between neighbouring depths moves the best depth."""
         r = self.log_ratio
         near = [i for i in range(len(r)) if r[i] is not None]
-        ratio = [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
         drafted = [i for i in near if i >= 1]
         if self.cost_fit == "depth" or len(drafted) < 2:
-            return ratio
+            return [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
         w = [max(self._weight[i], 1) for i in drafted]  # a ratio set without a measured round counts as one
         total = sum(w)
         mean_k = sum(wi * i for wi, i in zip(w, drafted)) / total
