@@ -300,3 +300,24 @@ def test_draft_linear_script_compares_the_two_runners_on_the_same_requests():
     assert min(row["tokens_per_s"].values()) > 0 and row["accepted"]["packed"] == row["accepted"]["F.linear"]
     assert row["packed_over_linear"] == pytest.approx(row["tokens_per_s"]["packed"] / row["tokens_per_s"]["F.linear"])
     assert FastLlamaRunner.packed_default is None
+
+
+def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
+    """bench/kv_cache.py on a tiny pair: both target caches run every request, with the same tokens (they hold the
+    same numbers), for plain decoding and fixed K; and the runner's class-wide cache is back to the default."""
+    from types import SimpleNamespace
+
+    from specdec_ext.engine.kv_cache import GrowingCache
+    from specdec_ext.engine.runner import CausalLMRunner
+
+    mod = _bench_script("kv_cache")
+    target, draft = make_pair("llama", noise=0.3)
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+    for k in (0, 2):
+        row = mod.compare(pair, prompts, batch_size=2, k=k, max_new_tokens=6, rows_per_stream=1)
+        assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
+        assert set(row["tokens_per_s"]) == {"in-place", "cat"} and min(row["tokens_per_s"].values()) > 0
+        assert row["in_place_over_cat"] == pytest.approx(row["tokens_per_s"]["in-place"] / row["tokens_per_s"]["cat"])
+    assert CausalLMRunner.cache_class is GrowingCache

@@ -1,9 +1,10 @@
 """A Hugging Face causal LM with its KV cache, attention mask and per-row positions.
 
 Rows of a batch keep their own length without per-row cache surgery: every fed position stays in
-the (shared-length) ``DynamicCache``; positions a row rejects are masked out (attention mask 0) and
-do not advance that row's position ids. The tail that every row rejected is cropped for real, so
-with batch size 1 this is plain cropping. Only the models are touched here; policies never are.
+the (shared-length) KV cache (a ``DynamicCache`` whose layers append in place: ``kv_cache.GrowingCache``);
+positions a row rejects are masked out (attention mask 0) and do not advance that row's position ids. The
+tail that every row rejected is cropped for real, so with batch size 1 this is plain cropping. Only the
+models are touched here; policies never are.
 
 Sliding-window models (Mistral, Gemma-2/3, Qwen2 with ``use_sliding_window``, ...): transformers'
 sliding cache layers keep only the last W - 1 positions, so a rejected candidate cannot be cropped once
@@ -24,6 +25,8 @@ from typing import Optional
 
 import torch
 from transformers import DynamicCache
+
+from .kv_cache import GrowingCache
 
 
 def model_device(model) -> torch.device:
@@ -181,6 +184,8 @@ def sliding_layout(model) -> Optional[dict]:
 
 
 class CausalLMRunner(TimedRunner):
+    cache_class = GrowingCache  # transformers' DynamicCache to compare (bench/kv_cache.py): the same API, by torch.cat
+
     def __init__(self, model, name: str):
         self.model = model
         self.name = name
@@ -198,7 +203,7 @@ class CausalLMRunner(TimedRunner):
     # ------------------------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
         # sliding-window models: full layers, which can be cropped; the masks impose the window
-        self.cache = DynamicCache() if self.layout else DynamicCache(config=self.model.config)
+        self.cache = self.cache_class() if self.layout else self.cache_class(config=self.model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
         self.col_pos = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
