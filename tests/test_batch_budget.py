@@ -120,7 +120,7 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     table's best first), then drafts at the depth of best expected goodput under the measured costs, and plays
     its two neighbours again at doubling intervals."""
     # the table says every candidate costs 1.6 ms (drafting 8 pays); the rounds say 10 ms per candidate
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2)
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line")
     dear_slots = lambda c: 10.0 + 10.0 * c
     # goodput by depth at survival 0.8: (1 + 0.8 + ... ) / (10 + 10 c): c = 1: 0.09, c = 2: 0.08, c = 0: 0.1 per row
     # per ms, so plain steps are best; with survival 0.95 and 4 ms per candidate, c = 4..5 are best
@@ -157,7 +157,7 @@ def test_the_line_fit_shares_the_depths_measurements():
     depth, as it does with each depth's own mean (cost_fit="depth")."""
     numpy = pytest.importorskip("numpy")
     costs = BatchCosts([1, 64], [[10.0 + 4.0 * k for k in range(9)]] * 2, [[10.0 + 2.0 * (n - 1) for n in range(1, 10)]] * 2)
-    line, own = BatchBudget(costs), BatchBudget(costs, cost_fit="depth")
+    line, own = BatchBudget(costs, cost_fit="line"), BatchBudget(costs, cost_fit="depth")
     ratios = [0.1, 0.2, 0.22, 0.24, -0.3, None, None, None, None]  # depth 4: one round, 0.55 below the line
     weights = [5, 5, 5, 5, 1, 0, 0, 0, 0]
     for b in (line, own):
@@ -175,7 +175,7 @@ def test_the_line_fit_shares_the_depths_measurements():
     best = lambda b: max(range(9), key=lambda c: b.expected_goodput(4, c))
     assert best(line) < 4 == best(own)
     # one drafted depth measured: nothing to fit, every depth takes the nearest measured ratio
-    one = BatchBudget(costs)
+    one = BatchBudget(costs, cost_fit="line")
     one.reset(4)
     one.log_ratio = [0.0, None, 0.5, None, None, None, None, None, None]
     assert one.calibration(3) == one.calibration(7) == pytest.approx(math.exp(0.5)) and one.calibration(1) == 1.0
@@ -187,7 +187,7 @@ def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
     """The per-depth cost ratios and the head's calibration are the pair's and the machine's: a second call at the
     same batch size starts from them (no depth is measured again first); a call at another batch size does not,
     and the running survivals start from the prior in every call."""
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2)
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line")
     b.reset(4)                                # a call of 4 rows
     first = _play(b, 4, lambda c: 10.0 + 10.0 * c, 12)
     assert sorted(first[1:6]) == [0, 1, 2, 3, 4]

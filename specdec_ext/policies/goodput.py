@@ -357,11 +357,12 @@ class BatchBudget:
     What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), the running mean
     of log(measured / table ms) of its rounds. The profiled table is taken once on random prompts and misjudges a
     batch's real rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0 plain steps where it took
-    3.8, and a plain step (one query per row) measured dearer than a round of one candidate. With ``cost_fit="line"``
-    (default) the drafted depths' ratios are smoothed by a weighted line in k (:meth:`_ratios`): most depths are
-    measured in a few rounds only, and independent per-depth means made false steps between neighbours;
-    ``cost_fit="depth"`` keeps each depth's own mean, and a depth not yet measured takes the ratio of the nearest
-    measured one. Costs are then counted in the table's plain-step time:
+    3.8, and a plain step (one query per row) measured dearer than a round of one candidate. ``cost_fit="depth"``
+    (default) keeps each depth's own mean, and a depth not yet measured takes the ratio of the nearest measured one;
+    ``cost_fit="line"`` smooths the drafted depths' ratios by a weighted line in k (:meth:`_ratios`), which shares
+    the few rounds most depths are measured in but cannot follow a table that misjudges one depth alone (paired
+    runs on the bundled pair with the in-place target cache: the line 0.97x / 0.94x / 0.92x the best fixed K at
+    B = 4 / 16 / 64, per-depth means 1.02x / 1.00x / 0.89x; B = 64 moves by 10% from pass to pass). Costs are then counted in the table's plain-step time:
     the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the ratio of the running means of accepted tokens and of the verified slots'
     summed survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
@@ -383,7 +384,7 @@ class BatchBudget:
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
-                 headroom: float = 0.03, cost_fit: str = "line"):
+                 headroom: float = 0.03, cost_fit: str = "depth"):
         if cost_fit not in ("line", "depth"):
             raise ValueError(f"cost_fit must be 'line' or 'depth', got {cost_fit!r}")
         self.cost_fit = cost_fit
@@ -477,15 +478,18 @@ class BatchBudget:
     def _ratios(self) -> list[float]:
         """The log(measured / table ms) that :meth:`calibration` uses at each depth 0 .. ``depth_max``.
 
-        ``cost_fit="depth"``: each depth's own running mean, or the nearest measured depth's (the lower one on a
-        tie), 0 when nothing has been measured. ``cost_fit="line"`` (default), once two drafted depths (k >= 1)
+        ``cost_fit="depth"`` (default): each depth's own running mean, or the nearest measured depth's (the lower one
+        on a tie), 0 when nothing has been measured. ``cost_fit="line"``, once two drafted depths (k >= 1)
         are measured: the drafted depths follow the weighted least-squares line u + v k through their running
         means, each weighted by its measured rounds (at most 1 / ``decay``, what the running mean remembers), and
         depth 0 keeps its own (the line's value at 0 until measured). A depth played once or twice (an
         exploration round, a neighbour's probe) then moves the line a little instead of setting its own cost. On
         the bundled pair at B = 4 (2-core CPU), the per-depth means put a round of one candidate at 0.85 of the
         table's cost relative to a plain step, where the medians of many rounds gave 0.95; such a false step
-        between neighbouring depths moves the best depth."""
+        between neighbouring depths moves the best depth. But when the table itself misjudges one depth (at B = 16
+        with the in-place target cache, the table put rounds of two and three candidates 19% and 39% above a round
+        of one where the rounds' medians were 39% and 67% above), the line spreads the correction over all depths; per-depth means keep it, and did better in paired
+        runs at B = 4 and 16 (the class docstring)."""
         r = self.log_ratio
         near = [i for i in range(len(r)) if r[i] is not None]
         drafted = [i for i in near if i >= 1]
