@@ -541,3 +541,26 @@ def test_the_policy_keeps_its_budget_from_call_to_call(monkeypatch):
     other = BatchCosts(TEST_BATCH_COSTS.sizes, TEST_BATCH_COSTS.round_ms, TEST_BATCH_COSTS.verify_ms)
     gen.policy.configure(SamplingConfig(0.0), TEST_COSTS, batch_costs=other)
     assert gen.policy.budget is not budget  # another cost table: what was measured against the old one goes
+
+
+def test_budget_options_reach_the_budget_and_bad_ones_are_refused():
+    """SpecDecPP(budget_options=...): the options are the budget's keyword arguments (checked when the policy is
+    made, naming the option), and only the batch budget takes them; a budgeted generation uses them."""
+    from specdec_ext.policies import SpecDecPP
+
+    target, draft = make_pair("llama", noise=0.3)
+    head = head_for(draft, kind="proposal")
+    pol = SpecDecPP(head, threshold="auto", k_max=4, budget_options={"cost_fit": "line", "headroom": 0.0})
+    gen = SpeculativeGenerator(target, draft, policy=pol, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    ids = torch.randint(2, target.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    out = gen.generate(ids, max_new_tokens=6, temperature=0)
+    assert out.stats.new_tokens == 18 and pol.use_budget
+    assert pol.budget.cost_fit == "line" and pol.budget.headroom == 0.0
+    assert SpecDecPP(head, threshold="auto").budget_options == {}
+    with pytest.raises(TypeError, match=r"BatchBudget takes no \['cost_model'\]"):
+        SpecDecPP(head, threshold="auto", budget_options={"cost_model": "line"})
+    with pytest.raises(ValueError, match="cost_fit must be"):
+        SpecDecPP(head, threshold="auto", budget_options={"cost_fit": "per-depth"})
+    for kw in (dict(threshold=0.7), dict(threshold="auto", batch_budget=False)):
+        with pytest.raises(ValueError, match="budget_options"):
+            SpecDecPP(head, budget_options={"cost_fit": "line"}, **kw)

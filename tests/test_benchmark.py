@@ -321,3 +321,38 @@ def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
         assert set(row["tokens_per_s"]) == {"in-place", "cat"} and min(row["tokens_per_s"].values()) > 0
         assert row["in_place_over_cat"] == pytest.approx(row["tokens_per_s"]["in-place"] / row["tokens_per_s"]["cat"])
     assert CausalLMRunner.cache_class is GrowingCache
+
+
+def test_budget_paired_script_runs_every_arm_on_the_same_requests():
+    """bench/budget_paired.py on a tiny pair: arm names become policies (fixed K, the budget with its options), every
+    arm runs every pass, the pooled ratios are over the best fixed K, and a bad arm name is refused, naming it."""
+    from types import SimpleNamespace
+
+    from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
+
+    mod = _bench_script("budget_paired")
+    target, draft = make_pair("llama", noise=0.3)
+    head = head_for(draft, kind="proposal")
+    pol = mod.parse_arm("auto:cost_fit=line:headroom=0.0", head)
+    assert pol.budget_options == {"cost_fit": "line", "headroom": 0.0}
+    assert mod.parse_arm("K3", head).k == 3
+    for bad in ("K", "fixed3", "auto:cost_fit"):
+        with pytest.raises(ValueError, match="--arms"):
+            mod.parse_arm(bad, head)
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None),
+                           heads={"greedy": head})
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+    real = mod.SpeculativeGenerator
+    mod.SpeculativeGenerator = lambda t, d, policy: real(t, d, policy=policy, costs=TEST_COSTS,
+                                                         batch_costs=TEST_BATCH_COSTS)
+    try:
+        row = mod.compare(pair, prompts, batch_size=2, arms=["K1", "K2", "auto"], passes=2, max_new_tokens=6,
+                          rows_per_stream=1)
+    finally:
+        mod.SpeculativeGenerator = real
+    assert len(row["tokens_per_s_by_pass"]) == 2 and row["best_fixed"] in ("K1", "K2")
+    assert all(set(p) == {"K1", "K2", "auto"} for p in row["tokens_per_s_by_pass"])
+    rate = row["tokens_per_s"]
+    assert row["over_best_fixed"]["auto"] == pytest.approx(rate["auto"] / rate[row["best_fixed"]])
+    assert row["over_best_fixed"][row["best_fixed"]] == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Optional
@@ -12,7 +13,7 @@ from .. import ops
 from ..head import AcceptanceHead
 from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
 from .base import CandidateLengthPolicy, DraftStep, _check_k
-from .goodput import BatchBudget, CostModel, GoodputRule
+from .goodput import BatchBudget, BatchCosts, CostModel, GoodputRule
 
 
 class Autoregressive(CandidateLengthPolicy):
@@ -135,6 +136,9 @@ class SpecDecPP(CandidateLengthPolicy):
             each round's depth cap (0: a plain step) by the goodput expected from both (default; see
             :class:`~specdec_ext.policies.goodput.BatchBudget`); ``False`` decides from the profiled table alone, so
             the decisions, and a sampled row's draws, are reproducible run to run.
+        budget_options: keyword arguments of the budget (:class:`~specdec_ext.policies.goodput.BatchBudget`, e.g.
+            ``{"cost_fit": "line", "headroom": 0.0}``); only with ``threshold="auto"`` and ``batch_budget``.
+            Raises TypeError for a name the budget does not take, ValueError without the budget.
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
     ``"proposal"`` head scores candidate k at step k and may stop at any K >= 1; the paper's
@@ -144,7 +148,7 @@ class SpecDecPP(CandidateLengthPolicy):
     """
 
     def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20, batch_budget: bool = True,
-                 measured_costs: bool = True):
+                 measured_costs: bool = True, budget_options: Optional[Mapping] = None):
         heads = dict(head) if isinstance(head, Mapping) else {"any": head}
         for key, h in heads.items():
             if not isinstance(h, AcceptanceHead):
@@ -165,6 +169,15 @@ class SpecDecPP(CandidateLengthPolicy):
         self.needs_costs = self.auto
         self.needs_batch_costs = self.auto and bool(batch_budget)
         self.measured_costs = bool(measured_costs)
+        self.budget_options = dict(budget_options or {})
+        if self.budget_options:
+            if not self.needs_batch_costs:
+                raise ValueError("budget_options: the batch budget runs only with threshold='auto' and batch_budget=True")
+            known = set(inspect.signature(BatchBudget).parameters) - {"batch", "measure"}
+            unknown = sorted(set(self.budget_options) - known)
+            if unknown:
+                raise TypeError(f"budget_options: BatchBudget takes no {unknown}; it takes {sorted(known)}")
+            BatchBudget(BatchCosts([1], [[1.0, 2.0]], [[1.0, 2.0]]), **self.budget_options)  # bad values: raise now
         self.budget: Optional[BatchBudget] = None
         self._budget_head = None  # the head the budget measured (its calibration is that head's)
         self.use_budget = False
@@ -203,7 +216,7 @@ class SpecDecPP(CandidateLengthPolicy):
             # call of one row (no table given, and the per-row rule decides: use_budget needs batch size > 1)
             if batch_costs is not None and (self.budget is None or self.budget.batch is not batch_costs
                                             or self._budget_head is not self.head):
-                self.budget = BatchBudget(batch_costs, measure=self.measured_costs)
+                self.budget = BatchBudget(batch_costs, measure=self.measured_costs, **self.budget_options)
                 self._budget_head = self.head
 
     def reset(self, batch_size, device):

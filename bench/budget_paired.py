@@ -1,0 +1,103 @@
+"""The batch verification budget against fixed K at one batch size, side by side in one process.
+
+Arms: ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with ``threshold="auto"``: the budget), an
+``auto`` arm optionally with budget options after colons (``auto:cost_fit=line:headroom=0.0``, passed as
+``SpecDecPP(budget_options=...)``). Each arm keeps its own generator and policy for the whole run and is warmed up
+once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
+first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
+``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again
+from pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the
+passes (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's. At B = 64 on a 2-core CPU a
+pass moves by up to 10%: read ratios within one run, and several passes.
+
+    python bench/budget_paired.py --batch-size 16 --arms K1,K2,K3,auto,auto:cost_fit=line --passes 2 \\
+        --out docs/results/budget_paired_b16.json   # about 5 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from specdec_ext import SpeculativeGenerator
+from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
+from specdec_ext.policies import make_policy
+from specdec_ext.prompts import load_prompts
+from specdec_ext.zoo import load_pair
+
+
+def parse_arm(name: str, head) -> object:
+    """The policy of an arm name (``K3``, ``auto``, ``auto:cost_fit=line``); ValueError naming a bad one."""
+    if name[:1] == "K" and name[1:].isdigit():
+        return make_policy("fixed", k=int(name[1:]))
+    kind, *options = name.split(":")
+    if kind != "auto":
+        raise ValueError(f"--arms: {name!r} is neither K<n> nor auto[:option=value...]")
+    budget = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ValueError(f"--arms: {option!r} in {name!r} is not option=value")
+        try:
+            budget[key] = json.loads(value)
+        except json.JSONDecodeError:
+            budget[key] = value  # a bare word: a string option (cost_fit=line)
+    return make_policy("specdec++", head=head, threshold="auto", budget_options=budget)
+
+
+def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_new_tokens: int,
+            rows_per_stream: int) -> dict:
+    """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K."""
+    eos = pair.tokenizer.eos_token_id
+    gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"])) for a in arms}
+    tokens, seconds, per_pass = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0), []
+
+    def generate(arm, stream, n):
+        t0 = time.perf_counter()
+        out = gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
+        if n == max_new_tokens:  # not the warm-up call
+            tokens[arm] += out.stats.new_tokens
+            seconds[arm] += time.perf_counter() - t0
+        return out
+
+    for p in range(passes):
+        order = arms[p % len(arms):] + arms[:p % len(arms)]
+        per_pass.append(alternate_streams(generate, tuple(order), prompts, batch_size, rows_per_stream,
+                                          max_new_tokens)["tokens_per_s"])
+    pooled = {a: tokens[a] / seconds[a] for a in arms}
+    fixed = [a for a in arms if a.startswith("K")]
+    best = max(fixed, key=pooled.get) if fixed else None
+    return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
+            "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--arms", default="K1,K2,K3,auto,auto:cost_fit=line", help="comma-separated arms (see above)")
+    ap.add_argument("--passes", type=int, default=2)
+    add_stream_arguments(ap, argparse.SUPPRESS)  # its --k is not used: --arms
+    args = ap.parse_args(argv)
+    pair = load_pair()
+    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in load_prompts("humaneval")[:args.prompts]]
+    t0 = time.perf_counter()
+    row = compare(pair, prompts, args.batch_size, args.arms.split(","), args.passes, args.max_new_tokens,
+                  args.rows_per_stream)
+    result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
+              "command": "python bench/budget_paired.py " + " ".join(argv if argv is not None else []), **row}
+    for a, rate in row["tokens_per_s"].items():
+        by_pass = " / ".join(f"{r[a]:.1f}" for r in row["tokens_per_s_by_pass"])
+        ratio = f", {row['over_best_fixed'][a]:.3f}x {row['best_fixed']}" if row["best_fixed"] else ""
+        print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
