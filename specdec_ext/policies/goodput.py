@@ -362,7 +362,9 @@ class BatchBudget:
     ``cost_fit="line"`` smooths the drafted depths' ratios by a weighted line in k (:meth:`_ratios`), which shares
     the few rounds most depths are measured in but cannot follow a table that misjudges one depth alone (paired
     runs on the bundled pair with the in-place target cache: the line 0.97x / 0.94x / 0.92x the best fixed K at
-    B = 4 / 16 / 64, per-depth means 1.02x / 1.00x / 0.89x; B = 64 moves by 10% from pass to pass). Costs are then counted in the table's plain-step time:
+    B = 4 / 16 / 64, per-depth means 1.02x / 1.00x / 0.89x; B = 64 moves by 10% from pass to pass; a later run
+    of ``bench/budget_paired.py`` at B = 16 gave the line 0.92x and per-depth means 0.91x, so the two are within
+    the noise of a 2-core CPU). Costs are then counted in the table's plain-step time:
     the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the ratio of the running means of accepted tokens and of the verified slots'
     summed survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
