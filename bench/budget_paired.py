@@ -53,20 +53,18 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K."""
     eos = pair.tokenizer.eos_token_id
     gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"])) for a in arms}
-    tokens, seconds, per_pass = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0), []
+    tokens, seconds, per_pass = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0), []
 
     def generate(arm, stream, n):
-        t0 = time.perf_counter()
-        out = gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
-        if n == max_new_tokens:  # not the warm-up call
-            tokens[arm] += out.stats.new_tokens
-            seconds[arm] += time.perf_counter() - t0
-        return out
+        return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
 
     for p in range(passes):
         order = arms[p % len(arms):] + arms[:p % len(arms)]
-        per_pass.append(alternate_streams(generate, tuple(order), prompts, batch_size, rows_per_stream,
-                                          max_new_tokens)["tokens_per_s"])
+        r = alternate_streams(generate, tuple(order), prompts, batch_size, rows_per_stream, max_new_tokens)
+        per_pass.append(r["tokens_per_s"])
+        for a in arms:
+            tokens[a] += r["tokens"][a]
+            seconds[a] += r["seconds"][a]
     pooled = {a: tokens[a] / seconds[a] for a in arms}
     fixed = [a for a in arms if a.startswith("K")]
     best = max(fixed, key=pooled.get) if fixed else None

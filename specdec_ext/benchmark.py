@@ -339,8 +339,9 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     short warm-up call of each at this batch size. ``generate(arm, stream, max_new_tokens)`` runs one stream and
     returns a ``GenerationOutput``.
 
-    Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), ``accepted`` (accepted candidates) per arm,
-    and ``same_tokens``: the share of requests whose tokens are the same under every arm."""
+    Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), with the ``tokens`` and ``seconds`` behind it
+    (to pool several calls), ``accepted`` (accepted candidates) per arm, and ``same_tokens``: the share of requests
+    whose tokens are the same under every arm."""
     seconds = dict.fromkeys(arms, 0.0)
     tokens = dict.fromkeys(arms, 0)
     accepted = dict.fromkeys(arms, 0)
@@ -358,8 +359,8 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             accepted[a] += sum(sum(r.accepted) for r in out.stats.rounds)
             texts[a].extend(out.new_tokens)
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
-    return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "accepted": accepted,
-            "same_tokens": same / len(prompts)}
+    return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
+            "accepted": accepted, "same_tokens": same / len(prompts)}
 
 
 def arms_line(row: dict, ratio: str) -> str:
