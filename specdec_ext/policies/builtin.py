@@ -172,7 +172,8 @@ class SpecDecPP(CandidateLengthPolicy):
         self.budget_options = dict(budget_options or {})
         if self.budget_options:
             if not self.needs_batch_costs:
-                raise ValueError("budget_options: the batch budget runs only with threshold='auto' and batch_budget=True")
+                raise ValueError("budget_options: the batch budget runs only with threshold='auto' and "
+                                 "batch_budget=True")
             known = set(inspect.signature(BatchBudget).parameters) - {"batch", "measure"}
             unknown = sorted(set(self.budget_options) - known)
             if unknown:

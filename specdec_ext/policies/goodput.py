@@ -487,11 +487,11 @@ class BatchBudget:
         depth 0 keeps its own (the line's value at 0 until measured). A depth played once or twice (an
         exploration round, a neighbour's probe) then moves the line a little instead of setting its own cost. On
         the bundled pair at B = 4 (2-core CPU), the per-depth means put a round of one candidate at 0.85 of the
-        table's cost relative to a plain step, where the medians of many rounds gave 0.95; such a false step
-        between neighbouring depths moves the best depth. But when the table itself misjudges one depth (at B = 16
-        with the in-place target cache, the table put rounds of two and three candidates 19% and 39% above a round
-        of one where the rounds' medians were 39% and 67% above), the line spreads the correction over all depths; per-depth means keep it, and did better in paired
-        runs at B = 4 and 16 (the class docstring)."""
+        table's cost relative to a plain step, where the medians of many rounds gave 0.95; such a false step between
+        neighbouring depths moves the best depth. But when the table itself misjudges one depth (at B = 16 with the
+        in-place target cache, the table put rounds of two and three candidates 19% and 39% above a round of one where
+        the rounds' medians were 39% and 67% above), the line spreads the correction over all depths; per-depth means
+        keep it (paired runs: the class docstring)."""
         r = self.log_ratio
         near = [i for i in range(len(r)) if r[i] is not None]
         drafted = [i for i in near if i >= 1]
