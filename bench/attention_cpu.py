@@ -1,4 +1,5 @@
-"""Attention over a KV cache on the CPU: torch's fused kernel against an explicit one, by queries per row.
+"""Attention over a KV cache on the CPU: torch's fused kernel, an explicit one and this project's
+``ops.decode_attention``, by queries per row.
 
 Why this exists: in the batch benchmark (README, "Batches of requests") plain decoding of the bf16 target
 gives fewer tokens/s at B = 64 than at B = 16, and a verification pass over 2 tokens per row costs less
@@ -6,8 +7,9 @@ than a plain step over 1. Profiling one target forward put 80% of it in
 ``aten::_scaled_dot_product_flash_attention_for_cpu``. This script isolates that: one attention layer of
 the bundled target's shape (8 heads of 64, a boolean mask as the runners pass it) over ``[B, heads, C, 64]``
 keys and values, for n = 1, 2, 5 queries per row, timed as ``F.scaled_dot_product_attention`` (what
-transformers' "sdpa" attention calls) and as matmul -> masked softmax (fp32) -> matmul. Both run in one
-process, alternating, medians of ``--reps``; ms per call.
+transformers' "sdpa" attention calls), as matmul -> masked softmax (fp32) -> matmul, and as
+``ops.decode_attention`` (``attn_implementation="specdec_decode"``, ``engine/attention.py``), on the same inputs
+(10% of the columns holes). All run in one process, medians of ``--reps``; ms per call.
 
     python bench/attention_cpu.py [--quick] [--out docs/results]
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec_ext import ops
 from specdec_ext.engine.profile import processor_name
 
 
@@ -64,21 +67,25 @@ def main(argv=None):
     reps = 5 if args.quick else args.reps
     sizes = [(16, 384), (64, 384)] if args.quick else [(4, 128), (16, 128), (16, 384), (64, 128), (64, 384)]
     rows = []
-    print("| dtype | B | cache columns | queries per row | sdpa ms | explicit ms | sdpa / explicit | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dtype | B | cache columns | queries per row | sdpa ms | explicit ms | kernel ms | sdpa / explicit "
+          "| sdpa / kernel | max abs diff (explicit, kernel) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
         for B, C in sizes:
             for n in (1, 2, 5):
                 q, k, v, mask = inputs(B, 8, C, n, dtype)
                 sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps)
                 explicit = timed(lambda: explicit_attention(q, k, v, mask), reps)
-                diff = (F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float()
-                        - explicit_attention(q, k, v, mask).float()).abs().max().item()
+                kernel = timed(lambda: ops.decode_attention(q, k, v, mask, 64 ** -0.5), reps)
+                want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float()
+                diff = (want - explicit_attention(q, k, v, mask).float()).abs().max().item()
+                kdiff = (want - ops.decode_attention(q, k, v, mask, 64 ** -0.5).transpose(1, 2).float()).abs().max().item()
                 row = {"dtype": str(dtype).replace("torch.", ""), "B": B, "columns": C, "queries": n,
-                       "sdpa_ms": sdpa, "explicit_ms": explicit, "max_abs_diff": diff}
+                       "sdpa_ms": sdpa, "explicit_ms": explicit, "kernel_ms": kernel, "max_abs_diff": diff,
+                       "kernel_max_abs_diff": kdiff}
                 rows.append(row)
-                print(f"| {row['dtype']} | {B} | {C} | {n} | {sdpa:.2f} | {explicit:.2f} | {sdpa / explicit:.2f}× "
-                      f"| {diff:.1e} |", flush=True)
+                print(f"| {row['dtype']} | {B} | {C} | {n} | {sdpa:.2f} | {explicit:.2f} | {kernel:.2f} "
+                      f"| {sdpa / explicit:.2f}× | {sdpa / kernel:.2f}× | {diff:.1e}, {kdiff:.1e} |", flush=True)
     meta = {"processor": processor_name(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "heads": 8, "head_dim": 64, "reps": reps,
             "command": "python bench/attention_cpu.py" + (" --quick" if args.quick else "")}

@@ -1,6 +1,6 @@
 """The batch verification budget against fixed K at one batch size, side by side in one process.
 
-Arms: ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with ``threshold="auto"``: the budget), an
+Arms: ``plain`` (decoding without a draft), ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with ``threshold="auto"``: the budget), an
 ``auto`` arm optionally with budget options after colons (``auto:cost_fit=line:headroom=0.0``, passed as
 ``SpecDecPP(budget_options=...)``). Each arm keeps its own generator and policy for the whole run and is warmed up
 once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
@@ -30,7 +30,9 @@ from specdec_ext.zoo import load_pair
 
 
 def parse_arm(name: str, head) -> object:
-    """The policy of an arm name (``K3``, ``auto``, ``auto:cost_fit=line``); ValueError naming a bad one."""
+    """The policy of an arm name (``plain``, ``K3``, ``auto``, ``auto:cost_fit=line``); ValueError naming a bad one."""
+    if name == "plain":
+        return make_policy("autoregressive")
     if name[:1] == "K" and name[1:].isdigit():
         return make_policy("fixed", k=int(name[1:]))
     kind, *options = name.split(":")

@@ -5,6 +5,7 @@
 // loading it runs the registrations below.
 #include <torch/library.h>
 
+#include "cpu/attention_cpu.h"
 #include "cpu/verify_cpu.h"
 #include "ops_common.h"
 
@@ -61,6 +62,13 @@ std::tuple<at::Tensor, at::Tensor> confidence_features_cpu(const at::Tensor& dis
   return {t.out, t.code};
 }
 
+at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& mask, double scale) {
+  AttentionTensors t = prepare_attention(query, key, value, mask, scale);
+  if (t.out.numel() > 0) cpu::decode_attention(t.args);
+  return t.out;
+}
+
 TORCH_LIBRARY(specdec_ext, m) {
   m.def(
       "chain_verify(Tensor draft_token_ids, Tensor draft_probs, Tensor target_probs, Tensor? num_draft_tokens=None, "
@@ -82,6 +90,7 @@ TORCH_LIBRARY(specdec_ext, m) {
       "int candidate_length, int k_min, int k_max, float threshold) "
       "-> (Tensor p_accept, Tensor stop)");
   m.def("confidence_features(Tensor dist, Tensor tokens, bool logits) -> (Tensor features, Tensor code)");
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
@@ -91,6 +100,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("residual_sample", &residual_sample_cpu);
   m.impl("acceptance_head_step", &acceptance_head_step_cpu);
   m.impl("confidence_features", &confidence_features_cpu);
+  m.impl("decode_attention", &decode_attention_cpu);
 }
 
 }  // namespace specdec

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -331,6 +332,63 @@ inline HeadTensors prepare_head(const std::optional<at::Tensor>& hidden, const s
                     t.w.data_ptr<float>(), t.b.data_ptr<float>(), t.ow.data_ptr<float>(), t.ob.data_ptr<float>(),
                     cum_accept.data_ptr<float>(), t.p_accept.data_ptr<float>(), t.stop.data_ptr<bool>(),
                     candidate_length, k_min, k_max, static_cast<float>(threshold)};
+  return t;
+}
+
+struct AttentionTensors {
+  at::Tensor q, k, v, mask, out;
+  DecodeAttentionArgs args;
+};
+
+// decode_attention: query [B, Hq, n, D], key and value [B, Hkv, C, D] (any strides; a head dimension that is
+// not contiguous is copied), mask bool [B or 1, Hq or 1, n, C] (any strides; size-1 dimensions broadcast).
+inline AttentionTensors prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                          const at::Tensor& mask, double scale) {
+  const char* op = "decode_attention";
+  const DType dt = float_dtype(query, "query");
+  TORCH_CHECK_TYPE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), op,
+                   ": key and value must have query's dtype ", query.scalar_type(), ", got ", key.scalar_type(), " and ",
+                   value.scalar_type());
+  TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, op, ": mask must be bool (true where a query sees a column), got ",
+                   mask.scalar_type());
+  TORCH_CHECK_VALUE(query.dim() == 4 && query.size(2) >= 1 && query.size(3) >= 1, op,
+                    ": query must be [B, Hq, n, D] with n, D >= 1, got ", query.sizes());
+  const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3);
+  TORCH_CHECK_VALUE(key.dim() == 4 && key.size(0) == B && key.size(1) >= 1 && key.size(2) >= 1 && key.size(3) == D, op,
+                    ": key must be [B, Hkv, C, D] = [", B, ", Hkv, C, ", D, "] with Hkv, C >= 1, got ", key.sizes());
+  TORCH_CHECK_VALUE(value.sizes() == key.sizes(), op, ": value must have key's shape ", key.sizes(), ", got ",
+                    value.sizes());
+  const int64_t Hkv = key.size(1), C = key.size(2);
+  TORCH_CHECK_VALUE(Hq % Hkv == 0, op, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
+  TORCH_CHECK_VALUE(mask.dim() == 4 && (mask.size(0) == B || mask.size(0) == 1) &&
+                        (mask.size(1) == Hq || mask.size(1) == 1) && mask.size(2) == n && mask.size(3) == C,
+                    op, ": mask must be [B or 1, Hq or 1, n, C] = [", B, ", ", Hq, ", ", n, ", ", C, "], got ", mask.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_device(key, query, "key", "query");
+  check_device(value, query, "value", "query");
+  check_device(mask, query, "mask", "query");
+  AttentionTensors t;
+  t.q = query.stride(3) == 1 ? query : query.contiguous();
+  t.k = key.stride(3) == 1 ? key : key.contiguous();
+  t.v = value.stride(3) == 1 ? value : value.contiguous();
+  t.mask = mask.expand({B, Hq, n, C});
+  t.out = at::empty({B, n, Hq, D}, query.options());
+  DecodeAttentionArgs& a = t.args;
+  a = DecodeAttentionArgs{};
+  a.dtype = dt;
+  a.batch = B; a.q_heads = Hq; a.kv_heads = Hkv; a.queries = n; a.columns = C; a.head_dim = D;
+  a.q = t.q.data_ptr();
+  a.k = t.k.data_ptr();
+  a.v = t.v.data_ptr();
+  a.mask = t.mask.data_ptr<bool>();
+  for (int d = 0; d < 3; ++d) {
+    a.q_stride[d] = t.q.stride(d);
+    a.k_stride[d] = t.k.stride(d);
+    a.v_stride[d] = t.v.stride(d);
+  }
+  for (int d = 0; d < 4; ++d) a.mask_stride[d] = t.mask.stride(d);
+  a.scale = static_cast<float>(scale);
+  a.out = t.out.data_ptr();
   return t;
 }
 

@@ -213,5 +213,30 @@ def confidence_shapes(dist, tokens, logits):
     return tuple(dist.shape)
 
 
+def attention_shapes(query, key, value, mask) -> tuple[int, int, int, int]:
+    """Shape, dtype and device checks of ``decode_attention``; returns (B, n, Hq, D), the output's shape."""
+    op = "decode_attention"
+    _float(query, "query", op)
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"{op}: key and value must have query's dtype {query.dtype}, got {key.dtype} and {value.dtype}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{op}: mask must be bool (true where a query sees a column), got {mask.dtype}")
+    if query.dim() != 4 or query.shape[2] < 1 or query.shape[3] < 1:
+        raise ValueError(f"{op}: query must be [B, Hq, n, D] with n, D >= 1, got {list(query.shape)}")
+    B, Hq, n, D = query.shape
+    if key.dim() != 4 or key.shape[0] != B or key.shape[1] < 1 or key.shape[2] < 1 or key.shape[3] != D:
+        raise ValueError(f"{op}: key must be [B, Hkv, C, D] = [{B}, Hkv, C, {D}] with Hkv, C >= 1, got {list(key.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"{op}: value must have key's shape {list(key.shape)}, got {list(value.shape)}")
+    Hkv, C = key.shape[1], key.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if mask.dim() != 4 or mask.shape[0] not in (B, 1) or mask.shape[1] not in (Hq, 1) or tuple(mask.shape[2:]) != (n, C):
+        raise ValueError(f"{op}: mask must be [B or 1, Hq or 1, n, C] = [{B}, {Hq}, {n}, {C}], got {list(mask.shape)}")
+    for t, name in ((key, "key"), (value, "value"), (mask, "mask")):
+        _same_device(t, query, name, "query", op)
+    return B, n, Hq, D
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or type(t).__name__ == "FakeTensor"

@@ -59,6 +59,7 @@ __all__ = [
     "residual_sample",
     "acceptance_head_step",
     "confidence_features",
+    "decode_attention",
     "draw_philox_seed_offset",
 ]
 
@@ -322,12 +323,52 @@ def confidence_features(dist: torch.Tensor, tokens: torch.Tensor, logits: bool) 
     return out
 
 
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of a few queries per row over a KV cache (a decode step, or a verification pass over K + 1
+    positions): ``softmax(q k^T * scale, masked) v``, reading the cache where it lies and skipping the columns
+    no query may see (left padding, holes of rejected candidates). Scaled dot-product attention (Vaswani et
+    al. 2017, Eq. 1), float32 accumulation, grouped-query attention by sharing each key/value head among
+    ``Hq / Hkv`` query heads.
+
+    A CPU kernel only: on this project's CPUs torch's fused attention takes 4-6x as long for one query per
+    row in bfloat16 (``bench/attention_cpu.py``); on GPUs the flash kernels behind
+    ``scaled_dot_product_attention`` serve decoding well. ``engine.attention`` registers it with transformers
+    as ``attn_implementation="specdec_decode"``.
+
+    Args:
+        query: ``[B, Hq, n, D]`` float32/bfloat16/float16, any strides.
+        key, value: ``[B, Hkv, C, D]`` in query's dtype, any strides (e.g. views of a cache with spare room);
+            ``Hq`` a multiple of ``Hkv``.
+        mask: ``[B or 1, Hq or 1, n, C]`` bool, true where query i may see column c (causality included).
+        scale: multiplies ``q . k`` (usually ``D ** -0.5``).
+
+    Returns:
+        ``[B, n, Hq, D]`` in query's dtype (the layout attention layers reshape to ``[B, n, Hq * D]``). A query
+        that sees no column gets zeros; NaN in q, k or v propagates to the queries that see it.
+
+    Raises:
+        ValueError: shapes (naming the argument), a non-finite scale, or a device other than the CPU.
+        TypeError: dtypes (key/value not query's dtype, a mask that is not bool).
+    """
+    if not HAS_EXTENSION:
+        return reference.decode_attention(query, key, value, mask, scale)
+    if query.device.type != "cpu" and not checks._is_fake(query):
+        raise ValueError(f"decode_attention has a CPU kernel only (query is on {query.device}); on GPUs use "
+                         "torch.nn.functional.scaled_dot_product_attention")
+    return torch.ops.specdec_ext.decode_attention(query, key, value, mask, scale)
+
+
 if HAS_EXTENSION:
 
     @torch.library.register_fake("specdec_ext::confidence_features")
     def _confidence_features_fake(dist, tokens, logits):
         B, _ = checks.confidence_shapes(dist, tokens, logits)
         return dist.new_empty((B, 3), dtype=torch.float32), dist.new_empty((B,), dtype=torch.int64)
+
+    @torch.library.register_fake("specdec_ext::decode_attention")
+    def _decode_attention_fake(query, key, value, mask, scale):
+        return query.new_empty(checks.attention_shapes(query, key, value, mask))
 
     @torch.library.register_fake("specdec_ext::chain_verify")
     def _chain_verify_fake(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,

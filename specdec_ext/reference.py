@@ -382,3 +382,22 @@ def confidence_features(dist, tokens, logits):
     ent = -(q * torch.log(q.clamp_min(1e-300))).where(q > 0, torch.zeros_like(q)).sum(-1)
     out = torch.stack([q.gather(-1, toks.view(-1, 1)).squeeze(-1), top[:, 0] - second, ent], -1).float()
     return out.to(dist.device)
+
+
+def decode_attention(query, key, value, mask, scale):
+    """Reference of ``ops.decode_attention``: softmax(q k^T * scale, masked) v in float32, per query head with
+    the key/value head it shares (grouped-query attention); a query that sees no column gets zeros."""
+    import math
+
+    checks.attention_shapes(query, key, value, mask)
+    if not math.isfinite(scale):
+        raise ValueError(f"decode_attention: scale must be finite, got {scale}")
+    group = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1)
+    v = value.float().repeat_interleave(group, dim=1)
+    scores = (query.float() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    seen = mask.expand_as(scores).any(-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+    return (weights @ v).transpose(1, 2).to(query.dtype).contiguous()
+

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/cpu_math.h"
 #include "kernels/common.h"
 
 namespace specdec {
@@ -28,26 +29,6 @@ constexpr int64_t kBlock = 512;  // inverse-CDF block: one vectorised sum per bl
 template <typename T>
 inline float ld(const T* p, int64_t j) {
   return static_cast<float>(p[j]);
-}
-
-// exp(x) for x <= 0 (arguments are always shifted by the row maximum): Cody-Waite range
-// reduction and a degree-6 minimax polynomial (Cephes expf coefficients), about 1 ulp;
-// written with plain arithmetic so that element-wise loops vectorise it.
-inline float exp_nonpos(float x) {
-  float xc = x < -87.0f ? -87.0f : x;
-  float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : y * scale;
 }
 
 // ------------------------------------------------------------------ vectorisable reductions
@@ -498,13 +479,6 @@ static void residual_sample_impl(const ResidualArgs& args) {
   });
   if (error.load() != 0) check_code(error.load(), "residual_sample", false);
 }
-
-#define SPECDEC_DISPATCH(dtype, FN, ARGS)                                            \
-  switch (dtype) {                                                                  \
-    case DType::kFloat32: FN<float>(ARGS); break;                                   \
-    case DType::kBFloat16: FN<c10::BFloat16>(ARGS); break;                          \
-    case DType::kFloat16: FN<c10::Half>(ARGS); break;                               \
-  }
 
 void chain_verify(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_impl, a); }
 void chain_verify_logits(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_logits_impl, a); }

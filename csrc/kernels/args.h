@@ -1,5 +1,6 @@
 // Torch-free argument blocks of every op: raw pointers and sizes, shared by the CPU
-// implementations (csrc/cpu) and the CUDA launchers (csrc/cuda). All tensors are contiguous.
+// implementations (csrc/cpu) and the CUDA launchers (csrc/cuda). All tensors are contiguous, except those of
+// DecodeAttentionArgs, which carries strides (a KV cache is read where it lies).
 #pragma once
 #include <stdint.h>
 
@@ -65,6 +66,24 @@ struct HeadArgs {
   bool* stop;                   // [B]
   int64_t candidate_length, k_min, k_max;
   float threshold;
+};
+
+// decode_attention: softmax(q k^T * scale + mask) v for a few queries per row over a KV cache, reading only
+// the columns the mask lets some query see. Strides are in elements; the head dimension is contiguous.
+struct DecodeAttentionArgs {
+  DType dtype;                         // of q, k, v and out
+  int64_t batch, q_heads, kv_heads;    // B, Hq, Hkv (Hq a multiple of Hkv: grouped-query attention)
+  int64_t queries, columns, head_dim;  // n, C, D
+  const void* q;                       // [B, Hq, n, D]
+  int64_t q_stride[3];                 // of b, h, i
+  const void* k;                       // [B, Hkv, C, D]
+  int64_t k_stride[3];                 // of b, h, c
+  const void* v;                       // [B, Hkv, C, D]
+  int64_t v_stride[3];                 // of b, h, c
+  const bool* mask;                    // [B, 1 or Hq, n, C]: true where query i sees column c
+  int64_t mask_stride[4];              // of b, h (0 when shared by the heads), i, c
+  float scale;                         // multiplies q.k (usually 1 / sqrt(D))
+  void* out;                           // [B, n, Hq, D], contiguous (the layout attention layers reshape from)
 };
 
 }  // namespace specdec

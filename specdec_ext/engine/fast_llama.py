@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .. import ops
+from .attention import MAX_QUERIES
 from .runner import TimedRunner, usable_device
 
 # model -> {packed: (fingerprint of its weights, the runner's prepared weights)}: packing costs a few ms, and a
@@ -58,6 +60,12 @@ def _fingerprint(model) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
 
+def uses_attention_kernel(device: torch.device, queries: int) -> bool:
+    """Whether the runner's attention goes through ``ops.decode_attention`` (a CPU, the compiled extension, at
+    most ``attention.MAX_QUERIES`` queries per row) rather than ``F.scaled_dot_product_attention``."""
+    return torch.device(device).type == "cpu" and ops.HAS_EXTENSION and queries <= MAX_QUERIES
+
+
 def supports(model) -> bool:
     """True for Llama-architecture causal LMs this runner reproduces (no biases, SiLU MLP, static RoPE)."""
     cfg = getattr(model, "config", None)
@@ -81,6 +89,7 @@ class FastLlamaRunner(TimedRunner):
             weights are not available."""
 
     packed_default: Optional[bool] = None  # what packed=None means, for every runner (e.g. False to compare)
+    attention_kernel: bool = True  # ops.decode_attention where it serves (uses_attention_kernel); False: SDPA
 
     def __init__(self, model, name: str = "draft", packed: Optional[bool] = None):
         if not supports(model):
@@ -197,6 +206,7 @@ class FastLlamaRunner(TimedRunner):
         attn_mask = (row_mask.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # [B, 1, n, C1]
         x = F.embedding(tokens, self.embed)
         hq, hk, d = self.n_heads, self.n_kv, self.head_dim
+        kernel = self.attention_kernel and uses_attention_kernel(self.device, n)
         for li, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
             h = self._rms(x, w_in)
             qkv = self._linear(h, w_qkv).view(B, n, hq + 2 * hk, d).transpose(1, 2)
@@ -212,8 +222,11 @@ class FastLlamaRunner(TimedRunner):
                 self.k[li][:, :, C0:C1] = k
                 self.v[li][:, :, C0:C1] = v
                 keys, values = self.k[li][:, :, :C1], self.v[li][:, :, :C1]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=hq != hk)
-            x = x + self._linear(o.transpose(1, 2).reshape(B, n, hq * d), w_o)
+            if kernel:  # [B, n, hq, d]
+                o = ops.decode_attention(q, keys, values, attn_mask, d ** -0.5)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=hq != hk).transpose(1, 2)
+            x = x + self._linear(o.reshape(B, n, hq * d), w_o)
             h = self._rms(x, w_post)
             g, u = self._linear(h, w_gu).chunk(2, dim=-1)
             x = x + self._linear(F.silu(g) * u, w_down)

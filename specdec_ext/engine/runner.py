@@ -171,7 +171,7 @@ def sliding_layout(model) -> Optional[dict]:
     per_layer = {getattr(c, "sliding_window", window) for c in getattr(cfg, "per_layer_config", []) or []}
     if len(per_layer - {None}) > 1:
         raise ValueError(f"{name} has different sliding windows per layer {sorted(per_layer - {None})}: not supported")
-    if getattr(cfg, "_attn_implementation", None) not in (None, "eager", "sdpa"):
+    if getattr(cfg, "_attn_implementation", None) not in (None, "eager", "sdpa", "specdec_decode"):
         raise ValueError(f"{name} uses attention {cfg._attn_implementation!r}; speculative rollback of a sliding-window "
                          "model needs 'sdpa' or 'eager' (load it with attn_implementation='sdpa')")
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)

@@ -54,10 +54,19 @@ def default_target_dtype(device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def default_attn_implementation(device: str = "cpu", device_map: Optional[str] = None) -> Optional[str]:
+    """``"specdec_decode"`` (``engine/attention.py``: the CPU decode-attention kernel, SDPA for long prefills) on a
+    CPU with the compiled extension; None (transformers' default) elsewhere."""
+    from .. import ops
+
+    return "specdec_decode" if torch.device(device).type == "cpu" and not device_map and ops.HAS_EXTENSION else None
+
+
 def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Optional[str | Path] = None,
                 target_dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype = torch.float32,
                 device: str = "cpu", device_map: Optional[str] = None, tokenizer: Optional[str | Path] = None,
-                allow_other_draft: bool = False, tp: int = 1) -> ModelPair:
+                allow_other_draft: bool = False, tp: int = 1,
+                attn_implementation: Optional[str] = None) -> ModelPair:
     """Load local Hugging Face model directories (no network): target, optional draft and head, and the
     tokenizer (default: the target's directory).
 
@@ -66,6 +75,8 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     ``tp_plan="auto"``: gloo on CPUs, NCCL on GPUs, where each rank takes the GPU ``$LOCAL_RANK``); the draft
     is replicated on every rank, on the target's device (see ``engine/tensor_parallel.py``). A head is
     checked against the draft (hidden size, and the fingerprint of the draft it was trained for).
+    ``attn_implementation`` (both models; default :func:`default_attn_implementation`) is passed to
+    ``from_pretrained``.
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, or ``tp`` with
     ``device_map``; ImportError for ``tp`` > 1 without accelerate (``pip install 'specdec_ext[tp]'``).
@@ -79,6 +90,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     kw = {"device_map": device_map} if device_map else {}
     if tp != 1:
         kw = _tp_kwargs(tp, device_map)
+    attn = attn_implementation if attn_implementation is not None else default_attn_implementation(device, device_map)
+    attn_kw = {"attn_implementation": attn} if attn else {}
+    kw.update(attn_kw)
     t = AutoModelForCausalLM.from_pretrained(target, dtype=target_dtype, local_files_only=True, **kw).eval()
     if tp != 1:
         device = model_device(t)
@@ -86,7 +100,8 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
         t = t.to(device)
     d = None
     if draft is not None:
-        d = AutoModelForCausalLM.from_pretrained(draft, dtype=draft_dtype, local_files_only=True).to(device).eval()
+        d = AutoModelForCausalLM.from_pretrained(draft, dtype=draft_dtype, local_files_only=True,
+                                                 **attn_kw).to(device).eval()
     h = AcceptanceHead.from_pretrained(str(head)).eval() if head is not None else None
     if h is not None and d is not None:
         h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
@@ -126,19 +141,21 @@ def load_heads(path: Path = PAIR_DIR) -> dict:
 
 
 def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dtype = torch.float32,
-              device: str = "cpu", with_head: bool = True, path: Path = PAIR_DIR, tp: int = 1) -> ModelPair:
+              device: str = "cpu", with_head: bool = True, path: Path = PAIR_DIR, tp: int = 1,
+              attn_implementation: Optional[str] = None) -> ModelPair:
     """The bundled pair: ``ModelPair(target, draft, tokenizer, head, heads)``; ``head`` is the mapping
     ``{"greedy": ..., "sample": ...}`` that picks the head of each call's decoding mode, ``heads`` also holds
     ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
     the CPU has native bf16 matrix instructions); the draft defaults to float32, in which the heads were trained and
     the README's figures measured (a bfloat16 draft can be faster end to end: ``bench/draft_dtype.py``). ``tp``: as in
-    :func:`load_models` (a tensor-parallel target under ``torchrun``).
+    :func:`load_models` (a tensor-parallel target under ``torchrun``), and so is ``attn_implementation``.
 
     Raises FileNotFoundError when this checkout has no trained pair (train it with ``specdec zoo train``)."""
     if not pair_available(path):
         raise FileNotFoundError(f"no bundled pair in {path}: train it with `specdec zoo train` (see README)")
     target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
-    pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device, tp=tp)
+    pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device, tp=tp,
+                       attn_implementation=attn_implementation)
     if with_head:
         from ..engine.models import fingerprint, hidden_size
 

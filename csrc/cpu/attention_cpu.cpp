@@ -1,0 +1,173 @@
+// CPU kernel of decode_attention: attention of a few queries per row (a decode step, or a verification pass
+// over K + 1 positions) over a KV cache that may hold left padding and holes (rejected candidates).
+//
+// Why a kernel of its own: torch's fused CPU attention (the flash kernel behind scaled_dot_product_attention)
+// takes 4-6x longer than matmul-softmax-matmul for one query per row in bfloat16 (bench/attention_cpu.py), and
+// the explicit form copies a strided cache into contiguous tensors first. This kernel reads the cache where it
+// lies, each key and value row once per KV head for all the queries that share it (grouped-query attention),
+// and skips the columns no query may see, so padding costs neither memory traffic nor arithmetic.
+//
+// Per (row b, KV head): pass 1 gathers the columns some query sees and their scores q.k * scale (float32
+// accumulation); then per query the maximum, exp(s - max) and the normaliser l; pass 2 accumulates
+// sum_c exp(s_c - max) v_c, divided by l at the end. A query that sees no column gets zeros.
+#include "cpu/attention_cpu.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/cpu_math.h"
+
+namespace specdec {
+namespace cpu {
+namespace {
+
+constexpr int kDotLanes = 8;
+constexpr int kSumLanes = 8;
+
+// Row of D elements as float32 (bfloat16: the upper 16 bits of a float32, so a shift that vectorises).
+template <typename T>
+inline void load_row(const T* p, int64_t D, float* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(out, p, D * sizeof(float));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t bits = static_cast<uint32_t>(u[d]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      out[d] = f;
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]);
+  }
+}
+
+// out[r] = q_r . k for the R rows q_r of q (row stride D): four rows at a time share each load of k and give
+// four independent FMA chains; each row sums in kDotLanes fixed lanes (vectorised without reassociation, the
+// same order on every call).
+inline void dot_rows(const float* q, int64_t R, const float* k, int64_t D, float* out) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) {
+    float acc[4][kDotLanes] = {};
+    int64_t d = 0;
+    for (; d + kDotLanes <= D; d += kDotLanes)
+      for (int x = 0; x < 4; ++x)
+        for (int l = 0; l < kDotLanes; ++l) acc[x][l] += q[(r + x) * D + d + l] * k[d + l];
+    for (int x = 0; x < 4; ++x) {
+      float tail = 0.0f;
+      for (int64_t t = d; t < D; ++t) tail += q[(r + x) * D + t] * k[t];
+      for (int w = kDotLanes / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) acc[x][l] += acc[x][l + w];
+      out[r + x] = acc[x][0] + tail;
+    }
+  }
+  for (; r < R; ++r) {  // two chains per row
+    float acc[2][kDotLanes] = {};
+    int64_t d = 0;
+    for (; d + 2 * kDotLanes <= D; d += 2 * kDotLanes)
+      for (int x = 0; x < 2; ++x)
+        for (int l = 0; l < kDotLanes; ++l) acc[x][l] += q[r * D + d + x * kDotLanes + l] * k[d + x * kDotLanes + l];
+    for (; d + kDotLanes <= D; d += kDotLanes)
+      for (int l = 0; l < kDotLanes; ++l) acc[0][l] += q[r * D + d + l] * k[d + l];
+    float tail = 0.0f;
+    for (; d < D; ++d) tail += q[r * D + d] * k[d];
+    for (int l = 0; l < kDotLanes; ++l) acc[0][l] += acc[1][l];
+    for (int w = kDotLanes / 2; w > 0; w /= 2)
+      for (int l = 0; l < w; ++l) acc[0][l] += acc[0][l + w];
+    out[r] = acc[0][0] + tail;
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const DecodeAttentionArgs& a) {
+  const int64_t Hq = a.q_heads, Hkv = a.kv_heads, G = Hq / Hkv, n = a.queries, C = a.columns, D = a.head_dim;
+  const int64_t R = G * n;  // query rows per KV head: (g, i) -> head kh * G + g, query i
+  const T* q = static_cast<const T*>(a.q);
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  T* out = static_cast<T*>(a.out);
+  const float kNegInf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, a.batch * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(R * D), row(D), dots(R), scores(R * C), acc(R * D), norm(R);
+    std::vector<int64_t> cols(C);
+    std::vector<const bool*> mrow(R);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, kh = task % Hkv;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = kh * G + r / n, i = r % n;
+        load_row(q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2], D, &qf[r * D]);
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
+        mrow[r] = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
+      }
+      const T* kb = k + b * a.k_stride[0] + kh * a.k_stride[1];
+      const T* vb = v + b * a.v_stride[0] + kh * a.v_stride[1];
+      const int64_t mc = a.mask_stride[3];
+      // pass 1: the columns some query sees, and their scores (-inf where that query may not look)
+      int64_t m = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        bool any = false;
+        for (int64_t r = 0; r < R; ++r) any |= mrow[r][c * mc];
+        if (!any) continue;
+        load_row(kb + c * a.k_stride[2], D, row.data());
+        dot_rows(qf.data(), R, row.data(), D, dots.data());
+        for (int64_t r = 0; r < R; ++r) scores[r * C + m] = mrow[r][c * mc] ? dots[r] : kNegInf;
+        cols[m++] = c;
+      }
+      // softmax weights per query row, unnormalised: exp(s - max); norm = their sum
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = &scores[r * C];
+        float mx = kNegInf;
+        for (int64_t j = 0; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
+        float lanes[kSumLanes] = {};
+        float tail = 0.0f;
+        if (mx == kNegInf) {  // sees no column: weights 0
+          std::fill(s, s + m, 0.0f);
+        } else {
+          int64_t j = 0;
+          for (; j + kSumLanes <= m; j += kSumLanes)
+            for (int l = 0; l < kSumLanes; ++l) {
+              s[j + l] = exp_nonpos(s[j + l] - mx);
+              lanes[l] += s[j + l];
+            }
+          for (; j < m; ++j) {
+            s[j] = exp_nonpos(s[j] - mx);
+            tail += s[j];
+          }
+        }
+        for (int w = kSumLanes / 2; w > 0; w /= 2)
+          for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+        norm[r] = lanes[0] + tail;
+      }
+      // pass 2: sum of weight * value over the seen columns
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < m; ++j) {
+        load_row(vb + cols[j] * a.v_stride[2], D, row.data());
+        for (int64_t r = 0; r < R; ++r) {
+          const float w = scores[r * C + j];
+          if (w == 0.0f) continue;
+          float* o = &acc[r * D];
+          for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = kh * G + r / n, i = r % n;
+        const float inv = norm[r] > 0.0f ? 1.0f / norm[r] : 0.0f;
+        T* o = out + ((b * n + i) * Hq + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void decode_attention(const DecodeAttentionArgs& a) { SPECDEC_DISPATCH(a.dtype, decode_attention_impl, a); }
+
+}  // namespace cpu
+}  // namespace specdec

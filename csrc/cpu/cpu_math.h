@@ -1,0 +1,45 @@
+// Element-wise float math shared by the CPU kernels (csrc/cpu/*.cpp), written with plain arithmetic so that
+// element-wise loops vectorise it without -ffast-math.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "kernels/args.h"
+
+namespace specdec {
+namespace cpu {
+
+// Runs FN<T>(ARGS) with T the C++ type of `dtype`.
+#define SPECDEC_DISPATCH(dtype, FN, ARGS)                                            \
+  switch (dtype) {                                                                  \
+    case DType::kFloat32: FN<float>(ARGS); break;                                   \
+    case DType::kBFloat16: FN<c10::BFloat16>(ARGS); break;                          \
+    case DType::kFloat16: FN<c10::Half>(ARGS); break;                               \
+  }
+
+// exp(x) for x <= 0 (arguments are always shifted by the row maximum): Cody-Waite range
+// reduction and a degree-6 minimax polynomial (Cephes expf coefficients), about 1 ulp;
+// written with plain arithmetic so that element-wise loops vectorise it.
+inline float exp_nonpos(float x) {
+  float xc = x < -87.0f ? -87.0f : x;
+  float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : y * scale;
+}
+
+}  // namespace cpu
+}  // namespace specdec

@@ -1,0 +1,65 @@
+"""``attn_implementation="specdec_decode"``: transformers attention through ``ops.decode_attention`` on CPUs.
+
+Importing ``specdec_ext`` registers the name with transformers' ``AttentionInterface`` (the attention function)
+and ``AttentionMaskInterface`` (masks as booleans, never skipped, so every layer sees its padding and holes).
+A model loaded with ``attn_implementation="specdec_decode"``, or switched with
+``model.set_attn_implementation("specdec_decode")``, runs its attention layers through the kernel when the kernel
+serves the call, and through transformers' SDPA function otherwise:
+
+* the kernel: CPU tensors, at most ``MAX_QUERIES`` queries per row (decode steps, verification of K + 1
+  positions), a boolean mask, no dropout in training, no attention sinks, position bias or logit soft-cap;
+* SDPA: prefills of longer prompts (its flash kernel is faster there), GPUs, and everything else (so a model
+  with a logit soft-cap, Gemma-2, gets SDPA's error: load it with ``attn_implementation="eager"``).
+
+Why: torch's fused CPU attention takes 4-6x as long as matmul-softmax-matmul for one query per row in bfloat16
+(``bench/attention_cpu.py``), and at batch sizes of 16-64 half of a padded cache is padding. Measured end to
+end by ``bench/attention_impl.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .. import ops
+
+NAME = "specdec_decode"
+MAX_QUERIES = 16  # queries per row up to which the kernel beats SDPA's flash kernel (bench/attention_cpu.py)
+
+
+def kernel_serves(query: torch.Tensor, attention_mask, dropout: float, training: bool, kwargs: dict) -> bool:
+    """Whether :func:`decode_attention_forward` runs ``ops.decode_attention`` for this call (see the module's
+    docstring)."""
+    if query.device.type != "cpu" or not ops.HAS_EXTENSION:
+        return False
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return False
+    if (dropout and training) or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+        return False
+    if kwargs.get("output_attentions") or kwargs.get("softcap") is not None:
+        return False
+    return query.shape[2] <= MAX_QUERIES
+
+
+def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature: query ``[B, Hq, n, D]``, key and value ``[B, Hkv, C, D]``,
+    mask ``[B, 1, n, C']`` bool (C' >= C); returns ``(attn_output [B, n, Hq, D], None)``."""
+    if not kernel_serves(query, attention_mask, dropout, module.training, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    mask = attention_mask[:, :, :, : key.shape[2]]
+    return ops.decode_attention(query, key, value, mask, scale), None
+
+
+def boolean_mask(*args, **kwargs):
+    """transformers' SDPA mask, never skipped (``allow_is_causal_skip=False``): the kernel needs it."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(NAME, decode_attention_forward)
+AttentionMaskInterface.register(NAME, boolean_mask)

@@ -1,0 +1,193 @@
+"""``ops.decode_attention`` (the CPU decode-attention kernel) against its pure-PyTorch reference and torch's SDPA;
+its errors, fake kernel and opcheck; and ``attn_implementation="specdec_decode"`` in transformers models and in
+the engine (same logits as SDPA, greedy speculative output equal to target-only decoding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models import make_pair, make_target
+from specdec_ext import SpeculativeGenerator, make_policy, ops, reference
+from specdec_ext.engine import attention, fast_llama
+from specdec_ext.engine.runner import CausalLMRunner
+
+needs_ext = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def case(B=3, Hq=4, Hkv=2, n=2, C=11, D=16, dtype=torch.float32, spare=5, per_head=False, seed=0, p_seen=0.7):
+    """query [B, Hq, n, D] (a transposed view, as attention layers pass it), key and value views of a cache with
+    ``spare`` columns on each side, and a mask with holes."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, n, Hq, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, Hkv, C + 2 * spare, D, generator=g).to(dtype)[:, :, spare:spare + C]
+    v = torch.randn(B, Hkv, C + 2 * spare, D, generator=g).to(dtype)[:, :, spare:spare + C]
+    mask = torch.rand(B, Hq if per_head else 1, n, C, generator=g) < p_seen
+    return q, k, v, mask
+
+
+def test_reference_is_sdpa():
+    """The oracle itself: torch's SDPA (with the key/value heads repeated) where every query sees a column."""
+    q, k, v, mask = case(p_seen=0.6)
+    mask[..., 0] = True
+    group = q.shape[1] // k.shape[1]
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          attn_mask=mask, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(reference.decode_attention(q, k, v, mask, 0.3), want, atol=1e-6, rtol=1e-5)
+
+
+@needs_ext
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 4), Hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]), n=st.integers(1, 6),
+       C=st.integers(1, 40), D=st.sampled_from([1, 5, 8, 16, 24, 64, 72]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), per_head=st.booleans(),
+       p_seen=st.sampled_from([0.0, 0.3, 0.8, 1.0]), seed=st.integers(0, 2**16))
+def test_kernel_matches_reference(B, Hkv, group, n, C, D, dtype, per_head, p_seen, seed):
+    q, k, v, mask = case(B, Hkv * group, Hkv, n, C, D, dtype, per_head=per_head, seed=seed, p_seen=p_seen)
+    out = ops.decode_attention(q, k, v, mask, D ** -0.5)
+    want = reference.decode_attention(q, k, v, mask, D ** -0.5)
+    assert out.shape == (B, n, Hkv * group, D) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    unseen = ~mask.expand(B, Hkv * group, n, C).any(-1)  # [B, Hq, n]: queries that see nothing get zeros
+    assert (out.transpose(1, 2)[unseen] == 0).all()
+
+
+@needs_ext
+def test_kernel_reads_only_seen_columns():
+    """Columns no query may see are never read: NaN there changes nothing, NaN in a seen column propagates."""
+    q, k, v, mask = case(B=2, n=3, C=9, p_seen=1.0)
+    mask[:, :, :, :4] = False  # left padding
+    k, v = k.clone(), v.clone()
+    k[:, :, :4] = float("nan")
+    v[:, :, :4] = float("nan")
+    out = ops.decode_attention(q, k, v, mask, 0.25)
+    assert torch.isfinite(out).all()
+    want = reference.decode_attention(q, k.nan_to_num(0), v.nan_to_num(0), mask, 0.25)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    k[0, 0, 6] = float("nan")
+    out = ops.decode_attention(q, k, v, mask, 0.25)
+    assert torch.isnan(out[0, :, :2]).all() and torch.isfinite(out[1]).all()
+
+
+@needs_ext
+def test_errors_name_the_argument():
+    q, k, v, mask = case()
+    with pytest.raises(TypeError, match="key and value must have query's dtype"):
+        ops.decode_attention(q, k.double(), v, mask, 1.0)
+    with pytest.raises(TypeError, match="query must be float32, bfloat16 or float16"):
+        ops.decode_attention(q.long(), k.long(), v.long(), mask, 1.0)
+    with pytest.raises(TypeError, match="mask must be bool"):
+        ops.decode_attention(q, k, v, mask.float(), 1.0)
+    with pytest.raises(ValueError, match=r"query must be \[B, Hq, n, D\]"):
+        ops.decode_attention(q[0], k, v, mask, 1.0)
+    with pytest.raises(ValueError, match=r"key must be \[B, Hkv, C, D\]"):
+        ops.decode_attention(q, k[:, :, :, :3], v, mask, 1.0)
+    with pytest.raises(ValueError, match=r"key must be .* with Hkv, C >= 1"):
+        ops.decode_attention(q, k[:, :, :0], v[:, :, :0], mask[..., :0], 1.0)
+    with pytest.raises(ValueError, match="value must have key's shape"):
+        ops.decode_attention(q, k, v[:, :, :5], mask, 1.0)
+    with pytest.raises(ValueError, match=r"must be a multiple of key/value heads \(3\)"):
+        q3, k3, v3, m3 = case(Hq=4, Hkv=3)
+        ops.decode_attention(q3, k3, v3, m3, 1.0)
+    with pytest.raises(ValueError, match=r"mask must be \[B or 1, Hq or 1, n, C\]"):
+        ops.decode_attention(q, k, v, mask[:, :, :1], 1.0)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        ops.decode_attention(q, k, v, mask, float("inf"))
+    with pytest.raises(ValueError, match="scale must be finite"):
+        reference.decode_attention(q, k, v, mask, float("nan"))
+
+
+@needs_ext
+def test_opcheck_and_compile():
+    q, k, v, mask = case()
+    torch.library.opcheck(torch.ops.specdec_ext.decode_attention.default, (q, k, v, mask, 0.5))
+    torch.library.opcheck(torch.ops.specdec_ext.decode_attention.default, (q, k, v, mask[:1], 0.5))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(q, k, v, mask):
+        return torch.ops.specdec_ext.decode_attention(q, k, v, mask, 0.5) * 2
+
+    torch.testing.assert_close(f(q, k, v, mask), 2 * reference.decode_attention(q, k, v, mask, 0.5), atol=1e-5,
+                               rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- in transformers models
+def test_kernel_serves_only_what_it_supports():
+    q = torch.zeros(2, 4, 3, 8)
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
+    assert attention.kernel_serves(q, mask, 0.0, False, {}) == ops.HAS_EXTENSION
+    assert not attention.kernel_serves(q, None, 0.0, False, {})
+    assert not attention.kernel_serves(q, mask.float(), 0.0, False, {})
+    assert not attention.kernel_serves(q, mask, 0.1, True, {})
+    assert not attention.kernel_serves(q, mask, 0.0, False, {"softcap": 50.0})
+    assert not attention.kernel_serves(q, mask, 0.0, False, {"s_aux": torch.zeros(4)})
+    assert not attention.kernel_serves(torch.zeros(2, 4, attention.MAX_QUERIES + 1, 8), mask, 0.0, False, {})
+
+
+@needs_ext
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_model_logits_match_sdpa(arch):
+    """A padded batch fed in pieces (a prefill longer than MAX_QUERIES, then verification-sized forwards with
+    holes) gives SDPA's logits through the runner."""
+    model = make_target(arch, layers=2)
+    g = torch.Generator().manual_seed(3)
+    rows = 3
+    pieces = [(torch.randint(2, 48, (rows, 20), generator=g), torch.rand(rows, 20, generator=g) < 0.8)]
+    pieces += [(torch.randint(2, 48, (rows, n), generator=g), torch.rand(rows, n, generator=g) < 0.7) for n in (1, 4, 2)]
+    for piece in pieces:
+        piece[1][:, -1] = True
+    logits = {}
+    for impl in ("sdpa", "specdec_decode"):
+        model.set_attn_implementation(impl)
+        runner = CausalLMRunner(model, "target")
+        runner.start(rows)
+        logits[impl] = [runner.forward(t, valid, keep=t.shape[1])[0] for t, valid in pieces]
+    model.set_attn_implementation("sdpa")
+    for a, b in zip(logits["sdpa"], logits["specdec_decode"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@needs_ext
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_greedy_speculative_equals_target_only(arch):
+    target, draft = make_pair(arch, noise=0.3)
+    target.set_attn_implementation("specdec_decode")
+    prompts = [torch.randint(2, 48, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 5, 14, 7)]
+    plain = SpeculativeGenerator(target, None, policy=make_policy("autoregressive"))
+    want = plain.generate_continuous(prompts, 3, max_new_tokens=24, temperature=0).new_tokens
+    for k in (1, 3):
+        spec = SpeculativeGenerator(target, draft, policy=make_policy("fixed", k=k))
+        assert spec.generate_continuous(prompts, 3, max_new_tokens=24, temperature=0).new_tokens == want
+
+
+@needs_ext
+def test_fast_draft_runner_kernel_matches_sdpa(monkeypatch):
+    """The lean draft runner's attention through the kernel gives the logits of its SDPA path."""
+    _, draft = make_pair("llama")
+    g = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(2, 48, (2, n), generator=g) for n in (9, 1, 3)]
+    valid = [torch.rand(2, t.shape[1], generator=g) < 0.8 for t in tokens]
+    for v in valid:
+        v[:, -1] = True
+    out = {}
+    for use in (True, False):
+        monkeypatch.setattr(fast_llama.FastLlamaRunner, "attention_kernel", use)
+        r = fast_llama.FastLlamaRunner(draft, "draft")
+        r.start(2)
+        out[use] = [r.forward(t, m, keep=t.shape[1])[0] for t, m in zip(tokens, valid)]
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert fast_llama.uses_attention_kernel(torch.device("cpu"), attention.MAX_QUERIES) == ops.HAS_EXTENSION
+    assert not fast_llama.uses_attention_kernel(torch.device("cpu"), attention.MAX_QUERIES + 1)
+
+
+def test_default_attn_implementation():
+    from specdec_ext.zoo import default_attn_implementation
+
+    assert default_attn_implementation("cpu") == ("specdec_decode" if ops.HAS_EXTENSION else None)
+    assert default_attn_implementation("cuda") is None
+    assert default_attn_implementation("cpu", device_map="auto") is None
