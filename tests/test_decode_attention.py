@@ -151,6 +151,25 @@ def test_model_logits_match_sdpa(arch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_softcapped_model_matches_eager():
+    """Gemma-2 caps its attention logits, which neither the kernel nor SDPA does: the registered function computes
+    it in torch ops and gives eager attention's logits."""
+    model = make_target("gemma2", layers=2)
+    assert model.config.attn_logit_softcapping
+    g = torch.Generator().manual_seed(4)
+    pieces = [(torch.randint(2, 48, (2, n), generator=g), torch.rand(2, n, generator=g) < 0.8) for n in (9, 1, 3)]
+    for piece in pieces:
+        piece[1][:, -1] = True
+    logits = {}
+    for impl in ("eager", "specdec_decode"):
+        model.set_attn_implementation(impl)
+        runner = CausalLMRunner(model, "target")
+        runner.start(2)
+        logits[impl] = [runner.forward(t, valid, keep=t.shape[1])[0] for t, valid in pieces]
+    for a, b in zip(logits["eager"], logits["specdec_decode"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 @needs_ext
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_greedy_speculative_equals_target_only(arch):

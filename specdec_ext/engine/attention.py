@@ -8,8 +8,9 @@ serves the call, and through transformers' SDPA function otherwise:
 
 * the kernel: CPU tensors, at most ``MAX_QUERIES`` queries per row (decode steps, verification of K + 1
   positions), a boolean mask, no dropout in training, no attention sinks, position bias or logit soft-cap;
-* SDPA: prefills of longer prompts (its flash kernel is faster there), GPUs, and everything else (so a model
-  with a logit soft-cap, Gemma-2, gets SDPA's error: load it with ``attn_implementation="eager"``).
+* a logit soft-cap (Gemma-2), which neither the kernel nor SDPA applies: matmul, cap, masked softmax, matmul
+  in torch ops (what transformers' eager attention computes);
+* SDPA: prefills of longer prompts (its flash kernel is faster there), GPUs, and everything else.
 
 Why: torch's fused CPU attention takes 4-6x as long as matmul-softmax-matmul for one query per row in bfloat16
 (``bench/attention_cpu.py``), and at batch sizes of 16-64 half of a padded cache is padding. Measured end to
@@ -47,12 +48,27 @@ def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function signature: query ``[B, Hq, n, D]``, key and value ``[B, Hkv, C, D]``,
     mask ``[B, 1, n, C']`` bool (C' >= C); returns ``(attn_output [B, n, Hq, D], None)``."""
+    softcap = kwargs.get("softcap")
+    if softcap is not None and attention_mask is not None and attention_mask.dtype == torch.bool:
+        return _softcapped(query, key, value, attention_mask[:, :, :, : key.shape[2]], scaling, float(softcap)), None
     if not kernel_serves(query, attention_mask, dropout, module.training, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     mask = attention_mask[:, :, :, : key.shape[2]]
     return ops.decode_attention(query, key, value, mask, scale), None
+
+
+def _softcapped(query, key, value, mask, scaling, softcap):
+    """Attention with soft-capped logits, softcap * tanh(q.k * scale / softcap) (Gemma-2), in torch ops; the
+    softmax in float32. Output ``[B, n, Hq, D]``."""
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1) if group > 1 else key
+    v = value.repeat_interleave(group, dim=1) if group > 1 else value
+    scores = torch.tanh(torch.matmul(query, k.transpose(-1, -2)).float() * (scale / softcap)) * softcap
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(query.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous()
 
 
 def boolean_mask(*args, **kwargs):

@@ -75,8 +75,8 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     ``tp_plan="auto"``: gloo on CPUs, NCCL on GPUs, where each rank takes the GPU ``$LOCAL_RANK``); the draft
     is replicated on every rank, on the target's device (see ``engine/tensor_parallel.py``). A head is
     checked against the draft (hidden size, and the fingerprint of the draft it was trained for).
-    ``attn_implementation`` (both models; default :func:`default_attn_implementation`) is passed to
-    ``from_pretrained``.
+    ``attn_implementation`` (both models; None: transformers' default) is passed to ``from_pretrained``;
+    ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``).
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, or ``tp`` with
     ``device_map``; ImportError for ``tp`` > 1 without accelerate (``pip install 'specdec_ext[tp]'``).
@@ -90,8 +90,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     kw = {"device_map": device_map} if device_map else {}
     if tp != 1:
         kw = _tp_kwargs(tp, device_map)
-    attn = attn_implementation if attn_implementation is not None else default_attn_implementation(device, device_map)
-    attn_kw = {"attn_implementation": attn} if attn else {}
+    attn_kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     kw.update(attn_kw)
     t = AutoModelForCausalLM.from_pretrained(target, dtype=target_dtype, local_files_only=True, **kw).eval()
     if tp != 1:
@@ -148,14 +147,16 @@ def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dty
     ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
     the CPU has native bf16 matrix instructions); the draft defaults to float32, in which the heads were trained and
     the README's figures measured (a bfloat16 draft can be faster end to end: ``bench/draft_dtype.py``). ``tp``: as in
-    :func:`load_models` (a tensor-parallel target under ``torchrun``), and so is ``attn_implementation``.
+    :func:`load_models` (a tensor-parallel target under ``torchrun``); ``attn_implementation`` default:
+    :func:`default_attn_implementation` (the decode-attention kernel on a CPU).
 
     Raises FileNotFoundError when this checkout has no trained pair (train it with ``specdec zoo train``)."""
     if not pair_available(path):
         raise FileNotFoundError(f"no bundled pair in {path}: train it with `specdec zoo train` (see README)")
     target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
+    attn = default_attn_implementation(device) if attn_implementation is None else attn_implementation
     pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device, tp=tp,
-                       attn_implementation=attn_implementation)
+                       attn_implementation=attn)
     if with_head:
         from ..engine.models import fingerprint, hidden_size
 
