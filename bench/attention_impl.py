@@ -13,16 +13,13 @@ two differ in rounding, so bf16 greedy text may part where two tokens' logits ar
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.benchmark import add_stream_arguments, alternate_streams, arms_line, machine_description
+from specdec_ext.benchmark import add_stream_arguments, alternate_streams, arms_by_batch_and_k
 from specdec_ext.engine.fast_llama import FastLlamaRunner
 from specdec_ext.policies import make_policy
-from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
 ARMS = ("specdec_decode", "sdpa")
@@ -61,18 +58,7 @@ def main(argv=None) -> dict:
     ap.set_defaults(prompts=128, rows_per_stream=1)
     args = ap.parse_args(argv)
     pair = load_pair(attn_implementation="specdec_decode")
-    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in load_prompts("humaneval")[:args.prompts]]
-    t0 = time.perf_counter()
-    rows = []
-    for b in args.batch_sizes.split(","):
-        for k in args.ks.split(","):
-            rows.append(compare(pair, prompts, int(b), int(k), args.max_new_tokens, args.rows_per_stream))
-            print(arms_line(rows[-1], "kernel_over_sdpa"), flush=True)
-    result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
-              "command": "python bench/attention_impl.py " + " ".join(argv if argv is not None else []), "rows": rows}
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return arms_by_batch_and_k(pair, args, compare, "kernel_over_sdpa", "attention_impl", argv)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,15 @@ holds the same numbers either way, so the tokens must be the same).
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import torch
 from transformers import DynamicCache
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.benchmark import add_stream_arguments, alternate_streams, arms_line, machine_description
+from specdec_ext.benchmark import add_stream_arguments, alternate_streams, arms_by_batch_and_k
 from specdec_ext.engine.kv_cache import GrowingCache
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.policies import make_policy
-from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
 CACHES = {"in-place": GrowingCache, "cat": DynamicCache}
@@ -55,19 +52,7 @@ def main(argv=None) -> dict:
     add_stream_arguments(ap, argparse.SUPPRESS)  # its --k is not used: --ks
     ap.set_defaults(prompts=164, rows_per_stream=1)
     args = ap.parse_args(argv)
-    pair = load_pair()
-    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in load_prompts("humaneval")[:args.prompts]]
-    t0 = time.perf_counter()
-    rows = []
-    for b in args.batch_sizes.split(","):
-        for k in args.ks.split(","):
-            rows.append(compare(pair, prompts, int(b), int(k), args.max_new_tokens, args.rows_per_stream))
-            print(arms_line(rows[-1], "in_place_over_cat"), flush=True)
-    result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
-              "command": "python bench/kv_cache.py " + " ".join(argv if argv is not None else []), "rows": rows}
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return arms_by_batch_and_k(load_pair(), args, compare, "in_place_over_cat", "kv_cache", argv)
 
 
 if __name__ == "__main__":

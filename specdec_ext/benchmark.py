@@ -363,6 +363,28 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             "accepted": accepted, "same_tokens": same / len(prompts)}
 
 
+def arms_by_batch_and_k(pair, args, compare: Callable, ratio: str, script: str, argv) -> dict:
+    """The loop of a script that compares two arms with :func:`alternate_streams` (``bench/kv_cache.py``,
+    ``bench/attention_impl.py``): for each batch size in ``args.batch_sizes`` and K in ``args.ks`` (comma-separated;
+    K = 0: plain decoding), ``compare(pair, prompts, B, K, max_new_tokens, rows_per_stream)`` on the first
+    ``args.prompts`` HumanEval prompts, each row printed by :func:`arms_line`. Returns (and writes to ``args.out``
+    when given) ``{"machine", "seconds", "command", "rows"}``."""
+    from .prompts import load_prompts
+
+    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in load_prompts("humaneval")[:args.prompts]]
+    t0 = time.perf_counter()
+    rows = []
+    for b in args.batch_sizes.split(","):
+        for k in args.ks.split(","):
+            rows.append(compare(pair, prompts, int(b), int(k), args.max_new_tokens, args.rows_per_stream))
+            print(arms_line(rows[-1], ratio), flush=True)
+    result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
+              "command": f"python bench/{script}.py " + " ".join(argv if argv is not None else []), "rows": rows}
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def arms_line(row: dict, ratio: str) -> str:
     """A row of two arms compared by :func:`alternate_streams` (with its ``batch_size`` and ``k``) as one printed
     line: each arm's tokens/s in the row's order, ``row[ratio]``, and the share of requests with the same tokens."""

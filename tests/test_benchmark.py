@@ -302,19 +302,24 @@ def test_draft_linear_script_compares_the_two_runners_on_the_same_requests():
     assert FastLlamaRunner.packed_default is None
 
 
+def _tiny_stream_pair():
+    """A tiny fp32 pair as the A/B stream scripts take it (target, draft, tokenizer without EOS), and six prompts."""
+    from types import SimpleNamespace
+
+    target, draft = make_pair("llama", noise=0.3)
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
+    g = torch.Generator().manual_seed(0)
+    return pair, [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+
+
 def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
     """bench/kv_cache.py on a tiny pair: both target caches run every request, with the same tokens (they hold the
     same numbers), for plain decoding and fixed K; and the runner's class-wide cache is back to the default."""
-    from types import SimpleNamespace
-
     from specdec_ext.engine.kv_cache import GrowingCache
     from specdec_ext.engine.runner import CausalLMRunner
 
     mod = _bench_script("kv_cache")
-    target, draft = make_pair("llama", noise=0.3)
-    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+    pair, prompts = _tiny_stream_pair()
     for k in (0, 2):
         row = mod.compare(pair, prompts, batch_size=2, k=k, max_new_tokens=6, rows_per_stream=1)
         assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
@@ -322,26 +327,22 @@ def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
         assert row["in_place_over_cat"] == pytest.approx(row["tokens_per_s"]["in-place"] / row["tokens_per_s"]["cat"])
     assert CausalLMRunner.cache_class is GrowingCache
 
+
 def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests():
     """bench/attention_impl.py on a tiny fp32 pair: both attentions run every request (greedy text the same: fp32
     differences are far below the tiny models' logit margins), for plain decoding and fixed K; and both models are
     back on the kernel afterwards."""
-    from types import SimpleNamespace
-
     from specdec_ext.engine.fast_llama import FastLlamaRunner
 
     mod = _bench_script("attention_impl")
-    target, draft = make_pair("llama", noise=0.3)
-    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+    pair, prompts = _tiny_stream_pair()
     for k in (0, 2):
         row = mod.compare(pair, prompts, batch_size=2, k=k, max_new_tokens=6, rows_per_stream=1)
         assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
         assert set(row["tokens_per_s"]) == {"specdec_decode", "sdpa"} and min(row["tokens_per_s"].values()) > 0
         assert row["kernel_over_sdpa"] == pytest.approx(row["tokens_per_s"]["specdec_decode"]
                                                         / row["tokens_per_s"]["sdpa"])
-    assert target.config._attn_implementation == "specdec_decode" and FastLlamaRunner.attention_kernel
+    assert pair.target.config._attn_implementation == "specdec_decode" and FastLlamaRunner.attention_kernel
 
 
 def test_budget_paired_script_runs_every_arm_on_the_same_requests():

@@ -116,6 +116,27 @@ def test_opcheck_and_compile():
 
 
 # ----------------------------------------------------------------------------------- in transformers models
+def pieces(rows: int, lengths: tuple, seed: int) -> list:
+    """Forwards of ``rows`` rows: (tokens, valid) per length, with holes (each piece's last token real)."""
+    g = torch.Generator().manual_seed(seed)
+    out = [(torch.randint(2, 48, (rows, n), generator=g), torch.rand(rows, n, generator=g) < 0.75) for n in lengths]
+    for _, valid in out:
+        valid[:, -1] = True
+    return out
+
+
+def assert_same_logits(model, other: str, forwards: list) -> None:
+    """The runner's logits at every fed position under ``specdec_decode`` and under ``other``."""
+    logits = {}
+    for impl in (other, "specdec_decode"):
+        model.set_attn_implementation(impl)
+        runner = CausalLMRunner(model, "target")
+        runner.start(forwards[0][0].shape[0])
+        logits[impl] = [runner.forward(t, valid, keep=t.shape[1])[0] for t, valid in forwards]
+    for a, b in zip(logits[other], logits["specdec_decode"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_kernel_serves_only_what_it_supports():
     q = torch.zeros(2, 4, 3, 8)
     mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
@@ -133,22 +154,7 @@ def test_kernel_serves_only_what_it_supports():
 def test_model_logits_match_sdpa(arch):
     """A padded batch fed in pieces (a prefill longer than MAX_QUERIES, then verification-sized forwards with
     holes) gives SDPA's logits through the runner."""
-    model = make_target(arch, layers=2)
-    g = torch.Generator().manual_seed(3)
-    rows = 3
-    pieces = [(torch.randint(2, 48, (rows, 20), generator=g), torch.rand(rows, 20, generator=g) < 0.8)]
-    pieces += [(torch.randint(2, 48, (rows, n), generator=g), torch.rand(rows, n, generator=g) < 0.7) for n in (1, 4, 2)]
-    for piece in pieces:
-        piece[1][:, -1] = True
-    logits = {}
-    for impl in ("sdpa", "specdec_decode"):
-        model.set_attn_implementation(impl)
-        runner = CausalLMRunner(model, "target")
-        runner.start(rows)
-        logits[impl] = [runner.forward(t, valid, keep=t.shape[1])[0] for t, valid in pieces]
-    model.set_attn_implementation("sdpa")
-    for a, b in zip(logits["sdpa"], logits["specdec_decode"]):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert_same_logits(make_target(arch, layers=2), "sdpa", pieces(3, (20, 1, 4, 2), seed=3))
 
 
 def test_softcapped_model_matches_eager():
@@ -156,18 +162,7 @@ def test_softcapped_model_matches_eager():
     it in torch ops and gives eager attention's logits."""
     model = make_target("gemma2", layers=2)
     assert model.config.attn_logit_softcapping
-    g = torch.Generator().manual_seed(4)
-    pieces = [(torch.randint(2, 48, (2, n), generator=g), torch.rand(2, n, generator=g) < 0.8) for n in (9, 1, 3)]
-    for piece in pieces:
-        piece[1][:, -1] = True
-    logits = {}
-    for impl in ("eager", "specdec_decode"):
-        model.set_attn_implementation(impl)
-        runner = CausalLMRunner(model, "target")
-        runner.start(2)
-        logits[impl] = [runner.forward(t, valid, keep=t.shape[1])[0] for t, valid in pieces]
-    for a, b in zip(logits["eager"], logits["specdec_decode"]):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert_same_logits(model, "eager", pieces(2, (9, 1, 3), seed=4))
 
 
 @needs_ext
