@@ -16,6 +16,8 @@ Thm. 1) / Chen et al. 2023 (Alg. 2); stopping rule from SpecDec++ (Huang et al. 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import checks, errors
@@ -387,8 +389,6 @@ def confidence_features(dist, tokens, logits):
 def decode_attention(query, key, value, mask, scale):
     """Reference of ``ops.decode_attention``: softmax(q k^T * scale, masked) v in float32, per query head with
     the key/value head it shares (grouped-query attention); a query that sees no column gets zeros."""
-    import math
-
     checks.attention_shapes(query, key, value, mask)
     if not math.isfinite(scale):
         raise ValueError(f"decode_attention: scale must be finite, got {scale}")
@@ -400,4 +400,3 @@ def decode_attention(query, key, value, mask, scale):
     seen = mask.expand_as(scores).any(-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
     return (weights @ v).transpose(1, 2).to(query.dtype).contiguous()
-

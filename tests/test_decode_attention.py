@@ -195,8 +195,9 @@ def test_fast_draft_runner_kernel_matches_sdpa(monkeypatch):
         out[use] = [r.forward(t, m, keep=t.shape[1])[0] for t, m in zip(tokens, valid)]
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert fast_llama.uses_attention_kernel(torch.device("cpu"), attention.MAX_QUERIES) == ops.HAS_EXTENSION
-    assert not fast_llama.uses_attention_kernel(torch.device("cpu"), attention.MAX_QUERIES + 1)
+    assert attention.kernel_takes(torch.device("cpu"), attention.MAX_QUERIES) == ops.HAS_EXTENSION
+    assert not attention.kernel_takes(torch.device("cpu"), attention.MAX_QUERIES + 1)
+    assert fast_llama.FastLlamaRunner.uses_attention_kernel("cpu", 1) is (use and ops.HAS_EXTENSION)
 
 
 def test_default_attn_implementation():

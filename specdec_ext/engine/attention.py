@@ -33,18 +33,22 @@ NAME = "specdec_decode"
 MAX_QUERIES = 16
 
 
+def kernel_takes(device, queries: int) -> bool:
+    """Whether ``ops.decode_attention`` can serve a forward of ``queries`` queries per row on ``device``: a CPU, the
+    compiled extension, at most ``MAX_QUERIES`` queries (also the draft's lean runner's test, ``fast_llama``)."""
+    return torch.device(device).type == "cpu" and ops.HAS_EXTENSION and queries <= MAX_QUERIES
+
+
 def kernel_serves(query: torch.Tensor, attention_mask, dropout: float, training: bool, kwargs: dict) -> bool:
     """Whether :func:`decode_attention_forward` runs ``ops.decode_attention`` for this call (see the module's
     docstring)."""
-    if query.device.type != "cpu" or not ops.HAS_EXTENSION:
+    if not kernel_takes(query.device, query.shape[2]):
         return False
     if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return False
     if (dropout and training) or kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
         return False
-    if kwargs.get("output_attentions") or kwargs.get("softcap") is not None:
-        return False
-    return query.shape[2] <= MAX_QUERIES
+    return not (kwargs.get("output_attentions") or kwargs.get("softcap") is not None)
 
 
 def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from .attention import MAX_QUERIES
+from .attention import kernel_takes
 from .runner import TimedRunner, usable_device
 
 # model -> {packed: (fingerprint of its weights, the runner's prepared weights)}: packing costs a few ms, and a
@@ -60,12 +60,6 @@ def _fingerprint(model) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
 
-def uses_attention_kernel(device: torch.device, queries: int) -> bool:
-    """Whether the runner's attention goes through ``ops.decode_attention`` (a CPU, the compiled extension, at
-    most ``attention.MAX_QUERIES`` queries per row) rather than ``F.scaled_dot_product_attention``."""
-    return torch.device(device).type == "cpu" and ops.HAS_EXTENSION and queries <= MAX_QUERIES
-
-
 def supports(model) -> bool:
     """True for Llama-architecture causal LMs this runner reproduces (no biases, SiLU MLP, static RoPE)."""
     cfg = getattr(model, "config", None)
@@ -89,7 +83,13 @@ class FastLlamaRunner(TimedRunner):
             weights are not available."""
 
     packed_default: Optional[bool] = None  # what packed=None means, for every runner (e.g. False to compare)
-    attention_kernel: bool = True  # ops.decode_attention where it serves (uses_attention_kernel); False: SDPA
+    attention_kernel: bool = True  # ops.decode_attention where it can serve (uses_attention_kernel); False: SDPA
+
+    @classmethod
+    def uses_attention_kernel(cls, device, queries: int) -> bool:
+        """Whether a forward of ``queries`` queries per row on ``device`` goes through ``ops.decode_attention``
+        (:attr:`attention_kernel`, and ``attention.kernel_takes``) rather than ``F.scaled_dot_product_attention``."""
+        return cls.attention_kernel and kernel_takes(device, queries)
 
     def __init__(self, model, name: str = "draft", packed: Optional[bool] = None):
         if not supports(model):
@@ -206,7 +206,7 @@ class FastLlamaRunner(TimedRunner):
         attn_mask = (row_mask.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # [B, 1, n, C1]
         x = F.embedding(tokens, self.embed)
         hq, hk, d = self.n_heads, self.n_kv, self.head_dim
-        kernel = self.attention_kernel and uses_attention_kernel(self.device, n)
+        kernel = self.uses_attention_kernel(self.device, n)
         for li, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
             h = self._rms(x, w_in)
             qkv = self._linear(h, w_qkv).view(B, n, hq + 2 * hk, d).transpose(1, 2)

@@ -58,8 +58,8 @@ def profile_key(target, draft, fast_draft: bool, k_max: int) -> str:
             "draft_linear": "onednn-packed" if packed else "torch",
             "target_cache": "growing",  # the target runner's KV cache appends in place (engine/kv_cache.py)
             "target_attention": getattr(target.config, "_attn_implementation", None),
-            "draft_attention": "decode_attention" if fast_llama.FastLlamaRunner.attention_kernel
-            and fast_llama.uses_attention_kernel(p.device, 1) else "sdpa",
+            "draft_attention": "decode_attention" if fast_llama.FastLlamaRunner.uses_attention_kernel(p.device, 1)
+            else "sdpa",
             "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tp": tp_size(target)}
     return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
