@@ -173,7 +173,7 @@ def sliding_layout(model) -> Optional[dict]:
         raise ValueError(f"{name} has different sliding windows per layer {sorted(per_layer - {None})}: not supported")
     if getattr(cfg, "_attn_implementation", None) not in (None, "eager", "sdpa", "specdec_decode"):
         raise ValueError(f"{name} uses attention {cfg._attn_implementation!r}; speculative rollback of a sliding-window "
-                         "model needs 'sdpa' or 'eager' (load it with attn_implementation='sdpa')")
+                         "model needs 'sdpa', 'eager' or 'specdec_decode' (load it with attn_implementation='sdpa')")
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)
     takes_dict = base is not None and "causal_mask_mapping := attention_mask, dict" in inspect.getsource(type(base).forward)
     kinds = set(types) if types is not None else {"sliding_attention"}
