@@ -24,10 +24,8 @@ import time
 
 import torch
 
-from specdec_ext import SpeculativeGenerator
-from specdec_ext.benchmark import add_stream_arguments, alternate_streams, arms_line, machine_description
+from specdec_ext.benchmark import add_stream_arguments, arms_line, compare_switched_arms, machine_description
 from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
-from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
@@ -64,20 +62,12 @@ def step_ms(draft, batch_size: int, context: int = 128, steps: int = 20, blocks:
 def end_to_end(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int) -> dict:
     """tokens/s of fixed K = ``k`` with each runner at ``batch_size`` (alternating per stream), the ratio packed /
     F.linear, accepted candidates, and the share of requests whose tokens are the same with either."""
-    gen = SpeculativeGenerator(pair.target, pair.draft, policy=make_policy("fixed", k=k))
-    eos = pair.tokenizer.eos_token_id
 
-    def generate(arm, stream, n):
-        FastLlamaRunner.packed_default = arm == "packed"  # the generator makes its draft runner per call
-        return gen.generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
+    def switch(arm):  # the generator makes its draft runner per call; None: the runner's own default again
+        FastLlamaRunner.packed_default = None if arm is None else arm == "packed"
 
-    try:
-        r = alternate_streams(generate, RUNNERS, prompts, batch_size, rows_per_stream, max_new_tokens)
-    finally:
-        FastLlamaRunner.packed_default = None
-    rate = r["tokens_per_s"]
-    return {"batch_size": batch_size, "k": k, "tokens_per_s": rate, "accepted": r["accepted"],
-            "packed_over_linear": rate["packed"] / rate["F.linear"], "same_tokens": r["same_tokens"]}
+    return compare_switched_arms(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream, RUNNERS, switch,
+                                 "packed_over_linear")
 
 
 def main(argv=None) -> dict:

@@ -363,20 +363,58 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             "accepted": accepted, "same_tokens": same / len(prompts)}
 
 
-def arms_by_batch_and_k(pair, args, compare: Callable, ratio: str, script: str, argv) -> dict:
-    """The loop of a script that compares two arms with :func:`alternate_streams` (``bench/kv_cache.py``,
-    ``bench/attention_impl.py``): for each batch size in ``args.batch_sizes`` and K in ``args.ks`` (comma-separated;
-    K = 0: plain decoding), ``compare(pair, prompts, B, K, max_new_tokens, rows_per_stream)`` on the first
-    ``args.prompts`` HumanEval prompts, each row printed by :func:`arms_line`. Returns (and writes to ``args.out``
-    when given) ``{"machine", "seconds", "command", "rows"}``."""
+def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int,
+                          arms: tuple, switch: Callable, ratio: str) -> dict:
+    """Two arms that differ by process-wide state (a runner's class attribute, a model's attention), greedy, fixed
+    K = ``k`` (0: plain decoding) at ``batch_size``, the arms alternating stream by stream (:func:`alternate_streams`).
+    ``switch(arm)`` sets an arm's state before each of its calls (the generator makes its runners per call);
+    ``switch(None)`` restores the default afterwards, also on an error.
+
+    Returns: ``batch_size``, ``k``, ``tokens_per_s`` and ``accepted`` per arm, ``ratio``: tokens/s of ``arms[0]`` over
+    ``arms[1]``, and ``same_tokens`` (the share of requests with the same tokens under both)."""
+    policy = make_policy("fixed", k=k) if k else make_policy("autoregressive")
+    gen = SpeculativeGenerator(pair.target, pair.draft, policy=policy)
+    eos = pair.tokenizer.eos_token_id
+
+    def generate(arm, stream, n):
+        switch(arm)
+        return gen.generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
+
+    try:
+        r = alternate_streams(generate, arms, prompts, batch_size, rows_per_stream, max_new_tokens)
+    finally:
+        switch(None)
+    rate = r["tokens_per_s"]
+    return {"batch_size": batch_size, "k": k, "tokens_per_s": rate, "accepted": r["accepted"],
+            ratio: rate[arms[0]] / rate[arms[1]], "same_tokens": r["same_tokens"]}
+
+
+def two_arm_script(argv, description: str, script: str, compare: Callable, ratio: str, load: Callable,
+                   batch_sizes: str, prompts: int) -> dict:
+    """The command line of a script that compares two arms at several batch sizes and K (``bench/kv_cache.py``,
+    ``bench/attention_impl.py``): options ``--batch-sizes`` (default ``batch_sizes``), ``--ks`` (default 0,3; K = 0:
+    plain decoding) and :func:`add_stream_arguments`' (``--prompts`` default ``prompts``, one stream of B prompts).
+    For each batch size and K, ``compare(pair, prompts, B, K, max_new_tokens, rows_per_stream)`` on the first
+    HumanEval prompts with ``pair = load()``, each row printed by :func:`arms_line`. Returns (and writes to
+    ``--out`` when given) ``{"machine", "seconds", "command", "rows"}``."""
+    import argparse
+
     from .prompts import load_prompts
 
-    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in load_prompts("humaneval")[:args.prompts]]
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--batch-sizes", default=batch_sizes, help="comma-separated batch sizes")
+    ap.add_argument("--ks", default="0,3", help="comma-separated fixed K (0: plain decoding)")
+    add_stream_arguments(ap, argparse.SUPPRESS)  # its --k is not used: --ks
+    ap.set_defaults(prompts=prompts, rows_per_stream=1)
+    args = ap.parse_args(argv)
+    pair = load()
+    texts = load_prompts("humaneval")[:args.prompts]
+    requests = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in texts]
     t0 = time.perf_counter()
     rows = []
     for b in args.batch_sizes.split(","):
         for k in args.ks.split(","):
-            rows.append(compare(pair, prompts, int(b), int(k), args.max_new_tokens, args.rows_per_stream))
+            rows.append(compare(pair, requests, int(b), int(k), args.max_new_tokens, args.rows_per_stream))
             print(arms_line(rows[-1], ratio), flush=True)
     result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
               "command": f"python bench/{script}.py " + " ".join(argv if argv is not None else []), "rows": rows}

@@ -261,47 +261,6 @@ def test_batch_replay_script_by_hand():
     assert r["best_rule_over_best_fixed"] == pytest.approx(24 / 22.0)
 
 
-def test_draft_dtype_script_compares_the_two_drafts_on_the_same_requests():
-    """bench/draft_dtype.py on a tiny float32 target: both drafts run every request, and with a float32 target
-    greedy speculative decoding gives target-only decoding's tokens whatever the draft, so every request's
-    tokens are the same under both dtypes (share 1.0)."""
-    from types import SimpleNamespace
-
-    mod = _bench_script("draft_dtype")
-    target, draft = make_pair("llama", noise=0.3)
-    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
-    row = mod.compare(pair, prompts, batch_size=2, k=2, max_new_tokens=6, rows_per_stream=1)
-    assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == 2
-    assert set(row["tokens_per_s"]) == {"float32", "bfloat16"} and min(row["tokens_per_s"].values()) > 0
-    assert row["bfloat16_over_float32"] == pytest.approx(row["tokens_per_s"]["bfloat16"] / row["tokens_per_s"]["float32"])
-    assert draft.dtype == torch.float32  # the bfloat16 draft is a copy
-
-
-@pytest.mark.skipif(not packed_linear_available(torch.device("cpu"), torch.float32),
-                    reason="this torch has no oneDNN (mkldnn) packed linear")
-def test_draft_linear_script_compares_the_two_runners_on_the_same_requests():
-    """bench/draft_linear.py on a tiny float32 pair: both runners time the same draft step and run every request;
-    with a float32 target greedy decoding gives the target's tokens whatever the draft's matmuls, so every request's
-    tokens are the same under both; and the class-wide default is back to None after the comparison."""
-    from types import SimpleNamespace
-
-    mod = _bench_script("draft_linear")
-    target, draft = make_pair("llama", noise=0.3)
-    step = mod.step_ms(draft, batch_size=2, context=8, steps=2, blocks=2)
-    assert set(step["step_ms"]) == {"packed", "F.linear"} and min(step["step_ms"].values()) > 0
-    assert step["speedup"] == pytest.approx(step["step_ms"]["F.linear"] / step["step_ms"]["packed"])
-    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
-    row = mod.end_to_end(pair, prompts, batch_size=2, k=2, max_new_tokens=6, rows_per_stream=1)
-    assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == 2
-    assert min(row["tokens_per_s"].values()) > 0 and row["accepted"]["packed"] == row["accepted"]["F.linear"]
-    assert row["packed_over_linear"] == pytest.approx(row["tokens_per_s"]["packed"] / row["tokens_per_s"]["F.linear"])
-    assert FastLlamaRunner.packed_default is None
-
-
 def _tiny_stream_pair():
     """A tiny fp32 pair as the A/B stream scripts take it (target, draft, tokenizer without EOS), and six prompts."""
     from types import SimpleNamespace
@@ -312,6 +271,46 @@ def _tiny_stream_pair():
     return pair, [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
 
 
+def _two_arm_rows(compare, pair, prompts, arms: tuple, ratio: str, ks=(0, 2)) -> list:
+    """Rows of a two-arm bench script's ``compare`` on the tiny pair, checked: every request ran under both arms with
+    the same tokens (fp32: the arms' differences are far below the tiny models' logit margins), both arms have a
+    speed, and the ratio is arms[0] over arms[1]."""
+    rows = []
+    for k in ks:
+        row = compare(pair, prompts, batch_size=2, k=k, max_new_tokens=6, rows_per_stream=1)
+        assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
+        assert set(row["tokens_per_s"]) == set(arms) and min(row["tokens_per_s"].values()) > 0
+        assert row[ratio] == pytest.approx(row["tokens_per_s"][arms[0]] / row["tokens_per_s"][arms[1]])
+        rows.append(row)
+    return rows
+
+
+def test_draft_dtype_script_compares_the_two_drafts_on_the_same_requests():
+    """bench/draft_dtype.py on a tiny float32 target: both drafts run every request, and with a float32 target
+    greedy speculative decoding gives target-only decoding's tokens whatever the draft, so every request's
+    tokens are the same under both dtypes (share 1.0)."""
+    mod = _bench_script("draft_dtype")
+    pair, prompts = _tiny_stream_pair()
+    _two_arm_rows(mod.compare, pair, prompts, ("bfloat16", "float32"), "bfloat16_over_float32", ks=(2,))
+    assert pair.draft.dtype == torch.float32  # the bfloat16 draft is a copy
+
+
+@pytest.mark.skipif(not packed_linear_available(torch.device("cpu"), torch.float32),
+                    reason="this torch has no oneDNN (mkldnn) packed linear")
+def test_draft_linear_script_compares_the_two_runners_on_the_same_requests():
+    """bench/draft_linear.py on a tiny float32 pair: both runners time the same draft step and run every request;
+    with a float32 target greedy decoding gives the target's tokens whatever the draft's matmuls, so every request's
+    tokens are the same under both; and the class-wide default is back to None after the comparison."""
+    mod = _bench_script("draft_linear")
+    pair, prompts = _tiny_stream_pair()
+    step = mod.step_ms(pair.draft, batch_size=2, context=8, steps=2, blocks=2)
+    assert set(step["step_ms"]) == {"packed", "F.linear"} and min(step["step_ms"].values()) > 0
+    assert step["speedup"] == pytest.approx(step["step_ms"]["F.linear"] / step["step_ms"]["packed"])
+    (row,) = _two_arm_rows(mod.end_to_end, pair, prompts, ("packed", "F.linear"), "packed_over_linear", ks=(2,))
+    assert row["accepted"]["packed"] == row["accepted"]["F.linear"]
+    assert FastLlamaRunner.packed_default is None
+
+
 def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
     """bench/kv_cache.py on a tiny pair: both target caches run every request, with the same tokens (they hold the
     same numbers), for plain decoding and fixed K; and the runner's class-wide cache is back to the default."""
@@ -319,12 +318,7 @@ def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
     from specdec_ext.engine.runner import CausalLMRunner
 
     mod = _bench_script("kv_cache")
-    pair, prompts = _tiny_stream_pair()
-    for k in (0, 2):
-        row = mod.compare(pair, prompts, batch_size=2, k=k, max_new_tokens=6, rows_per_stream=1)
-        assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
-        assert set(row["tokens_per_s"]) == {"in-place", "cat"} and min(row["tokens_per_s"].values()) > 0
-        assert row["in_place_over_cat"] == pytest.approx(row["tokens_per_s"]["in-place"] / row["tokens_per_s"]["cat"])
+    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("in-place", "cat"), "in_place_over_cat")
     assert CausalLMRunner.cache_class is GrowingCache
 
 
@@ -336,12 +330,7 @@ def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests(
 
     mod = _bench_script("attention_impl")
     pair, prompts = _tiny_stream_pair()
-    for k in (0, 2):
-        row = mod.compare(pair, prompts, batch_size=2, k=k, max_new_tokens=6, rows_per_stream=1)
-        assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
-        assert set(row["tokens_per_s"]) == {"specdec_decode", "sdpa"} and min(row["tokens_per_s"].values()) > 0
-        assert row["kernel_over_sdpa"] == pytest.approx(row["tokens_per_s"]["specdec_decode"]
-                                                        / row["tokens_per_s"]["sdpa"])
+    _two_arm_rows(mod.compare, pair, prompts, ("specdec_decode", "sdpa"), "kernel_over_sdpa")
     assert pair.target.config._attn_implementation == "specdec_decode" and FastLlamaRunner.attention_kernel
 
 
