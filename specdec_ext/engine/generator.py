@@ -237,6 +237,7 @@ class SpeculativeGenerator:
             streamer.put(input_ids.cpu())
         last = input_ids[:, -1].clone()
         batch = _Batch.starting(list(range(B)), last, rngs, [[] for _ in range(B)])
+        pol.packed_verification = target.packs
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
         self._loop(pol, call, target, draft, batch, stats)
         if streamer is not None:
@@ -317,6 +318,7 @@ class SpeculativeGenerator:
         generated = [[] for _ in range(N)]
         target, draft, batch = start(queue[:first])
         del queue[:first]
+        pol.packed_verification = target.packs
         pol.reset(first, draft.device if draft is not None else target.device)
 
         def admit(batch, target, draft, done):  # queued requests take the places of finished ones
@@ -538,7 +540,12 @@ class SpeculativeGenerator:
         vdev = target.device
         B, K = drafted.cands.shape
         cand = drafted.cands.to(vdev)
-        t_logits, _ = target.forward(torch.cat([batch.last.view(-1, 1).to(vdev), cand], 1), keep=K + 1)
+        # a row verifies its own n_b candidates: the slots past them are holes, and where the target's runner can
+        # pack rows, a forward over the real tokens alone (a verification budget's per-row depths cost no padding)
+        valid = torch.arange(K + 1).unsqueeze(0) <= drafted.n.unsqueeze(1)
+        pack = K > 0 and bool((drafted.n < K).any()) and target.packs
+        t_logits, _ = target.forward(torch.cat([batch.last.view(-1, 1).to(vdev), cand], 1), valid, keep=K + 1,
+                                     **({"packed": True} if pack else {}))
         t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one
         if call.processor is not None:  # position i sees the candidates before it
             bases = _prefixes(call, batch)
@@ -561,7 +568,7 @@ class SpeculativeGenerator:
         """Both caches back to the accepted prefix; the next round's pending tokens and last token."""
         B, K = drafted.cands.shape
         fed = drafted.fed
-        target.rollback(K - acc)  # the target saw [last, x_1..x_K]; it keeps last, x_1..x_acc
+        target.rollback(drafted.n - acc)  # the target saw [last, x_1..x_n]; it keeps last, x_1..x_acc
         kept = torch.minimum(acc, fed)
         draft.rollback(fed - kept)  # row b's draft saw fed[b] candidates; it keeps the accepted ones it saw
         extra = out[torch.arange(B), acc]

@@ -13,7 +13,8 @@ own new columns; the buffer is copied only when it grows (by a quarter of its wi
 generation copies it a logarithmic number of times). Crops and the runner's front crops leave views into the
 buffer, where appends go on; a row selection copies the kept rows with their spare columns (one copy, as
 transformers' layer makes); anything else that replaces ``keys`` / ``values`` (the runner's front padding) is
-copied into a new buffer at the next append. Each operation leaves the same keys and values as
+copied into a new buffer at the next append. In a packed forward (:mod:`~specdec_ext.engine.packing`) each
+token's key and value go to its own row and column, and the padded slots get zeros. Each operation leaves the same keys and values as
 :class:`~transformers.DynamicLayer` (``tests/test_kv_cache.py``).
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from . import packing
 
 
 class GrowingLayer(DynamicLayer):
@@ -47,6 +50,9 @@ class GrowingLayer(DynamicLayer):
         return offset if offset + length <= kb.shape[2] else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        plan = packing.current()
+        if plan is not None:  # a packed forward ([1, H, N, D]): each token to its row's column, zeros at the holes
+            key_states, value_states = plan.spread(key_states, 2), plan.spread(value_states, 2)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         old = self.keys.shape[-2] if self.keys.dim() == 4 else 0

@@ -59,6 +59,9 @@ class CandidateLengthPolicy:
     needs_probs = False     # True: token_prob / probs are needed even when decoding greedily
     needs_costs = False     # True: configure() must receive the pair's CostModel (policies/goodput.py)
     max_candidates = 1      # an upper bound on the candidates per round (K_max)
+    # set by the engine before each reset(): True when the target verifies rows of different depths without padding
+    # (engine/packing.py), so a row's unverified slots save their cost; False: a round costs its deepest row's depth
+    packed_verification = False
 
     def configure(self, sampling, costs=None) -> None:
         """Called once per generation call before ``reset``: the decoding settings
@@ -85,7 +88,8 @@ class CandidateLengthPolicy:
     def verify_depth(self, num_drafted: torch.Tensor) -> torch.Tensor:
         """After drafting, before verification: how many of its ``num_drafted[b]`` candidates (``[B]`` int64) each
         row verifies (default: all). A batch-level verification budget returns fewer; 0 for every row makes the
-        round one step of plain decoding."""
+        round one step of plain decoding. Rows may differ: the target verifies each row's own candidates (packed
+        where :attr:`packed_verification`, else padded to the deepest row with holes)."""
         return num_drafted
 
     def end_round(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor) -> None:

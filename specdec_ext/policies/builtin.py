@@ -125,7 +125,8 @@ class SpecDecPP(CandidateLengthPolicy):
             budget across the batch from a profiled cost table by batch size
             (:class:`~specdec_ext.policies.goodput.BatchBudget`): whether the batch drafts at all this round (if
             not, a step of plain decoding without a draft forward), how deep it drafts, and how many of the
-            drafted slots it verifies (possibly none).
+            drafted slots it verifies (possibly none): each row its own top slots where the target packs rows
+            (``packed_verification``, ``engine/packing.py``), else one depth for every row.
         k_min, k_max: bounds on K (``k_max`` is K_max).
         batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
@@ -306,6 +307,9 @@ class SpecDecPP(CandidateLengthPolicy):
             return num_drafted
         if S is None:
             return num_drafted
+        if self.packed_verification and self.budget.top_n:  # rows verify their own top slots (BatchBudget.depths)
+            self._drafted, self._depth = S.shape[1], self.budget.depths(S)
+            return torch.minimum(num_drafted, self._depth)
         self._drafted, self._depth = S.shape[1], self.budget.depth(S)
         return num_drafted.clamp(max=self._depth)
 

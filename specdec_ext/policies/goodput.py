@@ -242,10 +242,10 @@ class BatchCosts:
             hit = self._memo[key] = self._at(B, [self._extend(v, i) for v in getattr(self, name)])
         return hit
 
-    def round(self, B: int, k: int, width: Optional[int] = None, verified: Optional[int] = None) -> float:
+    def round(self, B: int, k: int, width: Optional[int] = None, verified: Optional[float] = None) -> float:
         """A round that drafts k candidates per row at batch size B (ms) and verifies ``verified`` of them (None: all
-        k), with a target cache of ``width`` columns (None: the profiled width); beyond the table, the last step's
-        slope continues. The width moves the round's cost by what it moves the verification's, and slots drafted
+        k; fractional: a packed verification of ``verified`` candidates per row on average), with a target cache
+        of ``width`` columns (None: the profiled width); beyond the table, the last step's slope continues. The width moves the round's cost by what it moves the verification's, and slots drafted
         but not verified take their share of the verification off. Never below a quarter of the round's own target
         forward over ``verified + 1`` tokens (as :meth:`verify` is never below a quarter of its narrow figure):
         whole rounds and forwards are profiled apart, so on small, noisy timings the differences could otherwise
@@ -259,9 +259,15 @@ class BatchCosts:
             ms -= self.verify(B, k + 1, width) - self.verify(B, v + 1, width)
         return max(ms, 0.25 * self.verify(B, v + 1, width))
 
-    def verify(self, B: int, n: int, width: Optional[int] = None) -> float:
+    def verify(self, B: int, n: float, width: Optional[int] = None) -> float:
         """The target's forward over ``[B, n]`` tokens (ms) with a cache of ``width`` columns (None: ``context``):
-        linear in the width through the two measured widths (never below a quarter of the narrow figure)."""
+        linear in the width through the two measured widths (never below a quarter of the narrow figure). A
+        fractional n is a packed forward of B n tokens (``engine/packing.py``), costed linearly between the
+        neighbouring whole n: it feeds the linear layers as many tokens as the padded forward would."""
+        if n != int(n):
+            lo, f = int(n), n - int(n)
+            return (1 - f) * self.verify(B, lo, width) + f * self.verify(B, lo + 1, width)
+        n = int(n)
         base = self._table("verify_ms", B, n - 1)
         if width is None or not self.verify_wide_ms or width == self.context:
             return base
@@ -309,11 +315,14 @@ class BatchBudget:
     at all this round, how deep it drafts, and how many of the drafted slots it verifies, from the rows'
     predicted survivals and the profiled cost table, corrected by what the rounds measure.
 
-    The round's target forward is over ``[B, D + 1]`` tokens, D the deepest row's candidates (rows with fewer
-    are padded; a transformers forward with a per-row KV cache cannot pack rows). So the verification cost of
-    any set of draft slots is set by its deepest slot, and the global top-N choice of vLLM's adaptive
-    verification (rank slots by survival, keep the N that maximise goodput) reduces to choosing a depth:
-    every row keeps its slots 1..D. With S_bk the survival of row b's candidate k (the product of the head's
+    Where the target's runner packs rows (``engine/packing.py``: ``attn_implementation="specdec_decode"`` on a CPU,
+    Llama/Qwen2/Qwen3; the policy's ``packed_verification``), the round verifies the global top-N slots of vLLM's
+    adaptive verification (:meth:`depths`: rank the slots by survival, keep the N that maximise goodput, a prefix
+    per row), and the target computes only those. Otherwise the target's forward is over ``[B, D + 1]`` tokens,
+    D the deepest row's candidates (rows with fewer are padded), so the verification cost of any set of draft
+    slots is set by its deepest slot, and the top-N choice reduces to choosing a depth (:meth:`depth`): every
+    row keeps its slots 1..D. ``top_n=False`` chooses one depth even where rows are packed (an arm to compare:
+    ``bench/budget_paired.py --arms auto,auto:top_n=false``). With S_bk the survival of row b's candidate k (the product of the head's
     p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
     2023, Eq. 1, per slot; a the head's measured calibration below) in T_B(D) ms. With lambda the goodput to beat
     (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`): with ``measure``, the expected goodput of the round's
@@ -350,7 +359,7 @@ class BatchBudget:
       of row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward,
       so its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
       rule, optimal while the marginal gains fall);
-    - the verified depth is the d <= k that maximises a sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
+    - (padded rows) the verified depth is the d <= k that maximises a sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
       draft time is spent, the verification is not, so slots whose survival does not pay for their
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
@@ -386,7 +395,8 @@ class BatchBudget:
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
-                 headroom: float = 0.03, cost_fit: str = "depth"):
+                 headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = True):
+        self.top_n = bool(top_n)
         if cost_fit not in ("line", "depth"):
             raise ValueError(f"cost_fit must be 'line' or 'depth', got {cost_fit!r}")
         self.cost_fit = cost_fit
@@ -522,7 +532,7 @@ class BatchBudget:
             self._costs_at = (key, [ms * self.calibration(k) for k, ms in enumerate(table)])
         return self._costs_at[1]
 
-    def _table_round(self, B: int, k: int, verified: Optional[int] = None) -> float:
+    def _table_round(self, B: int, k: int, verified: Optional[float] = None) -> float:
         """The table's ms of that round (uncalibrated)."""
         return self.batch.round(B, k, self.width, verified)
 
@@ -637,20 +647,44 @@ class BatchBudget:
         values = [a * g - lam * v for g, v in zip(gain, self.batch.verify_row(B, k + 1, self.width))]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
-    def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
+    def depths(self, survivals: torch.Tensor) -> torch.Tensor:
+        """Per-row verified depths ``[B]`` int64 for a packed verification (``engine/packing.py``), given survivals
+        ``[B, k]`` (S_bj, 0 beyond a row's own candidates): vLLM's global top-N. The drafted slots are ranked by
+        survival and the N kept maximise a sum_{kept} S_bj - lambda * verify_B(1 + N / B), a packed forward
+        of B + N tokens costing what a padded one of as many tokens costs (:meth:`BatchCosts.verify`). A row's
+        survivals do not increase along its slots (products of p_hat <= 1), and ties go to the earlier slot, so
+        the kept slots of each row are a prefix of its candidates."""
+        B, k = survivals.shape
+        flat = survivals.double().reshape(-1)
+        values, order = torch.sort(flat, descending=True, stable=True)  # ties: row-major, so a row's earlier slot
+        m = int((values > 0).sum())
+        gain = [0.0, *itertools.accumulate(values[:m].tolist())]
+        verify = self.batch.verify_row(B, k + 1, self.width)  # at 1 .. k + 1 tokens per row
+        lam, a = self._lambda(B) * self.calibration(k), self.head_scale
+
+        def cost(n: int) -> float:  # the packed forward of B + n tokens, linear between whole tokens per row
+            lo, f = divmod(n, B)
+            return verify[lo] if f == 0 else verify[lo] + (f / B) * (verify[lo + 1] - verify[lo])
+
+        best = max(range(m + 1), key=lambda n: (a * gain[n] - lam * cost(n), n))
+        return torch.bincount(order[:best] // k, minlength=B) if k else torch.zeros(B, dtype=torch.int64)
+
+    def update(self, batch_size: int, drafted: int, depth, emitted: int,
                survivals: Optional[torch.Tensor] = None) -> None:
-        """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch, and the
-        survivals ``[B, j]`` (S_bj, 0 where a row did not draft the slot) of the first j drafted slots the head
-        scored (for the running mean survival per slot; when they cover the ``depth`` verified slots, also for
-        the head's calibration). j < ``drafted`` when the round did not score its last slot (:attr:`score_last`).
-        A plain step is ``drafted = depth = 0``."""
-        table = self._table_round(batch_size, drafted, depth)
+        """After the round: ``drafted`` draft steps, ``depth`` verified (an int, or per row ``[B]`` int64 after
+        :meth:`depths`), ``emitted`` tokens over the batch, and the survivals ``[B, j]`` (S_bj, 0 where a row did
+        not draft the slot) of the first j drafted slots the head scored (for the running mean survival per slot;
+        when they cover the verified slots, also for the head's calibration). j < ``drafted`` when the round did
+        not score its last slot (:attr:`score_last`). A plain step is ``drafted = depth = 0``."""
+        per_row = isinstance(depth, torch.Tensor)
+        verified = float(depth.double().mean()) if per_row else depth  # candidates per row, on average
+        table = self._table_round(batch_size, drafted, verified)
         self._last = (drafted, table)
         ms = table * self.calibration(drafted)  # _round, from the table ms just read
         a = self.decay
         self.tokens = (1 - a) * self.tokens + a * emitted
         self.time = (1 - a) * self.time + a * ms
-        if depth > 0:
+        if verified > 0:
             self._interval = self.probe  # table decisions: a probe whose slots paid starts the interval again
         if survivals is None or not survivals.numel():
             return
@@ -667,8 +701,13 @@ class BatchBudget:
                 w = max(a, 1.0 / (self._counts[j] + 1))
                 self.gain[j] = (1 - w) * self.gain[j] + w * sum(real) / len(real)
                 self._seen = max(self._seen, j + 1)
-        if self.measure and 0 < depth <= len(columns):
-            predicted = sum(sum(col) for col in columns[:depth])
+        deepest = int(depth.max()) if per_row else depth
+        if self.measure and 0 < deepest <= len(columns):
+            if per_row:  # the kept prefix of each row
+                S = survivals.double()[:, :deepest]
+                predicted = float((S * (torch.arange(deepest) < depth.view(-1, 1))).sum())
+            else:
+                predicted = sum(sum(col) for col in columns[:depth])
             if predicted > 0:
                 self._accepted = self._average(self._accepted, float(emitted - batch_size))
                 self._predicted = self._average(self._predicted, predicted)
