@@ -369,3 +369,21 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     rate = row["tokens_per_s"]
     assert row["over_best_fixed"]["auto"] == pytest.approx(rate["auto"] / rate[row["best_fixed"]])
     assert row["over_best_fixed"][row["best_fixed"]] == 1.0
+
+
+def test_packed_verify_script_times_the_three_forwards_on_the_same_depths():
+    """bench/packed_verify.py on a tiny model: one row per (width, pattern) with the three forwards timed, the real and
+    padded token counts of its depth pattern, and ratios that are the medians' ratios."""
+    mod = _bench_script("packed_verify")
+    target = make_pair("llama", noise=0.3)[0]
+    target.set_attn_implementation("specdec_decode")
+    rows = mod.measure(target, 4, 8, [2, 3], ["uniform", "half", "spread"], reps=1)
+    assert [(r["tokens_per_row_max"], r["pattern"]) for r in rows] == [
+        (n, p) for n in (2, 3) for p in ("uniform", "half", "spread")]
+    for r in rows:
+        assert set(r["ms"]) == {"padded", "holes", "packed"} and all(v > 0 for v in r["ms"].values())
+        assert r["packed_over_padded"] == pytest.approx(r["ms"]["packed"] / r["ms"]["padded"])
+        n = r["tokens_per_row_max"]
+        assert r["padded_tokens"] == 4 * n
+        want = {"uniform": 4 * n, "half": 2 * n + 2}.get(r["pattern"])
+        assert r["real_tokens"] == want if want else 4 + (n - 1) <= r["real_tokens"] <= 4 * n
