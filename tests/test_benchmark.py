@@ -194,6 +194,12 @@ def test_batch_benchmark_repeats_pool_every_pass(run):
         runs = [r for r in records if r.method == row["method"]]
         assert row["new_tokens"] == sum(r.new_tokens for r in runs) and row["same_text_share"] == 1.0
         assert row["tokens_per_s"] == pytest.approx(row["new_tokens"] / sum(r.wall_s for r in runs))
+        # decode tokens/s: the same tokens over the time of the rounds alone, which is part of the wall time
+        assert all(0 < r.decode_s < r.wall_s for r in runs)
+        assert row["decode_tokens_per_s"] == pytest.approx(row["new_tokens"] / sum(r.decode_s for r in runs))
+        assert row["prefill_share"] == pytest.approx(1 - sum(r.decode_s for r in runs) / sum(r.wall_s for r in runs))
+        assert row["decode_speedup"] == pytest.approx(
+            row["decode_tokens_per_s"] / next(r for r in rows if r["method"] == "plain")["decode_tokens_per_s"])
         assert row["tokens_per_s_by_repeat"] == pytest.approx(
             [sum(r.new_tokens for r in runs if r.repeat == p) / sum(r.wall_s for r in runs if r.repeat == p)
              for p in (0, 1)])
