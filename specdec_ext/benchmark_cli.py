@@ -63,7 +63,7 @@ def add_arguments(p):
 def _command_line(args) -> str:
     """The ``specdec bench`` command that reproduces this run's settings (recorded in the results)."""
     parts = ["specdec bench"]
-    for key in ("dataset", "prompts", "max_new_tokens", "temperature", "target_dtype", "draft_dtype"):
+    for key in ("dataset", "prompts", "max_new_tokens", "temperature", "target_dtype", "draft_dtype", "attn_implementation"):
         if getattr(args, key, None) is not None:
             parts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
     if args.quick:

@@ -69,7 +69,7 @@ def _tokenizer_dir(path, flag: str) -> Path:
 def _models(args, need_head: bool):
     """The one place that loads models for every subcommand: the bundled pair by default, or --target /
     --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``."""
-    from .zoo import PAIR_DIR, load_heads, load_models
+    from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models
 
     _check_device(args.device)
     bundled = not getattr(args, "target", None)
@@ -86,9 +86,14 @@ def _models(args, need_head: bool):
     if head is not None and not (Path(head) / "config.json").is_file():  # before loading any model
         raise UsageError(f"--head {head}: no acceptance head there (expected config.json and model.safetensors, "
                          "made by `specdec train-head`)")
+    device_map = "auto" if getattr(args, "device_map_auto", False) else None
+    attn = getattr(args, "attn_implementation", "auto")
+    if attn == "auto":  # as load_pair: the kernel where it serves
+        attn = default_attn_implementation(args.device, device_map) if _tp(args) == 1 else None
     pair = load_models(target, draft, head, _dtype(args.target_dtype, args.device), DTYPES[args.draft_dtype],
-                       args.device, "auto" if getattr(args, "device_map_auto", False) else None, tokenizer=tokenizer,
-                       allow_other_draft=getattr(args, "allow_other_draft", False), tp=_tp(args))
+                       args.device, device_map, tokenizer=tokenizer,
+                       allow_other_draft=getattr(args, "allow_other_draft", False), tp=_tp(args),
+                       attn_implementation=attn)
     if need_head and head is None:
         pair.heads = load_heads()
         if not {"greedy", "sample"} <= set(pair.heads):
@@ -126,6 +131,10 @@ def _model_args(p):
                         "bench/draft_dtype.py compares a bfloat16 draft end to end")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
+    p.add_argument("--attn-implementation", default="auto",
+                   help="attention of both models (transformers' attn_implementation: sdpa, eager, specdec_decode, ...); "
+                        "auto: specdec_decode (the CPU decode-attention kernel) on a CPU with the compiled extension "
+                        "and one process, transformers' default elsewhere")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel target over N ranks: run under `torchrun --nproc-per-node N --no-python specdec "
                         "...` (needs accelerate: pip install 'specdec_ext[tp]'); rank 0 prints and writes")

@@ -175,3 +175,20 @@ def test_train_head_data_in_shards_then_merged(capsys, tmp_path):
     code, out, err = run(base, capsys)
     assert code == 0, err
     assert "merged 2 shards" in err and json.loads(out)["responses"] == 5
+
+
+@needs_pair
+def test_attention_implementation_flag_reaches_both_models(monkeypatch):
+    """--attn-implementation: auto gives the bundled pair the CPU decode-attention kernel, as load_pair does (the batch
+    benchmark of the README ran with it only after this flag; before, the CLI loaded SDPA); a named one is passed on."""
+    from specdec_ext import ops
+    from specdec_ext.zoo import load_models
+
+    seen = []
+    monkeypatch.setattr("specdec_ext.zoo.load_models",
+                        lambda *a, **k: seen.append(k["attn_implementation"]) or load_models(*a, **k))
+    parser = cli.build_parser()
+    for flag, want in (([], "specdec_decode" if ops.HAS_EXTENSION else None), (["--attn-implementation", "sdpa"], "sdpa")):
+        pair = cli._models(parser.parse_args(["generate", *flag, "--prompt", "x"]), need_head=False)
+        assert seen[-1] == want and pair.target.config._attn_implementation == (want or "sdpa")
+        assert pair.draft.config._attn_implementation == (want or "sdpa")
