@@ -60,7 +60,7 @@ def measure(model, B: int, context: int, widths, patterns, reps: int, seed: int 
                     tokens = torch.randint(5, high, (B, n), generator=g)
                     fed = torch.ones_like(valid) if m == "padded" else valid
                     t0 = time.perf_counter()
-                    runner.forward(tokens, fed, keep=n, **({"packed": True} if m == "packed" else {}))
+                    runner.forward(tokens, fed, keep=n, packed=m == "packed")
                     if rep:  # the first repetition warms up
                         ms[m].append((time.perf_counter() - t0) * 1e3)
                     runner.rollback(fed.long().sum(1))

@@ -55,7 +55,7 @@ def _run(model, prompt, prompt_valid, tokens, valid, removed, packed):
     r = CausalLMRunner(model, "target")
     r.start(prompt.shape[0])
     r.forward(prompt, prompt_valid, keep=1)
-    first, _ = r.forward(tokens, valid, keep=tokens.shape[1], **({"packed": True} if packed else {}))
+    first, _ = r.forward(tokens, valid, keep=tokens.shape[1], packed=packed)
     r.rollback(removed)
     nxt, _ = r.forward(torch.tensor([[5], [6], [7]]), keep=1)
     return first, nxt, r

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .attention import kernel_takes
-from .runner import TimedRunner, usable_device
+from .runner import TimedRunner, new_column_mask, usable_device
 
 # model -> {packed: (fingerprint of its weights, the runner's prepared weights)}: packing costs a few ms, and a
 # runner is made per generation call
@@ -201,9 +201,7 @@ class FastLlamaRunner(TimedRunner):
             row_mask = self.mask[idx]
         else:
             self.mask = row_mask = torch.cat([self.mask, valid], 1)
-        # query i (absolute column C0 + i) sees valid keys at columns <= C0 + i
-        causal = torch.arange(C1, device=self.device).unsqueeze(0) <= (C0 + torch.arange(n, device=self.device)).unsqueeze(1)
-        attn_mask = (row_mask.unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)  # [B, 1, n, C1]
+        attn_mask = new_column_mask(row_mask, n)  # [B, 1, n, C1]
         x = F.embedding(tokens, self.embed)
         hq, hk, d = self.n_heads, self.n_kv, self.head_dim
         kernel = self.uses_attention_kernel(self.device, n)

@@ -237,7 +237,6 @@ class SpeculativeGenerator:
             streamer.put(input_ids.cpu())
         last = input_ids[:, -1].clone()
         batch = _Batch.starting(list(range(B)), last, rngs, [[] for _ in range(B)])
-        pol.packed_verification = target.packs
         pol.reset(B, draft.device if draft is not None else target.device)  # head weights live beside the hidden states
         self._loop(pol, call, target, draft, batch, stats)
         if streamer is not None:
@@ -318,7 +317,6 @@ class SpeculativeGenerator:
         generated = [[] for _ in range(N)]
         target, draft, batch = start(queue[:first])
         del queue[:first]
-        pol.packed_verification = target.packs
         pol.reset(first, draft.device if draft is not None else target.device)
 
         def admit(batch, target, draft, done):  # queued requests take the places of finished ones
@@ -406,9 +404,11 @@ class SpeculativeGenerator:
         return self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
 
     def _start_runners(self, pol, input_ids, attention_mask):
-        """The target's (and, when speculating, the draft's) runner, each with the prompt but its last token."""
+        """The target's (and, when speculating, the draft's) runner, each with the prompt but its last token.
+        Tells the policy whether the target verifies rows of different depths packed (before its ``reset``)."""
         B, T = input_ids.shape
         target = CausalLMRunner(self.target, "target")
+        pol.packed_verification = target.packs
         draft = None
         if pol.speculative:
             draft = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")
@@ -545,7 +545,7 @@ class SpeculativeGenerator:
         valid = torch.arange(K + 1).unsqueeze(0) <= drafted.n.unsqueeze(1)
         pack = K > 0 and bool((drafted.n < K).any()) and target.packs
         t_logits, _ = target.forward(torch.cat([batch.last.view(-1, 1).to(vdev), cand], 1), valid, keep=K + 1,
-                                     **({"packed": True} if pack else {}))
+                                     packed=pack)
         t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one
         if call.processor is not None:  # position i sees the candidates before it
             bases = _prefixes(call, batch)

@@ -55,7 +55,6 @@ class TimedRunner:
     ``next_pos`` ``[B]`` (each row's count of valid positions, i.e. its next position id)."""
 
     seconds = 0.0
-    packs = False  # whether forward() takes packed=True (CausalLMRunner.packs)
 
     def forward(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -155,6 +154,16 @@ def pad_front(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim)
+
+
+def new_column_mask(valid: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, 1, n, C]`` bool attention mask of a forward's n new columns over a cache whose valid columns are
+    ``valid`` ``[B, C]`` (nonzero = valid, the new columns last): query i (column C - n + i) sees its row's valid
+    columns up to its own."""
+    C = valid.shape[1]
+    cols = torch.arange(C, device=valid.device)
+    causal = cols.unsqueeze(0) <= cols[C - n :].unsqueeze(1)  # [n, C]
+    return (valid.bool().unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)
 
 
 def sliding_layout(model) -> Optional[dict]:
@@ -274,11 +283,8 @@ class CausalLMRunner(TimedRunner):
         """The model over the real tokens of ``tokens`` ``[B, n]`` packed into ``[1, N]``; logits ``[B, n, V]``
         (zeros at the holes). The mask is the padded layout's ``[B, 1, n, C]``: query i of row b (column C - n + i)
         sees the row's valid columns up to its own."""
-        B, n = tokens.shape
-        C = self.mask.shape[1]
         plan = PackedRows.from_valid(valid)
-        causal = torch.arange(C, device=self.device).unsqueeze(0) <= torch.arange(C - n, C, device=self.device).unsqueeze(1)
-        mask = (self.mask.bool().unsqueeze(1) & causal.unsqueeze(0)).unsqueeze(1)
+        mask = new_column_mask(self.mask, tokens.shape[1])
         with packed_forward(plan):
             out = self.model(input_ids=tokens[valid].view(1, -1), attention_mask=mask,
                              position_ids=position_ids[valid].view(1, -1), past_key_values=self.cache,
@@ -294,12 +300,10 @@ class CausalLMRunner(TimedRunner):
         sliding mask (key position > query position - W) would be without holes; a query at a hole sees
         itself only, so no softmax row is empty."""
         C = self.mask.shape[1]
-        valid = self.mask.bool()
         q_cols = torch.arange(C - n, C, device=self.device)
         k_cols = torch.arange(C, device=self.device)
-        causal = (k_cols.unsqueeze(0) <= q_cols.unsqueeze(1)).unsqueeze(0)        # [1, n, C]
         self_only = (k_cols.unsqueeze(0) == q_cols.unsqueeze(1)).unsqueeze(0)
-        base = valid.unsqueeze(1) & causal                                         # [B, n, C]
+        base = new_column_mask(self.mask, n)[:, 0]                                 # [B, n, C]
         masks = {}
         if "full_attention" in self.layout["types"]:
             masks["full_attention"] = base | self_only

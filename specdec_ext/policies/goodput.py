@@ -701,13 +701,11 @@ class BatchBudget:
                 w = max(a, 1.0 / (self._counts[j] + 1))
                 self.gain[j] = (1 - w) * self.gain[j] + w * sum(real) / len(real)
                 self._seen = max(self._seen, j + 1)
-        deepest = int(depth.max()) if per_row else depth
+        depths = depth if per_row else torch.full((survivals.shape[0],), depth)  # verified slots per row
+        deepest = int(depths.max())
         if self.measure and 0 < deepest <= len(columns):
-            if per_row:  # the kept prefix of each row
-                S = survivals.double()[:, :deepest]
-                predicted = float((S * (torch.arange(deepest) < depth.view(-1, 1))).sum())
-            else:
-                predicted = sum(sum(col) for col in columns[:depth])
+            kept = torch.arange(deepest) < depths.view(-1, 1)  # the verified prefix of each row
+            predicted = float((survivals.double()[:, :deepest] * kept).sum())
             if predicted > 0:
                 self._accepted = self._average(self._accepted, float(emitted - batch_size))
                 self._predicted = self._average(self._predicted, predicted)
