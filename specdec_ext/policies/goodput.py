@@ -345,7 +345,12 @@ class BatchBudget:
       doubling each time one is played and still loses, so that a depth the table misjudges gets measured.
       Such a round, and each first round of depths 0 .. ``explore``, is :attr:`forced`: it drafts to its cap
       whatever the survivals say (an earlier version let the rule below stop it short, so the depth it was to
-      measure never was, and every round stayed an exploration round). When depth c* + 1 is expected to do
+      measure never was, and every round stayed an exploration round). A depth is explored only while its
+      expected goodput is within ``explore_within`` (a fraction) of the best depth's, costed from the table and
+      the nearest measured depth (at B = 64 on a 2-core CPU the table put rounds of 3 and 4 candidates 16% and
+      21% below plain decoding; each exploration round of them cost 2.5 to 4 plain steps for 2.5 to 3 steps'
+      tokens), and never in a call's first round, which is not measured (:meth:`observe`; an earlier version
+      spent it on the deepest depth and played that depth again next round). When depth c* + 1 is expected to do
       within ``headroom`` (a fraction) of c*, the cap of the other rounds is c* + 1 and the one-step rule below
       decides that slot from the round's own survivals: two depths tie on average (at B = 4 on a 2-core CPU,
       one and two candidates per row did), and a round whose rows' first slots survive well gains from the
@@ -364,7 +369,11 @@ class BatchBudget:
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
     What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), the running mean
-    of log(measured / table ms) of its rounds. The profiled table is taken once on random prompts and misjudges a
+    of log(measured / table ms) of its rounds, each round's value first clipped to within ``ratio_clip`` of the
+    mean (a Huber-style running mean: a round that stalls on something besides its depth, such as the KV cache's
+    buffers regrowing, moves the mean by at most ``decay * ratio_clip``; at B = 64 one plain step of 92 ms among
+    steps of 30 ms raised the cost of plain decoding by a quarter and sent the batch to rounds of two candidates
+    that emitted 1.6 tokens/ms where plain steps emitted 2.1). The profiled table is taken once on random prompts and misjudges a
     batch's real rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0 plain steps where it took
     3.8, and a plain step (one query per row) measured dearer than a round of one candidate. ``cost_fit="depth"``
     (default) keeps each depth's own mean, and a depth not yet measured takes the ratio of the nearest measured one;
@@ -395,8 +404,14 @@ class BatchBudget:
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
-                 headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = True):
+                 headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = True, explore_within: float = 0.15,
+                 ratio_clip: float = 0.25):
         self.top_n = bool(top_n)
+        if not explore_within >= 0.0:
+            raise ValueError(f"explore_within must be >= 0 (a fraction of the best depth's goodput), got {explore_within!r}")
+        if not ratio_clip > 0.0:
+            raise ValueError(f"ratio_clip must be > 0 (a log ratio), got {ratio_clip!r}")
+        self.explore_within, self.ratio_clip = float(explore_within), float(ratio_clip)
         if cost_fit not in ("line", "depth"):
             raise ValueError(f"cost_fit must be 'line' or 'depth', got {cost_fit!r}")
         self.cost_fit = cost_fit
@@ -597,8 +612,9 @@ class BatchBudget:
         return False
 
     def _measured_cap(self, B: int) -> int:
-        """The best depth by :meth:`expected_goodput`, except that each depth 0 .. ``explore`` is played once first
-        (the unmeasured one nearest the best first; twice at most, when the rows lack the room to reach it), and
+        """The best depth by :meth:`expected_goodput`, except that each depth 0 .. ``explore`` expected within
+        ``explore_within`` of the best is played once first (the unmeasured one nearest the best first; twice at
+        most, when the rows lack the room to reach it; not in a call's first round, which is not measured), and
         that the best depth's neighbours are played again after ``probe`` rounds, the interval doubling each time
         one is played and still loses (a new best depth's own interval starts again). Sets :attr:`forced` for the
         rounds that measure a depth (those drafts go to the cap, :meth:`go_on`)."""
@@ -610,13 +626,14 @@ class BatchBudget:
             self._best = best
             self._every[best] = self.probe
         self._since = [s + 1 for s in self._since]
-        unmeasured = [c for c in range(min(self.explore, self.depth_max) + 1)
-                      if self.log_ratio[c] is None and self._tries[c] < 2]
+        floor = (1.0 - self.explore_within) * values[best]  # depths expected to do worse are not worth a round
+        unmeasured = [] if self._cold else [c for c in range(min(self.explore, self.depth_max) + 1)
+                                            if self.log_ratio[c] is None and self._tries[c] < 2 and values[c] >= floor]
         cap = min(unmeasured, key=lambda c: (abs(c - best), c)) if unmeasured else best
         if unmeasured:
             self._tries[cap] += 1
         self.forced = bool(unmeasured)
-        for c in ((best - 1, best + 1) if not unmeasured else ()):
+        for c in ((best - 1, best + 1) if not unmeasured and not self._cold else ()):
             if 0 <= c < len(values) and self._since[c] >= self._every[c]:
                 self._every[c] *= 2
                 cap, self.forced = c, True
@@ -723,7 +740,10 @@ class BatchBudget:
             return
         k = min(k, self.depth_max)
         self._weight[k] = min(self._weight[k] + 1, round(1 / self.decay))
-        self.log_ratio[k] = self._average(self.log_ratio[k], math.log(ms / table))
+        ratio, old = math.log(ms / table), self.log_ratio[k]
+        if old is not None:  # one stalled round moves the mean by decay * ratio_clip at most
+            ratio = min(max(ratio, old - self.ratio_clip), old + self.ratio_clip)
+        self.log_ratio[k] = self._average(old, ratio)
         self._measured()
 
     def _average(self, old: Optional[float], new: float) -> float:
