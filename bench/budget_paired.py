@@ -7,7 +7,9 @@ once at the batch size, so that a budget has measured its depths before it is ti
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
 ``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again
 from pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the
-passes (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's. At B = 64 on a 2-core CPU a
+passes (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's; the same in decoding alone
+(tokens over the time of the decoding rounds, the prompts' prefills left out: at B = 64 they are most of the wall
+time and move by seconds from call to call, which hides the differences in decoding). At B = 64 on a 2-core CPU a
 pass moves by up to 10%: read ratios within one run, and several passes.
 
     python bench/budget_paired.py --batch-size 16 --arms K1,K2,K3,auto,auto:cost_fit=line --passes 2 \\
@@ -55,7 +57,7 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K."""
     eos = pair.tokenizer.eos_token_id
     gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"])) for a in arms}
-    tokens, seconds, per_pass = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0), []
+    tokens, seconds, decode, per_pass = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0), []
 
     def generate(arm, stream, n):
         return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
@@ -67,11 +69,15 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
         for a in arms:
             tokens[a] += r["tokens"][a]
             seconds[a] += r["seconds"][a]
+            decode[a] += r["decode_seconds"][a]
     pooled = {a: tokens[a] / seconds[a] for a in arms}
+    decoding = {a: tokens[a] / decode[a] for a in arms}
     fixed = [a for a in arms if a.startswith("K")]
     best = max(fixed, key=pooled.get) if fixed else None
     return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
-            "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None}
+            "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None,
+            "decode_tokens_per_s": decoding,
+            "decode_over_best_fixed": {a: decoding[a] / max(decoding[f] for f in fixed) for a in arms} if fixed else None}
 
 
 def main(argv=None) -> dict:
@@ -91,7 +97,9 @@ def main(argv=None) -> dict:
     for a, rate in row["tokens_per_s"].items():
         by_pass = " / ".join(f"{r[a]:.1f}" for r in row["tokens_per_s_by_pass"])
         ratio = f", {row['over_best_fixed'][a]:.3f}x {row['best_fixed']}" if row["best_fixed"] else ""
-        print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}")
+        decoding = f"; decoding {row['decode_tokens_per_s'][a]:.1f} tokens/s" + (
+            f", {row['decode_over_best_fixed'][a]:.3f}x the best fixed K" if row["best_fixed"] else "")
+        print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}{decoding}")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -340,9 +340,11 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     returns a ``GenerationOutput``.
 
     Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), with the ``tokens`` and ``seconds`` behind it
-    (to pool several calls), ``accepted`` (accepted candidates) per arm, and ``same_tokens``: the share of requests
-    whose tokens are the same under every arm."""
+    (to pool several calls), ``decode_seconds`` (the time of the calls' decoding rounds, prefills and admission left
+    out), ``accepted`` (accepted candidates) per arm, and ``same_tokens``: the share of requests whose tokens are the
+    same under every arm."""
     seconds = dict.fromkeys(arms, 0.0)
+    decode = dict.fromkeys(arms, 0.0)
     tokens = dict.fromkeys(arms, 0)
     accepted = dict.fromkeys(arms, 0)
     texts: dict = {a: [] for a in arms}
@@ -356,11 +358,12 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             out = generate(a, stream, max_new_tokens)
             seconds[a] += time.perf_counter() - t0
             tokens[a] += out.stats.new_tokens
+            decode[a] += sum(r.total_ms for r in out.stats.rounds) / 1e3
             accepted[a] += sum(sum(r.accepted) for r in out.stats.rounds)
             texts[a].extend(out.new_tokens)
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
     return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
-            "accepted": accepted, "same_tokens": same / len(prompts)}
+            "decode_seconds": decode, "accepted": accepted, "same_tokens": same / len(prompts)}
 
 
 def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int,
