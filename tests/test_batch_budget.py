@@ -572,3 +572,29 @@ def test_budget_options_reach_the_budget_and_bad_ones_are_refused():
     for kw in (dict(threshold=0.7), dict(threshold="auto", batch_budget=False)):
         with pytest.raises(ValueError, match="budget_options"):
             SpecDecPP(head, budget_options={"cost_fit": "line"}, **kw)
+
+
+def test_a_stalled_round_moves_a_depths_measured_cost_by_a_bounded_step():
+    """observe() clips each round's log(measured / table) to within ratio_clip of the running mean: one round that
+    stalls (the KV buffers regrowing) moves the mean by decay * ratio_clip at most; a lasting change is followed."""
+    b = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
+    b.reset(4)
+    table = b.batch.round(4, 0, None)
+
+    def step(ms):
+        b.plan(4, None)
+        b.update(4, 0, 0, 4)
+        b.observe(ms)
+
+    step(table)                       # the cold round: not measured
+    assert b.log_ratio[0] is None
+    step(2.0 * table)                 # the first measurement sets the mean
+    assert b.log_ratio[0] == pytest.approx(math.log(2.0))
+    step(6.0 * table)                 # a stall: 3x the mean, clipped
+    assert b.log_ratio[0] == pytest.approx(math.log(2.0) + 0.2 * 0.25)
+    for _ in range(40):               # a lasting change is followed, a bounded step at a time
+        step(0.5 * table)
+    assert b.log_ratio[0] == pytest.approx(math.log(0.5), abs=0.01)
+    for bad in ({"explore_within": -0.1}, {"ratio_clip": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BatchBudget(TEST_BATCH_COSTS, **bad)
