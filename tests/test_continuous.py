@@ -208,3 +208,41 @@ def test_bad_input_is_refused_with_the_argument_named():
     with pytest.raises(NotImplementedError, match="add_rows"):
         SpeculativeGenerator(target, draft, policy=PerRow()).generate_continuous(
             ok * 3, batch_size=1, max_new_tokens=3, temperature=0)
+
+
+def test_length_groups_bound_the_padding_of_each_prefill():
+    from specdec_ext.engine.generator import length_groups
+
+    lengths = [39, 365, 120, 127, 60, 300, 41, 2, 1, 140, 128, 250]
+    groups = length_groups(lengths, padding=0.25, slack=0)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row once
+    widths = [max(lengths[i] for i in g) for g in groups]
+    assert widths == sorted(widths, reverse=True)  # the widest group first: later groups never widen the cache
+    for g in groups:
+        real = sum(lengths[i] for i in g)
+        assert len(g) * lengths[g[0]] - real <= 0.25 * real and lengths[g[0]] == max(lengths[i] for i in g), g
+    assert len(groups) > 1 and length_groups(lengths, padding=10.0) == [sorted(range(12), key=lambda i: -lengths[i])]
+    assert length_groups([5, 5, 5]) == [[0, 1, 2]] and length_groups([7]) == [[0]]
+    assert length_groups([2, 1, 30], padding=0.0, slack=100) == [[2, 0, 1]]  # a few padding tokens are allowed
+
+
+@pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)])
+def test_prompts_of_very_different_lengths_are_prefilled_in_groups(arch, fast_draft, monkeypatch):
+    """The first batch and each admission prefill their prompts in groups of similar length, each group's runner
+    written into its rows; every request still equals target-only decoding."""
+    from specdec_ext.engine import generator
+
+    monkeypatch.setattr(generator, "PREFILL_SLACK", 0)
+    seen = []
+    groups = generator.length_groups
+    monkeypatch.setattr(generator, "length_groups", lambda *a: (seen.append(groups(*a)), seen[-1])[1])
+    target, draft = make_pair(arch)
+    V = target.config.vocab_size
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, V, (t,), generator=g) for t in (2, 28, 5, 17, 1, 30, 9, 3, 24)]
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, fast_draft=fast_draft)
+    out = gen.generate_continuous(prompts, batch_size=4, max_new_tokens=8, temperature=0)
+    assert len(seen[0]) >= 2, seen  # the first batch (2, 28, 5, 17 tokens) in more than one group
+    for i, p in enumerate(prompts):
+        ref = target.generate(p.view(1, -1), max_new_tokens=8, do_sample=False, pad_token_id=1, eos_token_id=None)
+        assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"{arch}: request {i} differs from target-only decoding"

@@ -307,7 +307,7 @@ class SpeculativeGenerator:
             width = max(len(requests[r]) for r in ids)
             toks = torch.stack([torch.cat([requests[r].new_zeros(width - len(requests[r])), requests[r]]) for r in ids])
             mask = torch.stack([(torch.arange(width) >= width - len(requests[r])).long() for r in ids])
-            target, draft = self._start_runners(pol, toks, mask)
+            target, draft = self._start_runners(pol, toks, mask, lengths=[len(requests[r]) for r in ids])
             stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             for r in ids:
                 admitted_ms[r] = (t0 - t_start) * 1e3
@@ -403,20 +403,36 @@ class SpeculativeGenerator:
                             "...) only together with policy=")
         return self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
 
-    def _start_runners(self, pol, input_ids, attention_mask):
+    def _start_runners(self, pol, input_ids, attention_mask, lengths: Optional[list] = None):
         """The target's (and, when speculating, the draft's) runner, each with the prompt but its last token.
-        Tells the policy whether the target verifies rows of different depths packed (before its ``reset``)."""
+        Tells the policy whether the target verifies rows of different depths packed (before its ``reset``).
+
+        ``lengths`` (continuous batching: each row's prompt length, the prompts right-aligned in ``input_ids``):
+        rows of very different lengths are prefilled in groups of similar length (:func:`length_groups`), each
+        group's runner written into its rows (``replace_rows``), so the prefill computes little padding."""
         B, T = input_ids.shape
         target = CausalLMRunner(self.target, "target")
         pol.packed_verification = target.packs
         draft = None
         if pol.speculative:
             draft = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")
+        groups = length_groups(lengths, PREFILL_PADDING, PREFILL_SLACK) if lengths is not None and T > 1 \
+            else [list(range(B))]
         for r in (target, draft):
-            if r is not None:
-                r.start(B)
+            if r is None:
+                continue
+            r.start(B)
+            if len(groups) == 1:
                 if T > 1:
                     r.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), keep=1)
+                continue
+            for rows in groups:  # the widest group first: later ones never widen the cache
+                w = max(lengths[i] for i in rows)
+                part = type(r)(r.model, r.name)
+                part.start(len(rows))
+                if w > 1:
+                    part.forward(input_ids[rows, T - w : -1], attention_mask[rows, T - w : -1].bool(), keep=1)
+                r.replace_rows(torch.tensor(rows), part)
         return target, draft
 
     def _commit(self, call: "_Call", batch: "_Batch", emitted, remaining, stats) -> list[int]:
@@ -577,6 +593,31 @@ class SpeculativeGenerator:
         batch.pending = torch.stack([torch.where(unseen, lastcand, extra), extra], 1)
         batch.pending_valid = torch.stack([unseen, torch.ones_like(unseen)], 1)
         batch.last.copy_(extra.to(batch.last.device))
+
+
+PREFILL_PADDING = 0.25  # length_groups: the padding a prefill group may compute, as a share of its real tokens
+PREFILL_SLACK = 128     # ... or this many padding tokens (a forward of a few short prompts costs little more)
+
+
+def length_groups(lengths: Sequence[int], padding: float = PREFILL_PADDING,
+                  slack: int = PREFILL_SLACK) -> list[list[int]]:
+    """The rows ``0 .. len(lengths) - 1`` in groups to prefill together, the widest group first: rows sorted by
+    length (longest first) and cut greedily so that a group, padded to its longest row, computes at most
+    ``padding`` times its real tokens, or ``slack`` tokens, in padding. A padded prefill computes every row at the longest prompt's
+    length: for the first 64 HumanEval prompts (39 to 365 tokens) 64% of it was padding, and the prefills were
+    about 70% of a continuous-batching run's wall time at B = 64 on a 2-core CPU."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        pad = groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] - (real + lengths[i])
+        if groups and pad <= max(padding * (real + lengths[i]), slack):
+            groups[-1].append(i)
+            real += lengths[i]
+        else:
+            groups.append([i])
+            real = lengths[i]
+    return groups
 
 
 # ---------------------------------------------------------------------------------- call and round state
