@@ -140,7 +140,8 @@ def _spy_packed(monkeypatch):
 
 
 @needs_ext
-@pytest.mark.parametrize("policy,kw", [("specdecpp", {"threshold": "auto", "batch_costs": LINEAR, "k_max": 8}),
+@pytest.mark.parametrize("policy,kw", [("specdecpp", {"threshold": "auto", "batch_costs": LINEAR, "k_max": 8,
+                                                     "budget_options": {"top_n": True}}),
                                        ("confidence", {"threshold": 0.5, "max_k": 8})], ids=["budget", "per-row-stops"])
 def test_packed_greedy_equals_target_only(monkeypatch, policy, kw):
     target, draft = make_pair("llama", noise=0.3)
@@ -169,7 +170,8 @@ def test_packed_budgeted_sampling_is_lossless(monkeypatch):
     marg = exact_marginals(target, prompt, cfg, 3)
     calls = _spy_packed(monkeypatch)
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
-                               threshold="auto", k_max=6, costs=TEST_COSTS, batch_costs=LINEAR)
+                               threshold="auto", k_max=6, costs=TEST_COSTS, batch_costs=LINEAR,
+                               budget_options={"top_n": True})
     out = gen.generate(prompt.expand(3000, -1), max_new_tokens=3, temperature=1.0, seed=1000)
     toks = torch.tensor(out.new_tokens)
     for i in range(3):

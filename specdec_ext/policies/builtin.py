@@ -125,8 +125,9 @@ class SpecDecPP(CandidateLengthPolicy):
             budget across the batch from a profiled cost table by batch size
             (:class:`~specdec_ext.policies.goodput.BatchBudget`): whether the batch drafts at all this round (if
             not, a step of plain decoding without a draft forward), how deep it drafts, and how many of the
-            drafted slots it verifies (possibly none): each row its own top slots where the target packs rows
-            (``packed_verification``, ``engine/packing.py``), else one depth for every row.
+            drafted slots it verifies (possibly none): one depth for every row, or, with
+            ``budget_options={"top_n": True}`` where the target packs rows (``packed_verification``,
+            ``engine/packing.py``), each row its own top slots.
         k_min, k_max: bounds on K (``k_max`` is K_max).
         batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its

@@ -315,14 +315,18 @@ class BatchBudget:
     at all this round, how deep it drafts, and how many of the drafted slots it verifies, from the rows'
     predicted survivals and the profiled cost table, corrected by what the rounds measure.
 
-    Where the target's runner packs rows (``engine/packing.py``: ``attn_implementation="specdec_decode"`` on a CPU,
-    Llama/Qwen2/Qwen3; the policy's ``packed_verification``), the round verifies the global top-N slots of vLLM's
-    adaptive verification (:meth:`depths`: rank the slots by survival, keep the N that maximise goodput, a prefix
-    per row), and the target computes only those. Otherwise the target's forward is over ``[B, D + 1]`` tokens,
-    D the deepest row's candidates (rows with fewer are padded), so the verification cost of any set of draft
-    slots is set by its deepest slot, and the top-N choice reduces to choosing a depth (:meth:`depth`): every
-    row keeps its slots 1..D. ``top_n=False`` chooses one depth even where rows are packed (an arm to compare:
-    ``bench/budget_paired.py --arms auto,auto:top_n=false``). With S_bk the survival of row b's candidate k (the product of the head's
+    The target's forward is over ``[B, D + 1]`` tokens, D the deepest row's candidates (rows with fewer are
+    padded), so the verification cost of any set of draft slots is set by its deepest slot, and vLLM's global
+    top-N choice reduces to choosing a depth (:meth:`depth`): every row keeps its slots 1..D. With ``top_n=True``,
+    where the target's runner packs rows (``engine/packing.py``: ``attn_implementation="specdec_decode"`` on a
+    CPU, Llama/Qwen2/Qwen3; the policy's ``packed_verification``), the round verifies the global top-N slots
+    themselves (:meth:`depths`: rank the slots by survival, keep the N that maximise goodput, a prefix per row),
+    and the target computes only those. It is off by default because on the bundled pair it measured worse:
+    the packed forward saves less than the table's linear cost of the dropped slots says (at B = 64 a quarter
+    fewer tokens took 7% off the forward, not 25%: attention still runs over the padded layout), so the slots it
+    dropped lost more tokens than time (paired runs of ``bench/budget_paired.py`` with arms ``auto`` and
+    ``auto:top_n=false`` while top-N was the default, 2-core AMD EPYC: one depth per round gave 1.02x / 1.02x /
+    1.02x the decode tokens/s of top-N at B = 4 / 16 / 64). With S_bk the survival of row b's candidate k (the product of the head's
     p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
     2023, Eq. 1, per slot; a the head's measured calibration below) in T_B(D) ms. With lambda the goodput to beat
     (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`): with ``measure``, the expected goodput of the round's
@@ -404,7 +408,7 @@ class BatchBudget:
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
-                 headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = True, explore_within: float = 0.15,
+                 headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25):
         self.top_n = bool(top_n)
         if not explore_within >= 0.0:
