@@ -326,7 +326,9 @@ class BatchBudget:
     fewer tokens took 7% off the forward, not 25%: attention still runs over the padded layout), so the slots it
     dropped lost more tokens than time (paired runs of ``bench/budget_paired.py`` with arms ``auto`` and
     ``auto:top_n=false`` while top-N was the default, 2-core AMD EPYC: one depth per round gave 1.02x / 1.02x /
-    1.02x the decode tokens/s of top-N at B = 4 / 16 / 64). With S_bk the survival of row b's candidate k (the product of the head's
+    1.02x the decode tokens/s of top-N at B = 4 / 16 / 64).
+
+    With S_bk the survival of row b's candidate k (the product of the head's
     p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
     2023, Eq. 1, per slot; a the head's measured calibration below) in T_B(D) ms. With lambda the goodput to beat
     (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`): with ``measure``, the expected goodput of the round's
@@ -412,7 +414,8 @@ class BatchBudget:
                  ratio_clip: float = 0.25):
         self.top_n = bool(top_n)
         if not explore_within >= 0.0:
-            raise ValueError(f"explore_within must be >= 0 (a fraction of the best depth's goodput), got {explore_within!r}")
+            raise ValueError("explore_within must be >= 0 (a fraction of the best depth's goodput), "
+                             f"got {explore_within!r}")
         if not ratio_clip > 0.0:
             raise ValueError(f"ratio_clip must be > 0 (a log ratio), got {ratio_clip!r}")
         self.explore_within, self.ratio_clip = float(explore_within), float(ratio_clip)
