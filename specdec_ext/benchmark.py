@@ -358,7 +358,7 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             out = generate(a, stream, max_new_tokens)
             seconds[a] += time.perf_counter() - t0
             tokens[a] += out.stats.new_tokens
-            decode[a] += sum(r.total_ms for r in out.stats.rounds) / 1e3
+            decode[a] += out.stats.decode_ms / 1e3
             accepted[a] += sum(sum(r.accepted) for r in out.stats.rounds)
             texts[a].extend(out.new_tokens)
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))

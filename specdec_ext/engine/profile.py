@@ -133,7 +133,7 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
             out = gen.generate(prompt[:, :32], max_new_tokens=24, temperature=0, policy="fixed", k=k)
             st = out.stats
             rounds = len(st.rounds)
-            in_rounds = sum(r.total_ms for r in st.rounds)
+            in_rounds = st.decode_ms
             forwards = st.target_forward_ms + st.draft_forward_ms - st.prefill_ms  # prefill is outside the rounds
             per_round.append(max(0.0, in_rounds - forwards) / max(1, rounds))
         outside[k] = statistics.median(per_round)

@@ -38,6 +38,11 @@ class GenerationStats:
         return sum(r.draft_ms for r in self.rounds)
 
     @property
+    def decode_ms(self) -> float:
+        """The time of the decoding rounds, whole (prefills and continuous batching's admissions left out)."""
+        return sum(r.total_ms for r in self.rounds)
+
+    @property
     def verify_ms(self) -> float:
         return sum(r.verify_ms for r in self.rounds)
 
