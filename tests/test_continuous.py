@@ -246,3 +246,72 @@ def test_prompts_of_very_different_lengths_are_prefilled_in_groups(arch, fast_dr
     for i, p in enumerate(prompts):
         ref = target.generate(p.view(1, -1), max_new_tokens=8, do_sample=False, pad_token_id=1, eos_token_id=None)
         assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"{arch}: request {i} differs from target-only decoding"
+
+
+class Intermittent(CandidateLengthPolicy):
+    """Drafts K = 3 candidates in the rounds ``drafting(round)`` says, plain steps in the others."""
+
+    name = "intermittent"
+    max_candidates = 3
+
+    def __init__(self, drafting):
+        self.drafting, self.round = drafting, -1
+
+    def draft_round(self, width):
+        self.round += 1
+        return self.drafting(self.round)
+
+    def should_stop(self, info):
+        return torch.zeros(info.batch_size, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["lean-draft", "hf-draft"])
+def test_the_draft_reads_each_row_when_it_first_drafts(fast_draft):
+    """The draft is the target itself, so a draft that has read each row's context exactly (prompt and generated
+    tokens, positions and all) proposes the target's greedy tokens: every candidate is accepted. Rows join
+    mid-stream and take plain steps before their first drafting round, and the batch drafts on and off."""
+    target, _ = make_pair("llama")
+    V = target.config.vocab_size
+    prompts = queue(V, n=9, longest=12)
+    refs = [target.generate(p.view(1, -1), max_new_tokens=16, do_sample=False, pad_token_id=1,
+                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    def cut(t):
+        return [r[: r.index(t) + 1] if t in r else r for r in refs]
+
+    # an EOS token that ends the requests at the most different rounds: rows join and leave mid-stream
+    eos = max(sorted({t for r in refs for t in r}), key=lambda t: len({len(r) for r in cut(t)}))
+    refs = cut(eos)
+    assert len({len(r) for r in refs}) > 2
+    for drafting in (lambda r: r % 3 == 2, lambda r: r >= 4, lambda r: r % 2 == 0):
+        gen = SpeculativeGenerator(target, target, policy=Intermittent(drafting), fast_draft=fast_draft)
+        out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=16, temperature=0, eos_token_id=eos)
+        drafted = [r for r in out.stats.rounds if sum(r.candidates)]
+        # drafting rounds of rows admitted at different times: some the draft had read, some it read then
+        assert sum(len({out.admitted_ms[i] for i in r.rows}) > 1 for r in drafted) > 0
+        assert all(r.accepted == r.candidates for r in drafted), "the draft read a row's context wrongly"
+        assert out.stats.draft_prefill_ms > 0
+        assert out.new_tokens == refs
+    # generate(): left-padded rows, the draft reading them after plain steps
+    batch = torch.stack([torch.cat([torch.ones(11 - len(p), dtype=torch.int64), p]) for p in prompts[1:4]])
+    mask = (torch.arange(11).unsqueeze(0) >= (11 - torch.tensor([len(p) for p in prompts[1:4]])).unsqueeze(1)).long()
+    out = SpeculativeGenerator(target, target, policy=Intermittent(lambda r: r >= 2), fast_draft=fast_draft).generate(
+        batch, mask, max_new_tokens=12, temperature=0)
+    drafted = [r for r in out.stats.rounds if sum(r.candidates)]
+    assert drafted and all(r.accepted == r.candidates for r in drafted)
+
+
+def test_a_batch_that_never_drafts_never_runs_the_draft():
+    """Rows that never draft never pay the draft's prefill: a batch of plain steps (the verification budget where
+    speculation does not pay) runs no draft forward at all, and still equals target-only decoding."""
+    target, draft = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=6, longest=10)
+    for fast_draft in (True, False):
+        gen = SpeculativeGenerator(target, draft, policy=Intermittent(lambda r: False), fast_draft=fast_draft)
+        out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=9, temperature=0)
+        assert out.stats.draft_calls == 0 and out.stats.draft_prefill_ms == 0.0
+        for i, p in enumerate(prompts):
+            ref = target.generate(p.view(1, -1), max_new_tokens=9, do_sample=False, pad_token_id=1, eos_token_id=None)
+            assert out.new_tokens[i] == ref[0, len(p):].tolist()
+    drafting = SpeculativeGenerator(target, draft, policy="fixed", k=2).generate_continuous(
+        prompts, batch_size=2, max_new_tokens=9, temperature=0)
+    assert drafting.stats.draft_calls > 0 and drafting.stats.draft_prefill_ms > 0

@@ -17,7 +17,7 @@ number of uniforms per round whatever it uses, so a row's output in a batch equa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -226,7 +226,8 @@ class SpeculativeGenerator:
             raise ValueError("streamer supports batch size 1 only")
         _check_processor(logits_processor)
         prompts = [input_ids[b].cpu() for b in range(B)] if logits_processor else None  # padded, as transformers
-        call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer, logits_processor, prompts)
+        call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), streamer, logits_processor, prompts,
+                     [input_ids[b][attention_mask[b].bool()].cpu() for b in range(B)])
         rngs = _row_generators(seed, B)
         stats = GenerationStats(policy=pol.describe(), batch_size=B)
         self._configure(pol, cfg, B)  # costs profiled on first use: not part of this call's time
@@ -256,9 +257,10 @@ class SpeculativeGenerator:
         """Continuous batching: generate for every prompt, with up to ``batch_size`` requests live at once.
 
         The first ``batch_size`` prompts start together; whenever requests finish, the next prompts of the queue
-        take their places after that round: they are prefilled (target and draft) and their caches are written
-        into the finished rows' places (:meth:`~specdec_ext.engine.runner.TimedRunner.replace_rows`), so the batch
-        stays full until the queue runs dry, as in a server. A request's output equals its output from :meth:`generate` alone (greedy;
+        take their places after that round: the target prefills them and their caches are written into the
+        finished rows' places (:meth:`~specdec_ext.engine.runner.TimedRunner.replace_rows`), so the batch stays
+        full until the queue runs dry, as in a server; the draft reads a request's context when it first drafts
+        for it (a request served by plain steps alone never runs the draft). A request's output equals its output from :meth:`generate` alone (greedy;
         seeded sampling too, except under the batch verification budget of ``threshold="auto"``, whose
         decisions couple the rows: there its distribution, not its draws, is the same).
 
@@ -293,7 +295,7 @@ class SpeculativeGenerator:
         _check_processor(logits_processor)
         N = len(requests)
         call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), None, logits_processor,
-                     requests if logits_processor else None)
+                     requests if logits_processor else None, requests)
         rngs = _row_generators(seed, N)
         first = min(batch_size, N)
         stats = GenerationStats(policy=pol.describe(), batch_size=batch_size)
@@ -330,7 +332,7 @@ class SpeculativeGenerator:
             slots = done[: len(ids)]
             t_new, d_new, new = start(ids)
             target.replace_rows(torch.tensor(slots), t_new)
-            if draft is not None:
+            if draft is not None:  # d_new has read nothing: the slots become empty rows, read when they draft
                 draft.replace_rows(torch.tensor(slots), d_new)
             order = list(range(len(batch.rows)))  # the new rows, appended, move into the finished rows' places
             for j, slot in enumerate(slots):
@@ -367,6 +369,7 @@ class SpeculativeGenerator:
                 if not pol.speculative:
                     emitted = self._plain_step(call, target, batch, stats)
                 elif pol.draft_round(target.length):
+                    self._catch_up(call, draft, batch, stats)
                     emitted = self._speculative_round(pol, call, target, draft, batch, remaining, stats)
                 else:  # the policy skips drafting: a plain step, the draft falls one more token behind
                     emitted = self._plain_step(call, target, batch, stats)
@@ -404,36 +407,55 @@ class SpeculativeGenerator:
         return self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
 
     def _start_runners(self, pol, input_ids, attention_mask, lengths: Optional[list] = None):
-        """The target's (and, when speculating, the draft's) runner, each with the prompt but its last token.
-        Tells the policy whether the target verifies rows of different depths packed (before its ``reset``).
+        """The target's runner, with the prompt but its last token, and, when speculating, the draft's, started
+        empty: the draft reads a row's context only when the row first drafts (:meth:`_catch_up`). Tells the
+        policy whether the target verifies rows of different depths packed (before its ``reset``).
 
         ``lengths`` (continuous batching: each row's prompt length, the prompts right-aligned in ``input_ids``):
-        rows of very different lengths are prefilled in groups of similar length (:func:`length_groups`), each
-        group's runner written into its rows (``replace_rows``), so the prefill computes little padding."""
-        B, T = input_ids.shape
+        rows of very different lengths are prefilled in groups of similar length (:func:`length_groups`)."""
+        B = input_ids.shape[0]
         target = CausalLMRunner(self.target, "target")
         pol.packed_verification = target.packs
         draft = None
         if pol.speculative:
             draft = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")
-        groups = length_groups(lengths, PREFILL_PADDING, PREFILL_SLACK) if lengths is not None and T > 1 \
-            else [list(range(B))]
-        for r in (target, draft):
-            if r is None:
-                continue
-            r.start(B)
-            if len(groups) == 1:
-                if T > 1:
-                    r.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), keep=1)
-                continue
-            for rows in groups:  # the widest group first: later ones never widen the cache
-                w = max(lengths[i] for i in rows)
-                part = type(r)(r.model, r.name)
-                part.start(len(rows))
-                if w > 1:
-                    part.forward(input_ids[rows, T - w : -1], attention_mask[rows, T - w : -1].bool(), keep=1)
-                r.replace_rows(torch.tensor(rows), part)
+            draft.start(B)
+        target.start(B)
+        _prefill(target, input_ids, attention_mask, lengths)
         return target, draft
+
+    def _catch_up(self, call: "_Call", draft, batch: "_Batch", stats) -> None:
+        """Before a round that drafts: the draft reads the context (prompt and generated tokens, but the last) of
+        each live row it has not read yet, in groups of similar length, and the row's next pending token is its
+        last one. A row's draft prefill is so paid only if the row ever drafts: a batch that takes plain steps
+        (``draft_round`` False, e.g. the verification budget where speculation does not pay, as at B = 64 on a
+        2-core CPU) never runs the draft's prefill, which cost about a sixth of the target's there. Its time is
+        counted in ``stats.prefill_ms`` and ``stats.draft_prefill_ms``, not in the round's."""
+        pos = [i for i, r in enumerate(batch.rows) if r in batch.unread]
+        if not pos:
+            return
+        t0 = time.perf_counter()
+        ctx = [torch.cat([call.inputs[batch.rows[i]], torch.tensor(batch.generated[batch.rows[i]], dtype=torch.int64)])
+               for i in pos]
+        lengths = [len(c) for c in ctx]
+        width = max(lengths)
+        toks = torch.stack([pad_front(c.view(1, -1), width)[0] for c in ctx])
+        mask = torch.arange(width).unsqueeze(0) >= (width - torch.tensor(lengths)).unsqueeze(1)
+        if len(pos) == len(batch.rows) and not bool(draft.mask.any()):  # nothing read yet: straight into the runner
+            draft.start(len(pos))
+            _prefill(draft, toks, mask, lengths)
+        else:
+            part = type(draft)(draft.model, draft.name)
+            part.start(len(pos))
+            _prefill(part, toks, mask, lengths)
+            draft.replace_rows(torch.tensor(pos), part)
+        valid = batch.pending_valid.clone()
+        valid[pos, :-1] = False  # the last pending token (the row's last token) is all the draft has not read
+        batch.pending_valid = valid
+        batch.unread -= {batch.rows[i] for i in pos}
+        ms = (time.perf_counter() - t0) * 1e3
+        stats.prefill_ms += ms
+        stats.draft_prefill_ms += ms
 
     def _commit(self, call: "_Call", batch: "_Batch", emitted, remaining, stats) -> list[int]:
         """Append each live row's emitted tokens, cut at max_new_tokens and at EOS; stream them; return the
@@ -620,6 +642,26 @@ def length_groups(lengths: Sequence[int], padding: float = PREFILL_PADDING,
     return groups
 
 
+def _prefill(runner, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Optional[list] = None) -> None:
+    """Feed a started ``runner`` the prompts ``input_ids`` ``[B, T]`` but their last tokens (``attention_mask``
+    ``[B, T]``, nonzero for real tokens). With ``lengths`` (each row's length, the rows right-aligned), rows of
+    very different lengths are prefilled in groups of similar length (:func:`length_groups`), each group's
+    runner written into its rows (``replace_rows``), the widest first, so the prefill computes little padding."""
+    B, T = input_ids.shape
+    groups = length_groups(lengths, PREFILL_PADDING, PREFILL_SLACK) if lengths is not None and T > 1 else [range(B)]
+    if len(groups) == 1:
+        if T > 1:
+            runner.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), keep=1)
+        return
+    for rows in groups:  # the widest group first: later ones never widen the cache
+        w = max(lengths[i] for i in rows)
+        part = type(runner)(runner.model, runner.name)
+        part.start(len(rows))
+        if w > 1:
+            part.forward(input_ids[rows, T - w : -1], attention_mask[rows, T - w : -1].bool(), keep=1)
+        runner.replace_rows(torch.tensor(rows), part)
+
+
 # ---------------------------------------------------------------------------------- call and round state
 @dataclass
 class _Call:
@@ -631,6 +673,7 @@ class _Call:
     streamer: object
     processor: Optional[Callable] = None  # logits_processor of the call
     prompts: Optional[list] = None        # each original row's prompt ids as given (for the processor)
+    inputs: Optional[list] = None         # each original row's prompt ids without padding (the draft reads them)
 
 
 def _prefixes(call: "_Call", batch: "_Batch") -> list[torch.Tensor]:
@@ -660,12 +703,14 @@ class _Batch:
     pending_valid: torch.Tensor   # [B, P] bool: which pending slots are real tokens
     rngs: list                    # [B] per-row torch.Generator
     generated: list[list[int]]    # every original row's emitted tokens
+    unread: set = field(default_factory=set)  # original rows whose context the draft has not read (_catch_up)
 
     @classmethod
     def starting(cls, rows: list[int], last: torch.Tensor, rngs: list, generated: list[list[int]]) -> "_Batch":
-        """Rows that have just read their prompts: ``last`` ``[B]`` (each prompt's last token) is what the target
-        and the draft see next."""
-        return cls(rows, last, last.view(-1, 1), torch.ones(len(rows), 1, dtype=torch.bool), rngs, generated)
+        """Rows whose prompts the target has just read: ``last`` ``[B]`` (each prompt's last token) is what the
+        target sees next; the draft has read nothing of them yet."""
+        return cls(rows, last, last.view(-1, 1), torch.ones(len(rows), 1, dtype=torch.bool), rngs, generated,
+                   set(rows))
 
     def defer(self, token: torch.Tensor) -> None:
         """The draft did not run this round: ``token`` ``[B]`` (the new last token) joins what it has not seen."""
@@ -676,6 +721,7 @@ class _Batch:
         """Rows of ``other`` (new requests, sharing ``generated``) join after the live rows."""
         self.rows = self.rows + other.rows
         self.rngs = self.rngs + other.rngs
+        self.unread = self.unread | other.unread
         self.last = torch.cat([self.last, other.last.to(self.last.device)])
         width = max(self.pending.shape[1], other.pending.shape[1])
         self.pending = torch.cat([pad_front(self.pending, width), pad_front(other.pending.to(self.pending.device), width)])
@@ -687,6 +733,7 @@ class _Batch:
         idx = torch.tensor(keep, dtype=torch.int64)
         self.rows = [self.rows[i] for i in keep]
         self.rngs = [self.rngs[i] for i in keep]
+        self.unread = self.unread & set(self.rows)
         self.last = self.last[idx.to(self.last.device)]
         self.pending = self.pending[idx.to(self.pending.device)]
         self.pending_valid = self.pending_valid[idx.to(self.pending_valid.device)]

@@ -126,7 +126,8 @@ class TimedRunner:
         Each new row's cache is written right-aligned into its slot (its positions are its own) and the slot's
         older columns become holes, so only the new rows' data moves; the whole cache is copied only when a new
         prompt is wider than the cache (it is padded on the left). ``other``'s forward calls and time are added
-        to this runner's; ``other`` is spent."""
+        to this runner's; ``other`` is spent. An ``other`` that has read nothing (length 0) empties the slots.
+        Columns that are holes in every row are then dropped at both ends."""
         if type(other) is not type(self) or other.model is not self.model:
             raise ValueError("replace_rows: the other runner must run the same model with the same runner class")
         if other.length > self.length:
@@ -143,6 +144,7 @@ class TimedRunner:
         self.calls += other.calls
         self.seconds += other.seconds
         other.close()
+        self._trim_holes()  # an empty ``other`` (rows the draft reads later) leaves the slots' tail columns as holes
         self._trim_front()
 
 

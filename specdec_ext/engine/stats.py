@@ -28,6 +28,7 @@ class GenerationStats:
     target_calls: int = 0          # target forward passes (prefill included)
     draft_calls: int = 0           # draft forward passes (prefill included)
     prefill_ms: float = 0.0
+    draft_prefill_ms: float = 0.0   # the draft reading rows' contexts when they first draft (in prefill_ms)
     wall_ms: float = 0.0
     target_forward_ms: float = 0.0  # inside target forward calls (prefill included)
     draft_forward_ms: float = 0.0   # inside draft forward calls (prefill included)
