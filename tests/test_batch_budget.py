@@ -120,7 +120,8 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     table's best first), then drafts at the depth of best expected goodput under the measured costs, and plays
     its two neighbours again at doubling intervals."""
     # the table says every candidate costs 1.6 ms (drafting 8 pays); the rounds say 10 ms per candidate
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line")
+    # explore_within=0.5: depth 1 (measured 10-30% below plain) is still probed
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line", explore_within=0.5)
     dear_slots = lambda c: 10.0 + 10.0 * c
     # goodput by depth at survival 0.8: (1 + 0.8 + ... ) / (10 + 10 c): c = 1: 0.09, c = 2: 0.08, c = 0: 0.1 per row
     # per ms, so plain steps are best; with survival 0.95 and 4 ms per candidate, c = 4..5 are best
@@ -136,7 +137,7 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     # the drafted depths' ratios lie on a line fitted to them all (cost_fit="line"): near depth 1's own ratio, the
     # table's and the rounds' ms not being exactly proportional
     assert b.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0), rel=0.03)
-    per_depth = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth")
+    per_depth = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth", explore_within=0.5)
     assert _play(per_depth, 4, dear_slots, 40)[:6] == caps[:6]
     assert per_depth.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0))  # its own rounds' ratio exactly
 
@@ -151,6 +152,20 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     table_only = BatchBudget(TEST_BATCH_COSTS, measure=False)
     table_only.reset(4)
     assert set(_play(table_only, 4, dear_slots, 10)) == {8} and table_only.log_ratio == [None] * 9
+
+
+def test_a_neighbour_far_below_the_best_is_not_probed():
+    """Probes, like explorations, are spent only on a neighbour expected within ``explore_within`` of the best
+    depth: a depth measured far below plain decoding (at B = 64 on a 2-core CPU, depth 1 measured 10-40% below,
+    and each probe made the draft read every unread row's context) is not played again while it stays there."""
+    very_dear = lambda c: 10.0 + 25.0 * c  # depth 1 at survival 0.8: 1.8 / 35 per row and ms, 49% below plain's 0.1
+    for within, probed in ((0.15, False), (0.6, True)):
+        b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth", explore_within=within)
+        caps = _play(b, 4, very_dear, 60)
+        measured = next(i for i, c in enumerate(caps) if c == 0) + 1  # once depth 0 has been measured
+        later = caps[measured + 4 :]
+        assert later.count(0) >= len(later) - (len(later) // 2 if probed else 0), caps
+        assert (max(later) >= 1) == probed, (within, caps)
 
 
 def test_the_line_fit_shares_the_depths_measurements():
@@ -190,7 +205,7 @@ def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
     """The per-depth cost ratios and the head's calibration are the pair's and the machine's: a second call at the
     same batch size starts from them (no depth is measured again first); a call at another batch size does not,
     and the running survivals start from the prior in every call."""
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line")
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line", explore_within=0.5)
     b.reset(4)                                # a call of 4 rows
     first = _play(b, 4, lambda c: 10.0 + 10.0 * c, 12)
     assert sorted(first[1:6]) == [0, 1, 2, 3, 4]

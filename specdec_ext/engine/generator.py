@@ -260,9 +260,10 @@ class SpeculativeGenerator:
         take their places after that round: the target prefills them and their caches are written into the
         finished rows' places (:meth:`~specdec_ext.engine.runner.TimedRunner.replace_rows`), so the batch stays
         full until the queue runs dry, as in a server; the draft reads a request's context when it first drafts
-        for it (a request served by plain steps alone never runs the draft). A request's output equals its output from :meth:`generate` alone (greedy;
-        seeded sampling too, except under the batch verification budget of ``threshold="auto"``, whose
-        decisions couple the rows: there its distribution, not its draws, is the same).
+        for it (a request served by plain steps alone never runs the draft). A request's output equals its
+        output from :meth:`generate` alone (greedy; seeded sampling too, except under the batch verification
+        budget of ``threshold="auto"``, whose decisions couple the rows: there its distribution, not its draws,
+        is the same).
 
         Args:
             prompts: a sequence of prompts, each a 1-D int tensor or a list of token ids (at least one token).
