@@ -307,9 +307,7 @@ class SpeculativeGenerator:
 
         def start(ids):  # runners that have read these requests' prompts, and their rows' starting state
             t0 = time.perf_counter()
-            width = max(len(requests[r]) for r in ids)
-            toks = torch.stack([torch.cat([requests[r].new_zeros(width - len(requests[r])), requests[r]]) for r in ids])
-            mask = torch.stack([(torch.arange(width) >= width - len(requests[r])).long() for r in ids])
+            toks, mask = _right_aligned([requests[r] for r in ids])
             target, draft = self._start_runners(pol, toks, mask, lengths=[len(requests[r]) for r in ids])
             stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             for r in ids:
@@ -439,9 +437,7 @@ class SpeculativeGenerator:
         ctx = [torch.cat([call.inputs[batch.rows[i]], torch.tensor(batch.generated[batch.rows[i]], dtype=torch.int64)])
                for i in pos]
         lengths = [len(c) for c in ctx]
-        width = max(lengths)
-        toks = torch.stack([pad_front(c.view(1, -1), width)[0] for c in ctx])
-        mask = torch.arange(width).unsqueeze(0) >= (width - torch.tensor(lengths)).unsqueeze(1)
+        toks, mask = _right_aligned(ctx)
         if len(pos) == len(batch.rows) and not bool(draft.mask.any()):  # nothing read yet: straight into the runner
             draft.start(len(pos))
             _prefill(draft, toks, mask, lengths)
@@ -641,6 +637,15 @@ def length_groups(lengths: Sequence[int], padding: float = PREFILL_PADDING,
         groups.append([i])
         real = lengths[i]
     return groups
+
+
+def _right_aligned(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences (1-D int64) as a batch ``[B, T]`` padded with zeros on the left, and its mask ``[B, T]``
+    bool (True at real tokens), T the longest sequence's length."""
+    lengths = torch.tensor([len(t) for t in seqs])
+    width = int(lengths.max())
+    toks = torch.stack([pad_front(t.view(1, -1), width)[0] for t in seqs])
+    return toks, torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
 
 
 def _prefill(runner, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Optional[list] = None) -> None:
