@@ -192,3 +192,16 @@ def test_attention_implementation_flag_reaches_both_models(monkeypatch):
         pair = cli._models(parser.parse_args(["generate", *flag, "--prompt", "x"]), need_head=False)
         assert seen[-1] == want and pair.target.config._attn_implementation == (want or "sdpa")
         assert pair.draft.config._attn_implementation == (want or "sdpa")
+
+
+@pytest.mark.skipif(not pair_available(), reason="no bundled pair")
+def test_draft_dtype_flag_defaults_to_the_targets_rule():
+    """--draft-dtype auto (the default) loads the draft as load_pair does (default_draft_dtype: bf16 where the
+    hardware has bf16 matrix instructions); a named dtype is loaded as named."""
+    from specdec_ext.zoo import default_draft_dtype
+
+    parser = cli.build_parser()
+    for flag, want in (([], default_draft_dtype("cpu")), (["--draft-dtype", "float32"], torch.float32),
+                       (["--draft-dtype", "bfloat16"], torch.bfloat16)):
+        pair = cli._models(parser.parse_args(["generate", *flag, "--prompt", "x"]), need_head=False)
+        assert pair.draft.dtype == want, flag

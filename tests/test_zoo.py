@@ -33,6 +33,20 @@ def test_pair_loads_with_head(pair):
     assert pair.target.config.vocab_size == pair.draft.config.vocab_size == len(pair.tokenizer)
 
 
+def test_the_pairs_draft_takes_the_targets_default_dtype(pair, pair32, monkeypatch):
+    """load_pair's draft follows default_draft_dtype (bf16 where the CPU has bf16 matrix instructions), whatever the
+    target's dtype; an explicit draft_dtype wins, and the heads read either draft."""
+    import specdec_ext.zoo as zoo
+
+    assert pair.draft.dtype == pair32.draft.dtype == zoo.default_draft_dtype("cpu") == zoo.default_target_dtype("cpu")
+    monkeypatch.setattr(zoo, "cpu_has_native_bf16", lambda: False)
+    assert zoo.default_draft_dtype("cpu") == torch.float32 and zoo.default_draft_dtype("cuda") == torch.bfloat16
+    monkeypatch.undo()
+    other = torch.float32 if pair.draft.dtype == torch.bfloat16 else torch.bfloat16
+    explicit = load_pair(target_dtype=torch.float32, draft_dtype=other)
+    assert explicit.draft.dtype == other
+
+
 def test_tokenizer_round_trips_humaneval(pair):
     prompts = humaneval_prompts()
     assert len(prompts) == 164

@@ -54,6 +54,15 @@ def default_target_dtype(device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def default_draft_dtype(device: str = "cpu") -> torch.dtype:
+    """The draft's dtype where none is given: as :func:`default_target_dtype`. On the 2-core AMD EPYC
+    (AVX512_BF16) the bundled 2 x 256 draft's forward in bfloat16 through the lean runner took 0.5-0.9x the
+    float32 time at every shape measured (0.61x a step at B = 16, 0.51x a 16-row prefill of 140 tokens), and
+    end to end SpecDec++ with ``threshold="auto"`` ran 1.05x / 1.03x / 1.05x / 1.01x faster at B = 1 / 4 / 16 / 64
+    (``bench/draft_dtype.py --auto``, ``docs/results/draft_dtype_auto.json``)."""
+    return default_target_dtype(device)
+
+
 def default_attn_implementation(device: str = "cpu", device_map: Optional[str] = None) -> Optional[str]:
     """``"specdec_decode"`` (``engine/attention.py``: the CPU decode-attention kernel, SDPA for long prefills) on a
     CPU with the compiled extension; None (transformers' default) elsewhere."""
@@ -139,14 +148,15 @@ def load_heads(path: Path = PAIR_DIR) -> dict:
             for d in sorted(root.iterdir()) if (d / "config.json").exists()} if root.is_dir() else {}
 
 
-def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dtype = torch.float32,
+def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: Optional[torch.dtype] = None,
               device: str = "cpu", with_head: bool = True, path: Path = PAIR_DIR, tp: int = 1,
               attn_implementation: Optional[str] = None) -> ModelPair:
     """The bundled pair: ``ModelPair(target, draft, tokenizer, head, heads)``; ``head`` is the mapping
     ``{"greedy": ..., "sample": ...}`` that picks the head of each call's decoding mode, ``heads`` also holds
     ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
-    the CPU has native bf16 matrix instructions); the draft defaults to float32, in which the heads were trained and
-    the README's figures measured (a bfloat16 draft can be faster end to end: ``bench/draft_dtype.py``). ``tp``: as in
+    the CPU has native bf16 matrix instructions); ``draft_dtype`` default: :func:`default_draft_dtype` (the same
+    rule; the heads were trained on the float32 draft's hidden states and read the bfloat16 draft's as well: the
+    same accepted tokens, ``bench/draft_dtype.py``). ``tp``: as in
     :func:`load_models` (a tensor-parallel target under ``torchrun``); ``attn_implementation`` default:
     :func:`default_attn_implementation` (the decode-attention kernel on a CPU).
 
@@ -154,6 +164,7 @@ def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: torch.dty
     if not pair_available(path):
         raise FileNotFoundError(f"no bundled pair in {path}: train it with `specdec zoo train` (see README)")
     target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
+    draft_dtype = default_draft_dtype(device) if draft_dtype is None else draft_dtype
     attn = default_attn_implementation(device) if attn_implementation is None else attn_implementation
     pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device, tp=tp,
                        attn_implementation=attn)
