@@ -16,7 +16,7 @@ from stats import assert_follows
 from support import TEST_BATCH_COSTS, TEST_COSTS, constant_head, exact_marginals, head_for
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig
-from specdec_ext.policies.goodput import BatchBudget, BatchCosts
+from specdec_ext.policies.goodput import EARLY_ROUNDS, BatchBudget, BatchCosts
 
 # verification that grows fast with tokens (a CPU with many rows): slots rarely pay
 DEAR = BatchCosts([1, 8192], [[10.0 + 10.5 * k for k in range(9)]] * 2, [[10.0 * n for n in range(1, 10)]] * 2)
@@ -589,6 +589,44 @@ def test_budget_options_reach_the_budget_and_bad_ones_are_refused():
             SpecDecPP(head, budget_options={"cost_fit": "line"}, **kw)
 
 
+def test_a_depths_first_rounds_set_its_cost_by_their_lower_median():
+    """A depth's first EARLY_ROUNDS measured rounds set its cost to their lower median, so a first round that
+    stalled (1.5x) does not stand for the depth: the second, usual, round replaces it at once, where a running mean
+    from the first round would keep most of the stall (at B = 16 on a 2-core CPU such a first round of depth 1 made
+    plain decoding look best for many probes). A cost set from outside (no early rounds) is followed as a running
+    mean."""
+    b = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
+    b.reset(4)
+    table = b.batch.round(4, 0, None)
+
+    def step(ms):
+        b.plan(4, None)
+        b.update(4, 0, 0, 4)
+        b.observe(ms)
+
+    step(table)                                     # the cold round: not measured
+    step(1.5 * table)                               # a stalled first round
+    assert b.log_ratio[0] == pytest.approx(math.log(1.5))
+    step(table)                                     # the lower of two
+    assert b.log_ratio[0] == pytest.approx(0.0)
+    step(1.2 * table)                               # the middle of three
+    assert b.log_ratio[0] == pytest.approx(math.log(1.2))
+    step(table)                                     # then a running mean
+    assert b.log_ratio[0] == pytest.approx(0.8 * math.log(1.2))
+    kept = b._early[0]
+    b.reset(8)
+    b.reset(4)                                      # kept from call to call at the batch size
+    assert b._early[0] == kept and b.log_ratio[0] == pytest.approx(0.8 * math.log(1.2))
+    c = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
+    c.reset(4)
+    c.log_ratio = [0.5] + [None] * c.depth_max      # set from outside
+    c._cold = False
+    c.plan(4, None)
+    c.update(4, 0, 0, 4)
+    c.observe(table)
+    assert c.log_ratio[0] == pytest.approx(0.8 * 0.5 + 0.2 * 0.25)  # clipped to within 0.25, weight 0.2
+
+
 def test_a_stalled_round_moves_a_depths_measured_cost_by_a_bounded_step():
     """observe() clips each round's log(measured / table) to within ratio_clip of the running mean: one round that
     stalls (the KV buffers regrowing) moves the mean by decay * ratio_clip at most; a lasting change is followed."""
@@ -603,7 +641,8 @@ def test_a_stalled_round_moves_a_depths_measured_cost_by_a_bounded_step():
 
     step(table)                       # the cold round: not measured
     assert b.log_ratio[0] is None
-    step(2.0 * table)                 # the first measurement sets the mean
+    for _ in range(EARLY_ROUNDS):     # the first measurements set the mean
+        step(2.0 * table)
     assert b.log_ratio[0] == pytest.approx(math.log(2.0))
     step(6.0 * table)                 # a stall: 3x the mean, clipped
     assert b.log_ratio[0] == pytest.approx(math.log(2.0) + 0.2 * 0.25)

@@ -310,6 +310,9 @@ class BatchCosts:
                    d.get("wide_context", 0), d.get("verify_wide_ms", ()))
 
 
+EARLY_ROUNDS = 3  # a depth's first measured rounds, whose lower median sets its cost (BatchBudget.observe)
+
+
 class BatchBudget:
     """A verification budget across a batch (``threshold="auto"`` at batch size > 1): whether the batch drafts
     at all this round, how deep it drafts, and how many of the drafted slots it verifies, from the rows'
@@ -378,8 +381,9 @@ class BatchBudget:
       draft time is spent, the verification is not, so slots whose survival does not pay for their
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
-    What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), the running mean
-    of log(measured / table ms) of its rounds, each round's value first clipped to within ``ratio_clip`` of the
+    What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), log(measured /
+    table ms), set by the lower median of the depth's first ``EARLY_ROUNDS`` rounds and then the running mean of
+    its rounds, each round's value first clipped to within ``ratio_clip`` of the
     mean (a Huber-style running mean: a round that stalls on something besides its depth, such as the KV cache's
     buffers regrowing, moves the mean by at most ``decay * ratio_clip``; at B = 64 one plain step of 92 ms among
     steps of 30 ms raised the cost of plain decoding by a quarter and sent the batch to rounds of two candidates
@@ -449,7 +453,7 @@ class BatchBudget:
         if self._size is not None and self.measure:
             self._kept[self._size] = (list(self.log_ratio), self._accepted, self._predicted,
                                       list(self._since), list(self._every), list(self._tries), self._best,
-                                      list(self._weight))
+                                      list(self._weight), [list(e) for e in self._early])
         self._size = batch_size
         self.width = None
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
@@ -460,6 +464,7 @@ class BatchBudget:
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
         n = self.depth_max + 1
         self._weight = [0] * n                # per drafted depth: rounds measured (at most 1 / decay)
+        self._early = [[] for _ in range(n)]  # per drafted depth: the log ratios of its first rounds (observe)
         self.log_ratio = [None] * n           # per drafted depth: running mean log(measured / table ms)
         self.accuracy: Optional[float] = None  # a: accepted tokens over the verified slots' survivals (running)
         self._accepted = self._predicted = None  # their running means (a ratio of means: a round whose survivals
@@ -476,8 +481,9 @@ class BatchBudget:
         self._planned: Optional[float] = None  # the expected goodput of the best depth (measure: lambda)
         self._cold = True  # the call's first round is not measured
         if batch_size in self._kept:
-            ratios, self._accepted, self._predicted, since, every, tries, self._best, weight = self._kept[batch_size]
-            self._weight = list(weight)
+            (ratios, self._accepted, self._predicted, since, every, tries, self._best, weight,
+             early) = self._kept[batch_size]
+            self._weight, self._early = list(weight), [list(e) for e in early]
             self.log_ratio, self._since, self._every, self._tries = list(ratios), list(since), list(every), list(tries)
             if self._predicted:
                 self.accuracy = self._accepted / self._predicted
@@ -742,8 +748,12 @@ class BatchBudget:
                 self.accuracy = self._accepted / self._predicted
 
     def observe(self, ms: float) -> None:
-        """The measured wall time (ms) of the round just updated: the running log ratio of measured to table time
-        at the round's drafted depth (weight ``decay``), behind :meth:`calibration`."""
+        """The measured wall time (ms) of the round just updated: the log ratio of measured to table time at the
+        round's drafted depth, behind :meth:`calibration`. A depth's first ``EARLY_ROUNDS`` measured rounds set
+        it to their lower median (the first; the lower of two; the middle of three): a round's time only ever
+        stalls upwards, and at B = 16 on a 2-core CPU one first round of depth 1 at 1.3x its usual time made plain
+        decoding look best, after which the running mean needed many probes of depth 1, each a catch-up of the
+        draft's unread rows, to come back; after them, the running mean (weight ``decay``) of the clipped ratios."""
         if not self.measure or self._last is None or ms <= 0:
             return
         k, table = self._last
@@ -754,9 +764,14 @@ class BatchBudget:
         k = min(k, self.depth_max)
         self._weight[k] = min(self._weight[k] + 1, round(1 / self.decay))
         ratio, old = math.log(ms / table), self.log_ratio[k]
-        if old is not None:  # one stalled round moves the mean by decay * ratio_clip at most
-            ratio = min(max(ratio, old - self.ratio_clip), old + self.ratio_clip)
-        self.log_ratio[k] = self._average(old, ratio)
+        early = self._early[k]
+        if len(early) < EARLY_ROUNDS and (old is None or early):  # a depth's first rounds: their lower median
+            early.append(ratio)
+            self.log_ratio[k] = sorted(early)[(len(early) - 1) // 2]
+        else:  # then a running mean in which one stalled round moves the mean by decay * ratio_clip at most
+            if old is not None:
+                ratio = min(max(ratio, old - self.ratio_clip), old + self.ratio_clip)
+            self.log_ratio[k] = self._average(old, ratio)
         self._measured()
 
     def _average(self, old: Optional[float], new: float) -> float:
