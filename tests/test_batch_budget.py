@@ -589,20 +589,27 @@ def test_budget_options_reach_the_budget_and_bad_ones_are_refused():
             SpecDecPP(head, budget_options={"cost_fit": "line"}, **kw)
 
 
+def _plain_steps():
+    """A budget at B = 4 (decay 0.2, ratio_clip 0.25), the table's ms of a plain step, and ``step(ms)``: plan,
+    update and observe one plain step that took ``ms``."""
+    b = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
+    b.reset(4)
+
+    def step(ms):
+        b.plan(4, None)
+        b.update(4, 0, 0, 4)
+        b.observe(ms)
+
+    return b, b.batch.round(4, 0, None), step
+
+
 def test_a_depths_first_rounds_set_its_cost_by_their_lower_median():
     """A depth's first EARLY_ROUNDS measured rounds set its cost to their lower median, so a first round that
     stalled (1.5x) does not stand for the depth: the second, usual, round replaces it at once, where a running mean
     from the first round would keep most of the stall (at B = 16 on a 2-core CPU such a first round of depth 1 made
     plain decoding look best for many probes). A cost set from outside (no early rounds) is followed as a running
     mean."""
-    b = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
-    b.reset(4)
-    table = b.batch.round(4, 0, None)
-
-    def step(ms):
-        b.plan(4, None)
-        b.update(4, 0, 0, 4)
-        b.observe(ms)
+    b, table, step = _plain_steps()
 
     step(table)                                     # the cold round: not measured
     step(1.5 * table)                               # a stalled first round
@@ -617,27 +624,17 @@ def test_a_depths_first_rounds_set_its_cost_by_their_lower_median():
     b.reset(8)
     b.reset(4)                                      # kept from call to call at the batch size
     assert b._early[0] == kept and b.log_ratio[0] == pytest.approx(0.8 * math.log(1.2))
-    c = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
-    c.reset(4)
+    c, _, step_c = _plain_steps()
     c.log_ratio = [0.5] + [None] * c.depth_max      # set from outside
     c._cold = False
-    c.plan(4, None)
-    c.update(4, 0, 0, 4)
-    c.observe(table)
+    step_c(table)
     assert c.log_ratio[0] == pytest.approx(0.8 * 0.5 + 0.2 * 0.25)  # clipped to within 0.25, weight 0.2
 
 
 def test_a_stalled_round_moves_a_depths_measured_cost_by_a_bounded_step():
     """observe() clips each round's log(measured / table) to within ratio_clip of the running mean: one round that
     stalls (the KV buffers regrowing) moves the mean by decay * ratio_clip at most; a lasting change is followed."""
-    b = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
-    b.reset(4)
-    table = b.batch.round(4, 0, None)
-
-    def step(ms):
-        b.plan(4, None)
-        b.update(4, 0, 0, 4)
-        b.observe(ms)
+    b, table, step = _plain_steps()
 
     step(table)                       # the cold round: not measured
     assert b.log_ratio[0] is None
