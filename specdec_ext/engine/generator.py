@@ -436,16 +436,8 @@ class SpeculativeGenerator:
         t0 = time.perf_counter()
         ctx = [torch.cat([call.inputs[batch.rows[i]], torch.tensor(batch.generated[batch.rows[i]], dtype=torch.int64)])
                for i in pos]
-        lengths = [len(c) for c in ctx]
         toks, mask = _right_aligned(ctx)
-        if len(pos) == len(batch.rows) and not bool(draft.mask.any()):  # nothing read yet: straight into the runner
-            draft.start(len(pos))
-            _prefill(draft, toks, mask, lengths)
-        else:
-            part = type(draft)(draft.model, draft.name)
-            part.start(len(pos))
-            _prefill(part, toks, mask, lengths)
-            draft.replace_rows(torch.tensor(pos), part)
+        _prefill(draft, toks, mask, [len(c) for c in ctx], slots=torch.tensor(pos))
         valid = batch.pending_valid.clone()
         valid[pos, :-1] = False  # the last pending token (the row's last token) is all the draft has not read
         batch.pending_valid = valid
@@ -648,24 +640,27 @@ def _right_aligned(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:
     return toks, torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
 
 
-def _prefill(runner, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Optional[list] = None) -> None:
+def _prefill(runner, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: Optional[list] = None,
+             slots: Optional[torch.Tensor] = None) -> None:
     """Feed a started ``runner`` the prompts ``input_ids`` ``[B, T]`` but their last tokens (``attention_mask``
-    ``[B, T]``, nonzero for real tokens). With ``lengths`` (each row's length, the rows right-aligned), rows of
-    very different lengths are prefilled in groups of similar length (:func:`length_groups`), each group's
-    runner written into its rows (``replace_rows``), the widest first, so the prefill computes little padding."""
+    ``[B, T]``, nonzero for real tokens), into its rows ``slots`` (``[B]`` int64; default: all its B rows, which
+    have read nothing). With ``lengths`` (each row's length, the rows right-aligned), rows of very different
+    lengths are prefilled in groups of similar length (:func:`length_groups`), each group's runner written into
+    its rows (``replace_rows``), the widest first, so the prefill computes little padding."""
     B, T = input_ids.shape
-    groups = length_groups(lengths, PREFILL_PADDING, PREFILL_SLACK) if lengths is not None and T > 1 else [range(B)]
-    if len(groups) == 1:
+    groups = (length_groups(lengths, PREFILL_PADDING, PREFILL_SLACK) if lengths is not None and T > 1
+              else [list(range(B))])
+    if slots is None and len(groups) == 1:  # straight into the runner
         if T > 1:
             runner.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), keep=1)
         return
     for rows in groups:  # the widest group first: later ones never widen the cache
-        w = max(lengths[i] for i in rows)
+        w = max(lengths[i] for i in rows) if lengths is not None else T
         part = type(runner)(runner.model, runner.name)
         part.start(len(rows))
         if w > 1:
             part.forward(input_ids[rows, T - w : -1], attention_mask[rows, T - w : -1].bool(), keep=1)
-        runner.replace_rows(torch.tensor(rows), part)
+        runner.replace_rows(torch.tensor(rows) if slots is None else slots[rows], part)
 
 
 # ---------------------------------------------------------------------------------- call and round state

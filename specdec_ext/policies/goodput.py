@@ -383,12 +383,12 @@ class BatchBudget:
 
     What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), log(measured /
     table ms), set by the lower median of the depth's first ``EARLY_ROUNDS`` rounds and then the running mean of
-    its rounds, each round's value first clipped to within ``ratio_clip`` of the
-    mean (a Huber-style running mean: a round that stalls on something besides its depth, such as the KV cache's
-    buffers regrowing, moves the mean by at most ``decay * ratio_clip``; at B = 64 one plain step of 92 ms among
-    steps of 30 ms raised the cost of plain decoding by a quarter and sent the batch to rounds of two candidates
-    that emitted 1.6 tokens/ms where plain steps emitted 2.1). The profiled table is taken once on random prompts and misjudges a
-    batch's real rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0 plain steps where it took
+    its rounds, each round's value first clipped to within ``ratio_clip`` of the mean (a Huber-style running
+    mean: a round that stalls on something besides its depth, such as the KV cache's buffers regrowing, moves the
+    mean by at most ``decay * ratio_clip``; at B = 64 one plain step of 92 ms among steps of 30 ms raised the cost
+    of plain decoding by a quarter and sent the batch to rounds of two candidates that emitted 1.6 tokens/ms where
+    plain steps emitted 2.1). The profiled table is taken once on random prompts and misjudges a batch's real
+    rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0 plain steps where it took
     3.8, and a plain step (one query per row) measured dearer than a round of one candidate. ``cost_fit="depth"``
     (default) keeps each depth's own mean, and a depth not yet measured takes the ratio of the nearest measured one;
     ``cost_fit="line"`` smooths the drafted depths' ratios by a weighted line in k (:meth:`_ratios`), which shares
@@ -769,8 +769,7 @@ class BatchBudget:
             early.append(ratio)
             self.log_ratio[k] = sorted(early)[(len(early) - 1) // 2]
         else:  # then a running mean in which one stalled round moves the mean by decay * ratio_clip at most
-            if old is not None:
-                ratio = min(max(ratio, old - self.ratio_clip), old + self.ratio_clip)
+            ratio = min(max(ratio, old - self.ratio_clip), old + self.ratio_clip)
             self.log_ratio[k] = self._average(old, ratio)
         self._measured()
 
