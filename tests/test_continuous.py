@@ -27,6 +27,12 @@ def queue(V, n=7, seed=1, longest=9):
     return [torch.randint(2, V, (t,), generator=g) for t in lengths]
 
 
+def target_only(target, prompt, n: int) -> list[int]:
+    """transformers' greedy decoding of ``n`` tokens after ``prompt`` ``[t]`` by the target alone (no EOS)."""
+    return target.generate(prompt.view(1, -1), max_new_tokens=n, do_sample=False, pad_token_id=1,
+                           eos_token_id=None)[0, len(prompt):].tolist()
+
+
 def mixed_rounds(stats, first: int) -> int:
     """Rounds in which a request of the first group ran beside a request admitted later."""
     return sum(1 for r in stats.rounds if min(r.rows) < first <= max(r.rows))
@@ -46,8 +52,7 @@ def test_each_request_equals_its_output_alone(name, kw, arch, fast_draft):
         assert len(out.new_tokens) == len(prompts)
         for i, p in enumerate(prompts):
             if temperature == 0:
-                ref = target.generate(p.view(1, -1), max_new_tokens=14, do_sample=False, pad_token_id=1,
-                                      eos_token_id=None)[0, len(p):].tolist()
+                ref = target_only(target, p, 14)
             else:
                 ref = gen.generate(p.view(1, -1), max_new_tokens=14, temperature=1.0, seed=5 + i).new_tokens[0]
             assert out.new_tokens[i] == ref, f"request {i} (T = {temperature}) differs from its output alone"
@@ -64,8 +69,7 @@ def test_sliding_window_models_equal_target_only(arch):
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=3)
     out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=16, temperature=0)
     for i, p in enumerate(prompts):
-        ref = target.generate(p.view(1, -1), max_new_tokens=16, do_sample=False, pad_token_id=1, eos_token_id=None)
-        assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"{arch}: request {i} differs from target-only decoding"
+        assert out.new_tokens[i] == target_only(target, p, 16), f"{arch}: request {i} differs from target-only decoding"
 
 
 @pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)])
@@ -88,8 +92,7 @@ def test_a_prompt_wider_than_the_cache_widens_it(arch, fast_draft):
         out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=6, temperature=0)
     assert any(after > before for before, after in widths), "no admission widened the cache"
     for i, p in enumerate(prompts):
-        ref = target.generate(p.view(1, -1), max_new_tokens=6, do_sample=False, pad_token_id=1, eos_token_id=None)
-        assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"request {i} differs from target-only decoding"
+        assert out.new_tokens[i] == target_only(target, p, 6), f"request {i} differs from target-only decoding"
 
 
 @pytest.mark.parametrize("runner", ["transformers", "lean"])
@@ -127,8 +130,7 @@ def test_requests_join_mid_generation_and_eos_frees_their_rows():
     target, draft = make_pair("llama", noise=0.1)
     V = target.config.vocab_size
     prompts = queue(V, n=8)
-    ref = [target.generate(p.view(1, -1), max_new_tokens=20, do_sample=False, pad_token_id=1,
-                           eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    ref = [target_only(target, p, 20) for p in prompts]
     eos = ref[0][4]  # a token that request 0 emits early: rows end at different rounds
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
     out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=20, temperature=0, eos_token_id=eos)
@@ -244,8 +246,7 @@ def test_prompts_of_very_different_lengths_are_prefilled_in_groups(arch, fast_dr
     out = gen.generate_continuous(prompts, batch_size=4, max_new_tokens=8, temperature=0)
     assert len(seen[0]) >= 2, seen  # the first batch (2, 28, 5, 17 tokens) in more than one group
     for i, p in enumerate(prompts):
-        ref = target.generate(p.view(1, -1), max_new_tokens=8, do_sample=False, pad_token_id=1, eos_token_id=None)
-        assert out.new_tokens[i] == ref[0, len(p):].tolist(), f"{arch}: request {i} differs from target-only decoding"
+        assert out.new_tokens[i] == target_only(target, p, 8), f"{arch}: request {i} differs from target-only decoding"
 
 
 class Intermittent(CandidateLengthPolicy):
@@ -273,8 +274,7 @@ def test_the_draft_reads_each_row_when_it_first_drafts(fast_draft):
     target, _ = make_pair("llama")
     V = target.config.vocab_size
     prompts = queue(V, n=9, longest=12)
-    refs = [target.generate(p.view(1, -1), max_new_tokens=16, do_sample=False, pad_token_id=1,
-                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    refs = [target_only(target, p, 16) for p in prompts]
     def cut(t):
         return [r[: r.index(t) + 1] if t in r else r for r in refs]
 
@@ -310,8 +310,7 @@ def test_a_batch_that_never_drafts_never_runs_the_draft():
         out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=9, temperature=0)
         assert out.stats.draft_calls == 0 and out.stats.draft_prefill_ms == 0.0
         for i, p in enumerate(prompts):
-            ref = target.generate(p.view(1, -1), max_new_tokens=9, do_sample=False, pad_token_id=1, eos_token_id=None)
-            assert out.new_tokens[i] == ref[0, len(p):].tolist()
+            assert out.new_tokens[i] == target_only(target, p, 9)
     drafting = SpeculativeGenerator(target, draft, policy="fixed", k=2).generate_continuous(
         prompts, batch_size=2, max_new_tokens=9, temperature=0)
     assert drafting.stats.draft_calls > 0 and drafting.stats.draft_prefill_ms > 0
