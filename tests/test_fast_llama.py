@@ -151,6 +151,19 @@ def test_packed_linear_needs_a_cpu_model_of_float32_or_bfloat16():
         FastLlamaRunner(m, packed=True)
 
 
+def test_a_bfloat16_model_packs_only_where_onednn_has_a_bf16_path():
+    """On a CPU without oneDNN's bf16 path (AVX2 only, e.g. AMD Zen 3), packing a bf16 weight raises inside oneDNN:
+    the default runner then uses F.linear, and computes what transformers' forward computes."""
+    m = make_target("llama").to(torch.bfloat16)
+    runner = FastLlamaRunner(m)
+    assert runner.packed == (PACKED and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    ids = torch.randint(2, 48, (2, 6), generator=torch.Generator().manual_seed(0))
+    hf = CausalLMRunner(m, "hf")
+    got, want = [(r.start(2), r.forward(ids, keep=6)[0].float())[1] for r in (runner, hf)]
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)  # bf16 rounding in different operation orders
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 @needs_packed
 def test_profile_key_tells_the_packed_runner_from_f_linear():
     """The two runners cost differently, so a cost profile cached for one is not read for the other."""

@@ -38,9 +38,13 @@ _PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether :class:`FastLlamaRunner` can run its matmuls through oneDNN with packed weights: a CPU tensor of
-    float32 or bfloat16, and a torch built with oneDNN (mkldnn)."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    float32, or of bfloat16 on a CPU whose oneDNN has a bf16 path (AVX512BW/VL/DQ, AVX-NE-CONVERT or AMX; an AVX2-only
+    CPU has none), and a torch built with oneDNN (mkldnn)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if not (hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def uses_packed(device: torch.device, dtype: torch.dtype, packed: Optional[bool] = None) -> bool:
@@ -101,7 +105,9 @@ class FastLlamaRunner(TimedRunner):
         self.dtype = base.embed_tokens.weight.dtype
         if packed and not packed_linear_available(self.device, self.dtype):
             raise ValueError(f"FastLlamaRunner: packed=True needs a CPU float32/bfloat16 model and a torch with oneDNN "
-                             f"(got {self.dtype} on {self.device}, oneDNN available: {torch.backends.mkldnn.is_available()})")
+                             f"(bfloat16: a CPU with oneDNN's bf16 path) (got {self.dtype} on {self.device}, oneDNN "
+                             f"available: {torch.backends.mkldnn.is_available()}, bf16 path: "
+                             f"{bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())})")
         self.packed = uses_packed(self.device, self.dtype, packed)
         self._linear: Callable = _packed_linear if self.packed else F.linear
         self.n_heads = cfg.num_attention_heads
