@@ -221,7 +221,8 @@ def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_token
 
     tok = pair.tokenizer
     eos = tok.eos_token_id
-    encoded = [torch.tensor([tok(p)["input_ids"]]) for p in prompts]
+    dev = next(pair.target.parameters()).device  # transformers' generate() wants the ids on the model's (first) device
+    encoded = [torch.tensor([tok(p)["input_ids"]], device=dev) for p in prompts]
     targets = {"default": pair.target}
     if any(m.target == "float32" for m in methods):
         targets["float32"] = copy.deepcopy(pair.target).float().eval()

@@ -600,7 +600,8 @@ class SpeculativeGenerator:
         draft.rollback(fed - kept)  # row b's draft saw fed[b] candidates; it keeps the accepted ones it saw
         extra = out[torch.arange(B), acc]
         unseen = acc > fed  # its last accepted candidate never fed: the draft catches up on it next round
-        lastcand = drafted.cands.gather(1, (acc - 1).clamp(min=0).view(-1, 1)).view(-1) if K else extra
+        # out and acc come back on the CPU (_verify); the candidates live on the draft's device
+        lastcand = drafted.cands.cpu().gather(1, (acc - 1).clamp(min=0).view(-1, 1)).view(-1) if K else extra
         batch.pending = torch.stack([torch.where(unseen, lastcand, extra), extra], 1)
         batch.pending_valid = torch.stack([unseen, torch.ones_like(unseen)], 1)
         batch.last.copy_(extra.to(batch.last.device))

@@ -1,0 +1,90 @@
+"""The engine end to end on a CUDA device: greedy outputs equal target-only decoding on the same device for
+every policy (one row, a ragged batch, continuous batching, both draft runners), a row's seeded samples equal
+its output alone, and sampling follows the target's exact marginals (chi-square). Skipped without a CUDA device
+(and without a CUDA build of the extension)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import make_pair
+from stats import assert_follows
+from support import PIDS, POLICIES, exact_marginals, make_gen
+from specdec_ext import ops
+from specdec_ext.engine.sampling import SamplingConfig
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built"),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda_pair():
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy margins, as on the CPU
+    target, draft = make_pair("llama")
+    return target.cuda(), draft.cuda()
+
+
+def target_only(target, prompt, n):
+    """transformers' greedy decoding of ``n`` tokens after ``prompt`` ``[t]``, on the target's device."""
+    out = target.generate(prompt.view(1, -1).to(target.device), max_new_tokens=n, do_sample=False, pad_token_id=1,
+                          eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(V, n=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
+@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+def test_greedy_equals_target_only_on_cuda(cuda_pair, name, kw, fast_draft):
+    target, draft = cuda_pair
+    gen = make_gen(target, draft, name, kw, fast_draft=fast_draft)
+    ps = prompts(target.config.vocab_size)
+    want = [target_only(target, p, 12) for p in ps]
+    one = gen.generate(ps[0].view(1, -1).cuda(), max_new_tokens=12, temperature=0.0)
+    assert one.new_tokens[0] == want[0]
+    width = max(len(p) for p in ps)
+    ids = torch.ones(len(ps), width, dtype=torch.long)
+    mask = torch.zeros(len(ps), width, dtype=torch.long)
+    for i, p in enumerate(ps):  # left padding
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    batch = gen.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12, temperature=0.0)
+    assert batch.new_tokens == want
+    cont = gen.generate_continuous([p.cuda() for p in ps], batch_size=2, max_new_tokens=12, temperature=0.0)
+    assert cont.new_tokens == want
+    if name != "autoregressive":
+        assert batch.stats.accepted > 0, "speculation was not exercised"
+
+
+@pytest.mark.parametrize("name,kw", [POLICIES[2], POLICIES[7]], ids=[PIDS[2], PIDS[7]])
+def test_a_rows_seeded_samples_equal_its_output_alone_on_cuda(cuda_pair, name, kw):
+    target, draft = cuda_pair
+    gen = make_gen(target, draft, name, kw)
+    ps = prompts(target.config.vocab_size, n=3, seed=4)
+    cont = gen.generate_continuous([p.cuda() for p in ps], batch_size=2, max_new_tokens=10, temperature=1.0, seed=9)
+    for i, p in enumerate(ps):
+        alone = gen.generate(p.view(1, -1).cuda(), max_new_tokens=10, temperature=1.0, seed=9 + i)
+        assert cont.new_tokens[i] == alone.new_tokens[0], f"request {i} differs from its output alone"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kw", [POLICIES[2], POLICIES[6], POLICIES[9]], ids=[PIDS[2], PIDS[6], PIDS[9]])
+def test_engine_sampling_on_cuda_is_lossless(name, kw):
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([[0, 5, 7, 3, 9]])
+    cfg = SamplingConfig(1.0)
+    marg = exact_marginals(target, prompt, cfg, 3)  # enumerated on the CPU, in fp32
+    gen = make_gen(target.cuda(), draft.cuda(), name, kw)
+    out = gen.generate(prompt.expand(3000, -1).cuda(), max_new_tokens=3, temperature=1.0, seed=1000)
+    toks = torch.tensor(out.new_tokens)
+    for i in range(3):
+        assert_follows(toks[:, i], marg[i], f"{name} on CUDA, position {i + 1}")
+    assert out.stats.accepted > 0 and out.stats.discarded > 0, "speculation was not exercised"
+
