@@ -261,6 +261,29 @@ def test_bad_input_raises_clear_error(name, call, exc, msg):
         call()
 
 
+@pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
+def test_compiled_messages_print_shapes_numbers_dtypes_and_devices():
+    """The compiled checks format their messages without std::ostream (csrc/check_msg.h): the shapes, integers,
+    floats, dtypes and devices read as torch would print them."""
+    ids, q, p, n, u = make_case(2, 3, 10, ragged=False)
+    cases = [(lambda: ops.chain_verify(ids, q[:1], p, uniforms=u), ValueError,
+              "chain_verify: draft_probs must be [B, K, V] = [2, 3, V], got [1, 3, 10]"),
+             (lambda: ops.chain_verify(ids, q, p, torch.tensor([4, 1]), uniforms=u), ValueError,
+              "chain_verify: num_draft_tokens must lie in [0, K] = [0, 3], got 4 in row 0"),
+             (lambda: ops.chain_verify_logits(ids, q, p, torch.tensor([1.0, -0.25]), uniforms=u), ValueError,
+              "chain_verify_logits: temperature must be finite and >= 0 (0 means greedy), got -0.25 in row 1"),
+             (lambda: ops.acceptance_head_step(*head_args(B=2, H=8), torch.ones(2), 1, 2, 5, 1.5), ValueError,
+              "acceptance_head_step: stop threshold must lie in [0, 1], got 1.5"),
+             (lambda: ops.chain_verify(ids, q, p.to("meta"), uniforms=u), ValueError,
+              "chain_verify: draft_token_ids is on cpu but target_probs is on meta"),
+             (lambda: ops.chain_verify(ids, q, p.half(), uniforms=u), TypeError,
+              "chain_verify: target_probs has dtype Half but draft_probs has Float")]
+    for call, exc, msg in cases:
+        with pytest.raises(exc) as err:
+            call()
+        assert str(err.value).splitlines()[0] == msg
+
+
 @pytest.mark.parametrize("name,call,exc,msg", list(_bad_cases()), ids=[c[0] for c in _bad_cases()])
 def test_reference_raises_the_same_errors(name, call, exc, msg, monkeypatch):
     if name in ("temp missing", "meta device"):
