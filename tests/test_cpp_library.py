@@ -24,10 +24,14 @@ def compile_line(program: Path) -> list[str]:
     ops library linked as any shared library (--no-as-needed: it is used through its registrations)."""
     lib = ops.library_path()
     torch_lib = library_paths()[0]
+    # a library built with its CUDA kernels also needs torch's CUDA libraries, linked into the program: the rpath
+    # below is a RUNPATH, which the loader does not apply to the ops library's own dependencies
+    cuda = ["-ltorch_cuda", "-lc10_cuda"] if torch._C._dispatch_has_kernel_for_dispatch_key(
+        "specdec_ext::chain_verify", "CUDA") else []
     return (["g++", "-std=c++20", "-O1", str(SOURCE), "-o", str(program)]
             + [f"-I{p}" for p in include_paths()]
             + [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-            + [f"-L{torch_lib}", "-Wl,--no-as-needed", str(lib), "-ltorch", "-ltorch_cpu", "-lc10",
+            + [f"-L{torch_lib}", "-Wl,--no-as-needed", str(lib), "-ltorch", "-ltorch_cpu", "-lc10", *cuda,
                f"-Wl,-rpath,{torch_lib}", f"-Wl,-rpath,{lib.parent}", "-ldl"])
 
 
