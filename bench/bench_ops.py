@@ -5,12 +5,17 @@ Both start from the same logits (temperature 1): Hugging Face's function softmax
 1, so a batch of B rows is B calls. The fused op (`chain_verify_logits`) does the whole batch in
 one call without writing probabilities. Run side by side in one process, alternating, medians.
 
-    python bench/bench_ops.py [--quick] [--out bench/results]
+    python bench/bench_ops.py [--quick] [--device cpu|cuda] [--out bench/results]
+
+On CUDA each call is timed from a synchronised start to a synchronised end (host wall clock, so launch
+overhead counts, as it does in a decoding loop), and the fused op is also timed replayed from a captured
+CUDA graph ("fused_graph_us").
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import statistics
@@ -23,67 +28,111 @@ from transformers.generation.utils import _speculative_sampling
 from specdec_ext import ops
 
 
-def make_inputs(B, K, V, seed=0):
+def make_inputs(B, K, V, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     target = torch.randn(B, K + 1, V, generator=g) * 3
     draft = target[:, :K] + torch.randn(B, K, V, generator=g)  # a draft that mostly agrees
     ids = torch.multinomial(torch.softmax(draft.reshape(-1, V), -1), 1, generator=g).view(B, K)
-    return ids, draft, target
+    return ids.to(device), draft.to(device), target.to(device)
+
+
+# transformers < 5.2x takes is_done_candidate (whether the candidates ended in EOS) as a fifth argument
+_EOS_ARG = (False,) if "is_done_candidate" in inspect.signature(_speculative_sampling).parameters else ()
 
 
 def hf_composition(ids, draft, target):
     K = ids.shape[1]
     for b in range(ids.shape[0]):
-        _speculative_sampling(ids[b : b + 1], draft[b : b + 1], K, target[b : b + 1])
+        _speculative_sampling(ids[b : b + 1], draft[b : b + 1], K, target[b : b + 1], *_EOS_ARG)
 
 
 def fused(ids, draft, target, temp, so):
     ops.chain_verify_logits(ids, draft, target, temp, philox_seed_offset=so)
 
 
-def time_pair(fns, repeats):
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_pair(fns, repeats, device="cpu"):
+    """Median µs per call of each function, alternating so that drift hits all alike."""
     times = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in fns.items():  # alternate, so drift hits both alike
+        for name, fn in fns.items():
+            _sync(device)
             t0 = time.perf_counter()
             fn()
+            _sync(device)
             times[name].append((time.perf_counter() - t0) * 1e6)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph; returns the replay (the op's outputs live in the graph's pool)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is visible")
     Bs, Ks, Vs = ([1, 8], [1, 8], [32000]) if args.quick else ([1, 8, 64], [1, 4, 8], [32000, 128256])
     rows = []
-    print(f"{'B':>3} {'K':>2} {'V':>7} | {'HF composition (us)':>20} {'fused op (us)':>14} {'speedup':>8}")
+    graph_col = f" {'graph (us)':>11}" if dev == "cuda" else ""
+    print(f"{'B':>3} {'K':>2} {'V':>7} | {'HF composition (us)':>20} {'fused op (us)':>14}{graph_col} {'speedup':>8}")
     for V in Vs:
         for B in Bs:
             for K in Ks:
-                ids, draft, target = make_inputs(B, K, V)
-                temp = torch.ones(B)
-                so = torch.tensor([1, 2])
+                ids, draft, target = make_inputs(B, K, V, device=dev)
+                temp = torch.ones(B, device=dev)
+                so = torch.tensor([1, 2], device=dev)
                 work = B * (K + 1) * V
                 repeats = max(3, min(50, int(2e8 / work)))
+                if dev == "cuda":
+                    repeats = 50
                 fns = {"hf": lambda: hf_composition(ids, draft, target), "fused": lambda: fused(ids, draft, target, temp, so)}
+                if dev == "cuda":
+                    fns["fused_graph"] = graphed(lambda: fused(ids, draft, target, temp, so))
                 for fn in fns.values():
                     fn()  # warm-up
-                med = time_pair(fns, repeats)
+                med = time_pair(fns, repeats, dev)
                 ratio = med["hf"] / med["fused"]
-                rows.append({"B": B, "K": K, "V": V, "hf_us": med["hf"], "fused_us": med["fused"], "speedup": ratio,
-                             "repeats": repeats})
-                print(f"{B:>3} {K:>2} {V:>7} | {med['hf']:>20.1f} {med['fused']:>14.1f} {ratio:>7.1f}x", flush=True)
+                row = {"B": B, "K": K, "V": V, "hf_us": med["hf"], "fused_us": med["fused"], "speedup": ratio,
+                       "repeats": repeats}
+                if dev == "cuda":
+                    row["fused_graph_us"] = med["fused_graph"]
+                rows.append(row)
+                graph = f" {med['fused_graph']:>11.1f}" if dev == "cuda" else ""
+                print(f"{B:>3} {K:>2} {V:>7} | {med['hf']:>20.1f} {med['fused']:>14.1f}{graph} {ratio:>7.1f}x", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
-    (args.out / "ops.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    md = ["| B | K | V | HF `_speculative_sampling` (µs) | fused `chain_verify_logits` (µs) | speedup |",
-          "|---|---|---|---|---|---|"]
-    md += [f"| {r['B']} | {r['K']} | {r['V']} | {r['hf_us']:.0f} | {r['fused_us']:.0f} | {r['speedup']:.1f}× |" for r in rows]
-    (args.out / "ops.md").write_text("\n".join(md) + "\n")
-    print(f"wrote {args.out / 'ops.json'} and {args.out / 'ops.md'}")
+            "torch": torch.__version__, "python": platform.python_version(), "device": dev}
+    if dev == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
+    stem = "ops" if dev == "cpu" else "ops_cuda"
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    graph_head, graph_rule = (" fused, CUDA graph (µs) |", "---|") if dev == "cuda" else ("", "")
+    md = [f"| B | K | V | HF `_speculative_sampling` (µs) | fused `chain_verify_logits` (µs) |{graph_head} speedup |",
+          f"|---|---|---|---|---|{graph_rule}---|"]
+    for r in rows:
+        graph = f" {r['fused_graph_us']:.0f} |" if dev == "cuda" else ""
+        md.append(f"| {r['B']} | {r['K']} | {r['V']} | {r['hf_us']:.0f} | {r['fused_us']:.0f} |{graph} {r['speedup']:.1f}× |")
+    (args.out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {args.out / f'{stem}.json'} and {args.out / f'{stem}.md'}")
 
 
 if __name__ == "__main__":
