@@ -12,6 +12,8 @@ from models import make_pair
 from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen
 from specdec_ext import ops
+from specdec_ext.engine.fast_llama import FastLlamaRunner
+from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
 pytestmark = [
@@ -88,3 +90,18 @@ def test_engine_sampling_on_cuda_is_lossless(name, kw):
         assert_follows(toks[:, i], marg[i], f"{name} on CUDA, position {i + 1}")
     assert out.stats.accepted > 0 and out.stats.discarded > 0, "speculation was not exercised"
 
+
+def test_forwards_on_cuda_run_without_cudnn_attention(cuda_pair, monkeypatch):
+    """Both runners' forwards on CUDA leave cuDNN's attention out (engine/runner.py: it builds a plan per new
+    shape, and decoding makes one every step), and torch's global choice is as it was afterwards."""
+    target, draft = cuda_pair
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    seen = []
+    for runner in (CausalLMRunner(target, "target"), FastLlamaRunner(draft)):
+        inner = runner._forward
+        monkeypatch.setattr(runner, "_forward", lambda *a, _f=inner, **k: (
+            seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())), _f(*a, **k))[1])
+        runner.start(1)
+        runner.forward(torch.tensor([[3, 4, 5]], device="cuda"), keep=1)
+    assert seen == [(False, True), (False, True)]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

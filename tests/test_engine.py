@@ -160,6 +160,21 @@ def test_policy_object_and_per_call_override():
     assert max(max(r.candidates) for r in b.stats.rounds) <= 5
 
 
+def test_runner_attention_backends_leave_cudnn_out_on_cuda_only():
+    """engine/runner.py's context for a forward: on CUDA, torch's SDPA may not pick cuDNN (a plan per new shape);
+    torch's global choice comes back afterwards; on the CPU nothing changes."""
+    from specdec_ext.engine import runner
+
+    before = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
+    with runner.sdpa_backends(torch.device("cuda", 0)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    with runner.sdpa_backends(torch.device("cpu")):
+        assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+
+
 def test_draft_and_target_in_different_dtypes():
     target, draft = make_pair("llama")
     draft = draft.to(torch.bfloat16)
