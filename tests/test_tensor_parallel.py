@@ -30,7 +30,9 @@ HERE = Path(__file__).parent
 
 
 def torchrun(args, tmp_path, timeout=600):
-    env = dict(os.environ, SPECDEC_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+    # CPU ranks on gloo, GPUs hidden: on a machine with one GPU, transformers' tensor parallelism would otherwise
+    # put rank 1 on cuda:1 (seen on an H100 machine: "invalid device ordinal")
+    env = dict(os.environ, SPECDEC_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
