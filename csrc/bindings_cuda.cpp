@@ -12,7 +12,7 @@ namespace specdec {
 namespace {
 
 void check_launch(cudaError_t e, const char* op) {
-  SPECDEC_CHECK(e == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(e));
+  SPECDEC_CHK(e == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(e));
 }
 
 std::tuple<at::Tensor, at::Tensor> chain_verify_cuda(const at::Tensor& ids, const at::Tensor& draft_probs,

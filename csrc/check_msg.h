@@ -3,10 +3,11 @@
 // TORCH_CHECK_* formats its message with c10::str, an ostringstream. Seen on an H100 machine (torch 2.11+cu130,
 // this library built there with g++ 13): streaming an integer from inside this library crashed the process
 // (SIGSEGV in std::basic_ostream::_M_insert<long>, a locale facet call gone to the wrong function), so every
-// ValueError naming a shape became a crash, while messages of strings alone worked. SPECDEC_CHECK_VALUE and
-// SPECDEC_CHECK_TYPE take the same arguments as TORCH_CHECK_VALUE / TORCH_CHECK_TYPE, format numbers, shapes,
-// dtypes and devices with std::to_string / snprintf, and hand torch one std::string, which c10::str passes
-// through unformatted. As with TORCH_CHECK, the message is built only when the check fails.
+// ValueError naming a shape became a crash, while messages of strings alone worked. SPECDEC_CHK_VALUE and
+// SPECDEC_CHK_TYPE take the arguments of TORCH_CHECK_VALUE / TORCH_CHECK_TYPE (and are as long, so call sites
+// keep their alignment), format numbers, shapes, dtypes and devices with std::to_string / snprintf, and hand
+// torch one std::string, which c10::str passes through unformatted. As with TORCH_CHECK, the message is built
+// only when the check fails.
 #pragma once
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -56,6 +57,6 @@ inline std::string msg(const Args&... args) {
 
 }  // namespace specdec
 
-#define SPECDEC_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, ::specdec::msg(__VA_ARGS__))
-#define SPECDEC_CHECK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, ::specdec::msg(__VA_ARGS__))
-#define SPECDEC_CHECK(cond, ...) TORCH_CHECK(cond, ::specdec::msg(__VA_ARGS__))
+#define SPECDEC_CHK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, ::specdec::msg(__VA_ARGS__))
+#define SPECDEC_CHK_TYPE(cond, ...) TORCH_CHECK_TYPE(cond, ::specdec::msg(__VA_ARGS__))
+#define SPECDEC_CHK(cond, ...) TORCH_CHECK(cond, ::specdec::msg(__VA_ARGS__))

@@ -21,17 +21,17 @@ inline DType float_dtype(const at::Tensor& t, const char* name) {
     case at::kBFloat16: return DType::kBFloat16;
     case at::kHalf: return DType::kFloat16;
     default:
-      SPECDEC_CHECK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+      SPECDEC_CHK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
 }
 
 inline void check_index_dtype(const at::Tensor& t, const char* name) {
-  SPECDEC_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int32 or int64, got ",
+  SPECDEC_CHK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int32 or int64, got ",
                    t.scalar_type());
 }
 
 inline void check_device(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
-  SPECDEC_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
+  SPECDEC_CHK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
 }
 
 // Randomness: exactly one of uniforms [B, slots] float32 in (0, 1] or philox_seed_offset [2] int64.
@@ -51,19 +51,19 @@ struct RandomTensors {
 
 inline RandomTensors check_random(const std::optional<at::Tensor>& uniforms, const std::optional<at::Tensor>& seed_offset,
                                   at::IntArrayRef uniform_shape, const at::Tensor& ref, const char* op) {
-  SPECDEC_CHECK_VALUE(uniforms.has_value() != seed_offset.has_value(), op,
+  SPECDEC_CHK_VALUE(uniforms.has_value() != seed_offset.has_value(), op,
                     ": pass exactly one of uniforms or philox_seed_offset");
   RandomTensors r;
   if (uniforms.has_value()) {
     const at::Tensor& u = *uniforms;
-    SPECDEC_CHECK_TYPE(u.scalar_type() == at::kFloat, op, ": uniforms must be float32, got ", u.scalar_type());
-    SPECDEC_CHECK_VALUE(u.sizes() == uniform_shape, op, ": uniforms must have shape ", uniform_shape, ", got ", u.sizes());
+    SPECDEC_CHK_TYPE(u.scalar_type() == at::kFloat, op, ": uniforms must be float32, got ", u.scalar_type());
+    SPECDEC_CHK_VALUE(u.sizes() == uniform_shape, op, ": uniforms must have shape ", uniform_shape, ", got ", u.sizes());
     check_device(u, ref, "uniforms", "the probabilities");
     r.uniforms = u.contiguous();
   } else {
     const at::Tensor& so = *seed_offset;
-    SPECDEC_CHECK_TYPE(so.scalar_type() == at::kLong, op, ": philox_seed_offset must be int64, got ", so.scalar_type());
-    SPECDEC_CHECK_VALUE(so.dim() == 1 && so.size(0) == 2, op, ": philox_seed_offset must have shape [2], got ", so.sizes());
+    SPECDEC_CHK_TYPE(so.scalar_type() == at::kLong, op, ": philox_seed_offset must be int64, got ", so.scalar_type());
+    SPECDEC_CHK_VALUE(so.dim() == 1 && so.size(0) == 2, op, ": philox_seed_offset must have shape [2], got ", so.sizes());
     check_device(so, ref, "philox_seed_offset", "the probabilities");
     r.seed_offset = so.contiguous();
   }
@@ -85,19 +85,19 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
   const char* dname = logits ? "draft_logits" : "draft_probs";
   const char* tname = logits ? "target_logits" : "target_probs";
   check_index_dtype(draft_token_ids, "draft_token_ids");
-  SPECDEC_CHECK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got shape ", draft_token_ids.sizes());
+  SPECDEC_CHK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got shape ", draft_token_ids.sizes());
   const int64_t B = draft_token_ids.size(0), K = draft_token_ids.size(1);
-  SPECDEC_CHECK_VALUE(K >= 1, op, ": the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0");
+  SPECDEC_CHK_VALUE(K >= 1, op, ": the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0");
   const DType dt = float_dtype(draft, dname);
-  SPECDEC_CHECK_TYPE(target.scalar_type() == draft.scalar_type(), op, ": ", tname, " has dtype ", target.scalar_type(),
+  SPECDEC_CHK_TYPE(target.scalar_type() == draft.scalar_type(), op, ": ", tname, " has dtype ", target.scalar_type(),
                    " but ", dname, " has ", draft.scalar_type());
-  SPECDEC_CHECK_VALUE(draft.dim() == 3 && draft.size(0) == B && draft.size(1) == K, op, ": ", dname,
+  SPECDEC_CHK_VALUE(draft.dim() == 3 && draft.size(0) == B && draft.size(1) == K, op, ": ", dname,
                     " must be [B, K, V] = [", B, ", ", K, ", V], got ", draft.sizes());
   const int64_t V = draft.size(2);
-  SPECDEC_CHECK_VALUE(V >= 1, op, ": vocabulary size V must be >= 1");
-  SPECDEC_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == K + 1, op, ": ", tname,
+  SPECDEC_CHK_VALUE(V >= 1, op, ": vocabulary size V must be >= 1");
+  SPECDEC_CHK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == K + 1, op, ": ", tname,
                     " must be [B, K+1, V] = [", B, ", ", K + 1, ", V], got ", target.sizes());
-  SPECDEC_CHECK_VALUE(target.size(2) == V, op, ": vocabulary mismatch: ", dname, " has V = ", V, " but ", tname, " has V = ",
+  SPECDEC_CHK_VALUE(target.size(2) == V, op, ": vocabulary mismatch: ", dname, " has V = ", V, " but ", tname, " has V = ",
                     target.size(2));
   check_device(draft_token_ids, target, "draft_token_ids", tname);
   check_device(draft, target, dname, tname);
@@ -108,29 +108,29 @@ inline VerifyTensors prepare_verify(const at::Tensor& draft_token_ids, const at:
   if (num_draft_tokens.has_value()) {
     const at::Tensor& n = *num_draft_tokens;
     check_index_dtype(n, "num_draft_tokens");
-    SPECDEC_CHECK_VALUE(n.dim() == 1 && n.size(0) == B, op, ": num_draft_tokens must be [B] = [", B, "], got ", n.sizes());
+    SPECDEC_CHK_VALUE(n.dim() == 1 && n.size(0) == B, op, ": num_draft_tokens must be [B] = [", B, "], got ", n.sizes());
     check_device(n, target, "num_draft_tokens", tname);
     t.num_draft = n.to(at::kLong).contiguous();
     if (n.device().is_cpu()) {  // a loop over B values: no dispatcher calls on the hot path
       const int64_t* nd = t.num_draft.data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b)
-        SPECDEC_CHECK_VALUE(nd[b] >= 0 && nd[b] <= K, op, ": ", error_message(kInvalidNumDraft, logits), " = [0, ", K,
+        SPECDEC_CHK_VALUE(nd[b] >= 0 && nd[b] <= K, op, ": ", error_message(kInvalidNumDraft, logits), " = [0, ", K,
                           "], got ", nd[b], " in row ", b);
     }
   }
   if (logits) {
-    SPECDEC_CHECK_VALUE(temperature.has_value(), op, ": temperature [B] is required");
+    SPECDEC_CHK_VALUE(temperature.has_value(), op, ": temperature [B] is required");
     const at::Tensor& tt = *temperature;
-    SPECDEC_CHECK_TYPE(tt.scalar_type() == at::kFloat, op, ": temperature must be float32, got ", tt.scalar_type());
-    SPECDEC_CHECK_VALUE(tt.dim() == 1 && tt.size(0) == B, op, ": temperature must be [B] = [", B, "], got ", tt.sizes());
+    SPECDEC_CHK_TYPE(tt.scalar_type() == at::kFloat, op, ": temperature must be float32, got ", tt.scalar_type());
+    SPECDEC_CHK_VALUE(tt.dim() == 1 && tt.size(0) == B, op, ": temperature must be [B] = [", B, "], got ", tt.sizes());
     check_device(tt, target, "temperature", tname);
     t.temperature = tt.contiguous();
     if (tt.device().is_cpu()) {
       const float* tp = t.temperature.data_ptr<float>();
       for (int64_t b = 0; b < B; ++b) {
-        SPECDEC_CHECK_VALUE(tp[b] >= 0.0f && tp[b] <= 3.4028234663852886e38f, op,
+        SPECDEC_CHK_VALUE(tp[b] >= 0.0f && tp[b] <= 3.4028234663852886e38f, op,
                           ": temperature must be finite and >= 0 (0 means greedy), got ", tp[b], " in row ", b);
-        SPECDEC_CHECK_VALUE(tp[b] == 0.0f || tp[b] >= kMinTemperature, op, ": ", error_message(kInvalidTemperature, true),
+        SPECDEC_CHK_VALUE(tp[b] == 0.0f || tp[b] >= kMinTemperature, op, ": ", error_message(kInvalidTemperature, true),
                           ", got ", tp[b], " in row ", b);
       }
     }
@@ -158,11 +158,11 @@ inline VerifyTensors prepare_greedy(const at::Tensor& draft_token_ids, const at:
                                     const std::optional<at::Tensor>& num_draft_tokens) {
   const char* op = "chain_verify_greedy";
   check_index_dtype(draft_token_ids, "draft_token_ids");
-  SPECDEC_CHECK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got shape ", draft_token_ids.sizes());
+  SPECDEC_CHK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got shape ", draft_token_ids.sizes());
   const int64_t B = draft_token_ids.size(0), K = draft_token_ids.size(1);
-  SPECDEC_CHECK_VALUE(K >= 1, op, ": the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0");
+  SPECDEC_CHK_VALUE(K >= 1, op, ": the candidate length K (draft_token_ids.shape[1]) must be >= 1, got 0");
   const DType dt = float_dtype(target, "target_logits");
-  SPECDEC_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == K + 1 && target.size(2) >= 1, op,
+  SPECDEC_CHK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == K + 1 && target.size(2) >= 1, op,
                     ": target_logits must be [B, K+1, V] = [", B, ", ", K + 1, ", V], got ", target.sizes());
   check_device(draft_token_ids, target, "draft_token_ids", "target_logits");
   VerifyTensors t;
@@ -171,7 +171,7 @@ inline VerifyTensors prepare_greedy(const at::Tensor& draft_token_ids, const at:
   if (num_draft_tokens.has_value()) {
     const at::Tensor& n = *num_draft_tokens;
     check_index_dtype(n, "num_draft_tokens");
-    SPECDEC_CHECK_VALUE(n.dim() == 1 && n.size(0) == B, op, ": num_draft_tokens must be [B] = [", B, "], got ", n.sizes());
+    SPECDEC_CHK_VALUE(n.dim() == 1 && n.size(0) == B, op, ": num_draft_tokens must be [B] = [", B, "], got ", n.sizes());
     check_device(n, target, "num_draft_tokens", "target_logits");
     t.num_draft = n.to(at::kLong).contiguous();
   }
@@ -199,14 +199,14 @@ inline ResidualTensors prepare_residual(const at::Tensor& target, const at::Tens
                                         const std::optional<at::Tensor>& uniforms,
                                         const std::optional<at::Tensor>& seed_offset) {
   const DType dt = float_dtype(target, "target_probs");
-  SPECDEC_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "residual_sample: draft_probs has dtype ",
+  SPECDEC_CHK_TYPE(draft.scalar_type() == target.scalar_type(), "residual_sample: draft_probs has dtype ",
                    draft.scalar_type(), " but target_probs has ", target.scalar_type());
-  SPECDEC_CHECK_VALUE(target.dim() == 2, "residual_sample: target_probs must be [B, V], got ", target.sizes());
-  SPECDEC_CHECK_VALUE(draft.dim() == 2 && draft.size(0) == target.size(0), "residual_sample: draft_probs must be [B, V] = [",
+  SPECDEC_CHK_VALUE(target.dim() == 2, "residual_sample: target_probs must be [B, V], got ", target.sizes());
+  SPECDEC_CHK_VALUE(draft.dim() == 2 && draft.size(0) == target.size(0), "residual_sample: draft_probs must be [B, V] = [",
                     target.size(0), ", V], got ", draft.sizes());
-  SPECDEC_CHECK_VALUE(draft.size(1) == target.size(1), "residual_sample: vocabulary mismatch: target_probs has V = ",
+  SPECDEC_CHK_VALUE(draft.size(1) == target.size(1), "residual_sample: vocabulary mismatch: target_probs has V = ",
                     target.size(1), " but draft_probs has V = ", draft.size(1));
-  SPECDEC_CHECK_VALUE(target.size(1) >= 1, "residual_sample: vocabulary size V must be >= 1");
+  SPECDEC_CHK_VALUE(target.size(1) >= 1, "residual_sample: vocabulary size V must be >= 1");
   check_device(draft, target, "draft_probs", "target_probs");
   ResidualTensors t;
   t.target = target.contiguous();
@@ -227,9 +227,9 @@ inline ConfidenceTensors prepare_confidence(const at::Tensor& dist, const at::Te
   const char* op = "confidence_features";
   const char* name = logits ? "draft_logits" : "draft_probs";
   const DType dt = float_dtype(dist, name);
-  SPECDEC_CHECK_VALUE(dist.dim() == 2 && dist.size(1) >= 1, op, ": ", name, " must be [B, V] with V >= 1, got ", dist.sizes());
+  SPECDEC_CHK_VALUE(dist.dim() == 2 && dist.size(1) >= 1, op, ": ", name, " must be [B, V] with V >= 1, got ", dist.sizes());
   check_index_dtype(tokens, "tokens");
-  SPECDEC_CHECK_VALUE(tokens.dim() == 1 && tokens.size(0) == dist.size(0), op, ": tokens must be [B] = [", dist.size(0),
+  SPECDEC_CHK_VALUE(tokens.dim() == 1 && tokens.size(0) == dist.size(0), op, ": tokens must be [B] = [", dist.size(0),
                     "], got ", tokens.sizes());
   check_device(tokens, dist, "tokens", name);
   ConfidenceTensors t;
@@ -256,62 +256,62 @@ inline HeadTensors prepare_head(const std::optional<at::Tensor>& hidden, const s
                                 at::Tensor& cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
                                 double threshold) {
   const char* op = "acceptance_head_step";
-  SPECDEC_CHECK_VALUE(hidden.has_value() || features.has_value(), op,
+  SPECDEC_CHK_VALUE(hidden.has_value() || features.has_value(), op,
                     ": pass hidden [B, H], features [B, F], or both (the head reads nothing otherwise)");
-  SPECDEC_CHECK_VALUE(out_weight.dim() == 1, op, ": out_weight must be [H], got ", out_weight.sizes());
+  SPECDEC_CHK_VALUE(out_weight.dim() == 1, op, ": out_weight must be [H], got ", out_weight.sizes());
   const int64_t H = out_weight.size(0);
   const at::Tensor& ref = hidden.has_value() ? *hidden : *features;
   const char* ref_name = hidden.has_value() ? "hidden" : "features";
-  SPECDEC_CHECK_VALUE(ref.dim() == 2, op, ": ", ref_name, " must be [B, ", hidden.has_value() ? "H" : "F", "], got ",
+  SPECDEC_CHK_VALUE(ref.dim() == 2, op, ": ", ref_name, " must be [B, ", hidden.has_value() ? "H" : "F", "], got ",
                     ref.sizes());
   const int64_t B = ref.size(0);
   DType dt = DType::kFloat32;
   if (hidden.has_value()) {
     dt = float_dtype(*hidden, "hidden");
-    SPECDEC_CHECK_VALUE(hidden->size(1) == H, op, ": hidden must be [B, H] with H = ", H,
+    SPECDEC_CHK_VALUE(hidden->size(1) == H, op, ": hidden must be [B, H] with H = ", H,
                       " (the head's width, out_weight's length), got ", hidden->sizes(),
                       ": this head belongs to a draft with another hidden size");
   }
   int64_t F = 0;
   if (features.has_value()) {
     const at::Tensor& f = *features;
-    SPECDEC_CHECK_TYPE(f.scalar_type() == at::kFloat, op, ": features must be float32, got ", f.scalar_type());
-    SPECDEC_CHECK_VALUE(f.dim() == 2 && f.size(0) == B, op, ": features must be [B, F] with B = ", B, ", got ", f.sizes());
+    SPECDEC_CHK_TYPE(f.scalar_type() == at::kFloat, op, ": features must be float32, got ", f.scalar_type());
+    SPECDEC_CHK_VALUE(f.dim() == 2 && f.size(0) == B, op, ": features must be [B, F] with B = ", B, ", got ", f.sizes());
     F = f.size(1);
-    SPECDEC_CHECK_VALUE(feature_weight.has_value() && feature_bias.has_value(), op,
+    SPECDEC_CHK_VALUE(feature_weight.has_value() && feature_bias.has_value(), op,
                       ": features need feature_weight [H, F] and feature_bias [H]");
-    SPECDEC_CHECK_VALUE(feature_weight->dim() == 2 && feature_weight->size(0) == H && feature_weight->size(1) == F, op,
+    SPECDEC_CHK_VALUE(feature_weight->dim() == 2 && feature_weight->size(0) == H && feature_weight->size(1) == F, op,
                       ": feature_weight must be [H, F] = [", H, ", ", F, "], got ", feature_weight->sizes());
-    SPECDEC_CHECK_VALUE(feature_bias->dim() == 1 && feature_bias->size(0) == H, op, ": feature_bias must be [H] = [", H,
+    SPECDEC_CHK_VALUE(feature_bias->dim() == 1 && feature_bias->size(0) == H, op, ": feature_bias must be [H] = [", H,
                       "], got ", feature_bias->sizes());
   } else {
-    SPECDEC_CHECK_VALUE(!feature_weight.has_value() && !feature_bias.has_value(), op,
+    SPECDEC_CHK_VALUE(!feature_weight.has_value() && !feature_bias.has_value(), op,
                       ": feature_weight / feature_bias given without features");
   }
-  SPECDEC_CHECK_VALUE(block_weight.dim() == 3 && block_weight.size(1) == H && block_weight.size(2) == H, op,
+  SPECDEC_CHK_VALUE(block_weight.dim() == 3 && block_weight.size(1) == H && block_weight.size(2) == H, op,
                     ": block_weight must be [L, H, H] with H = ", H, ", got ", block_weight.sizes());
   const int64_t L = block_weight.size(0);
-  SPECDEC_CHECK_VALUE(block_bias.dim() == 2 && block_bias.size(0) == L && block_bias.size(1) == H, op,
+  SPECDEC_CHK_VALUE(block_bias.dim() == 2 && block_bias.size(0) == L && block_bias.size(1) == H, op,
                     ": block_bias must be [L, H] = [", L, ", ", H, "], got ", block_bias.sizes());
-  SPECDEC_CHECK_VALUE(out_bias.numel() == 1, op, ": out_bias must have one element, got ", out_bias.sizes());
-  SPECDEC_CHECK_VALUE(cum_accept.dim() == 1 && cum_accept.size(0) == B, op, ": cum_accept must be [B] = [", B, "], got ",
+  SPECDEC_CHK_VALUE(out_bias.numel() == 1, op, ": out_bias must have one element, got ", out_bias.sizes());
+  SPECDEC_CHK_VALUE(cum_accept.dim() == 1 && cum_accept.size(0) == B, op, ": cum_accept must be [B] = [", B, "], got ",
                     cum_accept.sizes());
   std::vector<const at::Tensor*> f32 = {&block_weight, &block_bias, &out_weight, &out_bias, &cum_accept};
   if (feature_weight.has_value()) f32.push_back(&*feature_weight);
   if (feature_bias.has_value()) f32.push_back(&*feature_bias);
   for (const at::Tensor* p : f32) {
-    SPECDEC_CHECK_TYPE(p->scalar_type() == at::kFloat, op, ": head weights and cum_accept must be float32, got ",
+    SPECDEC_CHK_TYPE(p->scalar_type() == at::kFloat, op, ": head weights and cum_accept must be float32, got ",
                      p->scalar_type());
     check_device(*p, ref, "head weights and cum_accept", ref_name);
   }
   if (hidden.has_value() && features.has_value()) check_device(*features, *hidden, "features", "hidden");
-  SPECDEC_CHECK_VALUE(cum_accept.is_contiguous(), op, ": cum_accept must be contiguous (it is updated in place)");
-  SPECDEC_CHECK_VALUE(candidate_length >= 1, op,
+  SPECDEC_CHK_VALUE(cum_accept.is_contiguous(), op, ": cum_accept must be contiguous (it is updated in place)");
+  SPECDEC_CHK_VALUE(candidate_length >= 1, op,
                     ": candidate_length (the round's candidate length K if drafting stopped now) must be >= 1, got ",
                     candidate_length);
-  SPECDEC_CHECK_VALUE(k_min >= 1 && k_min <= k_max, op, ": need 1 <= k_min <= k_max, got k_min = ", k_min,
+  SPECDEC_CHK_VALUE(k_min >= 1 && k_min <= k_max, op, ": need 1 <= k_min <= k_max, got k_min = ", k_min,
                     ", k_max = ", k_max);
-  SPECDEC_CHECK_VALUE(threshold >= 0.0 && threshold <= 1.0, op, ": stop threshold must lie in [0, 1], got ", threshold);
+  SPECDEC_CHK_VALUE(threshold >= 0.0 && threshold <= 1.0, op, ": stop threshold must lie in [0, 1], got ", threshold);
   HeadTensors t;
   if (hidden.has_value()) t.hidden = hidden->contiguous();
   if (features.has_value()) {
@@ -347,24 +347,24 @@ inline AttentionTensors prepare_attention(const at::Tensor& query, const at::Ten
                                           const at::Tensor& mask, double scale) {
   const char* op = "decode_attention";
   const DType dt = float_dtype(query, "query");
-  SPECDEC_CHECK_TYPE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), op,
+  SPECDEC_CHK_TYPE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), op,
                    ": key and value must have query's dtype ", query.scalar_type(), ", got ", key.scalar_type(), " and ",
                    value.scalar_type());
-  SPECDEC_CHECK_TYPE(mask.scalar_type() == at::kBool, op, ": mask must be bool (true where a query sees a column), got ",
+  SPECDEC_CHK_TYPE(mask.scalar_type() == at::kBool, op, ": mask must be bool (true where a query sees a column), got ",
                    mask.scalar_type());
-  SPECDEC_CHECK_VALUE(query.dim() == 4 && query.size(2) >= 1 && query.size(3) >= 1, op,
+  SPECDEC_CHK_VALUE(query.dim() == 4 && query.size(2) >= 1 && query.size(3) >= 1, op,
                     ": query must be [B, Hq, n, D] with n, D >= 1, got ", query.sizes());
   const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3);
-  SPECDEC_CHECK_VALUE(key.dim() == 4 && key.size(0) == B && key.size(1) >= 1 && key.size(2) >= 1 && key.size(3) == D, op,
+  SPECDEC_CHK_VALUE(key.dim() == 4 && key.size(0) == B && key.size(1) >= 1 && key.size(2) >= 1 && key.size(3) == D, op,
                     ": key must be [B, Hkv, C, D] = [", B, ", Hkv, C, ", D, "] with Hkv, C >= 1, got ", key.sizes());
-  SPECDEC_CHECK_VALUE(value.sizes() == key.sizes(), op, ": value must have key's shape ", key.sizes(), ", got ",
+  SPECDEC_CHK_VALUE(value.sizes() == key.sizes(), op, ": value must have key's shape ", key.sizes(), ", got ",
                     value.sizes());
   const int64_t Hkv = key.size(1), C = key.size(2);
-  SPECDEC_CHECK_VALUE(Hq % Hkv == 0, op, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
-  SPECDEC_CHECK_VALUE(mask.dim() == 4 && (mask.size(0) == B || mask.size(0) == 1) &&
+  SPECDEC_CHK_VALUE(Hq % Hkv == 0, op, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
+  SPECDEC_CHK_VALUE(mask.dim() == 4 && (mask.size(0) == B || mask.size(0) == 1) &&
                         (mask.size(1) == Hq || mask.size(1) == 1) && mask.size(2) == n && mask.size(3) == C,
                     op, ": mask must be [B or 1, Hq or 1, n, C] = [", B, ", ", Hq, ", ", n, ", ", C, "], got ", mask.sizes());
-  SPECDEC_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  SPECDEC_CHK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
   check_device(key, query, "key", "query");
   check_device(value, query, "value", "query");
   check_device(mask, query, "mask", "query");

@@ -268,7 +268,7 @@ int64_t residual_or_target(const T* p, const T* q, int64_t V, float u, float tol
 }
 
 inline void check_code(int64_t code, const char* what, bool logits) {
-  SPECDEC_CHECK_VALUE(code >= 0, what, ": ", error_message(code, logits));
+  SPECDEC_CHK_VALUE(code >= 0, what, ": ", error_message(code, logits));
 }
 
 inline bool uniform_ok(float u) { return u > 0.0f && u <= 1.0f; }
@@ -579,7 +579,7 @@ static void head_step_impl(const HeadArgs& a) {
     a.stop[b] = specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold);
     if (bad_row < 0 && (!finite_f(logit) || !finite_f(c))) bad_row = b;
   }
-  SPECDEC_CHECK_VALUE(bad_row < 0, "acceptance_head_step: row ", bad_row, " gives a NaN or Inf acceptance probability or ",
+  SPECDEC_CHK_VALUE(bad_row < 0, "acceptance_head_step: row ", bad_row, " gives a NaN or Inf acceptance probability or ",
                     "running product (hidden, features or cum_accept hold a NaN or Inf); a NaN would silently disable ",
                     "the stop rule");
 }
