@@ -19,6 +19,7 @@ ranks drafted slots by survival against a profiled cost table.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -445,15 +446,16 @@ class BatchBudget:
         self._size: Optional[int] = None
         self.reset(1)
 
+    # what reset() keeps per batch size from call to call (see there), by attribute
+    _KEPT = ("log_ratio", "_accepted", "_predicted", "_since", "_every", "_tries", "_best", "_weight", "_early")
+
     def reset(self, batch_size: int) -> None:
         """Start a call of ``batch_size`` rows. What earlier calls measured at this batch size, the per-depth cost
         ratios and the head's calibration (properties of the pair and the machine, not of the text) and the
         neighbours' probe schedule, is kept, as a server keeps it from request to request; the running survivals
         and goodput start again."""
         if self._size is not None and self.measure:
-            self._kept[self._size] = (list(self.log_ratio), self._accepted, self._predicted,
-                                      list(self._since), list(self._every), list(self._tries), self._best,
-                                      list(self._weight), [list(e) for e in self._early])
+            self._kept[self._size] = {name: copy.deepcopy(getattr(self, name)) for name in self._KEPT}
         self._size = batch_size
         self.width = None
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
@@ -481,10 +483,8 @@ class BatchBudget:
         self._planned: Optional[float] = None  # the expected goodput of the best depth (measure: lambda)
         self._cold = True  # the call's first round is not measured
         if batch_size in self._kept:
-            (ratios, self._accepted, self._predicted, since, every, tries, self._best, weight,
-             early) = self._kept[batch_size]
-            self._weight, self._early = list(weight), [list(e) for e in early]
-            self.log_ratio, self._since, self._every, self._tries = list(ratios), list(since), list(every), list(tries)
+            for name, value in self._kept[batch_size].items():
+                setattr(self, name, copy.deepcopy(value))
             if self._predicted:
                 self.accuracy = self._accepted / self._predicted
 
