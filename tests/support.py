@@ -68,6 +68,14 @@ class DigitTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+def target_only(target, prompt, n: int) -> list[int]:
+    """transformers' greedy decoding of ``n`` tokens after ``prompt`` ``[t]`` by the target alone (no EOS), on the
+    target's device."""
+    out = target.generate(prompt.view(1, -1).to(target.device), max_new_tokens=n, do_sample=False, pad_token_id=1,
+                          eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
 def make_gen(target, draft, name, kw, **extra):
     """A SpeculativeGenerator for one entry of ``POLICIES`` (test costs for cost-aware policies)."""
     kw = dict(kw)

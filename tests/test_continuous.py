@@ -13,7 +13,7 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen
+from support import PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen, target_only
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
@@ -25,12 +25,6 @@ def queue(V, n=7, seed=1, longest=9):
     g = torch.Generator().manual_seed(seed)
     lengths = [1, longest - 1] + [int(torch.randint(1, longest, (1,), generator=g)) for _ in range(n - 2)]
     return [torch.randint(2, V, (t,), generator=g) for t in lengths]
-
-
-def target_only(target, prompt, n: int) -> list[int]:
-    """transformers' greedy decoding of ``n`` tokens after ``prompt`` ``[t]`` by the target alone (no EOS)."""
-    return target.generate(prompt.view(1, -1), max_new_tokens=n, do_sample=False, pad_token_id=1,
-                           eos_token_id=None)[0, len(prompt):].tolist()
 
 
 def mixed_rounds(stats, first: int) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, exact_marginals, make_gen
+from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
 from specdec_ext import ops
 from specdec_ext.engine.fast_llama import FastLlamaRunner
 from specdec_ext.engine.runner import CausalLMRunner
@@ -28,13 +28,6 @@ def cuda_pair():
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy margins, as on the CPU
     target, draft = make_pair("llama")
     return target.cuda(), draft.cuda()
-
-
-def target_only(target, prompt, n):
-    """transformers' greedy decoding of ``n`` tokens after ``prompt`` ``[t]``, on the target's device."""
-    out = target.generate(prompt.view(1, -1).to(target.device), max_new_tokens=n, do_sample=False, pad_token_id=1,
-                          eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def prompts(V, n=5, seed=1):
