@@ -13,6 +13,7 @@ from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
 from specdec_ext import ops
 from specdec_ext.engine.fast_llama import FastLlamaRunner
+from specdec_ext.engine.generator import _right_aligned
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
@@ -44,13 +45,8 @@ def test_greedy_equals_target_only_on_cuda(cuda_pair, name, kw, fast_draft):
     want = [target_only(target, p, 12) for p in ps]
     one = gen.generate(ps[0].view(1, -1).cuda(), max_new_tokens=12, temperature=0.0)
     assert one.new_tokens[0] == want[0]
-    width = max(len(p) for p in ps)
-    ids = torch.ones(len(ps), width, dtype=torch.long)
-    mask = torch.zeros(len(ps), width, dtype=torch.long)
-    for i, p in enumerate(ps):  # left padding
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
-    batch = gen.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12, temperature=0.0)
+    ids, mask = _right_aligned(ps)  # left padding
+    batch = gen.generate(ids.cuda(), attention_mask=mask.long().cuda(), max_new_tokens=12, temperature=0.0)
     assert batch.new_tokens == want
     cont = gen.generate_continuous([p.cuda() for p in ps], batch_size=2, max_new_tokens=12, temperature=0.0)
     assert cont.new_tokens == want
