@@ -328,6 +328,17 @@ def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
     assert CausalLMRunner.cache_class is GrowingCache
 
 
+def test_prefill_chunks_script_compares_chunked_and_whole_prefills_on_the_same_requests():
+    """bench/prefill_chunks.py on a tiny pair: both prefill settings run every request, with the same tokens, for
+    plain decoding and fixed K; and the module-wide chunk size is back to its default."""
+    from specdec_ext.engine import generator
+
+    default = generator.PREFILL_CHUNK_TOKENS
+    mod = _bench_script("prefill_chunks")
+    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("chunked", "whole"), "chunked_over_whole")
+    assert generator.PREFILL_CHUNK_TOKENS == default is not None
+
+
 def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests():
     """bench/attention_impl.py on a tiny fp32 pair: both attentions run every request (greedy text the same: fp32
     differences are far below the tiny models' logit margins), for plain decoding and fixed K; and both models are

@@ -308,3 +308,33 @@ def test_a_batch_that_never_drafts_never_runs_the_draft():
     drafting = SpeculativeGenerator(target, draft, policy="fixed", k=2).generate_continuous(
         prompts, batch_size=2, max_new_tokens=9, temperature=0)
     assert drafting.stats.draft_calls > 0 and drafting.stats.draft_prefill_ms > 0
+
+
+@pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)],
+                         ids=["llama-fast-draft", "llama-hf-draft", "mistral"])
+def test_chunked_prefills_leave_what_one_forward_leaves(arch, fast_draft, monkeypatch):
+    """Prefills in forwards of at most PREFILL_CHUNK_TOKENS tokens (here 3: one column per forward for two or more
+    rows, the decode-attention kernel's path; three for one row) through the cache: every request still equals
+    target-only decoding (the target's and the draft's prefills, left padding and all, in generate() and continuous
+    batching, a sliding-window model included), and the prefills really ran as more forwards."""
+    from specdec_ext.engine import generator
+
+    target, draft = make_pair(arch)
+    prompts = queue(target.config.vocab_size, n=6, longest=12)
+    calls = {}
+    for chunk in (None, 3):
+        monkeypatch.setattr(generator, "PREFILL_CHUNK_TOKENS", chunk)
+        for name, kw in (("fixed", {"k": 2}), ("autoregressive", {})):
+            gen = SpeculativeGenerator(target, draft, policy=name, fast_draft=fast_draft, **kw)
+            out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=7, temperature=0)
+            for i, p in enumerate(prompts):
+                assert out.new_tokens[i] == target_only(target, p, 7), f"{name}, chunk {chunk}: request {i}"
+            batch = torch.stack([torch.cat([torch.ones(11 - len(p), dtype=torch.int64), p]) for p in prompts[1:4]])
+            mask = (torch.arange(11) >= 11 - torch.tensor([len(p) for p in prompts[1:4]]).unsqueeze(1)).long()
+            together = gen.generate(batch, mask, max_new_tokens=7, temperature=0)
+            for row, p in enumerate(prompts[1:4]):
+                assert together.new_tokens[row] == target_only(target, p, 7), f"{name}, chunk {chunk}: row {row}"
+            calls[chunk, name] = (out.stats.target_calls, out.stats.draft_calls, together.stats.target_calls)
+    for name in ("fixed", "autoregressive"):
+        assert calls[3, name][0] > calls[None, name][0] and calls[3, name][2] > calls[None, name][2] + 5
+    assert calls[3, "fixed"][1] > calls[None, "fixed"][1]  # the draft's reads too
