@@ -9,8 +9,13 @@ first requests. Then ``--passes`` passes over the prompts (greedy, continuous ba
 from pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the
 passes (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's; the same in decoding alone
 (tokens over the time of the decoding rounds, the prompts' prefills left out: at B = 64 they are most of the wall
-time and move by seconds from call to call, which hides the differences in decoding). At B = 64 on a 2-core CPU a
-pass moves by up to 10%: read ratios within one run, and several passes.
+time and move by seconds from call to call, which hides the differences in decoding), the candidates drafted per
+row and round, and the seconds the draft spent reading the requests' contexts. At B = 64 on a 2-core CPU a pass
+moves by up to 10%: read ratios within one run, and several passes.
+
+``--context-tokens N`` makes long-context requests: request i is the last N tokens of HumanEval prompts ..., i + 2,
+i + 1, i joined (so it ends with prompt i's signature and docstring), for workloads where reading a request's context
+is dear against the tokens it emits (the budget's ``count_overhead``).
 
     python bench/budget_paired.py --batch-size 16 --arms K1,K2,K3,auto,auto:cost_fit=line --passes 2 \\
         --out docs/results/budget_paired_b16.json   # about 5 minutes
@@ -52,12 +57,29 @@ def parse_arm(name: str, head) -> object:
     return make_policy("specdec++", head=head, threshold="auto", budget_options=budget)
 
 
+def long_contexts(encoded: list, n: int, tokens: int) -> list:
+    """``n`` requests of ``tokens`` tokens (ValueError for fewer than 2): request i is the last ``tokens`` tokens of
+    ``... + encoded[i + 1] + encoded[i]`` (indices cyclic), joined until that long."""
+    if tokens < 2:
+        raise ValueError(f"--context-tokens must be at least 2, got {tokens}")
+    out = []
+    for i in range(n):
+        parts, total, j = [], 0, i
+        while total < tokens:
+            parts.insert(0, encoded[j % len(encoded)])
+            total += len(parts[0])
+            j += 1
+        out.append(torch.cat(parts)[-tokens:])
+    return out
+
+
 def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_new_tokens: int,
             rows_per_stream: int) -> dict:
     """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K."""
     eos = pair.tokenizer.eos_token_id
     gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"])) for a in arms}
     tokens, seconds, decode, per_pass = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0), []
+    drafted, row_rounds, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
 
     def generate(arm, stream, n):
         return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
@@ -70,6 +92,9 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
             tokens[a] += r["tokens"][a]
             seconds[a] += r["seconds"][a]
             decode[a] += r["decode_seconds"][a]
+            drafted[a] += r["drafted"][a]
+            row_rounds[a] += r["row_rounds"][a]
+            reads[a] += r["draft_prefill_seconds"][a]
     pooled = {a: tokens[a] / seconds[a] for a in arms}
     decoding = {a: tokens[a] / decode[a] for a in arms}
     fixed = [a for a in arms if a.startswith("K")]
@@ -77,6 +102,8 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
             "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None,
             "decode_tokens_per_s": decoding,
+            "candidates_per_row_round": {a: drafted[a] / max(row_rounds[a], 1) for a in arms},
+            "draft_prefill_seconds": reads,
             "decode_over_best_fixed": {a: decoding[a] / max(decoding[f] for f in fixed) for a in arms} if fixed else None}
 
 
@@ -85,10 +112,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--arms", default="K1,K2,K3,auto,auto:cost_fit=line", help="comma-separated arms (see above)")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--context-tokens", type=int, default=None, help="long-context requests of N tokens (see above)")
     add_stream_arguments(ap, argparse.SUPPRESS)  # its --k is not used: --arms
     args = ap.parse_args(argv)
     pair = load_pair()
-    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in load_prompts("humaneval")[:args.prompts]]
+    texts = load_prompts("humaneval")
+    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in texts[:args.prompts]]
+    if args.context_tokens is not None:
+        prompts = long_contexts([torch.tensor(pair.tokenizer(t)["input_ids"]) for t in texts], args.prompts,
+                                args.context_tokens)
     t0 = time.perf_counter()
     row = compare(pair, prompts, args.batch_size, args.arms.split(","), args.passes, args.max_new_tokens,
                   args.rows_per_stream)
@@ -99,7 +131,9 @@ def main(argv=None) -> dict:
         ratio = f", {row['over_best_fixed'][a]:.3f}x {row['best_fixed']}" if row["best_fixed"] else ""
         decoding = f"; decoding {row['decode_tokens_per_s'][a]:.1f} tokens/s" + (
             f", {row['decode_over_best_fixed'][a]:.3f}x the best fixed K" if row["best_fixed"] else "")
-        print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}{decoding}")
+        print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}{decoding}; "
+              f"{row['candidates_per_row_round'][a]:.2f} candidates per row and round, draft reads "
+              f"{row['draft_prefill_seconds'][a]:.1f} s")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -342,12 +342,14 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
 
     Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), with the ``tokens`` and ``seconds`` behind it
     (to pool several calls), ``decode_seconds`` (the time of the calls' decoding rounds, prefills and admission left
-    out), ``accepted`` (accepted candidates) per arm, and ``same_tokens``: the share of requests whose tokens are the
-    same under every arm."""
+    out), ``draft_prefill_seconds`` (the draft's reads of the requests' contexts), ``accepted`` (accepted
+    candidates), ``drafted`` (candidates) and ``row_rounds`` (rounds times their live rows) per arm, and
+    ``same_tokens``: the share of requests whose tokens are the same under every arm."""
     seconds = dict.fromkeys(arms, 0.0)
     decode = dict.fromkeys(arms, 0.0)
     tokens = dict.fromkeys(arms, 0)
     accepted = dict.fromkeys(arms, 0)
+    drafted, row_rounds, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
     texts: dict = {a: [] for a in arms}
     for a in arms:
         generate(a, prompts[:batch_size], 8)
@@ -361,10 +363,14 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             tokens[a] += out.stats.new_tokens
             decode[a] += out.stats.decode_ms / 1e3
             accepted[a] += sum(sum(r.accepted) for r in out.stats.rounds)
+            drafted[a] += sum(sum(r.candidates) for r in out.stats.rounds)
+            row_rounds[a] += sum(len(r.rows) for r in out.stats.rounds)
+            reads[a] += out.stats.draft_prefill_ms / 1e3
             texts[a].extend(out.new_tokens)
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
     return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
-            "decode_seconds": decode, "accepted": accepted, "same_tokens": same / len(prompts)}
+            "decode_seconds": decode, "draft_prefill_seconds": reads, "accepted": accepted, "drafted": drafted,
+            "row_rounds": row_rounds, "same_tokens": same / len(prompts)}
 
 
 def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int,

@@ -649,3 +649,36 @@ def test_a_stalled_round_moves_a_depths_measured_cost_by_a_bounded_step():
     for bad in ({"explore_within": -0.1}, {"ratio_clip": 0.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             BatchBudget(TEST_BATCH_COSTS, **bad)
+
+
+def test_the_drafts_reads_count_against_drafting():
+    """With the engine's overhead o (ms per emitted token of the draft's reads of requests' contexts,
+    ``draft_overhead``) a drafting depth's expected goodput is E / (T + E o), o in plain-step ms (divided by
+    exp(ratio_0)); rounds that out-emit plain steps by half still lose to them when o is large, and the budget
+    then takes plain steps; without ``count_overhead`` it drafts as before."""
+    true_ms = lambda c: 10.0 + 3.0 * c  # the rounds: depth 3 emits 4 (1 + .8 + .64 + .512) = 11.8 tokens in 19 ms
+    # table: TEST_BATCH_COSTS says 1.6 ms per candidate; plain steps measure twice the table's 10 ms below
+    b = BatchBudget(TEST_BATCH_COSTS)
+    b.reset(4)
+    for ms in (10.0 ** 6, 20.0, 20.0):  # the first round is cold; then plain steps at twice the table
+        b.update(4, 0, 0, 4)
+        b.observe(ms)
+    b.overhead = 2.0
+    assert b.overhead_per_token() == pytest.approx(1.0)  # 2 ms per token measured = 1 ms in plain-step time
+    sums = b._survival_sums()
+    tokens = 4 * (1 + b.head_scale * sums[2])
+    assert b.expected_goodput(4, 2) == pytest.approx(tokens / (b._round(4, 2) + tokens * 1.0))
+    assert b.expected_goodput(4, 0) == pytest.approx(4 / b._round(4, 0))  # a plain step pays no reads
+    b.count_overhead = False
+    assert b.overhead_per_token() == 0.0 and b.expected_goodput(4, 2) == pytest.approx(tokens / b._round(4, 2))
+
+    caps = {}
+    for name, kw, overhead in (("free", {}, 0.0), ("reads", {}, 2.0), ("not counted", {"count_overhead": False}, 2.0)):
+        b = BatchBudget(TEST_BATCH_COSTS, **kw)
+        b.reset(4)
+        b.overhead = overhead
+        caps[name] = _play(b, 4, true_ms, 40)
+    # 11.8 tokens in 19 ms beat plain decoding's 4 in 10 by half; with 2 ms per token of reads, 11.8 / (19 + 23.6)
+    # falls 30% below it
+    assert min(caps["free"][10:]) >= 2 and caps["not counted"] == caps["free"], caps
+    assert caps["reads"][10:].count(0) >= 27, caps["reads"]

@@ -386,6 +386,16 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     rate = row["tokens_per_s"]
     assert row["over_best_fixed"]["auto"] == pytest.approx(rate["auto"] / rate[row["best_fixed"]])
     assert row["over_best_fixed"][row["best_fixed"]] == 1.0
+    per_row = row["candidates_per_row_round"]
+    assert 0 < per_row["K1"] <= 1.0 and per_row["K1"] < per_row["K2"] <= 2.0  # short rows draft less than K
+    assert all(row["draft_prefill_seconds"][a] > 0 for a in ("K1", "K2"))
+    # long-context requests: the last N tokens of prompts ..., i + 1, i joined (ending with prompt i), cyclic
+    joined = mod.long_contexts(prompts, 3, 12)
+    assert [len(p) for p in joined] == [12] * 3
+    assert torch.equal(joined[0], torch.cat([prompts[2], prompts[1], prompts[0]])[-12:])
+    assert torch.equal(mod.long_contexts(prompts, 6, 8)[5], torch.cat([prompts[0], prompts[5]])[-8:])
+    with pytest.raises(ValueError, match="context-tokens"):
+        mod.long_contexts(prompts, 2, 1)
 
 
 def test_packed_verify_script_times_the_three_forwards_on_the_same_depths():

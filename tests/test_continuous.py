@@ -310,6 +310,48 @@ def test_a_batch_that_never_drafts_never_runs_the_draft():
     assert drafting.stats.draft_calls > 0 and drafting.stats.draft_prefill_ms > 0
 
 
+class OverheadRecorder(Intermittent):
+    """Intermittent, keeping what the engine reports before each round: (draft_overhead's ms per token, the rows
+    the draft has not read, whether requests wait in the queue)."""
+
+    def __init__(self, drafting, gen):
+        super().__init__(drafting)
+        self.gen, self.seen = gen, []
+
+    def draft_overhead(self, ms_per_token):
+        self.seen.append((ms_per_token, self.gen.catch_up_ms, self.gen.catch_up_rows))
+
+
+def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come():
+    """draft_overhead: 0 until a read of a row's context (_catch_up) has been measured; then the mean ms per row read
+    over max_new_tokens while a live row is unread or requests wait; 0 once every live row is read and the queue is
+    empty (what was read is paid for). generate(): the same, without a queue."""
+    target, draft = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=7, longest=10)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    pol = OverheadRecorder(lambda r: r >= 2, gen)
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=0, policy=pol)
+    seen = pol.seen
+    assert len(seen) == len(out.stats.rounds)
+    assert seen[0] == (0.0, 0.0, 0) and seen[1][0] == 0.0  # nothing read yet: nothing measured
+    assert gen.catch_up_rows == len(prompts) and gen.catch_up_ms == out.stats.draft_prefill_ms > 0
+    later = seen[3:]
+    for (o, ms, rows) in later:  # rows read so far over the tokens a request emits, while the queue is not empty
+        assert o == 0.0 or o == pytest.approx(ms / rows / 10)
+    positive = [i for i, (o, _, _) in enumerate(seen) if o > 0]
+    assert positive and positive[0] == 3 and seen[-1][0] == 0.0  # the tail: every live row read, nothing queued
+    for i, p in enumerate(prompts):
+        assert out.new_tokens[i] == target_only(target, p, 10)
+
+    ids = torch.stack([p[:1] for p in prompts[:3]])  # generate(): every row unread until the first drafting round
+    pol = OverheadRecorder(lambda r: r >= 1, gen)
+    rows_before = gen.catch_up_rows
+    gen.generate(ids, max_new_tokens=6, temperature=0, policy=pol)
+    assert pol.seen[0][0] > 0  # measured in the earlier call, and this call's rows are unread
+    assert gen.catch_up_rows == rows_before + 3
+    assert len(pol.seen) > 2 and all(o == 0.0 for o, _, _ in pol.seen[2:])  # read in round 1: nothing left to read, no queue
+
+
 @pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)],
                          ids=["llama-fast-draft", "llama-hf-draft", "mistral"])
 def test_chunked_prefills_leave_what_one_forward_leaves(arch, fast_draft, monkeypatch):

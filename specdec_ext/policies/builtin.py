@@ -239,6 +239,10 @@ class SpecDecPP(CandidateLengthPolicy):
         if self.use_budget:
             self.budget.reset(batch_size)
 
+    def draft_overhead(self, ms_per_token):
+        if self.use_budget:
+            self.budget.overhead = ms_per_token
+
     def draft_round(self, width):
         self._plain = self.use_budget and not self.budget.plan(int(self.cum_accept.shape[0]), width)
         return not self._plain

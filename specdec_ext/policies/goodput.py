@@ -382,6 +382,13 @@ class BatchBudget:
       draft time is spent, the verification is not, so slots whose survival does not pay for their
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
 
+    Drafting also costs outside the rounds: the draft reads each request's context once, when the request first
+    drafts. With ``count_overhead`` (default) and ``measure``, the expected goodput of a depth c >= 1 is
+    E / (T_B(c) + E o), E the round's expected tokens and o the engine's measured ms of those reads per emitted
+    token while reads are still to come (:meth:`overhead_per_token`), so the batch drafts only where the rounds
+    gain more than the reads cost; the one-step rule and the verified depth below are decided within a round
+    and leave o out.
+
     What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), log(measured /
     table ms), set by the lower median of the depth's first ``EARLY_ROUNDS`` rounds and then the running mean of
     its rounds, each round's value first clipped to within ``ratio_clip`` of the mean (a Huber-style running
@@ -420,8 +427,10 @@ class BatchBudget:
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
-                 ratio_clip: float = 0.25):
+                 ratio_clip: float = 0.25, count_overhead: bool = True):
         self.top_n = bool(top_n)
+        self.count_overhead = bool(count_overhead)
+        self.overhead = 0.0  # ms per emitted token that drafting adds outside the rounds (set before each plan)
         if not explore_within >= 0.0:
             raise ValueError("explore_within must be >= 0 (a fraction of the best depth's goodput), "
                              f"got {explore_within!r}")
@@ -503,6 +512,7 @@ class BatchBudget:
         """The ratios changed: what is computed from them is recomputed when next read."""
         self._calibrations = None  # calibration(k) for k = 0 .. depth_max
         self._costs_at = None  # _costs: (batch size, width) and the modelled ms of each depth there
+        self._plain_scale = None  # exp(ratio_0): measured over table ms of a plain step (overhead_per_token)
 
     @property
     def head_scale(self) -> float:
@@ -598,10 +608,26 @@ class BatchBudget:
         return sums
 
     def expected_goodput(self, B: int, c: int, sums: Optional[list] = None) -> float:
-        """Tokens per plain-step ms expected of a round drafting c candidates per row: B (1 + a sum_{j<=c} g_j) /
-        T_B(c) (``sums``: :meth:`_survival_sums`, computed when not given)."""
+        """Tokens per plain-step ms expected of a round drafting c candidates per row: E / (T_B(c) + E o) with
+        E = B (1 + a sum_{j<=c} g_j) (``sums``: :meth:`_survival_sums`, computed when not given) and o the
+        overhead per token of drafting (:meth:`overhead_per_token`; 0 for c = 0)."""
         total = (self._survival_sums() if sums is None else sums)[min(c, len(self.gain))]
-        return B * (1.0 + self.head_scale * total) / self._round(B, c)
+        tokens = B * (1.0 + self.head_scale * total)
+        return tokens / (self._round(B, c) + (tokens * self.overhead_per_token() if c else 0.0))
+
+    def overhead_per_token(self) -> float:
+        """o: the wall time drafting adds outside the rounds per emitted token (:attr:`overhead`, the engine's
+        estimate, ``CandidateLengthPolicy.draft_overhead``: the draft reading each request's context once) in
+        plain-step ms (divided by exp(ratio_0), as measured rounds are); 0 without ``count_overhead``. In steady
+        continuous batching a request that drafts pays its read once over its tokens, so a round emitting E
+        tokens brings E o ms of reads with it. With short requests the reads weigh as much as the rounds gain
+        (``SpeculativeGenerator._draft_overhead``: at B = 16, 48-token requests, about 0.1-0.2 ms per token
+        against a gain in decoding of about 0.1); with long prompts they dominate."""
+        if not self.count_overhead or self.overhead <= 0.0:
+            return 0.0
+        if self._plain_scale is None:
+            self._plain_scale = math.exp(self._ratios()[0])
+        return self.overhead / self._plain_scale
 
     def plan(self, batch_size: int, width: Optional[int] = None) -> bool:
         """Before a round: whether the batch drafts (False: one step of plain decoding), with the target cache
