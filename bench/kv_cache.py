@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import DynamicCache
 
-from specdec_ext.benchmark import compare_switched_arms, two_arm_script
+from specdec_ext.benchmark import switched_arm_script
 from specdec_ext.engine.kv_cache import GrowingCache
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.zoo import load_pair
@@ -27,16 +27,9 @@ def use(arm) -> None:
     CausalLMRunner.cache_class = CACHES[arm or "in-place"]
 
 
-def compare(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int) -> dict:
-    """tokens/s with each cache at ``batch_size``, for fixed K = ``k`` (0: plain decoding)."""
-    return compare_switched_arms(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream, tuple(CACHES), use,
-                                 "in_place_over_cat")
-
-
-def main(argv=None) -> dict:
-    return two_arm_script(argv, __doc__.split("\n")[0], "kv_cache", compare, "in_place_over_cat", load_pair,
-                          batch_sizes="4,16,64", prompts=164)
-
+# compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
+compare, main = switched_arm_script(
+    __doc__, "kv_cache", tuple(CACHES), use, "in_place_over_cat", load_pair, "4,16,64", 164)
 
 if __name__ == "__main__":
     import sys

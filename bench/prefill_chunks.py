@@ -13,7 +13,7 @@ the same tokens.
 
 from __future__ import annotations
 
-from specdec_ext.benchmark import compare_switched_arms, two_arm_script
+from specdec_ext.benchmark import switched_arm_script
 from specdec_ext.engine import generator
 from specdec_ext.zoo import load_pair
 
@@ -25,16 +25,9 @@ def use(arm) -> None:
     generator.PREFILL_CHUNK_TOKENS = SETTINGS[arm or "chunked"]
 
 
-def compare(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int) -> dict:
-    """tokens/s with chunked and whole prefills at ``batch_size``, for fixed K = ``k`` (0: plain decoding)."""
-    return compare_switched_arms(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream, tuple(SETTINGS), use,
-                                 "chunked_over_whole")
-
-
-def main(argv=None) -> dict:
-    return two_arm_script(argv, __doc__.split("\n")[0], "prefill_chunks", compare, "chunked_over_whole", load_pair,
-                          batch_sizes="16,64", prompts=128)
-
+# compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
+compare, main = switched_arm_script(
+    __doc__, "prefill_chunks", tuple(SETTINGS), use, "chunked_over_whole", load_pair, "16,64", 128)
 
 if __name__ == "__main__":
     import sys

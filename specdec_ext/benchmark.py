@@ -399,6 +399,24 @@ def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_
             ratio: rate[arms[0]] / rate[arms[1]], "same_tokens": r["same_tokens"]}
 
 
+def switched_arm_script(doc: str, script: str, arms: tuple, switch: Callable, ratio: str, load: Callable,
+                        batch_sizes: str, prompts: int) -> tuple:
+    """``(compare, main)`` of a two-arm script whose arms differ by process-wide state that ``switch(arm)`` sets
+    without the pair (e.g. ``bench/kv_cache.py``: the target runner's cache class; ``bench/prefill_chunks.py``: the
+    prefill chunk size): ``compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream)`` is
+    :func:`compare_switched_arms` for these arms, ``main(argv)`` is :func:`two_arm_script` with the first line of
+    ``doc`` as its description."""
+
+    def compare(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int) -> dict:
+        return compare_switched_arms(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream, arms, switch,
+                                     ratio)
+
+    def main(argv=None) -> dict:
+        return two_arm_script(argv, doc.split("\n")[0], script, compare, ratio, load, batch_sizes, prompts)
+
+    return compare, main
+
+
 def two_arm_script(argv, description: str, script: str, compare: Callable, ratio: str, load: Callable,
                    batch_sizes: str, prompts: int) -> dict:
     """The command line of a script that compares two arms at several batch sizes and K (``bench/kv_cache.py``,

@@ -349,7 +349,8 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
     gen.generate(ids, max_new_tokens=6, temperature=0, policy=pol)
     assert pol.seen[0][0] > 0  # measured in the earlier call, and this call's rows are unread
     assert gen.catch_up_rows == rows_before + 3
-    assert len(pol.seen) > 2 and all(o == 0.0 for o, _, _ in pol.seen[2:])  # read in round 1: nothing left to read, no queue
+    # read in round 1: nothing left to read, and no queue
+    assert len(pol.seen) > 2 and all(o == 0.0 for o, _, _ in pol.seen[2:])
 
 
 @pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)],
