@@ -78,8 +78,10 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K."""
     eos = pair.tokenizer.eos_token_id
     gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"])) for a in arms}
-    tokens, seconds, decode, per_pass = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0), []
-    drafted, row_rounds, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
+    # what alternate_streams counts per arm, summed over the passes
+    total = {key: dict.fromkeys(arms, 0) for key in ("tokens", "seconds", "decode_seconds", "drafted", "verifications",
+                                                     "draft_prefill_seconds")}
+    per_pass = []
 
     def generate(arm, stream, n):
         return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
@@ -88,22 +90,19 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
         order = arms[p % len(arms):] + arms[:p % len(arms)]
         r = alternate_streams(generate, tuple(order), prompts, batch_size, rows_per_stream, max_new_tokens)
         per_pass.append(r["tokens_per_s"])
-        for a in arms:
-            tokens[a] += r["tokens"][a]
-            seconds[a] += r["seconds"][a]
-            decode[a] += r["decode_seconds"][a]
-            drafted[a] += r["drafted"][a]
-            row_rounds[a] += r["row_rounds"][a]
-            reads[a] += r["draft_prefill_seconds"][a]
-    pooled = {a: tokens[a] / seconds[a] for a in arms}
-    decoding = {a: tokens[a] / decode[a] for a in arms}
+        for key, sums in total.items():
+            for a in arms:
+                sums[a] += r[key][a]
+    tokens = total["tokens"]
+    pooled = {a: tokens[a] / total["seconds"][a] for a in arms}
+    decoding = {a: tokens[a] / total["decode_seconds"][a] for a in arms}
     fixed = [a for a in arms if a.startswith("K")]
     best = max(fixed, key=pooled.get) if fixed else None
     return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
             "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None,
             "decode_tokens_per_s": decoding,
-            "candidates_per_row_round": {a: drafted[a] / max(row_rounds[a], 1) for a in arms},
-            "draft_prefill_seconds": reads,
+            "candidates_per_row_round": {a: total["drafted"][a] / max(total["verifications"][a], 1) for a in arms},
+            "draft_prefill_seconds": total["draft_prefill_seconds"],
             "decode_over_best_fixed": {a: decoding[a] / max(decoding[f] for f in fixed) for a in arms} if fixed else None}
 
 
@@ -117,10 +116,10 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     pair = load_pair()
     texts = load_prompts("humaneval")
-    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in texts[:args.prompts]]
-    if args.context_tokens is not None:
-        prompts = long_contexts([torch.tensor(pair.tokenizer(t)["input_ids"]) for t in texts], args.prompts,
-                                args.context_tokens)
+    long = args.context_tokens is not None  # long contexts join prompts beyond the first args.prompts
+    prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in (texts if long else texts[:args.prompts])]
+    if long:
+        prompts = long_contexts(prompts, args.prompts, args.context_tokens)
     t0 = time.perf_counter()
     row = compare(pair, prompts, args.batch_size, args.arms.split(","), args.passes, args.max_new_tokens,
                   args.rows_per_stream)

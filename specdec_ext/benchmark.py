@@ -343,13 +343,14 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), with the ``tokens`` and ``seconds`` behind it
     (to pool several calls), ``decode_seconds`` (the time of the calls' decoding rounds, prefills and admission left
     out), ``draft_prefill_seconds`` (the draft's reads of the requests' contexts), ``accepted`` (accepted
-    candidates), ``drafted`` (candidates) and ``row_rounds`` (rounds times their live rows) per arm, and
+    candidates), ``drafted`` (candidates) and ``verifications`` (rounds times their live rows) per arm (the calls'
+    :class:`~specdec_ext.engine.stats.GenerationStats` summed), and
     ``same_tokens``: the share of requests whose tokens are the same under every arm."""
     seconds = dict.fromkeys(arms, 0.0)
     decode = dict.fromkeys(arms, 0.0)
     tokens = dict.fromkeys(arms, 0)
     accepted = dict.fromkeys(arms, 0)
-    drafted, row_rounds, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
+    drafted, verifications, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
     texts: dict = {a: [] for a in arms}
     for a in arms:
         generate(a, prompts[:batch_size], 8)
@@ -362,15 +363,15 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             seconds[a] += time.perf_counter() - t0
             tokens[a] += out.stats.new_tokens
             decode[a] += out.stats.decode_ms / 1e3
-            accepted[a] += sum(sum(r.accepted) for r in out.stats.rounds)
-            drafted[a] += sum(sum(r.candidates) for r in out.stats.rounds)
-            row_rounds[a] += sum(len(r.rows) for r in out.stats.rounds)
+            accepted[a] += out.stats.accepted
+            drafted[a] += out.stats.drafted
+            verifications[a] += out.stats.verifications
             reads[a] += out.stats.draft_prefill_ms / 1e3
             texts[a].extend(out.new_tokens)
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
     return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
             "decode_seconds": decode, "draft_prefill_seconds": reads, "accepted": accepted, "drafted": drafted,
-            "row_rounds": row_rounds, "same_tokens": same / len(prompts)}
+            "verifications": verifications, "same_tokens": same / len(prompts)}
 
 
 def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int,
