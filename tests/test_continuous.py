@@ -15,6 +15,7 @@ from models import make_pair
 from stats import assert_follows
 from support import PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen, target_only
 from specdec_ext import SpeculativeGenerator
+from specdec_ext.engine.generator import _right_aligned
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
 from specdec_ext.policies import CandidateLengthPolicy
@@ -286,10 +287,9 @@ def test_the_draft_reads_each_row_when_it_first_drafts(fast_draft):
         assert out.stats.draft_prefill_ms > 0
         assert out.new_tokens == refs
     # generate(): left-padded rows, the draft reading them after plain steps
-    batch = torch.stack([torch.cat([torch.ones(11 - len(p), dtype=torch.int64), p]) for p in prompts[1:4]])
-    mask = (torch.arange(11).unsqueeze(0) >= (11 - torch.tensor([len(p) for p in prompts[1:4]])).unsqueeze(1)).long()
+    batch, mask = _right_aligned(prompts[1:4])
     out = SpeculativeGenerator(target, target, policy=Intermittent(lambda r: r >= 2), fast_draft=fast_draft).generate(
-        batch, mask, max_new_tokens=12, temperature=0)
+        batch, mask.long(), max_new_tokens=12, temperature=0)
     drafted = [r for r in out.stats.rounds if sum(r.candidates)]
     assert drafted and all(r.accepted == r.candidates for r in drafted)
 
@@ -311,8 +311,8 @@ def test_a_batch_that_never_drafts_never_runs_the_draft():
 
 
 class OverheadRecorder(Intermittent):
-    """Intermittent, keeping what the engine reports before each round: (draft_overhead's ms per token, the rows
-    the draft has not read, whether requests wait in the queue)."""
+    """Intermittent, keeping per round what the engine reports before it (draft_overhead's ms per token) beside the
+    generator's measured reads at that moment (catch_up_ms, catch_up_rows)."""
 
     def __init__(self, drafting, gen):
         super().__init__(drafting)
@@ -372,9 +372,8 @@ def test_chunked_prefills_leave_what_one_forward_leaves(arch, fast_draft, monkey
             out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=7, temperature=0)
             for i, p in enumerate(prompts):
                 assert out.new_tokens[i] == target_only(target, p, 7), f"{name}, chunk {chunk}: request {i}"
-            batch = torch.stack([torch.cat([torch.ones(11 - len(p), dtype=torch.int64), p]) for p in prompts[1:4]])
-            mask = (torch.arange(11) >= 11 - torch.tensor([len(p) for p in prompts[1:4]]).unsqueeze(1)).long()
-            together = gen.generate(batch, mask, max_new_tokens=7, temperature=0)
+            batch, mask = _right_aligned(prompts[1:4])  # left padding
+            together = gen.generate(batch, mask.long(), max_new_tokens=7, temperature=0)
             for row, p in enumerate(prompts[1:4]):
                 assert together.new_tokens[row] == target_only(target, p, 7), f"{name}, chunk {chunk}: row {row}"
             calls[chunk, name] = (out.stats.target_calls, out.stats.draft_calls, together.stats.target_calls)
