@@ -339,6 +339,18 @@ def test_prefill_chunks_script_compares_chunked_and_whole_prefills_on_the_same_r
     assert generator.PREFILL_CHUNK_TOKENS == default is not None
 
 
+def test_row_removal_script_compares_the_two_removal_orders_on_the_same_requests():
+    """bench/row_removal.py on a tiny pair: both orders of removing finished rows run every request, with the same
+    tokens, for plain decoding and fixed K; and the generator's order is back to the default."""
+    from specdec_ext.engine import generator
+    from specdec_ext.engine.kv_cache import compaction
+
+    mod = _bench_script("row_removal")
+    assert mod.sorted_order(5, [3, 1]) == [0, 2, 4]
+    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("in_place", "copy"), "in_place_over_copy")
+    assert generator.compaction is compaction
+
+
 def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests():
     """bench/attention_impl.py on a tiny fp32 pair: both attentions run every request (greedy text the same: fp32
     differences are far below the tiny models' logit margins), for plain decoding and fixed K; and both models are

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers.cache_utils import DynamicLayer
 
 from models import make_pair
-from specdec_ext.engine.kv_cache import GrowingCache, GrowingLayer
+from specdec_ext.engine.kv_cache import GrowingCache, GrowingLayer, compaction, take_rows
 from specdec_ext.engine.runner import CausalLMRunner, pad_front
 
 B, H, D = 3, 2, 4
@@ -19,6 +19,7 @@ op = st.one_of(
     st.tuples(st.just("update"), st.integers(1, 40)),
     st.tuples(st.just("crop"), st.integers(1, 30)),
     st.tuples(st.just("select"), st.lists(st.integers(0, B - 1), min_size=1, max_size=B)),
+    st.tuples(st.just("leave"), st.sets(st.integers(0, B - 1), max_size=B - 1)),
     st.tuples(st.just("drop_front"), st.integers(1, 20)),
     st.tuples(st.just("pad_front"), st.integers(1, 20)),
     st.tuples(st.just("write_rows"), st.integers(0, 10)),
@@ -37,6 +38,8 @@ def apply(layer, name, arg, g, rows):
         layer.crop(-min(arg, n))
     elif name == "select" and n:
         layer.batch_select_indices(torch.tensor([i % rows for i in arg]))
+    elif name == "leave" and n and len(arg) < rows:  # finished requests leave the batch (the engine's order)
+        layer.batch_select_indices(torch.tensor(compaction(rows, {i for i in arg if i < rows})))
     elif name == "drop_front" and n:  # CausalLMRunner._drop_front
         m = min(arg, n)
         layer.keys, layer.values = layer.keys[:, :, m:], layer.values[:, :, m:]
@@ -92,6 +95,24 @@ def test_row_selection_and_front_crop_keep_the_buffer_spare_columns():
     layer.keys, layer.values = layer.keys[:, :, 10:], layer.values[:, :, 10:]  # the runner's front crop
     layer.update(torch.randn(2, H, 2, D), torch.randn(2, H, 2, D))
     assert layer._kbuf is selected and layer.get_seq_length() == 42  # appended in place, no new buffer
+
+
+def test_rows_that_leave_move_only_the_rows_that_take_their_places():
+    assert compaction(6, [1, 4]) == [0, 5, 2, 3]  # row 5 takes row 1's place; row 4 was past the new size
+    assert compaction(4, [2, 3]) == [0, 1] and compaction(3, []) == [0, 1, 2] and compaction(2, [0, 1]) == []
+    t = torch.randn(6, H, 7, D)
+    want = t[[0, 5, 2, 3]].clone()
+    moved = take_rows(t, torch.tensor(compaction(6, [1, 4])))
+    assert torch.equal(moved, want) and moved.data_ptr() == t.data_ptr()  # a view of the same buffer
+    reordered = take_rows(t, torch.tensor([2, 0]))  # not rows leaving: a copy
+    assert torch.equal(reordered, want[[2, 0]]) and reordered.data_ptr() != t.data_ptr()
+    layer = GrowingLayer()
+    layer.update(torch.randn(3, H, 50, D), torch.randn(3, H, 50, D))
+    kept, buffer = layer.keys[[2, 1]].clone(), layer._kbuf
+    layer.batch_select_indices(torch.tensor(compaction(3, [0])))
+    assert torch.equal(layer.keys, kept) and layer._kbuf.data_ptr() == buffer.data_ptr()
+    layer.update(torch.randn(2, H, 2, D), torch.randn(2, H, 2, D))
+    assert layer._kbuf.data_ptr() == buffer.data_ptr() and layer.get_seq_length() == 52  # appends go on in place
 
 
 def test_the_runner_uses_growing_layers():

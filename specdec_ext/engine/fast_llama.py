@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .attention import kernel_takes
+from .kv_cache import take_rows
 from .runner import TimedRunner, new_column_mask, usable_device
 
 # model -> {packed: (fingerprint of its weights, the runner's prepared weights)}: packing costs a few ms, and a
@@ -268,6 +269,6 @@ class FastLlamaRunner(TimedRunner):
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)
-        self.k = [t.index_select(0, idx) for t in self.k]
-        self.v = [t.index_select(0, idx) for t in self.v]
+        self.k = [take_rows(t, index) for t in self.k]  # in place when rows only leave
+        self.v = [take_rows(t, index) for t in self.v]
         self._select_mask_rows(idx)

@@ -27,6 +27,7 @@ from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, DraftStep, make_policy
 from ..policies.goodput import CostModel
 from . import fast_llama
+from .kv_cache import compaction
 from .models import context_length, fingerprint, hidden_size, vocab_size
 from .runner import CausalLMRunner, pad_front, sliding_layout
 from .tensor_parallel import check_same_output, tp_size
@@ -386,9 +387,8 @@ class SpeculativeGenerator:
                 done = sorted(set(range(len(batch.rows))) - set(keep))
                 if admit is not None:
                     done = admit(batch, target, draft, done)
-                if done:
-                    gone = set(done)
-                    keep = [i for i in range(len(batch.rows)) if i not in gone]
+                if done:  # the last rows take the finished rows' places: the runners move only those rows' caches
+                    keep = compaction(len(batch.rows), done)
                     idx = torch.tensor(keep, dtype=torch.int64)
                     for r in (target, draft):
                         if r is not None:

@@ -12,7 +12,8 @@ columns into it, and exposes ``keys`` / ``values`` as views of the filled prefix
 own new columns; the buffer is copied only when it grows (by a quarter of its width at least, so a long
 generation copies it a logarithmic number of times). Crops and the runner's front crops leave views into the
 buffer, where appends go on; a row selection copies the kept rows with their spare columns (one copy, as
-transformers' layer makes); anything else that replaces ``keys`` / ``values`` (the runner's front padding) is
+transformers' layer makes), or, when the selection only drops rows (:func:`take_rows`), moves the few rows that fill the
+places of the dropped ones within the buffer; anything else that replaces ``keys`` / ``values`` (the runner's front padding) is
 copied into a new buffer at the next append. In a packed forward (:mod:`~specdec_ext.engine.packing`) each
 token's key and value go to its own row and column, and the padded slots get zeros. Each operation leaves the same keys and values as
 :class:`~transformers.DynamicLayer` (``tests/test_kv_cache.py``).
@@ -25,6 +26,40 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import packing
+
+
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[index]`` along dim 0 (``index`` ``[n]`` int64, on any device). Where ``index`` only drops rows, every entry j
+    being j or a row >= n (what :func:`compaction` gives), the rows are taken in place: the rows >= n that are
+    kept are copied into the places j < n they take, and the result is a view of ``t``'s first n rows (``t`` is
+    changed). Removing finished requests from a batch so copies only the rows that move, not the whole KV cache:
+    at B = 64 on a 2-core CPU (bundled pair, fp32 target, a cache of about 400 columns) one such copy of the
+    target's cache took about 200 ms, and a fixed K = 1's requests, finishing at staggered rounds, removed rows
+    18 times in 128 requests (3.7 s of 25.7 s). Otherwise a copy (``index_select``)."""
+    rows = index.tolist()
+    n = len(rows)
+    moved = [j for j, i in enumerate(rows) if i != j]
+    if n > t.shape[0] or any(rows[j] < n or rows[j] >= t.shape[0] for j in moved):
+        return t.index_select(0, index.to(t.device))
+    if moved:  # the sources (rows >= n) are never destinations, so the order of the copies does not matter
+        src = torch.tensor([rows[j] for j in moved], device=t.device)
+        with torch.inference_mode(t.is_inference()):  # a buffer made by a forward under inference mode
+            t.index_copy_(0, torch.tensor(moved, device=t.device), t.index_select(0, src))
+    return t[:n]
+
+
+def compaction(n_rows: int, leaving) -> list[int]:
+    """The rows that stay when rows ``leaving`` (positions in ``[0, n_rows)``) leave a batch, in the order that
+    moves the fewest: each leaving row's place below the new size is taken by the last staying rows
+    (a swap-remove), every other row keeps its place; :func:`take_rows` then copies only the rows that move."""
+    gone = set(leaving)
+    n = n_rows - len(gone)
+    keep = list(range(n))
+    holes = [j for j in range(n) if j in gone]
+    movers = [j for j in range(n, n_rows) if j not in gone]
+    for h, m in zip(holes, movers):
+        keep[h] = m
+    return keep
 
 
 class GrowingLayer(DynamicLayer):
@@ -73,13 +108,14 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows ``indices``, with the buffers' spare columns (one copy, as transformers' layer makes)."""
+        """Keep rows ``indices``, with the buffers' spare columns: in place where the selection only drops rows
+        (:func:`take_rows`), else one copy, as transformers' layer makes."""
         start = self._offset(self.keys.shape[-2]) if self.get_seq_length() > 0 else None
         if start is None:
             return super().batch_select_indices(indices)
         n = self.keys.shape[-2]
-        self._kbuf, self._vbuf = self._kbuf[indices, :, start:], self._vbuf[indices, :, start:]
-        self.keys, self.values = self._kbuf[:, :, :n], self._vbuf[:, :, :n]
+        self._kbuf, self._vbuf = take_rows(self._kbuf, indices), take_rows(self._vbuf, indices)
+        self.keys, self.values = self._kbuf[:, :, start : start + n], self._vbuf[:, :, start : start + n]
 
     def reset(self) -> None:
         self._kbuf = self._vbuf = None
