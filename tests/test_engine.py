@@ -275,8 +275,8 @@ def _check_round_lengths(gen, target, expected_of):
     calls = 1  # the prompt's prefill
     for r in out.stats.rounds:
         live = [b for b in range(3) if remaining[b] > 0]
-        assert len(r.candidates) == len(live)
-        for i, b in enumerate(live):
+        assert sorted(r.rows) == live and len(r.candidates) == len(live)  # rows in the order the batch keeps them
+        for i, b in enumerate(r.rows):
             want = min(expected_of(remaining[b]), remaining[b] - 1)  # never draft past max_new_tokens
             assert r.candidates[i] == want, (r, b, remaining[b])
             remaining[b] -= r.emitted[i]
