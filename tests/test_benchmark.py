@@ -351,6 +351,17 @@ def test_row_removal_script_compares_the_two_removal_orders_on_the_same_requests
     assert generator.compaction is compaction
 
 
+def test_front_padding_script_compares_in_place_and_copied_cache_writes_on_the_same_requests():
+    """bench/front_padding.py on a tiny pair: both ways of writing admitted requests' caches run every request, with
+    the same tokens, for plain decoding and fixed K; and the runner pads in place again afterwards."""
+    from specdec_ext.engine import runner
+    from specdec_ext.engine.kv_cache import GrowingLayer
+
+    mod = _bench_script("front_padding")
+    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("in_place", "copy"), "in_place_over_copy")
+    assert runner.GrowingLayer is GrowingLayer
+
+
 def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests():
     """bench/attention_impl.py on a tiny fp32 pair: both attentions run every request (greedy text the same: fp32
     differences are far below the tiny models' logit margins), for plain decoding and fixed K; and both models are

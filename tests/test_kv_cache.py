@@ -44,8 +44,11 @@ def apply(layer, name, arg, g, rows):
         m = min(arg, n)
         layer.keys, layer.values = layer.keys[:, :, m:], layer.values[:, :, m:]
     elif name == "pad_front" and n:  # CausalLMRunner._pad_front
-        layer.keys = pad_front(layer.keys, n + arg, dim=2)
-        layer.values = pad_front(layer.values, n + arg, dim=2)
+        if isinstance(layer, GrowingLayer):
+            layer.pad_front(arg)
+        else:
+            layer.keys = pad_front(layer.keys, n + arg, dim=2)
+            layer.values = pad_front(layer.values, n + arg, dim=2)
     elif name == "write_rows" and n:  # CausalLMRunner._write_rows: a new request's columns written in place
         w = min(arg, n)
         k = torch.randn(1, H, w, D, generator=g)
@@ -113,6 +116,34 @@ def test_rows_that_leave_move_only_the_rows_that_take_their_places():
     assert torch.equal(layer.keys, kept) and layer._kbuf.data_ptr() == buffer.data_ptr()
     layer.update(torch.randn(2, H, 2, D), torch.randn(2, H, 2, D))
     assert layer._kbuf.data_ptr() == buffer.data_ptr() and layer.get_seq_length() == 52  # appends go on in place
+
+
+def test_front_padding_goes_into_the_spare_columns_before_the_view():
+    layer = GrowingLayer()
+    layer.update(torch.randn(2, H, 50, D), torch.randn(2, H, 50, D))
+    old = layer.keys.clone()
+    layer.pad_front(5)  # no spare columns before the view yet: new buffers, with spare columns at both ends
+    buffer = layer._kbuf
+    assert torch.equal(layer.keys[:, :, 5:], old) and not layer.keys[:, :, :5].any()
+    layer.keys, layer.values = layer.keys[:, :, 20:], layer.values[:, :, 20:]  # the runner's front crop
+    layer.pad_front(30)  # fits in the spare columns: in place
+    assert layer._kbuf is buffer and layer.get_seq_length() == 65 and not layer.keys[:, :, :30].any()
+    assert torch.equal(layer.keys[:, :, 30:], old[:, :, 15:])
+    layer.update(torch.randn(2, H, 3, D), torch.randn(2, H, 3, D))
+    assert layer._kbuf is buffer and layer.get_seq_length() == 68  # appends go on in the same buffer
+
+
+def test_rows_placed_in_a_wider_batch_keep_spare_columns_for_the_next_appends():
+    layer = GrowingLayer()
+    k, v = torch.randn(2, H, 6, D), torch.randn(2, H, 6, D)
+    layer.update(k, v)
+    layer.place_rows(4, torch.tensor([3, 1]), 10)  # rows 3 and 1 of 4, right-aligned in 10 columns
+    want = torch.zeros(4, H, 10, D)
+    want[[3, 1], :, 4:] = k
+    assert torch.equal(layer.keys, want) and layer.values[1, :, 4:].equal(v[1]) and not layer.values[0].any()
+    buffer = layer._kbuf
+    layer.update(torch.randn(4, H, 2, D), torch.randn(4, H, 2, D))
+    assert layer._kbuf is buffer and layer.get_seq_length() == 12  # in place
 
 
 def test_the_runner_uses_growing_layers():

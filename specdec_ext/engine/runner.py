@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from .attention import NAME as ATTENTION_NAME
-from .kv_cache import GrowingCache
+from .kv_cache import GrowingCache, GrowingLayer
 from .packing import PACKABLE_MODEL_TYPES, PackedRows
 from .packing import packed as packed_forward
 from .tensor_parallel import tp_size
@@ -359,8 +359,11 @@ class CausalLMRunner(TimedRunner):
 
     def _pad_front(self, n: int) -> None:
         for layer in self._layers():
-            layer.keys = pad_front(layer.keys, layer.keys.shape[2] + n, dim=2)
-            layer.values = pad_front(layer.values, layer.values.shape[2] + n, dim=2)
+            if isinstance(layer, GrowingLayer):  # in its buffer's spare columns where it has them
+                layer.pad_front(n)
+            else:
+                layer.keys = pad_front(layer.keys, layer.keys.shape[2] + n, dim=2)
+                layer.values = pad_front(layer.values, layer.values.shape[2] + n, dim=2)
         if self.layout:
             self.col_pos = pad_front(self.col_pos, self.col_pos.shape[1] + n)
 
@@ -373,6 +376,9 @@ class CausalLMRunner(TimedRunner):
         if w and not self._layers():  # nothing stored here yet (one-token prompts, no forward): start from zeros
             rows = self.mask.shape[0]
             for layer in other._layers():
+                if isinstance(layer, GrowingLayer):  # with spare columns: the next append goes in place
+                    layer.place_rows(rows, idx, width)
+                    continue
                 for name in ("keys", "values"):
                     t = getattr(layer, name)
                     full = t.new_zeros((rows, t.shape[1], width, t.shape[3]))
