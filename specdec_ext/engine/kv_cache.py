@@ -11,13 +11,15 @@ ran plain decoding 1.06x / 1.00x / 1.16x and fixed K = 3 1.01x / 1.04x / 1.03x a
 columns into it, and exposes ``keys`` / ``values`` as views of the filled prefix, so a forward copies only its
 own new columns; the buffer is copied only when it grows (by a quarter of its width at least, so a long
 generation copies it a logarithmic number of times). Crops and the runner's front crops leave views into the
-buffer, where appends go on; a row selection copies the kept rows with their spare columns (one copy, as
-transformers' layer makes), or, when the selection only drops rows (:func:`take_rows`), moves the few rows that fill the
-places of the dropped ones within the buffer; the runner's front padding goes into the buffer's spare columns before the view
-where it has them (:meth:`GrowingLayer.pad_front`); anything else that replaces ``keys`` / ``values`` is copied into
-a new buffer at the next append. In a packed forward (:mod:`~specdec_ext.engine.packing`) each
-token's key and value go to its own row and column, and the padded slots get zeros. Each operation leaves the same keys and values as
-:class:`~transformers.DynamicLayer` (``tests/test_kv_cache.py``).
+buffer, where appends go on. A row selection that only drops rows (finished requests leaving:
+:func:`compaction`, :func:`take_rows`) moves the few rows that take their places within the buffer; any other
+copies the kept rows with their spare columns (one copy, as transformers' layer makes). The runner's front padding
+goes into the buffer's spare columns before the view where it has them (:meth:`GrowingLayer.pad_front`), and a
+runner's first requests into buffers with spare columns (:meth:`GrowingLayer.place_rows`); anything else that
+replaces ``keys`` / ``values`` is copied into a new buffer at the next append. In a packed forward
+(:mod:`~specdec_ext.engine.packing`) each token's key and value go to its own row and column, and the padded slots
+get zeros. Each operation leaves the same keys and values as :class:`~transformers.DynamicLayer`
+(``tests/test_kv_cache.py``).
 """
 
 from __future__ import annotations
