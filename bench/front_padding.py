@@ -16,7 +16,7 @@ the ratio in place / copy, and the share of requests with the same tokens.
 
 from __future__ import annotations
 
-from specdec_ext.benchmark import switched_arm_script
+from specdec_ext.benchmark import setting_switch, switched_arm_script
 from specdec_ext.engine import runner
 from specdec_ext.engine.kv_cache import GrowingLayer
 from specdec_ext.zoo import load_pair
@@ -27,12 +27,7 @@ class _Never:
 
 
 SETTINGS = {"in_place": GrowingLayer, "copy": _Never}
-
-
-def use(arm) -> None:
-    """The class the runner pads and places in place (None: the default, GrowingLayer)."""
-    runner.GrowingLayer = SETTINGS[arm or "in_place"]
-
+use = setting_switch(runner, "GrowingLayer", SETTINGS)  # the class whose layers the runner pads and places in place
 
 # compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
 compare, main = switched_arm_script(__doc__, "front_padding", tuple(SETTINGS), use, "in_place_over_copy", load_pair,

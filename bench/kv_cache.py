@@ -13,19 +13,13 @@ from __future__ import annotations
 
 from transformers import DynamicCache
 
-from specdec_ext.benchmark import switched_arm_script
+from specdec_ext.benchmark import setting_switch, switched_arm_script
 from specdec_ext.engine.kv_cache import GrowingCache
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.zoo import load_pair
 
 CACHES = {"in-place": GrowingCache, "cat": DynamicCache}
-
-
-def use(arm) -> None:
-    """The target runner's cache class for ``arm`` (None: the default, in place); the generator makes its target
-    runner per call."""
-    CausalLMRunner.cache_class = CACHES[arm or "in-place"]
-
+use = setting_switch(CausalLMRunner, "cache_class", CACHES)  # the generator makes its target runner per call
 
 # compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
 compare, main = switched_arm_script(

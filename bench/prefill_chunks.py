@@ -13,17 +13,12 @@ the same tokens.
 
 from __future__ import annotations
 
-from specdec_ext.benchmark import switched_arm_script
+from specdec_ext.benchmark import setting_switch, switched_arm_script
 from specdec_ext.engine import generator
 from specdec_ext.zoo import load_pair
 
 SETTINGS = {"chunked": generator.PREFILL_CHUNK_TOKENS, "whole": None}
-
-
-def use(arm) -> None:
-    """The prefill chunk size of ``arm`` (None: the default, chunked); the generator reads it at each prefill."""
-    generator.PREFILL_CHUNK_TOKENS = SETTINGS[arm or "chunked"]
-
+use = setting_switch(generator, "PREFILL_CHUNK_TOKENS", SETTINGS)  # the generator reads it at each prefill
 
 # compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
 compare, main = switched_arm_script(

@@ -15,7 +15,7 @@ the ratio in place / copy, and the share of requests with the same tokens.
 
 from __future__ import annotations
 
-from specdec_ext.benchmark import switched_arm_script
+from specdec_ext.benchmark import setting_switch, switched_arm_script
 from specdec_ext.engine import generator
 from specdec_ext.engine.kv_cache import compaction
 from specdec_ext.zoo import load_pair
@@ -28,12 +28,7 @@ def sorted_order(n_rows: int, leaving) -> list[int]:
 
 
 SETTINGS = {"in_place": compaction, "copy": sorted_order}
-
-
-def use(arm) -> None:
-    """The removal order of ``arm`` (None: the default, in place); the generator reads it whenever rows leave."""
-    generator.compaction = SETTINGS[arm or "in_place"]
-
+use = setting_switch(generator, "compaction", SETTINGS)  # the generator reads it whenever rows leave
 
 # compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
 compare, main = switched_arm_script(__doc__, "row_removal", tuple(SETTINGS), use, "in_place_over_copy", load_pair,

@@ -400,11 +400,23 @@ def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_
             ratio: rate[arms[0]] / rate[arms[1]], "same_tokens": r["same_tokens"]}
 
 
+def setting_switch(owner, name: str, settings: dict) -> Callable:
+    """``switch(arm)`` for :func:`switched_arm_script` where an arm is a value of the attribute ``name`` of ``owner`` (a
+    module or class the engine reads at each call): sets it to ``settings[arm]``, and to the first arm's value (the
+    default) for None."""
+    default = next(iter(settings))
+
+    def switch(arm) -> None:
+        setattr(owner, name, settings[default if arm is None else arm])
+
+    return switch
+
+
 def switched_arm_script(doc: str, script: str, arms: tuple, switch: Callable, ratio: str, load: Callable,
                         batch_sizes: str, prompts: int) -> tuple:
     """``(compare, main)`` of a two-arm script whose arms differ by process-wide state that ``switch(arm)`` sets
     without the pair (e.g. ``bench/kv_cache.py``: the target runner's cache class; ``bench/prefill_chunks.py``: the
-    prefill chunk size): ``compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream)`` is
+    prefill chunk size; :func:`setting_switch` makes such a switch): ``compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream)`` is
     :func:`compare_switched_arms` for these arms, ``main(argv)`` is :func:`two_arm_script` with the first line of
     ``doc`` as its description."""
 
