@@ -416,9 +416,9 @@ def switched_arm_script(doc: str, script: str, arms: tuple, switch: Callable, ra
                         batch_sizes: str, prompts: int) -> tuple:
     """``(compare, main)`` of a two-arm script whose arms differ by process-wide state that ``switch(arm)`` sets
     without the pair (e.g. ``bench/kv_cache.py``: the target runner's cache class; ``bench/prefill_chunks.py``: the
-    prefill chunk size; :func:`setting_switch` makes such a switch): ``compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream)`` is
-    :func:`compare_switched_arms` for these arms, ``main(argv)`` is :func:`two_arm_script` with the first line of
-    ``doc`` as its description."""
+    prefill chunk size; :func:`setting_switch` makes such a switch): ``compare(pair, prompts, batch_size, k,
+    max_new_tokens, rows_per_stream)`` is :func:`compare_switched_arms` for these arms, ``main(argv)`` is
+    :func:`two_arm_script` with the first line of ``doc`` as its description."""
 
     def compare(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int) -> dict:
         return compare_switched_arms(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream, arms, switch,
