@@ -11,7 +11,7 @@ stream (``benchmark.alternate_streams``), for plain decoding and fixed K at each
 the ratio in place / copy, and the share of requests with the same tokens.
 
     python bench/front_padding.py --batch-sizes 16,64 --ks 0,1 --rows-per-stream 2 --prompts 160 \\
-        --out docs/results/front_padding.json   # about 7 minutes
+        --out docs/results/front_padding.json   # about 5 minutes
 """
 
 from __future__ import annotations

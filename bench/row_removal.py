@@ -10,7 +10,7 @@ alternating stream by stream (``benchmark.alternate_streams``), for fixed K at e
 the ratio in place / copy, and the share of requests with the same tokens.
 
     python bench/row_removal.py --batch-sizes 16,64 --ks 1,2 --rows-per-stream 2 --prompts 160 \
-        --out docs/results/row_removal.json   # about 8 minutes
+        --out docs/results/row_removal.json   # about 5 minutes
 """
 
 from __future__ import annotations
