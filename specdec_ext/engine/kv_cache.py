@@ -65,6 +65,18 @@ def compaction(n_rows: int, leaving) -> list[int]:
     return keep
 
 
+def _spare_columns(columns: int) -> int:
+    """The spare columns a new buffer for ``columns`` filled columns gets (at each end that has any): a quarter
+    more, at least 64, so a cache that keeps growing is copied a logarithmic number of times."""
+    return max(64, columns // 4)
+
+
+def _buffer(t: torch.Tensor, rows: int, columns: int, zeros: bool = False) -> torch.Tensor:
+    """A new buffer ``[rows, H, columns, D]`` of ``t``'s heads, head size, dtype and device (zeroed with ``zeros``)."""
+    shape = (rows, t.shape[1], columns, t.shape[3])
+    return t.new_zeros(shape) if zeros else t.new_empty(shape)
+
+
 class GrowingLayer(DynamicLayer):
     """A :class:`~transformers.DynamicLayer` that appends into a preallocated buffer ``[B, H, capacity, D]``."""
 
@@ -97,10 +109,8 @@ class GrowingLayer(DynamicLayer):
         new = old + key_states.shape[-2]
         start = self._offset(new)
         if start is None:
-            capacity = new + max(64, new // 4)
-            B, _, _, D = key_states.shape
-            kb = key_states.new_empty((B, key_states.shape[1], capacity, D))
-            vb = value_states.new_empty((B, value_states.shape[1], capacity, value_states.shape[3]))
+            capacity, B = new + _spare_columns(new), key_states.shape[0]
+            kb, vb = _buffer(key_states, B, capacity), _buffer(value_states, B, capacity)
             if old:
                 kb[:, :, :old] = self.keys
                 vb[:, :, :old] = self.values
@@ -129,10 +139,8 @@ class GrowingLayer(DynamicLayer):
         old = self.keys.shape[-2]
         start = self._offset(old)
         if start is None or start < n:
-            spare = max(64, (old + n) // 4)
-            B, H, _, D = self.keys.shape
-            kb = self.keys.new_empty((B, H, spare + n + old + spare, D))
-            vb = self.values.new_empty((B, self.values.shape[1], spare + n + old + spare, self.values.shape[3]))
+            spare, B = _spare_columns(old + n), self.keys.shape[0]
+            kb, vb = _buffer(self.keys, B, spare + n + old + spare), _buffer(self.values, B, spare + n + old + spare)
             kb[:, :, spare + n : spare + n + old] = self.keys
             vb[:, :, spare + n : spare + n + old] = self.values
             self._kbuf, self._vbuf, start = kb, vb, spare + n
@@ -148,7 +156,7 @@ class GrowingLayer(DynamicLayer):
         n = self.keys.shape[-2]
         bufs = []
         for t in (self.keys, self.values):
-            buf = t.new_zeros((rows, t.shape[1], width + max(64, width // 4), t.shape[3]))
+            buf = _buffer(t, rows, width + _spare_columns(width), zeros=True)
             buf[index.to(t.device), :, width - n : width] = t
             bufs.append(buf)
         self._kbuf, self._vbuf = bufs
