@@ -10,8 +10,10 @@ three ways on the same inputs, taking turns within each repetition:
   do not);
 - ``packed``: only the real tokens, packed into one sequence.
 
-Depth patterns per row, for D + 1 = 2 .. 5 tokens in the deepest row: ``uniform`` (every row D), ``half`` (half the
-rows 0) and ``spread`` (depths drawn uniformly from 0 .. D, at least one row at D). Medians of ``--reps``, ms.
+Depth patterns per row, for D + 1 = 2 .. 5 tokens in the deepest row: ``uniform`` (every row D), ``one`` (one row 0,
+the others D: a fixed K's round in which one row has room for no candidate, its request one token from its end),
+``half`` (half the rows 0) and ``spread`` (depths drawn uniformly from 0 .. D, at least one row at D). Medians of
+``--reps``, ms. The engine packs a verification only where this measured a gain (``engine.packing.worth_packing``).
 
     python bench/packed_verify.py --out docs/results/packed_verify.json   # about 2 minutes
 """
@@ -36,6 +38,8 @@ def depths(pattern: str, B: int, D: int, g: torch.Generator) -> torch.Tensor:
     """Per-row depths ``[B]`` of a pattern (module docstring)."""
     if pattern == "uniform":
         return torch.full((B,), D)
+    if pattern == "one":
+        return torch.tensor([0] + [D] * (B - 1))
     if pattern == "half":
         return torch.tensor([0 if b % 2 else D for b in range(B)])
     d = torch.randint(0, D + 1, (B,), generator=g)

@@ -49,6 +49,16 @@ def test_spread_and_gather_invert_each_other():
     assert packing.current() is None
 
 
+def test_a_verification_packs_only_where_enough_slots_are_holes():
+    share = packing.PACK_MAX_REAL_SHARE
+    assert 0.5 < share < 1.0
+    assert not packing.worth_packing(32, 32)  # every slot real: nothing to save, the spreading to pay
+    assert not packing.worth_packing(31, 32)  # one row's slot a hole (measured dearer packed)
+    assert packing.worth_packing(24, 32)  # a quarter holes
+    assert packing.worth_packing(int(share * 100), 100) and not packing.worth_packing(int(share * 100) + 1, 100)
+    assert not packing.worth_packing(0, 32)
+
+
 def _run(model, prompt, prompt_valid, tokens, valid, removed, packed):
     """Prefill, one forward of ``tokens`` with ``valid`` (packed or padded), a rollback of ``removed`` per row, and a
     forward of one token per row: the logits of both forwards."""
@@ -132,7 +142,7 @@ def _spy_packed(monkeypatch):
     real = CausalLMRunner._packed_forward
 
     def spy(self, tokens, valid, position_ids):
-        calls.append(valid.sum(1).tolist())
+        calls.append(valid.clone())
         return real(self, tokens, valid, position_ids)
 
     monkeypatch.setattr(CausalLMRunner, "_packed_forward", spy)
@@ -155,7 +165,10 @@ def test_packed_greedy_equals_target_only(monkeypatch, policy, kw):
     gen = SpeculativeGenerator(target, draft, policy=policy, **kw)
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
-    assert calls and any(len(set(c)) > 1 for c in calls), "no round verified rows of different depths packed"
+    assert calls and any(len(set(v.sum(1).tolist())) > 1 for v in calls), \
+        "no round verified rows of different depths packed"
+    for v in calls:  # packed only where enough of the padded layout was holes (worth_packing)
+        assert packing.worth_packing(int(v.sum()), v.numel()), v
     if policy == "specdecpp":  # the budget's per-row depths: some round verifies rows to different depths
         assert any(len({c for c in r.candidates}) > 1 for r in out.stats.rounds)
 

@@ -29,6 +29,7 @@ from ..policies.goodput import CostModel
 from . import fast_llama
 from .kv_cache import compaction
 from .models import context_length, fingerprint, hidden_size, vocab_size
+from .packing import worth_packing
 from .runner import CausalLMRunner, pad_front, sliding_layout
 from .tensor_parallel import check_same_output, tp_size
 from .sampling import SamplingConfig, process_logits, sample_with_uniforms
@@ -587,9 +588,10 @@ class SpeculativeGenerator:
         B, K = drafted.cands.shape
         cand = drafted.cands.to(vdev)
         # a row verifies its own n_b candidates: the slots past them are holes, and where the target's runner can
-        # pack rows, a forward over the real tokens alone (a verification budget's per-row depths cost no padding)
+        # pack rows and enough slots are holes to pay for it, a forward over the real tokens alone (a verification
+        # budget's per-row depths cost no padding)
         valid = torch.arange(K + 1).unsqueeze(0) <= drafted.n.unsqueeze(1)
-        pack = K > 0 and bool((drafted.n < K).any()) and target.packs
+        pack = K > 0 and target.packs and worth_packing(B + int(drafted.n.sum()), B * (K + 1))
         t_logits, _ = target.forward(torch.cat([batch.last.view(-1, 1).to(vdev), cand], 1), valid, keep=K + 1,
                                      packed=pack)
         t_logits = t_logits.to(vdev)  # a target spread over devices returns logits on its last one

@@ -17,7 +17,8 @@ Everything else in a decoder layer (norms, rotary embeddings by position id, MLP
 packed forward computes, for each real token, the function the padded one computes (``tests/test_packing.py``:
 the same logits and cache). The runner uses it only for model types known to mix tokens in attention alone
 (:data:`PACKABLE_MODEL_TYPES`), with the ``specdec_decode`` attention and the in-place cache
-(:meth:`~specdec_ext.engine.runner.CausalLMRunner.packs`).
+(:meth:`~specdec_ext.engine.runner.CausalLMRunner.packs`), and the engine packs a verification only when enough of
+its slots are holes to pay for the spreading and gathering (:func:`worth_packing`).
 """
 
 from __future__ import annotations
@@ -83,3 +84,21 @@ def packed(plan: PackedRows) -> Iterator[PackedRows]:
         yield plan
     finally:
         _CURRENT.reset(token)
+
+
+# A packed forward pays for itself only when enough of the padded layout is holes: spreading the queries into the
+# padded layout and gathering them back costs a few percent of the forward in every layer, and the linear layers
+# save only the holes' share. One target forward of the bundled pair, cache of 256 columns, medians of 15
+# (``bench/packed_verify.py``, 2-core AMD EPYC, fp32 target, AVX2): with every row real the packed forward took
+# 1.04-1.05x the padded one at B = 16 and 64; with one row of 16 or 64 a hole (31/32 .. 190/192 real: a fixed K's
+# round in which a request is one token from its end) 1.02-1.07x; with a quarter to a third of the slots holes
+# 0.85-0.95x. In bf16 on an AVX512-BF16 EPYC (``docs/results/packed_verify.json``): every row real 1.01-1.04x, a
+# quarter holes 0.97-0.98x, a third 0.82-0.93x.
+PACK_MAX_REAL_SHARE = 0.85
+
+
+def worth_packing(real: int, padded: int) -> bool:
+    """Whether a forward of ``real`` real tokens in a padded layout of ``padded`` slots (rows times the deepest
+    row's tokens) should run packed: at most :data:`PACK_MAX_REAL_SHARE` of the slots real (measured above);
+    otherwise the holes are masked, which costs the linear layers their share and attention nothing."""
+    return 0 < real <= PACK_MAX_REAL_SHARE * padded

@@ -325,12 +325,13 @@ class BatchBudget:
     where the target's runner packs rows (``engine/packing.py``: ``attn_implementation="specdec_decode"`` on a
     CPU, Llama/Qwen2/Qwen3; the policy's ``packed_verification``), the round verifies the global top-N slots
     themselves (:meth:`depths`: rank the slots by survival, keep the N that maximise goodput, a prefix per row),
-    and the target computes only those. It is off by default because on the bundled pair it measured worse:
-    the packed forward saves less than the table's linear cost of the dropped slots says (at B = 64 a quarter
-    fewer tokens took 7% off the forward, not 25%: attention still runs over the padded layout), so the slots it
-    dropped lost more tokens than time (paired runs of ``bench/budget_paired.py`` with arms ``auto`` and
-    ``auto:top_n=false`` while top-N was the default, 2-core AMD EPYC: one depth per round gave 1.02x / 1.02x /
-    1.02x the decode tokens/s of top-N at B = 4 / 16 / 64).
+    and the target computes only those (packed where enough slots are dropped to pay for it,
+    ``engine.packing.worth_packing``; otherwise the dropped slots are masked holes). It is off by default because on
+    the bundled pair it measured worse: the packed forward saves less than the table's linear cost of the dropped
+    slots says (at B = 64 a quarter fewer tokens took 7% off the forward, not 25%: attention still runs over the
+    padded layout), so the slots it dropped lost more tokens than time (paired runs of ``bench/budget_paired.py``
+    with arms ``auto`` and ``auto:top_n=false`` while top-N was the default, 2-core AMD EPYC: one depth per round
+    gave 1.02x / 1.02x / 1.02x the decode tokens/s of top-N at B = 4 / 16 / 64).
 
     With S_bk the survival of row b's candidate k (the product of the head's
     p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
