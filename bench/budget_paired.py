@@ -7,11 +7,12 @@ once at the batch size, so that a budget has measured its depths before it is ti
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
 ``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again
 from pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the
-passes (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's; the same in decoding alone
-(tokens over the time of the decoding rounds, the prompts' prefills left out: at B = 64 they are most of the wall
-time and move by seconds from call to call, which hides the differences in decoding), the candidates drafted per
-row and round, and the seconds the draft spent reading the requests' contexts. At B = 64 on a 2-core CPU a pass
-moves by up to 10%: read ratios within one run, and several passes.
+passes (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's (and its range over the
+streams, the noise of one stream's comparison); the same in decoding alone (tokens over the time of the decoding
+rounds, the prompts' prefills left out: at B = 64 they are most of the wall time and move by seconds from call
+to call, which hides the differences in decoding), the candidates drafted per row and round, and the seconds the
+draft spent reading the requests' contexts. At B = 64 on a 2-core CPU a pass moves by up to 10%: read ratios
+within one run, and several passes.
 
 ``--context-tokens N`` makes long-context requests: request i is the last N tokens of HumanEval prompts ..., i + 2,
 i + 1, i joined (so it ends with prompt i's signature and docstring), for workloads where reading a request's context
@@ -81,7 +82,7 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     # what alternate_streams counts per arm, summed over the passes
     total = {key: dict.fromkeys(arms, 0) for key in ("tokens", "seconds", "decode_seconds", "drafted", "verifications",
                                                      "draft_prefill_seconds")}
-    per_pass = []
+    per_pass, by_stream = [], []
 
     def generate(arm, stream, n):
         return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
@@ -90,6 +91,7 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
         order = arms[p % len(arms):] + arms[:p % len(arms)]
         r = alternate_streams(generate, tuple(order), prompts, batch_size, rows_per_stream, max_new_tokens)
         per_pass.append(r["tokens_per_s"])
+        by_stream += r["by_stream"]
         for key, sums in total.items():
             for a in arms:
                 sums[a] += r[key][a]
@@ -100,6 +102,7 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     best = max(fixed, key=pooled.get) if fixed else None
     return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
             "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None,
+            "over_best_fixed_by_stream": {a: [st[a] / st[best] for st in by_stream] for a in arms} if best else None,
             "decode_tokens_per_s": decoding,
             "candidates_per_row_round": {a: total["drafted"][a] / max(total["verifications"][a], 1) for a in arms},
             "draft_prefill_seconds": total["draft_prefill_seconds"],
@@ -127,7 +130,9 @@ def main(argv=None) -> dict:
               "command": "python bench/budget_paired.py " + " ".join(argv if argv is not None else []), **row}
     for a, rate in row["tokens_per_s"].items():
         by_pass = " / ".join(f"{r[a]:.1f}" for r in row["tokens_per_s_by_pass"])
-        ratio = f", {row['over_best_fixed'][a]:.3f}x {row['best_fixed']}" if row["best_fixed"] else ""
+        streams = row["over_best_fixed_by_stream"][a] if row["best_fixed"] else []
+        ratio = (f", {row['over_best_fixed'][a]:.3f}x {row['best_fixed']} (streams {min(streams):.3f}-"
+                 f"{max(streams):.3f}x)" if streams else "")
         decoding = f"; decoding {row['decode_tokens_per_s'][a]:.1f} tokens/s" + (
             f", {row['decode_over_best_fixed'][a]:.3f}x the best fixed K" if row["best_fixed"] else "")
         print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}{decoding}; "

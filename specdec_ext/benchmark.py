@@ -344,23 +344,28 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     (to pool several calls), ``decode_seconds`` (the time of the calls' decoding rounds, prefills and admission left
     out), ``draft_prefill_seconds`` (the draft's reads of the requests' contexts), ``accepted`` (accepted
     candidates), ``drafted`` (candidates) and ``verifications`` (rounds times their live rows) per arm (the calls'
-    :class:`~specdec_ext.engine.stats.GenerationStats` summed), and
-    ``same_tokens``: the share of requests whose tokens are the same under every arm."""
+    :class:`~specdec_ext.engine.stats.GenerationStats` summed), ``by_stream``: each stream's tokens/s per arm (in
+    stream order; their spread is the machine's noise over one stream), and ``same_tokens``: the share of requests
+    whose tokens are the same under every arm."""
     seconds = dict.fromkeys(arms, 0.0)
     decode = dict.fromkeys(arms, 0.0)
     tokens = dict.fromkeys(arms, 0)
     accepted = dict.fromkeys(arms, 0)
     drafted, verifications, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
     texts: dict = {a: [] for a in arms}
+    by_stream = []
     for a in arms:
         generate(a, prompts[:batch_size], 8)
     step = rows_per_stream * batch_size
     for i, start in enumerate(range(0, len(prompts), step)):
         stream = prompts[start:start + step]
+        by_stream.append({})
         for a in arms[i % len(arms):] + arms[:i % len(arms)]:
             t0 = time.perf_counter()
             out = generate(a, stream, max_new_tokens)
-            seconds[a] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            seconds[a] += dt
+            by_stream[-1][a] = out.stats.new_tokens / dt
             tokens[a] += out.stats.new_tokens
             decode[a] += out.stats.decode_ms / 1e3
             accepted[a] += out.stats.accepted
@@ -371,7 +376,7 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
     return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
             "decode_seconds": decode, "draft_prefill_seconds": reads, "accepted": accepted, "drafted": drafted,
-            "verifications": verifications, "same_tokens": same / len(prompts)}
+            "verifications": verifications, "by_stream": by_stream, "same_tokens": same / len(prompts)}
 
 
 def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int,
@@ -382,7 +387,8 @@ def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_
     ``switch(None)`` restores the default afterwards, also on an error.
 
     Returns: ``batch_size``, ``k``, ``tokens_per_s`` and ``accepted`` per arm, ``ratio``: tokens/s of ``arms[0]`` over
-    ``arms[1]``, and ``same_tokens`` (the share of requests with the same tokens under both)."""
+    ``arms[1]``, ``ratio + "_by_stream"``: the same ratio in each stream (its spread is the noise of one stream's
+    comparison on the machine), and ``same_tokens`` (the share of requests with the same tokens under both)."""
     policy = make_policy("fixed", k=k) if k else make_policy("autoregressive")
     gen = SpeculativeGenerator(pair.target, pair.draft, policy=policy)
     eos = pair.tokenizer.eos_token_id
@@ -397,7 +403,8 @@ def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_
         switch(None)
     rate = r["tokens_per_s"]
     return {"batch_size": batch_size, "k": k, "tokens_per_s": rate, "accepted": r["accepted"],
-            ratio: rate[arms[0]] / rate[arms[1]], "same_tokens": r["same_tokens"]}
+            ratio: rate[arms[0]] / rate[arms[1]],
+            ratio + "_by_stream": [s[arms[0]] / s[arms[1]] for s in r["by_stream"]], "same_tokens": r["same_tokens"]}
 
 
 def setting_switch(owner, name: str, settings: dict) -> Callable:
@@ -466,10 +473,13 @@ def two_arm_script(argv, description: str, script: str, compare: Callable, ratio
 
 def arms_line(row: dict, ratio: str) -> str:
     """A row of two arms compared by :func:`alternate_streams` (with its ``batch_size`` and ``k``) as one printed
-    line: each arm's tokens/s in the row's order, ``row[ratio]``, and the share of requests with the same tokens."""
+    line: each arm's tokens/s in the row's order, ``row[ratio]`` (and the range of its per-stream values, where the
+    row has them), and the share of requests with the same tokens."""
     (a, rate_a), (b, rate_b) = row["tokens_per_s"].items()
+    streams = row.get(ratio + "_by_stream") or []
+    spread = f", streams {min(streams):.3f}-{max(streams):.3f}x" if len(streams) > 1 else ""
     return (f"B = {row['batch_size']}, K = {row['k']}: {a} {rate_a:.1f} tokens/s, {b} {rate_b:.1f} "
-            f"({row[ratio]:.3f}x), same tokens: {row['same_tokens']:.0%} of requests")
+            f"({row[ratio]:.3f}x{spread}), same tokens: {row['same_tokens']:.0%} of requests")
 
 
 def add_stream_arguments(ap, k_help: str = "fixed candidate length K") -> None:

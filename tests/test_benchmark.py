@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_ext.benchmark import (Oracle, format_table, load_results, run_benchmark, save_json, standard_methods,
-                                   summarize)
+from specdec_ext.benchmark import (Oracle, arms_line, format_table, load_results, run_benchmark, save_json,
+                                   standard_methods, summarize)
 from specdec_ext.benchmark_cli import cost_model_replay
 from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
 from specdec_ext.zoo import ModelPair
@@ -287,6 +287,11 @@ def _two_arm_rows(compare, pair, prompts, arms: tuple, ratio: str, ks=(0, 2)) ->
         assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
         assert set(row["tokens_per_s"]) == set(arms) and min(row["tokens_per_s"].values()) > 0
         assert row[ratio] == pytest.approx(row["tokens_per_s"][arms[0]] / row["tokens_per_s"][arms[1]])
+        streams = row.get(ratio + "_by_stream")
+        if streams is not None:  # compare_switched_arms: a ratio per stream of B requests, the pooled one among them
+            assert len(streams) == -(-len(prompts) // 2) and min(streams) > 0
+            assert min(streams) * (1 - 1e-9) <= row[ratio] <= max(streams) * (1 + 1e-9)
+            assert f"{row[ratio]:.3f}x, streams {min(streams):.3f}-{max(streams):.3f}x" in arms_line(row, ratio)
         rows.append(row)
     return rows
 
@@ -362,6 +367,17 @@ def test_front_padding_script_compares_in_place_and_copied_cache_writes_on_the_s
     assert runner.GrowingLayer is GrowingLayer
 
 
+def test_pack_rule_script_compares_the_two_packing_rules_on_the_same_requests():
+    """bench/pack_rule.py on a tiny pair: both packing rules run every request, with the same tokens, for plain
+    decoding and fixed K; and the module-wide share is back to its default."""
+    from specdec_ext.engine import packing
+
+    default = packing.PACK_MAX_REAL_SHARE
+    mod = _bench_script("pack_rule")
+    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("rule", "any_hole"), "rule_over_any_hole")
+    assert packing.PACK_MAX_REAL_SHARE == default < 1.0
+
+
 def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests():
     """bench/attention_impl.py on a tiny fp32 pair: both attentions run every request (greedy text the same: fp32
     differences are far below the tiny models' logit margins), for plain decoding and fixed K; and both models are
@@ -409,6 +425,9 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     rate = row["tokens_per_s"]
     assert row["over_best_fixed"]["auto"] == pytest.approx(rate["auto"] / rate[row["best_fixed"]])
     assert row["over_best_fixed"][row["best_fixed"]] == 1.0
+    streams = row["over_best_fixed_by_stream"]  # three streams of two requests per pass
+    assert all(len(v) == 6 for v in streams.values()) and streams[row["best_fixed"]] == [1.0] * 6
+    assert min(streams["auto"]) * (1 - 1e-9) <= row["over_best_fixed"]["auto"] <= max(streams["auto"]) * (1 + 1e-9)
     per_row = row["candidates_per_row_round"]
     assert 0 < per_row["K1"] <= 1.0 and per_row["K1"] < per_row["K2"] <= 2.0  # short rows draft less than K
     assert all(row["draft_prefill_seconds"][a] > 0 for a in ("K1", "K2"))
