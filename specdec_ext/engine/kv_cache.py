@@ -32,7 +32,8 @@ from . import packing
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t[index]`` along dim 0 (``index`` ``[n]`` int64, on any device). Where ``index`` only drops rows, every entry j
+    """``t[index]`` along dim 0 (``index`` ``[n]`` int64, on any device; it is read on the host, so a CPU index spares
+    a GPU cache a device sync per call). Where ``index`` only drops rows, every entry j
     being j or a row >= n (what :func:`compaction` gives), the rows are taken in place: the rows >= n that are
     kept are copied into the places j < n they take, and the result is a view of ``t``'s first n rows (``t`` is
     changed). Removing finished requests from a batch so copies only the rows that move, not the whole KV cache:

@@ -392,7 +392,9 @@ class CausalLMRunner(TimedRunner):
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)
-        self.cache.batch_select_indices(idx)
+        # the index as it came (the engine's is on the CPU): take_rows reads it for every layer's keys and values,
+        # which on a GPU would be a device sync each time
+        self.cache.batch_select_indices(index)
         if self.col_pos is not None:
             self.col_pos = self.col_pos[idx]
         self._select_mask_rows(idx)
