@@ -121,6 +121,58 @@ def test_replace_rows_gives_the_new_row_the_state_of_its_prompt_alone(runner, ol
     torch.testing.assert_close(got[0], alone_old[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("runner", ["transformers", "lean"])
+def test_replacing_every_row_in_order_takes_the_other_runner_whole(runner):
+    """When every row is replaced, in order (plain decoding's requests finish together), the runner takes the
+    other's storage instead of copying it row by row, and computes what the other would; any other order of slots
+    still writes the rows."""
+    from specdec_ext.engine.fast_llama import FastLlamaRunner
+
+    target, draft = make_pair("llama")
+    make = (lambda: CausalLMRunner(draft, "draft")) if runner == "transformers" else (lambda: FastLlamaRunner(draft))
+    storage = (lambda r: r.cache) if runner == "transformers" else (lambda r: r.k[0])
+    g = torch.Generator().manual_seed(0)
+    old, new = torch.randint(2, 40, (2, 7), generator=g), torch.randint(2, 40, (2, 4), generator=g)
+    nxt = torch.randint(2, 40, (2, 1), generator=g)
+
+    def fresh(prompt):
+        r = make()
+        r.start(prompt.shape[0])
+        r.forward(prompt[:, :-1])
+        return r
+
+    alone, _ = fresh(new).forward(torch.cat([new[:, -1:], nxt], 1), keep=1)
+    for slots, whole in (([0, 1], True), ([1, 0], False)):
+        batch, incoming = fresh(old), fresh(new)
+        theirs, calls = storage(incoming), batch.calls + incoming.calls
+        batch.replace_rows(torch.tensor(slots), incoming)
+        assert (storage(batch) is theirs) == whole, slots
+        assert incoming.mask is None and batch.calls == calls and batch.length == 3  # spent; counted; its width
+        got, _ = batch.forward(torch.cat([new[:, -1:], nxt], 1)[slots], keep=1)
+        torch.testing.assert_close(got, alone[slots], rtol=1e-4, atol=1e-5)
+
+
+def test_plain_decoding_refills_a_whole_batch_by_taking_the_new_runner():
+    target, _ = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=6)
+    taken = []
+    replace = CausalLMRunner.replace_rows
+
+    def spy(self, slots, other):
+        cache = other.cache
+        replace(self, slots, other)
+        taken.append(self.cache is cache)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(CausalLMRunner, "replace_rows", spy)
+        out = SpeculativeGenerator(target, policy="autoregressive").generate_continuous(prompts, batch_size=2,
+                                                                                        max_new_tokens=5,
+                                                                                        temperature=0)
+    assert taken and all(taken), taken  # every refill replaced both rows at once
+    for i, p in enumerate(prompts):
+        assert out.new_tokens[i] == target_only(target, p, 5), f"request {i} differs from target-only decoding"
+
+
 def test_requests_join_mid_generation_and_eos_frees_their_rows():
     target, draft = make_pair("llama", noise=0.1)
     V = target.config.vocab_size

@@ -89,6 +89,7 @@ class FastLlamaRunner(TimedRunner):
 
     packed_default: Optional[bool] = None  # what packed=None means, for every runner (e.g. False to compare)
     attention_kernel: bool = True  # ops.decode_attention where it can serve (uses_attention_kernel); False: SDPA
+    _state = ("k", "v", "mask", "next_pos")
 
     @classmethod
     def uses_attention_kernel(cls, device, queries: int) -> bool:
