@@ -378,6 +378,21 @@ def test_pack_rule_script_compares_the_two_packing_rules_on_the_same_requests():
     assert packing.PACK_MAX_REAL_SHARE == default < 1.0
 
 
+def test_draft_context_script_compares_windows_on_the_same_requests():
+    """bench/draft_context.py on a tiny pair: every window runs every request with the target's tokens (greedy), the
+    windowed draft reads less, and a bad window is refused, naming it."""
+    mod = _bench_script("draft_context")
+    assert mod.parse_windows("all,64,3") == [None, 64, 3]
+    for bad in ("0", "x", "-2"):
+        with pytest.raises(ValueError, match="--windows"):
+            mod.parse_windows(bad)
+    pair, prompts = _tiny_stream_pair()
+    row = mod.compare(pair, prompts, batch_size=2, k=2, windows=[None, 2], max_new_tokens=6, rows_per_stream=1)
+    assert row["same_tokens"] == 1.0 and set(row["tokens_per_s"]) == {"all", "2"}
+    assert 0 < row["draft_read_seconds"]["2"] and all(0 <= a <= 1 for a in row["acceptance"].values())
+    assert row["over_all_by_stream"]["all"] == [1.0] * 3 and len(row["over_all_by_stream"]["2"]) == 3
+
+
 def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests():
     """bench/attention_impl.py on a tiny fp32 pair: both attentions run every request (greedy text the same: fp32
     differences are far below the tiny models' logit margins), for plain decoding and fixed K; and both models are

@@ -227,6 +227,47 @@ def test_budgeted_continuous_sampling_is_lossless():
     assert out.stats.accepted > 0 and out.stats.discarded > 0
 
 
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["lean", "transformers"])
+def test_a_draft_that_reads_a_recent_window_keeps_the_target_output(monkeypatch, fast_draft):
+    """draft_context=W: the draft reads at most the last W tokens of a request's context (its prefill feeds W - 1 of
+    them, the last being the pending token), and greedy output still equals target-only decoding."""
+    from specdec_ext.engine import generator
+
+    target, draft = make_pair("llama", noise=0.3)
+    prompts = queue(target.config.vocab_size, n=6, longest=9)
+    widths = []
+    real = generator._prefill
+
+    def spy(runner, input_ids, attention_mask, lengths=None, slots=None):
+        if runner.name == "draft":
+            widths.append(int(attention_mask.sum(1).max()))
+        return real(runner, input_ids, attention_mask, lengths, slots)
+
+    monkeypatch.setattr(generator, "_prefill", spy)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, fast_draft=fast_draft, draft_context=4)
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=0)
+    assert widths and max(widths) == 4, widths  # the longest read: a window of 4 tokens
+    for i, p in enumerate(prompts):
+        assert out.new_tokens[i] == target_only(target, p, 10), f"request {i} differs from target-only decoding"
+    assert out.stats.accepted > 0
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="draft_context"):
+            SpeculativeGenerator(target, draft, policy="fixed", k=3, draft_context=bad)
+
+
+@pytest.mark.slow
+def test_sampling_with_a_windowed_draft_is_lossless():
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([0, 5, 7, 3, 9])
+    marg = exact_marginals(target, prompt.view(1, -1), SamplingConfig(1.0), N_POS)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, draft_context=2)
+    out = gen.generate_continuous([prompt] * N_ROWS, batch_size=64, max_new_tokens=N_POS, temperature=1.0, seed=11)
+    toks = torch.tensor(out.new_tokens)
+    for i in range(N_POS):
+        assert_follows(toks[:, i], marg[i], f"draft reading a 2-token window, position {i + 1}")
+    assert out.stats.accepted > 0 and out.stats.discarded > 0
+
+
 class PerRow(CandidateLengthPolicy):
     name = "per-row"
     max_candidates = 2

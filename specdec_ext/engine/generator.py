@@ -86,17 +86,28 @@ class SpeculativeGenerator:
         allow_other_draft: accept (with a warning) a head whose recorded draft fingerprint is not this draft's.
         batch_costs: the pair's :class:`~specdec_ext.policies.goodput.BatchCosts` for the batch verification
             budget of ``threshold="auto"`` at batch size > 1; default: profiled on first use and cached.
+        draft_context: the most tokens of a request's context (prompt and tokens so far) the draft reads when it
+            first drafts for the request: its last ``draft_context`` tokens (None: all). The draft's read is
+            prefill work the target's rounds must repay; a draft that sees a recent window proposes a little
+            worse on long prompts, and the output stays the target's (verification is exact). The truncated
+            draft context of MagicDec and TriForce (a StreamingLLM cache), here without attention sinks.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
     Raises:
         ValueError: vocabulary mismatch between draft and target, a head for another draft (hidden size, or
-            fingerprint unless ``allow_other_draft``), models on the meta device, a speculative policy without a draft.
+            fingerprint unless ``allow_other_draft``), models on the meta device, a speculative policy without a draft,
+            a ``draft_context`` that is not None or an integer >= 1.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
-                 allow_other_draft: bool = False, batch_costs=None, **policy_kwargs):
+                 allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
+                 **policy_kwargs):
+        if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
+                                          or draft_context < 1):
+            raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
+        self.draft_context = draft_context
         self.target = target
         self._batch_costs = batch_costs
         self.draft = draft
@@ -447,13 +458,16 @@ class SpeculativeGenerator:
         last one. A row's draft prefill is so paid only if the row ever drafts: a batch that takes plain steps
         (``draft_round`` False, e.g. the verification budget where speculation does not pay, as at B = 64 on a
         2-core CPU) never runs the draft's prefill, which cost about a sixth of the target's there. Its time is
-        counted in ``stats.prefill_ms`` and ``stats.draft_prefill_ms``, not in the round's."""
+        counted in ``stats.prefill_ms`` and ``stats.draft_prefill_ms``, not in the round's. With ``draft_context``
+        the draft reads only the last ``draft_context`` tokens of each context."""
         pos = [i for i, r in enumerate(batch.rows) if r in batch.unread]
         if not pos:
             return
         t0 = time.perf_counter()
         ctx = [torch.cat([call.inputs[batch.rows[i]], torch.tensor(batch.generated[batch.rows[i]], dtype=torch.int64)])
                for i in pos]
+        if self.draft_context is not None:  # the draft reads a recent window of each context
+            ctx = [c[-self.draft_context :] for c in ctx]
         toks, mask = _right_aligned(ctx)
         _prefill(draft, toks, mask, [len(c) for c in ctx], slots=torch.tensor(pos))
         valid = batch.pending_valid.clone()
