@@ -10,7 +10,7 @@ acceptance rate (accepted over drafted candidates), the draft's read seconds, an
 the full context.
 
     python bench/draft_context.py --batch-sizes 4,16 --ks 1,2 --windows all,64,32 \\
-        --out docs/results/draft_context.json
+        --out docs/results/draft_context.json   # about 7 minutes (401 s)
 """
 
 from __future__ import annotations
