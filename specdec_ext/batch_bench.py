@@ -80,13 +80,16 @@ STREAM_BATCHES = 4  # a stream of continuous batching holds this many batches' w
 
 def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_sizes, max_new_tokens: int = 64,
                         temperature: float = 0.0, seed: int = 0, costs=None, progress: bool = True,
-                        refill: bool = True, repeats: int = 1) -> list[BatchRecord]:
+                        refill: bool = True, repeats: int = 1,
+                        draft_context: Optional[int] = None) -> list[BatchRecord]:
     """Every method on every stream (``refill``, continuous batching) or group (static batches) of every batch
     size (see the module docstring), ``repeats`` passes over them per batch size (the method order rotated by
     stream and pass, so slow drift of the machine's speed falls on every method alike). ``methods``: ours only.
+    ``draft_context``: the speculative methods' draft reads at most the last that many tokens of a request's
+    context (``SpeculativeGenerator(draft_context=)``; None: all of it).
 
     Raises: ValueError for methods that are not this engine's, batch sizes or ``repeats`` that are not integers
-    >= 1."""
+    >= 1, a ``draft_context`` that is not None or an integer >= 1."""
     if any(m.kind != "ours" or m.family == "oracle" for m in methods):
         raise ValueError("the batch benchmark runs this engine's policies only (no transformers or oracle methods)")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
@@ -105,7 +108,7 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     for m in methods:
         pol = m.policy()
         gens[m.name] = SpeculativeGenerator(pair.target, pair.draft if pol.speculative else None, policy=pol,
-                                            costs=costs)
+                                            costs=costs, draft_context=draft_context)
     first = torch.tensor([encoded[0][:16]] * min(4, max(batch_sizes)))
     for m in methods:  # warm-up: allocation and lazy initialisation
         gens[m.name].generate(first, max_new_tokens=8, temperature=temperature, seed=seed, eos_token_id=eos)

@@ -58,6 +58,9 @@ def add_arguments(p):
                         "(the figures pool every pass; on a shared machine one pass can drift by 10-20%%)")
     p.add_argument("--static-batches", action="store_true",
                    help="with --batch-sizes: static batches (groups of B; a finished row is not refilled)")
+    p.add_argument("--draft-context", type=int, default=None,
+                   help="with --batch-sizes: the draft reads at most the last N tokens of each request's context "
+                        "(default: all of it)")
 
 
 def _command_line(args) -> str:
@@ -205,6 +208,8 @@ def run_batches(args, pair, prompts, t0):
         raise ValueError(f"--batch-sizes: expected sizes >= 1, got {args.batch_sizes}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: expected an integer >= 1, got {args.repeats}")
+    if args.draft_context is not None and args.draft_context < 1:
+        raise ValueError(f"--draft-context: expected a token count >= 1, got {args.draft_context}")
     methods = [m for m in standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=False,
                                            oracle=False, adaptive=True)
                if m.family in ("plain", "fixed", "specdecpp", "specdecpp-auto", "heuristic")]
@@ -213,19 +218,22 @@ def run_batches(args, pair, prompts, t0):
           f"{len(methods)} methods, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
           f"target {pair.target.dtype}, draft {pair.draft.dtype}")
     records = run_batch_benchmark(pair, prompts, methods, list(args.batch_sizes), args.max_new_tokens,
-                                  args.temperature, args.seed, refill=not args.static_batches, repeats=args.repeats)
+                                  args.temperature, args.seed, refill=not args.static_batches, repeats=args.repeats,
+                                  draft_context=args.draft_context)
     rows = summarize_batches(records, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}-batch"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
             "batch_sizes": list(args.batch_sizes), "refill": not args.static_batches, "repeats": args.repeats,
+            "draft_context": args.draft_context,
             "target_dtype": str(pair.target.dtype).replace("torch.", ""),
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "duration_s": time.time() - t0,
             "command": _command_line(args) + " --batch-sizes " + ",".join(map(str, args.batch_sizes))
             + (" --static-batches" if args.static_batches else "")
-            + (f" --repeats {args.repeats}" if args.repeats > 1 else "")}
+            + (f" --repeats {args.repeats}" if args.repeats > 1 else "")
+            + (f" --draft-context {args.draft_context}" if args.draft_context is not None else "")}
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_batch_table(rows)
     (args.out / f"bench-{tag}.md").write_text(table + "\n")

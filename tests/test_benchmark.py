@@ -208,6 +208,31 @@ def test_batch_benchmark_repeats_pool_every_pass(run):
             run_batch_benchmark(pair, prompts, ours, [2], progress=False, costs=TEST_COSTS, repeats=bad)
 
 
+def test_batch_benchmark_passes_the_draft_context_window(run, monkeypatch):
+    """``draft_context``: every speculative method's draft reads at most that many tokens of a request's context,
+    and greedy texts stay plain decoding's; a bad window is refused, naming it."""
+    from specdec_ext.batch_bench import run_batch_benchmark, summarize_batches
+    from specdec_ext.engine import generator
+
+    pair, prompts, methods, _ = run
+    ours = [m for m in methods if m.family in ("plain", "fixed")][:3]
+    widths = []
+    real = generator._prefill
+
+    def spy(runner, input_ids, attention_mask, lengths=None, slots=None):
+        if runner.name == "draft":
+            widths.append(int(attention_mask.sum(1).max()))
+        return real(runner, input_ids, attention_mask, lengths, slots)
+
+    monkeypatch.setattr(generator, "_prefill", spy)
+    records = run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                                  draft_context=3)
+    assert widths and max(widths) == 3
+    assert all(row["same_text_share"] == 1.0 for row in summarize_batches(records, ours))
+    with pytest.raises(ValueError, match="draft_context"):
+        run_batch_benchmark(pair, prompts, ours, [2], progress=False, costs=TEST_COSTS, draft_context=0)
+
+
 def test_finish_times_follow_the_rounds_a_row_was_in():
     from specdec_ext.batch_bench import finish_times_s
     from specdec_ext.engine.stats import GenerationStats, RoundStats

@@ -102,6 +102,13 @@ def test_cuda_without_cuda(capsys):
     assert_one_line_error(code, err, "--device cuda: this torch build or machine has no CUDA device")
 
 
+@pytest.mark.parametrize("argv,text", [(["--repeats", "0"], "--repeats: expected an integer >= 1"),
+                                       (["--draft-context", "0"], "--draft-context: expected a token count >= 1")])
+def test_batch_bench_refuses_bad_settings(capsys, tmp_path, argv, text):
+    code, _, err = run(["bench", "--batch-sizes", "2", "--prompts", "2", "--out", str(tmp_path), *argv], capsys)
+    assert_one_line_error(code, err, text)
+
+
 def test_debug_shows_the_traceback(capsys, tmp_path):
     with pytest.raises(Exception, match="does not exist"):
         cli.main(["--debug", "train-head", "--target", str(tmp_path / "nope"), "--draft", "d", "--prompts", "humaneval",
