@@ -16,7 +16,8 @@ within one run, and several passes.
 
 ``--context-tokens N`` makes long-context requests: request i is the last N tokens of HumanEval prompts ..., i + 2,
 i + 1, i joined (so it ends with prompt i's signature and docstring), for workloads where reading a request's context
-is dear against the tokens it emits (the budget's ``count_overhead``).
+is dear against the tokens it emits (the budget's ``count_overhead``). ``--draft-context N``: every arm's draft
+reads only the last N tokens of each request's context (``SpeculativeGenerator(draft_context=N)``).
 
     python bench/budget_paired.py --batch-size 16 --arms K1,K2,K3,auto,auto:cost_fit=line --passes 2 \\
         --out docs/results/budget_paired_b16.json   # about 5 minutes
@@ -75,10 +76,12 @@ def long_contexts(encoded: list, n: int, tokens: int) -> list:
 
 
 def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_new_tokens: int,
-            rows_per_stream: int) -> dict:
-    """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K."""
+            rows_per_stream: int, draft_context=None) -> dict:
+    """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K;
+    ``draft_context``: every arm's draft reads at most that many tokens of a request's context (None: all)."""
     eos = pair.tokenizer.eos_token_id
-    gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"])) for a in arms}
+    gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"]),
+                                    draft_context=draft_context) for a in arms}
     # what alternate_streams counts per arm, summed over the passes
     total = {key: dict.fromkeys(arms, 0) for key in ("tokens", "seconds", "decode_seconds", "drafted", "verifications",
                                                      "draft_prefill_seconds")}
@@ -115,6 +118,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default="K1,K2,K3,auto,auto:cost_fit=line", help="comma-separated arms (see above)")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--context-tokens", type=int, default=None, help="long-context requests of N tokens (see above)")
+    ap.add_argument("--draft-context", type=int, default=None,
+                    help="the draft reads at most the last N tokens of a request's context (default: all)")
     add_stream_arguments(ap, argparse.SUPPRESS)  # its --k is not used: --arms
     args = ap.parse_args(argv)
     pair = load_pair()
@@ -125,7 +130,7 @@ def main(argv=None) -> dict:
         prompts = long_contexts(prompts, args.prompts, args.context_tokens)
     t0 = time.perf_counter()
     row = compare(pair, prompts, args.batch_size, args.arms.split(","), args.passes, args.max_new_tokens,
-                  args.rows_per_stream)
+                  args.rows_per_stream, args.draft_context)
     result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
               "command": "python bench/budget_paired.py " + " ".join(argv if argv is not None else []), **row}
     for a, rate in row["tokens_per_s"].items():

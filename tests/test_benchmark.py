@@ -404,8 +404,8 @@ def test_pack_rule_script_compares_the_two_packing_rules_on_the_same_requests():
 
 
 def test_draft_context_script_compares_windows_on_the_same_requests():
-    """bench/draft_context.py on a tiny pair: every window runs every request with the target's tokens (greedy), the
-    windowed draft reads less, and a bad window is refused, naming it."""
+    """bench/draft_context.py on a tiny pair: every window runs every request with the target's tokens (greedy), each
+    with its own acceptance, read seconds and per-stream ratios, and a bad window is refused, naming it."""
     mod = _bench_script("draft_context")
     assert mod.parse_windows("all,64,3") == [None, 64, 3]
     for bad in ("0", "x", "-2"):
@@ -453,13 +453,19 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
     real = mod.SpeculativeGenerator
-    mod.SpeculativeGenerator = lambda t, d, policy: real(t, d, policy=policy, costs=TEST_COSTS,
-                                                         batch_costs=TEST_BATCH_COSTS)
+    windows = []
+
+    def make(t, d, policy, draft_context):
+        windows.append(draft_context)
+        return real(t, d, policy=policy, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS, draft_context=draft_context)
+
+    mod.SpeculativeGenerator = make
     try:
         row = mod.compare(pair, prompts, batch_size=2, arms=["K1", "K2", "auto"], passes=2, max_new_tokens=6,
-                          rows_per_stream=1)
+                          rows_per_stream=1, draft_context=4)
     finally:
         mod.SpeculativeGenerator = real
+    assert windows == [4, 4, 4]  # --draft-context reaches every arm's generator
     assert len(row["tokens_per_s_by_pass"]) == 2 and row["best_fixed"] in ("K1", "K2")
     assert all(set(p) == {"K1", "K2", "auto"} for p in row["tokens_per_s_by_pass"])
     rate = row["tokens_per_s"]
