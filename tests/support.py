@@ -181,3 +181,20 @@ def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: in
         weights = (weights.unsqueeze(1) * probs).reshape(-1)
         prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(prefixes.shape[0]).unsqueeze(1)], 1)
     return marginals
+
+
+def spy_draft_reads(monkeypatch) -> list:
+    """The longest context (tokens, its last pending token included) of each read the draft makes from now on
+    (``generator._prefill`` on the draft's runner), appended to the returned list."""
+    from specdec_ext.engine import generator
+
+    widths = []
+    real = generator._prefill
+
+    def spy(runner, input_ids, attention_mask, lengths=None, slots=None):
+        if runner.name == "draft":
+            widths.append(int(attention_mask.sum(1).max()))
+        return real(runner, input_ids, attention_mask, lengths, slots)
+
+    monkeypatch.setattr(generator, "_prefill", spy)
+    return widths

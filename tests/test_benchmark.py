@@ -16,7 +16,7 @@ from specdec_ext.benchmark_cli import cost_model_replay
 from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
 from specdec_ext.zoo import ModelPair
 from models import make_pair
-from support import TEST_COSTS, DigitTokenizer, head_for
+from support import TEST_COSTS, DigitTokenizer, head_for, spy_draft_reads
 
 
 @pytest.fixture(scope="module")
@@ -212,19 +212,10 @@ def test_batch_benchmark_passes_the_draft_context_window(run, monkeypatch):
     """``draft_context``: every speculative method's draft reads at most that many tokens of a request's context,
     and greedy texts stay plain decoding's; a bad window is refused, naming it."""
     from specdec_ext.batch_bench import run_batch_benchmark, summarize_batches
-    from specdec_ext.engine import generator
 
     pair, prompts, methods, _ = run
     ours = [m for m in methods if m.family in ("plain", "fixed")][:3]
-    widths = []
-    real = generator._prefill
-
-    def spy(runner, input_ids, attention_mask, lengths=None, slots=None):
-        if runner.name == "draft":
-            widths.append(int(attention_mask.sum(1).max()))
-        return real(runner, input_ids, attention_mask, lengths, slots)
-
-    monkeypatch.setattr(generator, "_prefill", spy)
+    widths = spy_draft_reads(monkeypatch)
     records = run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
                                   draft_context=3)
     assert widths and max(widths) == 3

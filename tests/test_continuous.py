@@ -13,7 +13,8 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen, target_only
+from support import (PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen,
+                     spy_draft_reads, target_only)
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.generator import _right_aligned
 from specdec_ext.engine.runner import CausalLMRunner
@@ -231,19 +232,9 @@ def test_budgeted_continuous_sampling_is_lossless():
 def test_a_draft_that_reads_a_recent_window_keeps_the_target_output(monkeypatch, fast_draft):
     """draft_context=W: the draft reads at most the last W tokens of a request's context (its prefill feeds W - 1 of
     them, the last being the pending token), and greedy output still equals target-only decoding."""
-    from specdec_ext.engine import generator
-
     target, draft = make_pair("llama", noise=0.3)
     prompts = queue(target.config.vocab_size, n=6, longest=9)
-    widths = []
-    real = generator._prefill
-
-    def spy(runner, input_ids, attention_mask, lengths=None, slots=None):
-        if runner.name == "draft":
-            widths.append(int(attention_mask.sum(1).max()))
-        return real(runner, input_ids, attention_mask, lengths, slots)
-
-    monkeypatch.setattr(generator, "_prefill", spy)
+    widths = spy_draft_reads(monkeypatch)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, fast_draft=fast_draft, draft_context=4)
     out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=0)
     assert widths and max(widths) == 4, widths  # the longest read: a window of 4 tokens
