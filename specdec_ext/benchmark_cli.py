@@ -159,6 +159,10 @@ def run(args, pair):
     prompts = load_prompts(args.dataset, limit=n)
     if args.batch_sizes is not None:
         return run_batches(args, pair, prompts, t0)
+    batch_only = [name for name, given in (("--repeats", args.repeats != 1), ("--static-batches", args.static_batches),
+                                           ("--draft-context", args.draft_context is not None)) if given]
+    if batch_only:  # options of the batch benchmark would otherwise be ignored without a word
+        raise ValueError(f"{', '.join(batch_only)}: only with --batch-sizes (the batch benchmark)")
     paper = pair.heads.get("paper")
     fp32_plain = pair.target.dtype != torch.float32 and not args.no_fp32_plain
     if args.quick:

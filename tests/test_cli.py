@@ -109,6 +109,12 @@ def test_batch_bench_refuses_bad_settings(capsys, tmp_path, argv, text):
     assert_one_line_error(code, err, text)
 
 
+@pytest.mark.parametrize("argv", [["--repeats", "2"], ["--static-batches"], ["--draft-context", "64"]])
+def test_batch_bench_options_need_batch_sizes(capsys, tmp_path, argv):
+    code, _, err = run(["bench", "--prompts", "2", "--out", str(tmp_path), *argv], capsys)
+    assert_one_line_error(code, err, f"{argv[0]}: only with --batch-sizes")
+
+
 def test_debug_shows_the_traceback(capsys, tmp_path):
     with pytest.raises(Exception, match="does not exist"):
         cli.main(["--debug", "train-head", "--target", str(tmp_path / "nope"), "--draft", "d", "--prompts", "humaneval",
