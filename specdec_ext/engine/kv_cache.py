@@ -33,13 +33,13 @@ from . import packing
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[index]`` along dim 0 (``index`` ``[n]`` int64, on any device; it is read on the host, so a CPU index spares
-    a GPU cache a device sync per call). Where ``index`` only drops rows, every entry j
-    being j or a row >= n (what :func:`compaction` gives), the rows are taken in place: the rows >= n that are
-    kept are copied into the places j < n they take, and the result is a view of ``t``'s first n rows (``t`` is
-    changed). Removing finished requests from a batch so copies only the rows that move, not the whole KV cache:
-    at B = 64 on a 2-core CPU (bundled pair, fp32 target, a cache of about 400 columns) one such copy of the
-    target's cache took about 200 ms, and a fixed K = 1's requests, finishing at staggered rounds, removed rows
-    18 times in 128 requests (3.7 s of 25.7 s). Otherwise a copy (``index_select``)."""
+    a GPU cache a device sync per call). Where ``index`` only drops rows, every entry j being j or a row >= n (what
+    :func:`compaction` gives), the rows are taken in place: the rows >= n that are kept are copied into the places
+    j < n they take, and the result is a view of ``t``'s first n rows (``t`` is changed). Removing finished
+    requests from a batch so copies only the rows that move, not the whole KV cache: at B = 64 on a 2-core CPU
+    (bundled pair, fp32 target, a cache of about 400 columns) one such copy of the target's cache took about
+    200 ms, and a fixed K = 1's requests, finishing at staggered rounds, removed rows 18 times in 128 requests
+    (3.7 s of 25.7 s). Otherwise a copy (``index_select``)."""
     rows = index.tolist()
     n = len(rows)
     moved = [j for j, i in enumerate(rows) if i != j]
