@@ -111,6 +111,7 @@ def test_the_runner_packs_only_where_it_can():
 def test_budget_depths_keep_the_top_slots_by_the_goodput_rule():
     b = BatchBudget(LINEAR, measure=False)
     b.reset(2)
+    b.packs = packing.worth_packing  # as the policy sets it where the target packs
     lam = 2 / 10.0  # plain decoding's goodput; a slot costs 5 ms / 2 rows = 2.5 ms of packed verification
     assert b._lambda(2) == pytest.approx(lam)
     S = torch.tensor([[0.9, 0.6, 0.3], [0.45, 0.2, 0.0]])
@@ -118,18 +119,49 @@ def test_budget_depths_keep_the_top_slots_by_the_goodput_rule():
     assert b.depths(S).tolist() == [2, 0]
     assert b.depths(torch.full((2, 3), 0.4)).tolist() == [0, 0]  # nothing pays: plain decoding
     assert b.depths(torch.full((2, 3), 0.99)).tolist() == [3, 3]
-    # ties keep a prefix of each row
+    # ties keep a prefix of each row: of five tied slots the top four (row 0's three, row 1's first) are kept; the
+    # fifth would leave 7 of the 8 padded slots real, too few holes to pack, so it would cost the padded forward
     d = b.depths(torch.tensor([[0.7, 0.7, 0.7], [0.7, 0.7, 0.0]]))
-    assert d.tolist() == [3, 2]
+    assert d.tolist() == [3, 1]
     # the padded budget at the same survivals: one depth for every row
     assert b.depth(S) == 1
     # per-row depths in the running statistics: the round's cost by the mean depth, the head's calibration from the
     # kept prefix of each row
     budget = BatchBudget(LINEAR)
     budget.reset(2)
+    budget.packs = packing.worth_packing
     budget.update(2, drafted=3, depth=torch.tensor([2, 0]), emitted=4, survivals=S)
     assert budget._predicted == pytest.approx(0.9 + 0.6) and budget._accepted == pytest.approx(2.0)
     assert budget._last == (3, LINEAR.round(2, 3, None, 1.0))
+
+
+def test_budget_depths_cost_an_unpacked_verification_as_the_padded_forward():
+    """Where the kept slots leave too few holes for the engine to pack them (``worth_packing``), the verification
+    runs padded to the deepest kept slot: the top-N choice and the round's recorded cost read that forward's cost,
+    not the packed tokens' linear share."""
+    b = BatchBudget(LINEAR, measure=False)
+    b.reset(2)
+    b.packs = packing.worth_packing
+    # a packed slot costs 2.5 ms and pays above S = 0.5: the linear cost keeps the five slots of 0.9 ([3, 2]), but
+    # they fill 7 of the 8 padded slots, so the forward is padded (verify over 4 tokens per row) and row 1's
+    # third slot, a hole in it, costs nothing more: it is kept too
+    S = torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.9, 0.3]])
+    assert b.depths(S).tolist() == [3, 3]
+    assert b.verified_per_row(torch.tensor([3, 2])) == 3.0  # padded: the deepest row's depth
+    assert b.verified_per_row(torch.tensor([2, 0])) == 1.0  # packed (4 of 6 real): the mean
+    assert b.verified_per_row(torch.tensor([], dtype=torch.int64)) == 0.0
+    # without a packing rule (a target that never packs) a verification costs the padded forward to its deepest
+    # slot, and the best choice is the padded budget's one depth for every row
+    b.packs = None
+    assert b.verified_per_row(torch.tensor([2, 0])) == 2.0
+    S2 = torch.tensor([[0.9, 0.6, 0.3], [0.45, 0.2, 0.0]])
+    assert b.depths(S2).tolist() == [b.depth(S2)] * 2 == [1, 1]
+    budget = BatchBudget(LINEAR)
+    budget.reset(2)
+    budget.packs = packing.worth_packing
+    budget.update(2, drafted=3, depth=torch.tensor([3, 2]), emitted=5, survivals=S)
+    assert budget._last == (3, LINEAR.round(2, 3, None, 3.0))
+    assert LINEAR.round(2, 3, None, 3.0) > LINEAR.round(2, 3, None, 2.5)  # the packed cost would have been lower
 
 
 def test_fractional_verification_is_linear_between_whole_depths():
@@ -171,6 +203,7 @@ def test_packed_greedy_equals_target_only(monkeypatch, policy, kw):
         assert packing.worth_packing(int(v.sum()), v.numel()), v
     if policy == "specdecpp":  # the budget's per-row depths: some round verifies rows to different depths
         assert any(len({c for c in r.candidates}) > 1 for r in out.stats.rounds)
+        assert gen.policy.budget.packs is packing.worth_packing  # it costs them by the engine's packing rule
 
 
 @pytest.mark.slow

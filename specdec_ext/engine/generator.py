@@ -432,6 +432,7 @@ class SpeculativeGenerator:
         B = input_ids.shape[0]
         target = CausalLMRunner(self.target, "target")
         pol.packed_verification = target.packs
+        pol.pack_rule = worth_packing if target.packs else None
         draft = None
         if pol.speculative:
             draft = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")

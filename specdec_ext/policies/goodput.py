@@ -24,7 +24,7 @@ import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -326,12 +326,13 @@ class BatchBudget:
     CPU, Llama/Qwen2/Qwen3; the policy's ``packed_verification``), the round verifies the global top-N slots
     themselves (:meth:`depths`: rank the slots by survival, keep the N that maximise goodput, a prefix per row),
     and the target computes only those (packed where enough slots are dropped to pay for it,
-    ``engine.packing.worth_packing``; otherwise the dropped slots are masked holes). It is off by default because on
-    the bundled pair it measured worse: the packed forward saves less than the table's linear cost of the dropped
-    slots says (at B = 64 a quarter fewer tokens took 7% off the forward, not 25%: attention still runs over the
-    padded layout), so the slots it dropped lost more tokens than time (paired runs of ``bench/budget_paired.py``
-    with arms ``auto`` and ``auto:top_n=false`` while top-N was the default, 2-core AMD EPYC: one depth per round
-    gave 1.02x / 1.02x / 1.02x the decode tokens/s of top-N at B = 4 / 16 / 64).
+    ``engine.packing.worth_packing``; otherwise the dropped slots are masked holes, and :meth:`depths` costs each
+    choice as the engine will run it). It is off by default because on the bundled pair it measured worse: the
+    packed forward saves less than the table's linear cost of the dropped slots says (at B = 64 a quarter fewer
+    tokens took 7% off the forward, not 25%: attention still runs over the padded layout), so the slots it dropped
+    lost more tokens than time (paired runs of ``bench/budget_paired.py`` with arms ``auto`` and
+    ``auto:top_n=false`` while top-N was the default and every such round was packed, 2-core AMD EPYC: one depth
+    per round gave 1.02x / 1.02x / 1.02x the decode tokens/s of top-N at B = 4 / 16 / 64).
 
     With S_bk the survival of row b's candidate k (the product of the head's
     p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
@@ -451,6 +452,10 @@ class BatchBudget:
         self.prior_accept, self.depth_max, self.probe, self.measure = prior_accept, depth_max, probe, measure
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
+        # the engine's packing rule, packs(real, padded): whether a verification of ``real`` real tokens in a padded
+        # layout of ``padded`` slots runs packed (``engine.packing.worth_packing``; the policy sets it from its
+        # ``pack_rule``); None: verifications run padded (:meth:`depths`, :meth:`verified_per_row`)
+        self.packs: Optional[Callable[[int, int], bool]] = None
         self.gain: list[float] = []
         self._kept: dict = {}  # batch size -> what earlier calls measured (reset)
         self._size: Optional[int] = None
@@ -713,24 +718,44 @@ class BatchBudget:
     def depths(self, survivals: torch.Tensor) -> torch.Tensor:
         """Per-row verified depths ``[B]`` int64 for a packed verification (``engine/packing.py``), given survivals
         ``[B, k]`` (S_bj, 0 beyond a row's own candidates): vLLM's global top-N. The drafted slots are ranked by
-        survival and the N kept maximise a sum_{kept} S_bj - lambda * verify_B(1 + N / B), a packed forward
-        of B + N tokens costing what a padded one of as many tokens costs (:meth:`BatchCosts.verify`). A row's
-        survivals do not increase along its slots (products of p_hat <= 1), and ties go to the earlier slot, so
-        the kept slots of each row are a prefix of its candidates."""
+        survival and the N kept maximise a sum_{kept} S_bj - lambda * V(N), V(N) the verification the engine will
+        run for them: where it packs them (:attr:`packs` of B + N real tokens in the padded layout of B rows times
+        the deepest kept slot D + 1), a forward of B + N tokens costing what a padded one
+        of as many tokens costs (:meth:`BatchCosts.verify`, linear between whole tokens per row); otherwise the
+        padded forward ``verify_B(D + 1)``, in which the slots not kept are holes that cost as much as real ones
+        (so a slot above its row's depth but within D is kept whenever its survival is positive: it is free). A
+        row's survivals do not increase along its slots (products of p_hat <= 1), and ties go to the earlier slot,
+        so the kept slots of each row are a prefix of its candidates. Without :attr:`packs` (the target never packs)
+        every verification is padded, and the best choice is one depth for every row (:meth:`depth`)."""
         B, k = survivals.shape
+        if self.packs is None:
+            return torch.full((B,), self.depth(survivals), dtype=torch.int64)
         flat = survivals.double().reshape(-1)
         values, order = torch.sort(flat, descending=True, stable=True)  # ties: row-major, so a row's earlier slot
         m = int((values > 0).sum())
         gain = [0.0, *itertools.accumulate(values[:m].tolist())]
+        deepest = [0, *itertools.accumulate(((order[:m] % max(k, 1)) + 1).tolist(), max)]  # D of the top n slots
         verify = self.batch.verify_row(B, k + 1, self.width)  # at 1 .. k + 1 tokens per row
         lam, a = self._lambda(B) * self.calibration(k), self.head_scale
 
-        def cost(n: int) -> float:  # the packed forward of B + n tokens, linear between whole tokens per row
+        def cost(n: int) -> float:  # the verification of the top n slots, packed or padded as the engine runs it
+            if not self.packs(B + n, B * (deepest[n] + 1)):
+                return verify[deepest[n]]
             lo, f = divmod(n, B)
             return verify[lo] if f == 0 else verify[lo] + (f / B) * (verify[lo + 1] - verify[lo])
 
         best = max(range(m + 1), key=lambda n: (a * gain[n] - lam * cost(n), n))
         return torch.bincount(order[:best] // k, minlength=B) if k else torch.zeros(B, dtype=torch.int64)
+
+    def verified_per_row(self, depths: torch.Tensor) -> float:
+        """The candidates per row at which a verification of per-row ``depths`` (``[B]`` int64, from :meth:`depths`)
+        is costed: their mean where the engine packs the rows (:attr:`packs`), else the deepest row's (a padded
+        forward, the other rows' slots beyond their depths masked holes)."""
+        if not depths.numel():
+            return 0.0
+        B, deepest = depths.numel(), int(depths.max())
+        real = B + int(depths.sum())
+        return real / B - 1 if self.packs is not None and self.packs(real, B * (deepest + 1)) else float(deepest)
 
     def update(self, batch_size: int, drafted: int, depth, emitted: int,
                survivals: Optional[torch.Tensor] = None) -> None:
@@ -740,7 +765,7 @@ class BatchBudget:
         when they cover the verified slots, also for the head's calibration). j < ``drafted`` when the round did
         not score its last slot (:attr:`score_last`). A plain step is ``drafted = depth = 0``."""
         per_row = isinstance(depth, torch.Tensor)
-        verified = float(depth.double().mean()) if per_row else depth  # candidates per row, on average
+        verified = self.verified_per_row(depth) if per_row else depth  # candidates per row the round's cost is read at
         table = self._table_round(batch_size, drafted, verified)
         self._last = (drafted, table)
         ms = table * self.calibration(drafted)  # _round, from the table ms just read
