@@ -238,7 +238,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self._plain = False
         if self.use_budget:
             self.budget.reset(batch_size)
-            self.budget.packs = self.pack_rule if self.packed_verification else None
+            self.budget.packs = self.pack_rule  # the engine's packing rule (None: its target never packs)
 
     def draft_overhead(self, ms_per_token):
         if self.use_budget:

@@ -720,13 +720,13 @@ class BatchBudget:
         ``[B, k]`` (S_bj, 0 beyond a row's own candidates): vLLM's global top-N. The drafted slots are ranked by
         survival and the N kept maximise a sum_{kept} S_bj - lambda * V(N), V(N) the verification the engine will
         run for them: where it packs them (:attr:`packs` of B + N real tokens in the padded layout of B rows times
-        the deepest kept slot D + 1), a forward of B + N tokens costing what a padded one
-        of as many tokens costs (:meth:`BatchCosts.verify`, linear between whole tokens per row); otherwise the
-        padded forward ``verify_B(D + 1)``, in which the slots not kept are holes that cost as much as real ones
-        (so a slot above its row's depth but within D is kept whenever its survival is positive: it is free). A
-        row's survivals do not increase along its slots (products of p_hat <= 1), and ties go to the earlier slot,
-        so the kept slots of each row are a prefix of its candidates. Without :attr:`packs` (the target never packs)
-        every verification is padded, and the best choice is one depth for every row (:meth:`depth`)."""
+        the deepest kept slot D + 1), a forward of B + N tokens costing what a padded one of as many tokens costs
+        (:meth:`BatchCosts.verify`, linear between whole tokens per row); otherwise the padded forward
+        ``verify_B(D + 1)``, in which the slots not kept are holes that cost as much as real ones (so a slot above
+        its row's depth but within D is kept whenever its survival is positive: it is free). A row's survivals do
+        not increase along its slots (products of p_hat <= 1), and ties go to the earlier slot, so the kept slots
+        of each row are a prefix of its candidates. Without :attr:`packs` (the target never packs) every
+        verification is padded, and the best choice is one depth for every row (:meth:`depth`)."""
         B, k = survivals.shape
         if self.packs is None:
             return torch.full((B,), self.depth(survivals), dtype=torch.int64)
