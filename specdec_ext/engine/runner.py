@@ -160,9 +160,7 @@ class TimedRunner:
             # rows took 0.52-0.92 s, the whole target cache copied)
             for name in self._state:
                 setattr(self, name, getattr(other, name))
-            self.calls += other.calls
-            self.seconds += other.seconds
-            other.close()
+            self._absorb(other)
             return
         if other.length > self.length:
             self._pad_front(other.length - self.length)
@@ -175,11 +173,15 @@ class TimedRunner:
         self.next_pos = self.next_pos.clone()
         self.next_pos[idx] = other.next_pos.to(self.next_pos.device)
         self._write_rows(idx, other)
+        self._absorb(other)
+        self._trim_holes()  # an empty ``other`` (rows the draft reads later) leaves the slots' tail columns as holes
+        self._trim_front()
+
+    def _absorb(self, other: "TimedRunner") -> None:
+        """Count ``other``'s forward calls and time as this runner's, and close it (its rows are now this runner's)."""
         self.calls += other.calls
         self.seconds += other.seconds
         other.close()
-        self._trim_holes()  # an empty ``other`` (rows the draft reads later) leaves the slots' tail columns as holes
-        self._trim_front()
 
 
 def pad_front(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
