@@ -31,6 +31,7 @@ Results use the benchmark's JSON schema (``benchmark.save_json``): one summary r
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -78,24 +79,46 @@ def finish_times_s(stats) -> list[float]:
 STREAM_BATCHES = 4  # a stream of continuous batching holds this many batches' worth of requests
 
 
+def request_lengths(n: int, max_new_tokens: int, spread: int = 0, seed: int = 0) -> list[int]:
+    """Each of ``n`` requests' max_new_tokens: uniform integers in ``max_new_tokens`` +- ``spread`` (mean
+    ``max_new_tokens``), from ``random.Random(seed)``; all ``max_new_tokens`` when ``spread`` is 0.
+
+    Raises ValueError for a ``spread`` that is not an integer in 0 .. ``max_new_tokens`` - 1."""
+    if isinstance(spread, bool) or not isinstance(spread, int) or not 0 <= spread < max_new_tokens:
+        raise ValueError(f"length_spread must be an integer in 0 .. max_new_tokens - 1 = {max_new_tokens - 1} "
+                         f"(tokens), got {spread!r}")
+    rng = random.Random(seed)
+    return [rng.randint(max_new_tokens - spread, max_new_tokens + spread) if spread else max_new_tokens
+            for _ in range(n)]
+
+
 def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_sizes, max_new_tokens: int = 64,
                         temperature: float = 0.0, seed: int = 0, costs=None, progress: bool = True,
-                        refill: bool = True, repeats: int = 1,
-                        draft_context: Optional[int] = None) -> list[BatchRecord]:
+                        refill: bool = True, repeats: int = 1, draft_context: Optional[int] = None,
+                        length_spread: int = 0) -> list[BatchRecord]:
     """Every method on every stream (``refill``, continuous batching) or group (static batches) of every batch
     size (see the module docstring), ``repeats`` passes over them per batch size (the method order rotated by
     stream and pass, so slow drift of the machine's speed falls on every method alike). ``methods``: ours only.
     ``draft_context``: the speculative methods' draft reads at most the last that many tokens of a request's
-    context (``SpeculativeGenerator(draft_context=)``; None: all of it).
+    context (``SpeculativeGenerator(draft_context=)``; None: all of it). ``length_spread`` S (continuous batching
+    only): request i asks for its own number of tokens, drawn once (uniform, seeded by ``seed``) from
+    ``max_new_tokens`` - S .. ``max_new_tokens`` + S, the same for every method, batch size and pass, as a
+    server's requests differ (:func:`request_lengths`); 0: every request ``max_new_tokens``. With equal lengths
+    plain decoding's requests finish in the same step and are refilled together, while a speculative method's
+    finish at different rounds and are refilled a few at a time.
 
     Raises: ValueError for methods that are not this engine's, batch sizes or ``repeats`` that are not integers
-    >= 1, a ``draft_context`` that is not None or an integer >= 1."""
+    >= 1, a ``draft_context`` that is not None or an integer >= 1, a ``length_spread`` that is not an integer in
+    0 .. ``max_new_tokens`` - 1, or one > 0 with static batches."""
     if any(m.kind != "ours" or m.family == "oracle" for m in methods):
         raise ValueError("the batch benchmark runs this engine's policies only (no transformers or oracle methods)")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be integers >= 1, got {batch_sizes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    limits = request_lengths(len(prompts), max_new_tokens, length_spread, seed)
+    if length_spread and not refill:
+        raise ValueError("length_spread: requests of their own lengths need continuous batching (refill=True)")
     tok = pair.tokenizer
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
@@ -121,8 +144,9 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
             shift = (g + rep) % len(methods)
             order = methods[shift:] + methods[:shift]
             for m in order:
-                kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + g * size(B),
-                          eos_token_id=eos)
+                at = g * size(B)  # the group's first request
+                kw = dict(max_new_tokens=limits[at : at + ids.shape[0]] if length_spread else max_new_tokens,
+                          temperature=temperature, seed=seed + at, eos_token_id=eos)
                 t0 = time.perf_counter()
                 if refill:
                     out = gens[m.name].generate_continuous([row[mk.bool()] for row, mk in zip(ids, mask)], B, **kw)

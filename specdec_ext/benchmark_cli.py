@@ -61,6 +61,9 @@ def add_arguments(p):
     p.add_argument("--draft-context", type=int, default=None,
                    help="with --batch-sizes: the draft reads at most the last N tokens of each request's context "
                         "(default: all of it)")
+    p.add_argument("--length-spread", type=int, default=0,
+                   help="with --batch-sizes: each request asks for its own number of new tokens, drawn uniformly "
+                        "(seeded) from --max-new-tokens +- S, as a server's requests differ (default 0: all equal)")
 
 
 def _command_line(args) -> str:
@@ -160,7 +163,8 @@ def run(args, pair):
     if args.batch_sizes is not None:
         return run_batches(args, pair, prompts, t0)
     batch_only = [name for name, given in (("--repeats", args.repeats != 1), ("--static-batches", args.static_batches),
-                                           ("--draft-context", args.draft_context is not None)) if given]
+                                           ("--draft-context", args.draft_context is not None),
+                                           ("--length-spread", args.length_spread != 0)) if given]
     if batch_only:  # options of the batch benchmark would otherwise be ignored without a word
         raise ValueError(f"{', '.join(batch_only)}: only with --batch-sizes (the batch benchmark)")
     paper = pair.heads.get("paper")
@@ -214,6 +218,9 @@ def run_batches(args, pair, prompts, t0):
         raise ValueError(f"--repeats: expected an integer >= 1, got {args.repeats}")
     if args.draft_context is not None and args.draft_context < 1:
         raise ValueError(f"--draft-context: expected a token count >= 1, got {args.draft_context}")
+    if not 0 <= args.length_spread < args.max_new_tokens or (args.length_spread and args.static_batches):
+        raise ValueError(f"--length-spread: expected tokens in 0 .. --max-new-tokens - 1 = {args.max_new_tokens - 1}, "
+                         f"and not with --static-batches; got {args.length_spread}")
     methods = [m for m in standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=False,
                                            oracle=False, adaptive=True)
                if m.family in ("plain", "fixed", "specdecpp", "specdecpp-auto", "heuristic")]
@@ -223,21 +230,22 @@ def run_batches(args, pair, prompts, t0):
           f"target {pair.target.dtype}, draft {pair.draft.dtype}")
     records = run_batch_benchmark(pair, prompts, methods, list(args.batch_sizes), args.max_new_tokens,
                                   args.temperature, args.seed, refill=not args.static_batches, repeats=args.repeats,
-                                  draft_context=args.draft_context)
+                                  draft_context=args.draft_context, length_spread=args.length_spread)
     rows = summarize_batches(records, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}-batch"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
             "batch_sizes": list(args.batch_sizes), "refill": not args.static_batches, "repeats": args.repeats,
-            "draft_context": args.draft_context,
+            "draft_context": args.draft_context, "length_spread": args.length_spread,
             "target_dtype": str(pair.target.dtype).replace("torch.", ""),
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "duration_s": time.time() - t0,
             "command": _command_line(args) + " --batch-sizes " + ",".join(map(str, args.batch_sizes))
             + (" --static-batches" if args.static_batches else "")
             + (f" --repeats {args.repeats}" if args.repeats > 1 else "")
-            + (f" --draft-context {args.draft_context}" if args.draft_context is not None else "")}
+            + (f" --draft-context {args.draft_context}" if args.draft_context is not None else "")
+            + (f" --length-spread {args.length_spread}" if args.length_spread else "")}
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_batch_table(rows)
     (args.out / f"bench-{tag}.md").write_text(table + "\n")

@@ -224,6 +224,42 @@ def test_batch_benchmark_passes_the_draft_context_window(run, monkeypatch):
         run_batch_benchmark(pair, prompts, ours, [2], progress=False, costs=TEST_COSTS, draft_context=0)
 
 
+def test_batch_benchmark_gives_requests_their_own_lengths(run):
+    """``length_spread``: request i asks for ``request_lengths(...)[i]`` tokens (drawn once, seeded, within
+    max_new_tokens +- spread), the same for every method and batch size; greedy texts stay plain decoding's; a bad
+    spread, or one with static batches, is refused, naming it."""
+    from specdec_ext.batch_bench import request_lengths, run_batch_benchmark, summarize_batches
+
+    pair, prompts, methods, _ = run
+    ours = [m for m in methods if m.family in ("plain", "fixed")][:3]
+    limits = request_lengths(len(prompts), 6, 4, seed=0)
+    assert limits == request_lengths(len(prompts), 6, 4, seed=0) and all(2 <= n <= 10 for n in limits)
+    assert len(set(limits)) > 1 and request_lengths(3, 6) == [6, 6, 6]
+    records = run_batch_benchmark(pair, prompts, ours, [1, 2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                                  length_spread=4)
+    eos = pair.tokenizer.eos_token_id
+    for B in (1, 2):
+        for m in ours:
+            runs = sorted((r for r in records if r.method == m.name and r.batch_size == B), key=lambda r: r.prompt)
+            got = [n for r in runs for n in r.row_tokens]
+            assert len(got) == len(limits) and all(n <= cap for n, cap in zip(got, limits))
+            assert any(n == cap != 6 for n, cap in zip(got, limits))  # requests ran to their own limits
+            assert got == [n for r in sorted((r for r in records if r.method == "plain" and r.batch_size == B),
+                                             key=lambda r: r.prompt) for n in r.row_tokens]
+            short = [i for i, (n, cap) in enumerate(zip(got, limits)) if n < cap]  # these must have ended at EOS
+            flat = [t for r in runs for t in r.tokens]
+            starts = [sum(got[:i]) for i in range(len(got))]
+            assert all(flat[starts[i] + got[i] - 1] == eos for i in short), "a request stopped early without EOS"
+    assert all(row["same_text_share"] == 1.0 for row in summarize_batches(records, ours))
+    for bad in (-1, 6, 2.5):
+        with pytest.raises(ValueError, match="length_spread"):
+            run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                                length_spread=bad)
+    with pytest.raises(ValueError, match="length_spread.*continuous batching"):
+        run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                            length_spread=2, refill=False)
+
+
 def test_finish_times_follow_the_rounds_a_row_was_in():
     from specdec_ext.batch_bench import finish_times_s
     from specdec_ext.engine.stats import GenerationStats, RoundStats

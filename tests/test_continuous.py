@@ -189,6 +189,22 @@ def test_requests_join_mid_generation_and_eos_frees_their_rows():
     assert max(len(r.rows) for r in out.stats.rounds) == 3
 
 
+@pytest.mark.parametrize("name,kw", [("autoregressive", {}), ("fixed", {"k": 3}),
+                                     ("specdecpp", {"threshold": "auto"})], ids=["plain", "fixed", "budget"])
+def test_each_request_stops_at_its_own_max_new_tokens(name, kw):
+    """Per-request max_new_tokens (a server's requests ask for different lengths): each request's output is its
+    greedy output alone at its own limit, so rows finish at different rounds even in plain decoding."""
+    target, draft = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=7)
+    limits = [3, 17, 1, 9, 12, 5, 20]
+    gen = make_gen(target, draft, name, kw)
+    out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=limits, temperature=0)
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        assert out.new_tokens[i] == target_only(target, p, n), f"request {i} (max_new_tokens {n})"
+    assert out.stats.new_tokens == sum(limits)
+    assert len({round(f, 6) for f in out.finished_ms}) > 2  # requests ended at different rounds
+
+
 def test_caches_stay_as_wide_as_the_live_requests_need(monkeypatch):
     target, draft = make_pair("llama")
     V = target.config.vocab_size
@@ -286,6 +302,12 @@ def test_bad_input_is_refused_with_the_argument_named():
         gen.generate_continuous([[3, 10**6]], batch_size=2)
     with pytest.raises(ValueError, match="seed"):
         gen.generate_continuous(ok * 3, batch_size=2, seed=[1, 2])
+    with pytest.raises(ValueError, match=r"max_new_tokens .*one per prompt \(3\)"):
+        gen.generate_continuous(ok * 3, batch_size=2, max_new_tokens=[4, 4])
+    with pytest.raises(ValueError, match=r"max_new_tokens .*one per prompt"):
+        gen.generate_continuous(ok * 3, batch_size=2, max_new_tokens=torch.tensor([4, 4, 4]))
+    with pytest.raises(ValueError, match=r"prompts\[1\]: max_new_tokens must be an integer >= 1, got 0"):
+        gen.generate_continuous(ok * 3, batch_size=2, max_new_tokens=[4, 0, 4])
     with pytest.raises(NotImplementedError, match="add_rows"):
         SpeculativeGenerator(target, draft, policy=PerRow()).generate_continuous(
             ok * 3, batch_size=1, max_new_tokens=3, temperature=0)

@@ -264,7 +264,8 @@ class SpeculativeGenerator:
         return out
 
     @torch.inference_mode()
-    def generate_continuous(self, prompts, batch_size: int, max_new_tokens: int = 64, temperature: float = 1.0,
+    def generate_continuous(self, prompts, batch_size: int, max_new_tokens: Union[int, Sequence[int]] = 64,
+                            temperature: float = 1.0,
                             top_k: Optional[int] = None, top_p: Optional[float] = None,
                             eos_token_id: Union[int, Sequence[int], None] = None, seed: Union[int, Sequence[int]] = 0,
                             policy: Union[str, CandidateLengthPolicy, None] = None, logits_processor=None,
@@ -283,15 +284,19 @@ class SpeculativeGenerator:
         Args:
             prompts: a sequence of prompts, each a 1-D int tensor or a list of token ids (at least one token).
             batch_size: the most requests live at once, >= 1.
+            max_new_tokens: the most tokens a request generates, >= 1: one for every request, or one per prompt
+                (a sequence as long as ``prompts``: requests of different lengths finish at different rounds, as a
+                server's do).
             seed: request i draws from ``seed + i`` (or ``seed[i]`` for a sequence).
-            max_new_tokens / temperature / top_k / top_p / eos_token_id / policy / logits_processor /
+            temperature / top_k / top_p / eos_token_id / policy / logits_processor /
                 **policy_kwargs: as :meth:`generate` (the processor sees each request's prompt unpadded).
 
         Returns: :class:`ContinuousOutput` (tokens, and per request the ms from the call's start to its
             admission and to its last round).
 
         Raises: ValueError / TypeError as :meth:`generate`, naming the prompt (``prompts[i]``); ValueError for
-            no prompts or a batch_size that is not an integer >= 1.
+            no prompts, a batch_size that is not an integer >= 1, or a sequence of max_new_tokens whose length is
+            not the number of prompts.
         """
         pol = self._policy_for_call(policy, policy_kwargs)
         cfg = SamplingConfig(temperature, top_k, top_p)
@@ -299,19 +304,25 @@ class SpeculativeGenerator:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(prompts, torch.Tensor) or not len(prompts):
             raise ValueError("prompts: give a non-empty sequence of prompts (1-D tensors or lists of token ids)")
+        per_request = not isinstance(max_new_tokens, int)
+        if per_request and (isinstance(max_new_tokens, (str, bytes, torch.Tensor))
+                            or not isinstance(max_new_tokens, Sequence) or len(max_new_tokens) != len(prompts)):
+            raise ValueError(f"max_new_tokens must be an integer >= 1 or a sequence of them, one per prompt "
+                             f"({len(prompts)}), got {max_new_tokens!r}")
+        limits = list(max_new_tokens) if per_request else [max_new_tokens] * len(prompts)
         requests = []
         for i, p in enumerate(prompts):
             ids = p if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.int64)
             if ids.dim() != 1:
                 raise ValueError(f"prompts[{i}]: a prompt is 1-D (token ids), got shape {list(ids.shape)}")
             try:
-                requests.append(self._check_inputs(ids.view(1, -1), None, max_new_tokens, pol)[0][0].cpu())
+                requests.append(self._check_inputs(ids.view(1, -1), None, limits[i], pol)[0][0].cpu())
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
         _check_processor(logits_processor)
         N = len(requests)
-        call = _Call(cfg, max_new_tokens, _eos_set(eos_token_id), None, logits_processor,
-                     requests if logits_processor else None, requests)
+        call = _Call(cfg, max(limits), _eos_set(eos_token_id), None, logits_processor,
+                     requests if logits_processor else None, requests, limits if per_request else None)
         rngs = _row_generators(seed, N)
         first = min(batch_size, N)
         stats = GenerationStats(policy=pol.describe(), batch_size=batch_size)
@@ -380,7 +391,7 @@ class SpeculativeGenerator:
         tp = tp_size(self.target) > 1
         try:
             while batch.rows:
-                remaining = torch.tensor([call.max_new_tokens - len(batch.generated[r]) for r in batch.rows])
+                remaining = torch.tensor([call.limit(r) - len(batch.generated[r]) for r in batch.rows])
                 if pol.speculative:  # not measured for a tensor-parallel target's ranks, which must decide alike
                     pol.draft_overhead(0.0 if tp else self._draft_overhead(call, batch, waiting))
                 if not pol.speculative:
@@ -444,14 +455,15 @@ class SpeculativeGenerator:
     def _draft_overhead(self, call: "_Call", batch: "_Batch", waiting=None) -> float:
         """ms per emitted token that drafting adds outside the rounds, for the policy's ``draft_overhead``: the
         draft's measured mean ms to read a request's context (:meth:`_catch_up`, over this generator's calls)
-        over the tokens a request emits (``max_new_tokens``), while reads are still to come (a live row unread,
-        or ``waiting()``: requests queued); else 0, and 0 before any read was measured. On the bundled pair at B = 16
-        (2-core AMD EPYC, 48-token HumanEval requests) a read took 5.4 ms per request with the bf16 target's draft
-        (0.6 s for 112 requests) and 7.5-9 ms with the fp32 draft of an AVX2-only machine, 0.11-0.19 ms per
-        emitted token, where decoding gains some 0.1 ms per token over plain steps."""
+        over the tokens a request emits (``max_new_tokens``; their mean where requests have their own), while reads
+        are still to come (a live row unread, or ``waiting()``: requests queued); else 0, and 0 before any read was
+        measured. On the bundled pair at B = 16 (2-core AMD EPYC, 48-token HumanEval requests) a read took 5.4 ms
+        per request with the bf16 target's draft (0.6 s for 112 requests) and 7.5-9 ms with the fp32 draft of an
+        AVX2-only machine, 0.11-0.19 ms per emitted token, where decoding gains some 0.1 ms per token over plain
+        steps."""
         if not self.catch_up_rows or not (batch.unread or (waiting is not None and waiting())):
             return 0.0
-        return self.catch_up_ms / self.catch_up_rows / call.max_new_tokens
+        return self.catch_up_ms / self.catch_up_rows / call.mean_limit
 
     def _catch_up(self, call: "_Call", draft, batch: "_Batch", stats) -> None:
         """Before a round that drafts: the draft reads the context (prompt and generated tokens, but the last) of
@@ -497,7 +509,7 @@ class SpeculativeGenerator:
             stats.new_tokens += len(toks)
             if stats.rounds:
                 stats.rounds[-1].emitted[i] = len(toks)
-            done = len(batch.generated[r]) >= call.max_new_tokens or (toks and toks[-1] in call.eos)
+            done = len(batch.generated[r]) >= call.limit(r) or (toks and toks[-1] in call.eos)
             if not done:
                 keep.append(i)
         return keep
@@ -728,6 +740,16 @@ class _Call:
     processor: Optional[Callable] = None  # logits_processor of the call
     prompts: Optional[list] = None        # each original row's prompt ids as given (for the processor)
     inputs: Optional[list] = None         # each original row's prompt ids without padding (the draft reads them)
+    limits: Optional[list] = None         # each original row's own max_new_tokens (None: max_new_tokens for all)
+
+    def limit(self, row: int) -> int:
+        """The most tokens original row ``row`` generates."""
+        return self.max_new_tokens if self.limits is None else self.limits[row]
+
+    @property
+    def mean_limit(self) -> float:
+        """The rows' mean max_new_tokens."""
+        return self.max_new_tokens if self.limits is None else sum(self.limits) / len(self.limits)
 
 
 def _prefixes(call: "_Call", batch: "_Batch") -> list[torch.Tensor]:

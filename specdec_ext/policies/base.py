@@ -78,10 +78,11 @@ class CandidateLengthPolicy:
         """Before each :meth:`draft_round`: the wall time (ms) that drafting adds outside the rounds per token a
         request emits, as the engine estimates it. The draft reads a request's context once, when the request
         first drafts (``SpeculativeGenerator._catch_up``); the engine gives that read's measured mean ms per
-        request spread over the tokens a request emits (the call's ``max_new_tokens``) while such reads are still
-        to come (some live row is unread, or requests wait in a continuous batch's queue), else 0 (what was read
-        is paid for), and 0 until it has measured one. Policies that weigh drafting against plain decoding may
-        add it to a drafting round's cost (the batch budget of ``threshold="auto"`` does); default: ignored."""
+        request spread over the tokens a request emits (the call's ``max_new_tokens``, or their mean) while such
+        reads are still to come (some live row is unread, or requests wait in a continuous batch's queue), else 0
+        (what was read is paid for), and 0 until it has measured one. Policies that weigh drafting against plain
+        decoding may add it to a drafting round's cost (the batch budget of ``threshold="auto"`` does); default:
+        ignored."""
 
     def draft_round(self, width: int) -> bool:
         """Before a round: whether the live rows draft at all (default: yes). False makes the round one step of
