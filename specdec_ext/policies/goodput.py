@@ -739,7 +739,7 @@ class BatchBudget:
         lam, a = self._lambda(B) * self.calibration(k), self.head_scale
 
         def cost(n: int) -> float:  # the verification of the top n slots, packed or padded as the engine runs it
-            if not self.packs(B + n, B * (deepest[n] + 1)):
+            if not self._packed(B, n, deepest[n]):
                 return verify[deepest[n]]
             lo, f = divmod(n, B)
             return verify[lo] if f == 0 else verify[lo] + (f / B) * (verify[lo + 1] - verify[lo])
@@ -753,9 +753,13 @@ class BatchBudget:
         forward, the other rows' slots beyond their depths masked holes)."""
         if not depths.numel():
             return 0.0
-        B, deepest = depths.numel(), int(depths.max())
-        real = B + int(depths.sum())
-        return real / B - 1 if self.packs is not None and self.packs(real, B * (deepest + 1)) else float(deepest)
+        B, n, deepest = depths.numel(), int(depths.sum()), int(depths.max())
+        return n / B if self._packed(B, n, deepest) else float(deepest)
+
+    def _packed(self, B: int, n: int, deepest: int) -> bool:
+        """Whether the engine packs a verification of n candidates over B rows, the deepest row's ``deepest``: B + n
+        real tokens in the padded layout of B (deepest + 1) slots, by :attr:`packs` (never without it)."""
+        return self.packs is not None and self.packs(B + n, B * (deepest + 1))
 
     def update(self, batch_size: int, drafted: int, depth, emitted: int,
                survivals: Optional[torch.Tensor] = None) -> None:
