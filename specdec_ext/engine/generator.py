@@ -322,7 +322,7 @@ class SpeculativeGenerator:
         _check_processor(logits_processor)
         N = len(requests)
         call = _Call(cfg, max(limits), _eos_set(eos_token_id), None, logits_processor,
-                     requests if logits_processor else None, requests, limits if per_request else None)
+                     requests if logits_processor else None, requests, limits)
         rngs = _row_generators(seed, N)
         first = min(batch_size, N)
         stats = GenerationStats(policy=pol.describe(), batch_size=batch_size)
