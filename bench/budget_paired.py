@@ -2,8 +2,9 @@
 
 Arms: ``plain`` (decoding without a draft), ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with ``threshold="auto"``: the budget), an
 ``auto`` arm optionally with budget options after colons (``auto:cost_fit=line:headroom=0.0``, passed as
-``SpecDecPP(budget_options=...)``). Each arm keeps its own generator and policy for the whole run and is warmed up
-once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
+``SpecDecPP(budget_options=...)``); any arm may end in ``@eager`` or ``@grouped``, the ``admission`` of its calls
+(``generate_continuous``; default eager). Each arm keeps its own generator and policy for the whole run and is
+warmed up once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
 ``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again
 from pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the
@@ -33,13 +34,25 @@ import torch
 
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
+from specdec_ext.engine.admission import ADMISSION_MODES
 from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
 
+def arm_admission(name: str) -> str:
+    """The admission of an arm name (``K2@grouped`` -> ``grouped``; none given: ``eager``); ValueError for another."""
+    _, sep, admission = name.partition("@")
+    if sep and admission not in ADMISSION_MODES:
+        raise ValueError(f"--arms: {name!r}: the admission after @ must be one of {', '.join(ADMISSION_MODES)}")
+    return admission if sep else "eager"
+
+
 def parse_arm(name: str, head) -> object:
-    """The policy of an arm name (``plain``, ``K3``, ``auto``, ``auto:cost_fit=line``); ValueError naming a bad one."""
+    """The policy of an arm name (``plain``, ``K3``, ``auto``, ``auto:cost_fit=line``, any of them with an
+    ``@admission``); ValueError naming a bad one."""
+    arm_admission(name)
+    name = name.partition("@")[0]
     if name == "plain":
         return make_policy("autoregressive")
     if name[:1] == "K" and name[1:].isdigit():
@@ -84,11 +97,12 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
                                     draft_context=draft_context) for a in arms}
     # what alternate_streams counts per arm, summed over the passes
     total = {key: dict.fromkeys(arms, 0) for key in ("tokens", "seconds", "decode_seconds", "drafted", "verifications",
-                                                     "draft_prefill_seconds")}
+                                                     "draft_prefill_seconds", "prefill_seconds", "admissions")}
     per_pass, by_stream = [], []
 
     def generate(arm, stream, n):
-        return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
+        return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos,
+                                             admission=arm_admission(arm))
 
     for p in range(passes):
         order = arms[p % len(arms):] + arms[:p % len(arms)]
@@ -108,7 +122,8 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
             "over_best_fixed_by_stream": {a: [st[a] / st[best] for st in by_stream] for a in arms} if best else None,
             "decode_tokens_per_s": decoding,
             "candidates_per_row_round": {a: total["drafted"][a] / max(total["verifications"][a], 1) for a in arms},
-            "draft_prefill_seconds": total["draft_prefill_seconds"],
+            "draft_prefill_seconds": total["draft_prefill_seconds"], "prefill_seconds": total["prefill_seconds"],
+            "admissions": total["admissions"],
             "decode_over_best_fixed": {a: decoding[a] / max(decoding[f] for f in fixed) for a in arms} if fixed else None}
 
 
@@ -117,12 +132,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--arms", default="K1,K2,K3,auto,auto:cost_fit=line", help="comma-separated arms (see above)")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the pair in bf16 on a GPU)")
     ap.add_argument("--context-tokens", type=int, default=None, help="long-context requests of N tokens (see above)")
     ap.add_argument("--draft-context", type=int, default=None,
                     help="the draft reads at most the last N tokens of a request's context (default: all)")
     add_stream_arguments(ap, argparse.SUPPRESS)  # its --k is not used: --arms
     args = ap.parse_args(argv)
-    pair = load_pair()
+    pair = load_pair(device=args.device)
     texts = load_prompts("humaneval")
     long = args.context_tokens is not None  # long contexts join prompts beyond the first args.prompts
     prompts = [torch.tensor(pair.tokenizer(t)["input_ids"]) for t in (texts if long else texts[:args.prompts])]
@@ -142,7 +158,8 @@ def main(argv=None) -> dict:
             f", {row['decode_over_best_fixed'][a]:.3f}x the best fixed K" if row["best_fixed"] else "")
         print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}{decoding}; "
               f"{row['candidates_per_row_round'][a]:.2f} candidates per row and round, draft reads "
-              f"{row['draft_prefill_seconds'][a]:.1f} s")
+              f"{row['draft_prefill_seconds'][a]:.1f} s, prefills {row['prefill_seconds'][a]:.2f} s in "
+              f"{row['admissions'][a]} admissions")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

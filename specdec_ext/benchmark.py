@@ -342,8 +342,10 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
 
     Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), with the ``tokens`` and ``seconds`` behind it
     (to pool several calls), ``decode_seconds`` (the time of the calls' decoding rounds, prefills and admission left
-    out), ``draft_prefill_seconds`` (the draft's reads of the requests' contexts), ``accepted`` (accepted
-    candidates), ``drafted`` (candidates) and ``verifications`` (rounds times their live rows) per arm (the calls'
+    out), ``draft_prefill_seconds`` (the draft's reads of the requests' contexts), ``prefill_seconds`` (all reads of
+    the requests' prompts and contexts, the draft's included), ``admissions`` (times queued requests joined),
+    ``accepted`` (accepted candidates), ``drafted`` (candidates) and ``verifications`` (rounds times their live rows)
+    per arm (the calls'
     :class:`~specdec_ext.engine.stats.GenerationStats` summed), ``by_stream``: each stream's tokens/s per arm (in
     stream order; their spread is the machine's noise over one stream), and ``same_tokens``: the share of requests
     whose tokens are the same under every arm."""
@@ -352,6 +354,7 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     tokens = dict.fromkeys(arms, 0)
     accepted = dict.fromkeys(arms, 0)
     drafted, verifications, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
+    prefill, admissions = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0)
     texts: dict = {a: [] for a in arms}
     by_stream = []
     for a in arms:
@@ -372,10 +375,13 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             drafted[a] += out.stats.drafted
             verifications[a] += out.stats.verifications
             reads[a] += out.stats.draft_prefill_ms / 1e3
+            prefill[a] += out.stats.prefill_ms / 1e3
+            admissions[a] += out.stats.admissions
             texts[a].extend(out.new_tokens)
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
     return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
-            "decode_seconds": decode, "draft_prefill_seconds": reads, "accepted": accepted, "drafted": drafted,
+            "decode_seconds": decode, "draft_prefill_seconds": reads, "prefill_seconds": prefill,
+            "admissions": admissions, "accepted": accepted, "drafted": drafted,
             "verifications": verifications, "by_stream": by_stream, "same_tokens": same / len(prompts)}
 
 

@@ -472,9 +472,11 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     assert mod.parse_arm("K3", head).k == 3
     from specdec_ext import Autoregressive
     assert isinstance(mod.parse_arm("plain", head), Autoregressive)
-    for bad in ("K", "fixed3", "auto:cost_fit"):
+    for bad in ("K", "fixed3", "auto:cost_fit", "K2@lazy"):
         with pytest.raises(ValueError, match="--arms"):
             mod.parse_arm(bad, head)
+    assert mod.parse_arm("K2@grouped", head).k == 2
+    assert [mod.arm_admission(a) for a in ("K2", "K2@grouped", "plain@eager")] == ["eager", "grouped", "eager"]
     pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None),
                            heads={"greedy": head})
     g = torch.Generator().manual_seed(0)
@@ -488,13 +490,14 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
 
     mod.SpeculativeGenerator = make
     try:
-        row = mod.compare(pair, prompts, batch_size=2, arms=["K1", "K2", "auto"], passes=2, max_new_tokens=6,
-                          rows_per_stream=1, draft_context=4)
+        row = mod.compare(pair, prompts, batch_size=2, arms=["K1", "K2", "auto", "K2@grouped"], passes=2,
+                          max_new_tokens=6, rows_per_stream=1, draft_context=4)
     finally:
         mod.SpeculativeGenerator = real
-    assert windows == [4, 4, 4]  # --draft-context reaches every arm's generator
-    assert len(row["tokens_per_s_by_pass"]) == 2 and row["best_fixed"] in ("K1", "K2")
-    assert all(set(p) == {"K1", "K2", "auto"} for p in row["tokens_per_s_by_pass"])
+    assert windows == [4, 4, 4, 4]  # --draft-context reaches every arm's generator
+    assert len(row["tokens_per_s_by_pass"]) == 2 and row["best_fixed"] in ("K1", "K2", "K2@grouped")
+    assert all(set(p) == {"K1", "K2", "auto", "K2@grouped"} for p in row["tokens_per_s_by_pass"])
+    assert all(row["admissions"][a] >= 0 and row["prefill_seconds"][a] > 0 for a in row["admissions"])
     rate = row["tokens_per_s"]
     assert row["over_best_fixed"]["auto"] == pytest.approx(rate["auto"] / rate[row["best_fixed"]])
     assert row["over_best_fixed"][row["best_fixed"]] == 1.0
@@ -529,3 +532,31 @@ def test_packed_verify_script_times_the_three_forwards_on_the_same_depths():
         assert r["padded_tokens"] == 4 * n
         want = {"uniform": 4 * n, "half": 2 * n + 2}.get(r["pattern"])
         assert r["real_tokens"] == want if want else 4 + (n - 1) <= r["real_tokens"] <= 4 * n
+
+
+def test_batch_benchmark_passes_its_admission_to_every_call(run, monkeypatch):
+    """``admission`` reaches every ``generate_continuous`` call (grouped admissions keep plain decoding's texts);
+    an unknown one, or a grouped one with static batches, is refused, naming it."""
+    from specdec_ext.batch_bench import run_batch_benchmark, summarize_batches
+    from specdec_ext.engine.generator import SpeculativeGenerator
+
+    pair, prompts, methods, _ = run
+    ours = [m for m in methods if m.family in ("plain", "fixed")][:2]
+    seen = []
+    real = SpeculativeGenerator.generate_continuous
+
+    def spy(self, *args, admission="eager", **kw):
+        seen.append(admission)
+        return real(self, *args, admission=admission, **kw)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate_continuous", spy)
+    records = run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                                  admission="grouped")
+    assert seen and set(seen) == {"grouped"} and len(seen) == len(records)
+    assert all(row["same_text_share"] == 1.0 for row in summarize_batches(records, ours))
+    with pytest.raises(ValueError, match="admission must be one of"):
+        run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                            admission="late")
+    with pytest.raises(ValueError, match="admission: static batches"):
+        run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
+                            admission="grouped", refill=False)

@@ -105,14 +105,16 @@ def test_cuda_without_cuda(capsys):
 @pytest.mark.parametrize("argv,text", [(["--repeats", "0"], "--repeats: expected an integer >= 1"),
                                        (["--draft-context", "0"], "--draft-context: expected a token count >= 1"),
                                        (["--length-spread", "128"], "--length-spread: expected tokens in 0 .. "),
-                                       (["--length-spread", "4", "--static-batches"], "and not with --static-batches")])
+                                       (["--length-spread", "4", "--static-batches"], "and not with --static-batches"),
+                                       (["--admission", "grouped", "--static-batches"],
+                                        "--admission: static batches admit no requests")])
 def test_batch_bench_refuses_bad_settings(capsys, tmp_path, argv, text):
     code, _, err = run(["bench", "--batch-sizes", "2", "--prompts", "2", "--out", str(tmp_path), *argv], capsys)
     assert_one_line_error(code, err, text)
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "2"], ["--static-batches"], ["--draft-context", "64"],
-                                  ["--length-spread", "8"]])
+                                  ["--length-spread", "8"], ["--admission", "grouped"]])
 def test_batch_bench_options_need_batch_sizes(capsys, tmp_path, argv):
     code, _, err = run(["bench", "--prompts", "2", "--out", str(tmp_path), *argv], capsys)
     assert_one_line_error(code, err, f"{argv[0]}: only with --batch-sizes")

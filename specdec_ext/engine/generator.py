@@ -27,6 +27,7 @@ from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, DraftStep, make_policy
 from ..policies.goodput import CostModel
 from . import fast_llama
+from .admission import AdmissionRule, check_admission
 from .kv_cache import compaction
 from .models import context_length, fingerprint, hidden_size, vocab_size
 from .packing import worth_packing
@@ -120,6 +121,7 @@ class SpeculativeGenerator:
         self.fast_draft = fast_draft and draft is not None and fast_llama.supports(draft)
         self.catch_up_ms = 0.0  # the draft's reads of rows' contexts (_catch_up) over this generator's calls: ms,
         self.catch_up_rows = 0  # and rows read (_draft_overhead's measured mean ms per request)
+        self.admission_points: list = []  # continuous batching's admissions (rows, prompt tokens, ms): AdmissionRule
         self.policy = self._make_policy(policy, head, policy_kwargs)
 
     def _make_policy(self, policy, head, kwargs) -> CandidateLengthPolicy:
@@ -269,7 +271,7 @@ class SpeculativeGenerator:
                             top_k: Optional[int] = None, top_p: Optional[float] = None,
                             eos_token_id: Union[int, Sequence[int], None] = None, seed: Union[int, Sequence[int]] = 0,
                             policy: Union[str, CandidateLengthPolicy, None] = None, logits_processor=None,
-                            **policy_kwargs) -> "ContinuousOutput":
+                            admission: str = "eager", **policy_kwargs) -> "ContinuousOutput":
         """Continuous batching: generate for every prompt, with up to ``batch_size`` requests live at once.
 
         The first ``batch_size`` prompts start together; whenever requests finish, the next prompts of the queue
@@ -288,6 +290,11 @@ class SpeculativeGenerator:
                 (a sequence as long as ``prompts``: requests of different lengths finish at different rounds, as a
                 server's do).
             seed: request i draws from ``seed + i`` (or ``seed[i]`` for a sequence).
+            admission: when queued requests join: ``"eager"`` (default), after every round that freed a slot;
+                ``"grouped"``, once the throughput the free slots lose reaches the measured fixed cost of an admission
+                (:class:`~specdec_ext.engine.admission.AdmissionRule`: fewer, larger prefills, for devices where a
+                forward's cost hardly grows with its rows). Outputs do not depend on it (a request's tokens are its
+                own); only when requests start does.
             temperature / top_k / top_p / eos_token_id / policy / logits_processor /
                 **policy_kwargs: as :meth:`generate` (the processor sees each request's prompt unpadded).
 
@@ -295,9 +302,10 @@ class SpeculativeGenerator:
             admission and to its last round).
 
         Raises: ValueError / TypeError as :meth:`generate`, naming the prompt (``prompts[i]``); ValueError for
-            no prompts, a batch_size that is not an integer >= 1, or a sequence of max_new_tokens whose length is
-            not the number of prompts.
+            no prompts, a batch_size that is not an integer >= 1, a sequence of max_new_tokens whose length is
+            not the number of prompts, or an unknown ``admission``.
         """
+        check_admission(admission)
         pol = self._policy_for_call(policy, policy_kwargs)
         cfg = SamplingConfig(temperature, top_k, top_p)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -342,7 +350,10 @@ class SpeculativeGenerator:
             return target, draft, _Batch.starting(list(ids), last, [rngs[r] for r in ids], generated)
 
         generated = [[] for _ in range(N)]
+        rule = AdmissionRule(admission == "grouped", self.admission_points)
+        t0 = time.perf_counter()
         target, draft, batch = start(queue[:first])
+        rule.observe(first, sum(len(requests[r]) for r in queue[:first]), (time.perf_counter() - t0) * 1e3)
         del queue[:first]
         pol.reset(first, draft.device if draft is not None else target.device)
 
@@ -350,22 +361,34 @@ class SpeculativeGenerator:
             now = (time.perf_counter() - t_start) * 1e3
             for i in done:
                 finished_ms[batch.rows[i]] = now
-            ids = queue[: len(done)]
-            if not ids:
+            n = len(batch.rows)
+            free = batch_size - (n - len(done))
+            if not queue or free <= 0 or not rule.ready(batch_size - n, free, len(queue), n - len(done), batch_size,
+                                           stats.rounds[-1].total_ms):
                 return done
+            t0 = time.perf_counter()
+            ids = queue[:free]
             del queue[: len(ids)]
-            slots = done[: len(ids)]
             t_new, d_new, new = start(ids)
+            grow = len(ids) - len(done)  # more requests than rows finished this round: the batch grows back
+            if grow > 0:  # rows appended as copies of row 0, then overwritten like finished rows
+                idx = torch.cat([torch.arange(n), torch.zeros(grow, dtype=torch.int64)])
+                for r in (target, draft):
+                    if r is not None:
+                        r.select_rows(idx)
+            slots = done[: len(ids)] + list(range(n, n + max(0, grow)))
             target.replace_rows(torch.tensor(slots), t_new)
             if draft is not None:  # d_new has read nothing: the slots become empty rows, read when they draft
                 draft.replace_rows(torch.tensor(slots), d_new)
-            order = list(range(len(batch.rows)))  # the new rows, appended, move into the finished rows' places
+            order = list(range(n)) + [0] * max(0, grow)  # the new rows, appended, move into their slots
             for j, slot in enumerate(slots):
-                order[slot] = len(batch.rows) + j
+                order[slot] = n + j
             pol.add_rows(len(ids))
             pol.select_rows(torch.tensor(order))
             batch.extend(new)
             batch.select(order)
+            stats.admissions += 1
+            rule.observe(len(ids), sum(len(requests[r]) for r in ids), (time.perf_counter() - t0) * 1e3)
             return done[len(ids) :]
 
         self._loop(pol, call, target, draft, batch, stats, admit=admit, waiting=lambda: bool(queue))

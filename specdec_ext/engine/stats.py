@@ -29,6 +29,7 @@ class GenerationStats:
     draft_calls: int = 0           # draft forward passes (prefill included)
     prefill_ms: float = 0.0
     draft_prefill_ms: float = 0.0   # the draft reading rows' contexts when they first draft (in prefill_ms)
+    admissions: int = 0            # continuous batching: times queued requests joined the batch (the first fill not counted)
     wall_ms: float = 0.0
     target_forward_ms: float = 0.0  # inside target forward calls (prefill included)
     draft_forward_ms: float = 0.0   # inside draft forward calls (prefill included)
@@ -125,6 +126,7 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 2), "wall_ms": round(self.wall_ms, 2),
             "draft_ms": round(self.draft_ms, 2), "verify_ms": round(self.verify_ms, 2),
             "overhead_ms": round(self.overhead_ms, 2), "prefill_ms": round(self.prefill_ms, 2),
+            "admissions": self.admissions,
             "target_forward_ms": round(self.target_forward_ms, 2), "draft_forward_ms": round(self.draft_forward_ms, 2),
             "overhead_ms_per_round": round(self.overhead_ms_per_round, 3),
             "mean_candidate_length": round(self.mean_candidate_length, 3),
