@@ -74,6 +74,17 @@ def test_an_unknown_admission_is_refused_with_the_argument_named():
         gen.generate_continuous([torch.tensor([3, 4, 5])], batch_size=2, admission="auto")
 
 
+def test_grouped_admission_is_refused_for_a_tensor_parallel_target(monkeypatch):
+    """Its decisions come from each process's timings, which a tensor-parallel target's ranks do not share."""
+    import specdec_ext.engine.generator as generator
+
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    monkeypatch.setattr(generator, "tp_size", lambda model: 2)
+    with pytest.raises(ValueError, match="admission='grouped'.*tensor-parallel.*admission='eager'"):
+        gen.generate_continuous([torch.tensor([3, 4, 5])], batch_size=2, admission="grouped")
+
+
 @pytest.fixture
 def waits_long(monkeypatch):
     """A fit whose fixed cost no test round's idle slots reach: grouped admission waits until no row is live (or

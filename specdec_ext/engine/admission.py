@@ -4,8 +4,8 @@ An admission (the target prefilling the new requests and their rows joining the 
 (forward calls, kernel launches, the rows' bookkeeping) plus a part per prompt token. Where the fixed part
 dominates, as on a GPU running a small model (bundled pair on an H100 in bf16: a prefill call took 11-13 ms
 for one request or sixteen), admitting each round's few finished rows pays the fixed part again and again:
-speculative requests finish at staggered rounds, so at B = 16 fixed K made 34-38 admissions per 128 requests
-where plain decoding's, finishing in lockstep, made 12, and the prompts' reads took 26-29% of the time against
+speculative requests finish at staggered rounds, so at B = 16 fixed K made 34-38 prefill calls per 128
+requests where plain decoding's, finishing in lockstep, made 12, and the prompts' reads took 26-29% of the time against
 9% (``docs/results/bench-batch-cuda-h100-2026-11-24.md``). Waiting instead leaves slots idle, which costs a
 share of every round where a round's cost does not shrink with its rows.
 

@@ -303,9 +303,12 @@ class SpeculativeGenerator:
 
         Raises: ValueError / TypeError as :meth:`generate`, naming the prompt (``prompts[i]``); ValueError for
             no prompts, a batch_size that is not an integer >= 1, a sequence of max_new_tokens whose length is
-            not the number of prompts, or an unknown ``admission``.
+            not the number of prompts, an unknown ``admission``, or ``"grouped"`` with a tensor-parallel target.
         """
         check_admission(admission)
+        if admission == "grouped" and tp_size(self.target) > 1:
+            raise ValueError("admission='grouped' decides from each process's own timings, and a tensor-parallel "
+                             "target's ranks must decide alike: use admission='eager'")
         pol = self._policy_for_call(policy, policy_kwargs)
         cfg = SamplingConfig(temperature, top_k, top_p)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
