@@ -38,23 +38,23 @@ def test_grouped_admission_waits_until_the_idle_slots_lost_the_fixed_cost():
     rule = rule_with([(r, 100 * r, 10 + 0.0 * r) for r in (1, 2, 3)] + [(4, 400, 10.0)])  # all fixed: flat = 1
     assert rule.fit() == (pytest.approx(10.0), pytest.approx(1.0))
     # B = 8, rounds of 20 ms: 2 idle slots lose 20 * 2 / 8 = 5 ms a round, so the second such round admits
-    assert not rule.ready(idle=0, free=2, queued=9, live=6, batch_size=8, round_ms=20.0)  # they ran this round
-    assert not rule.ready(idle=2, free=2, queued=9, live=6, batch_size=8, round_ms=20.0)
+    assert not rule.ready(idle=0, queued=9, live=6, batch_size=8, round_ms=20.0)  # they ran this round
+    assert not rule.ready(idle=2, queued=9, live=6, batch_size=8, round_ms=20.0)
     assert rule.waited_ms == pytest.approx(5.0)
-    assert rule.ready(idle=2, free=3, queued=9, live=5, batch_size=8, round_ms=20.0)
+    assert rule.ready(idle=2, queued=9, live=5, batch_size=8, round_ms=20.0)
     rule.observe(3, 300, 10.0)  # the admission resets the wait
     assert rule.waited_ms == 0.0
-    assert not rule.ready(idle=1, free=1, queued=6, live=7, batch_size=8, round_ms=20.0)
+    assert not rule.ready(idle=1, queued=6, live=7, batch_size=8, round_ms=20.0)
     # it admits at once when no row is live, or when every queued request fits the free slots
-    assert rule.ready(idle=0, free=8, queued=9, live=0, batch_size=8, round_ms=20.0)
-    assert rule.ready(idle=0, free=2, queued=2, live=6, batch_size=8, round_ms=20.0)
+    assert rule.ready(idle=0, queued=9, live=0, batch_size=8, round_ms=20.0)
+    assert rule.ready(idle=0, queued=2, live=6, batch_size=8, round_ms=20.0)
     # eager admits whenever it is asked, and so does a grouped rule without a fit yet
     eager = AdmissionRule(False, [])
-    assert eager.ready(idle=0, free=1, queued=9, live=7, batch_size=8, round_ms=20.0)
-    assert AdmissionRule(True, []).ready(idle=0, free=1, queued=9, live=7, batch_size=8, round_ms=20.0)
+    assert eager.ready(idle=0, queued=9, live=7, batch_size=8, round_ms=20.0)
+    assert AdmissionRule(True, []).ready(idle=0, queued=9, live=7, batch_size=8, round_ms=20.0)
     # compute-bound (flat = 0): the idle slots lose nothing, and with no fixed cost it admits at once
     cpu = rule_with([(r, 100 * r, 50.0 * r) for r in (1, 3, 8)])
-    assert cpu.ready(idle=0, free=1, queued=9, live=7, batch_size=8, round_ms=20.0)
+    assert cpu.ready(idle=0, queued=9, live=7, batch_size=8, round_ms=20.0)
 
 
 def test_the_rule_keeps_a_bounded_history():

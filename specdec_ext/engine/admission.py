@@ -83,11 +83,11 @@ class AdmissionRule:
         flat = fixed / (fixed + per_prompt) if fixed + per_prompt > 0 else 0.0
         return fixed, flat
 
-    def ready(self, idle: int, free: int, queued: int, live: int, batch_size: int, round_ms: float) -> bool:
+    def ready(self, idle: int, queued: int, live: int, batch_size: int, round_ms: float) -> bool:
         """Whether to admit now. The round just run took ``round_ms`` with ``idle`` of ``batch_size`` slots
-        empty (its loss is added to the wait); it left ``live`` rows running and ``free`` slots for ``queued``
-        waiting requests."""
-        if not self.grouped or live == 0 or free >= queued:
+        empty (its loss is added to the wait); it left ``live`` rows running, so ``batch_size - live`` slots free
+        for ``queued`` waiting requests."""
+        if not self.grouped or live == 0 or batch_size - live >= queued:
             return True
         fit = self.fit()
         if fit is None:

@@ -366,8 +366,8 @@ class SpeculativeGenerator:
                 finished_ms[batch.rows[i]] = now
             n = len(batch.rows)
             free = batch_size - (n - len(done))
-            if not queue or free <= 0 or not rule.ready(batch_size - n, free, len(queue), n - len(done), batch_size,
-                                           stats.rounds[-1].total_ms):
+            if not queue or free <= 0 or not rule.ready(batch_size - n, len(queue), n - len(done), batch_size,
+                                                         stats.rounds[-1].total_ms):
                 return done
             t0 = time.perf_counter()
             ids = queue[:free]
