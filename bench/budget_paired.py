@@ -3,7 +3,11 @@
 Arms: ``plain`` (decoding without a draft), ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with ``threshold="auto"``: the budget), an
 ``auto`` arm optionally with budget options after colons (``auto:cost_fit=line:headroom=0.0``, passed as
 ``SpecDecPP(budget_options=...)``); any arm may end in ``@eager`` or ``@grouped``, the ``admission`` of its calls
-(``generate_continuous``; default eager). Each arm keeps its own generator and policy for the whole run and is
+(``generate_continuous``; default eager); and any arm may end in ``#label``, a replicate: the arm before the ``#`` run
+again with a generator and policy of its own (``K2,K2#b``), an A/A control. A replicate is never the best fixed K;
+it is reported over its original (pooled, in decoding, and per stream), which measures what the run's ratios mean:
+the arms are alike, so any difference is noise. Picking the best of several near-tied fixed K after the fact also
+favours the one whose noise ran high, so a method that ties them reads below 1.00x the best fixed K. Each arm keeps its own generator and policy for the whole run and is
 warmed up once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
 ``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again
@@ -40,9 +44,17 @@ from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
 
+def arm_base(name: str) -> str:
+    """An arm name without its replicate label (``K2#b`` -> ``K2``); ValueError for an empty label or arm."""
+    base, sep, label = name.partition("#")
+    if sep and not (base and label):
+        raise ValueError(f"--arms: {name!r}: a replicate is an arm, then # and a label (K2#b)")
+    return base
+
+
 def arm_admission(name: str) -> str:
     """The admission of an arm name (``K2@grouped`` -> ``grouped``; none given: ``eager``); ValueError for another."""
-    _, sep, admission = name.partition("@")
+    _, sep, admission = arm_base(name).partition("@")
     if sep and admission not in ADMISSION_MODES:
         raise ValueError(f"--arms: {name!r}: the admission after @ must be one of {', '.join(ADMISSION_MODES)}")
     return admission if sep else "eager"
@@ -50,9 +62,9 @@ def arm_admission(name: str) -> str:
 
 def parse_arm(name: str, head) -> object:
     """The policy of an arm name (``plain``, ``K3``, ``auto``, ``auto:cost_fit=line``, any of them with an
-    ``@admission``); ValueError naming a bad one."""
+    ``@admission`` or ``#label``); ValueError naming a bad one."""
     arm_admission(name)
-    name = name.partition("@")[0]
+    name = arm_base(name).partition("@")[0]
     if name == "plain":
         return make_policy("autoregressive")
     if name[:1] == "K" and name[1:].isdigit():
@@ -115,15 +127,19 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     tokens = total["tokens"]
     pooled = {a: tokens[a] / total["seconds"][a] for a in arms}
     decoding = {a: tokens[a] / total["decode_seconds"][a] for a in arms}
-    fixed = [a for a in arms if a.startswith("K")]
+    fixed = [a for a in arms if a.startswith("K") and "#" not in a]
     best = max(fixed, key=pooled.get) if fixed else None
+    replicates = {a: {"of": arm_base(a), "pooled": pooled[a] / pooled[arm_base(a)],
+                      "decoding": decoding[a] / decoding[arm_base(a)],
+                      "by_stream": [st[a] / st[arm_base(a)] for st in by_stream]}
+                  for a in arms if "#" in a and arm_base(a) in arms}
     return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
             "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None,
             "over_best_fixed_by_stream": {a: [st[a] / st[best] for st in by_stream] for a in arms} if best else None,
             "decode_tokens_per_s": decoding,
             "candidates_per_row_round": {a: total["drafted"][a] / max(total["verifications"][a], 1) for a in arms},
             "draft_prefill_seconds": total["draft_prefill_seconds"], "prefill_seconds": total["prefill_seconds"],
-            "admissions": total["admissions"],
+            "admissions": total["admissions"], "replicates": replicates,
             "decode_over_best_fixed": {a: decoding[a] / max(decoding[f] for f in fixed) for a in arms} if fixed else None}
 
 
@@ -160,6 +176,9 @@ def main(argv=None) -> dict:
               f"{row['candidates_per_row_round'][a]:.2f} candidates per row and round, draft reads "
               f"{row['draft_prefill_seconds'][a]:.1f} s, prefills {row['prefill_seconds'][a]:.2f} s in "
               f"{row['admissions'][a]} admissions")
+    for a, rep in row["replicates"].items():
+        print(f"B = {args.batch_size}, {a} over {rep['of']} (an A/A control): {rep['pooled']:.3f}x, decoding "
+              f"{rep['decoding']:.3f}x (streams {min(rep['by_stream']):.3f}-{max(rep['by_stream']):.3f}x)")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -472,11 +472,12 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     assert mod.parse_arm("K3", head).k == 3
     from specdec_ext import Autoregressive
     assert isinstance(mod.parse_arm("plain", head), Autoregressive)
-    for bad in ("K", "fixed3", "auto:cost_fit", "K2@lazy"):
+    for bad in ("K", "fixed3", "auto:cost_fit", "K2@lazy", "K2#", "#b"):
         with pytest.raises(ValueError, match="--arms"):
             mod.parse_arm(bad, head)
-    assert mod.parse_arm("K2@grouped", head).k == 2
-    assert [mod.arm_admission(a) for a in ("K2", "K2@grouped", "plain@eager")] == ["eager", "grouped", "eager"]
+    assert mod.parse_arm("K2@grouped", head).k == 2 and mod.parse_arm("K2@grouped#b", head).k == 2
+    assert [mod.arm_admission(a) for a in ("K2", "K2@grouped", "plain@eager", "K2@grouped#b")] == \
+        ["eager", "grouped", "eager", "grouped"]
     pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None),
                            heads={"greedy": head})
     g = torch.Generator().manual_seed(0)
@@ -490,13 +491,18 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
 
     mod.SpeculativeGenerator = make
     try:
-        row = mod.compare(pair, prompts, batch_size=2, arms=["K1", "K2", "auto", "K2@grouped"], passes=2,
+        row = mod.compare(pair, prompts, batch_size=2, arms=["K1", "K2", "auto", "K2@grouped", "K1#b"], passes=2,
                           max_new_tokens=6, rows_per_stream=1, draft_context=4)
     finally:
         mod.SpeculativeGenerator = real
-    assert windows == [4, 4, 4, 4]  # --draft-context reaches every arm's generator
-    assert len(row["tokens_per_s_by_pass"]) == 2 and row["best_fixed"] in ("K1", "K2", "K2@grouped")
-    assert all(set(p) == {"K1", "K2", "auto", "K2@grouped"} for p in row["tokens_per_s_by_pass"])
+    assert windows == [4, 4, 4, 4, 4]  # --draft-context reaches every arm's generator
+    assert len(row["tokens_per_s_by_pass"]) == 2 and row["best_fixed"] in ("K1", "K2", "K2@grouped")  # not K1#b
+    assert all(set(p) == {"K1", "K2", "auto", "K2@grouped", "K1#b"} for p in row["tokens_per_s_by_pass"])
+    rep = row["replicates"]["K1#b"]  # the A/A control: over its original, pooled, in decoding and per stream
+    assert list(row["replicates"]) == ["K1#b"] and rep["of"] == "K1" and len(rep["by_stream"]) == 6
+    assert rep["pooled"] == pytest.approx(row["tokens_per_s"]["K1#b"] / row["tokens_per_s"]["K1"])
+    assert rep["decoding"] == pytest.approx(row["decode_tokens_per_s"]["K1#b"] / row["decode_tokens_per_s"]["K1"])
+    assert min(rep["by_stream"]) * (1 - 1e-9) <= rep["pooled"] <= max(rep["by_stream"]) * (1 + 1e-9)
     assert all(row["admissions"][a] >= 0 and row["prefill_seconds"][a] > 0 for a in row["admissions"])
     rate = row["tokens_per_s"]
     assert row["over_best_fixed"]["auto"] == pytest.approx(rate["auto"] / rate[row["best_fixed"]])
