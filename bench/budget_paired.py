@@ -7,8 +7,8 @@ Arms: ``plain`` (decoding without a draft), ``K<n>`` (fixed candidate length n) 
 again with a generator and policy of its own (``K2,K2#b``), an A/A control. A replicate is never the best fixed K;
 it is reported over its original (pooled, in decoding, and per stream), which measures what the run's ratios mean:
 the arms are alike, so any difference is noise. Picking the best of several near-tied fixed K after the fact also
-favours the one whose noise ran high, so a method that ties them reads below 1.00x the best fixed K. Each arm keeps its own generator and policy for the whole run and is
-warmed up once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
+favours the one whose noise ran high, so a method that ties them reads below 1.00x the best fixed K. Each arm
+keeps its own generator and policy for the whole run and is warmed up once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
 ``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again
 from pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the
@@ -104,6 +104,11 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
             rows_per_stream: int, draft_context=None) -> dict:
     """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K;
     ``draft_context``: every arm's draft reads at most that many tokens of a request's context (None: all)."""
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"--arms: {arms!r} names an arm twice; run it again as a replicate (K2,K2#b)")
+    lone = [a for a in arms if arm_base(a) != a and arm_base(a) not in arms]
+    if lone:
+        raise ValueError(f"--arms: the replicates {lone} need their original arms among the arms")
     eos = pair.tokenizer.eos_token_id
     gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, pair.heads["greedy"]),
                                     draft_context=draft_context) for a in arms}
@@ -129,10 +134,9 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     decoding = {a: tokens[a] / total["decode_seconds"][a] for a in arms}
     fixed = [a for a in arms if a.startswith("K") and "#" not in a]
     best = max(fixed, key=pooled.get) if fixed else None
-    replicates = {a: {"of": arm_base(a), "pooled": pooled[a] / pooled[arm_base(a)],
-                      "decoding": decoding[a] / decoding[arm_base(a)],
-                      "by_stream": [st[a] / st[arm_base(a)] for st in by_stream]}
-                  for a in arms if "#" in a and arm_base(a) in arms}
+    replicates = {a: {"of": o, "pooled": pooled[a] / pooled[o], "decoding": decoding[a] / decoding[o],
+                      "by_stream": [st[a] / st[o] for st in by_stream]}
+                  for a, o in ((a, arm_base(a)) for a in arms) if o != a}
     return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
             "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None,
             "over_best_fixed_by_stream": {a: [st[a] / st[best] for st in by_stream] for a in arms} if best else None,

@@ -503,6 +503,9 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     assert rep["pooled"] == pytest.approx(row["tokens_per_s"]["K1#b"] / row["tokens_per_s"]["K1"])
     assert rep["decoding"] == pytest.approx(row["decode_tokens_per_s"]["K1#b"] / row["decode_tokens_per_s"]["K1"])
     assert min(rep["by_stream"]) * (1 - 1e-9) <= rep["pooled"] <= max(rep["by_stream"]) * (1 + 1e-9)
+    for arms, message in ((["K1", "K1"], "twice"), (["K1", "K2#b"], "original")):  # refused before any run
+        with pytest.raises(ValueError, match=message):
+            mod.compare(pair, prompts, batch_size=2, arms=arms, passes=1, max_new_tokens=6, rows_per_stream=1)
     assert all(row["admissions"][a] >= 0 and row["prefill_seconds"][a] > 0 for a in row["admissions"])
     rate = row["tokens_per_s"]
     assert row["over_best_fixed"]["auto"] == pytest.approx(rate["auto"] / rate[row["best_fixed"]])
