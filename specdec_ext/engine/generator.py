@@ -354,9 +354,13 @@ class SpeculativeGenerator:
 
         generated = [[] for _ in range(N)]
         rule = AdmissionRule(admission == "grouped", self.admission_points)
+
+        def observe(ids, t0):  # an admission of requests ``ids`` that began at ``t0``, for the rule's fit
+            rule.observe(len(ids), sum(len(requests[r]) for r in ids), (time.perf_counter() - t0) * 1e3)
+
         t0 = time.perf_counter()
         target, draft, batch = start(queue[:first])
-        rule.observe(first, sum(len(requests[r]) for r in queue[:first]), (time.perf_counter() - t0) * 1e3)
+        observe(queue[:first], t0)
         del queue[:first]
         pol.reset(first, draft.device if draft is not None else target.device)
 
@@ -391,7 +395,7 @@ class SpeculativeGenerator:
             batch.extend(new)
             batch.select(order)
             stats.admissions += 1
-            rule.observe(len(ids), sum(len(requests[r]) for r in ids), (time.perf_counter() - t0) * 1e3)
+            observe(ids, t0)
             return done[len(ids) :]
 
         self._loop(pol, call, target, draft, batch, stats, admit=admit, waiting=lambda: bool(queue))
