@@ -55,11 +55,16 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_pair(fns, repeats, device="cpu"):
-    """Median µs per call of each function, alternating so that drift hits all alike."""
+def time_pair(fns, repeats, device="cpu", rotate=False):
+    """Median µs per call of each function, alternating so that drift hits all alike; with ``rotate`` each
+    repeat starts one function later, so that no function always runs after the same one (on a GPU a call
+    can find the caches as the one before left them)."""
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(repeats):
+        shift = rep % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
             _sync(device)
             t0 = time.perf_counter()
             fn()

@@ -62,6 +62,12 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cuda(
   const c10::cuda::CUDAGuard guard(out_weight.device());
   HeadTensors t = prepare_head(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
                                out_bias, cum_accept, candidate_length, k_min, k_max, threshold);
+  at::Tensor workspace;  // the split kernels' scratch (wide heads; cuda/launchers.h)
+  const int64_t scratch = cuda::acceptance_head_workspace(t.args.batch, t.args.hidden_size, t.args.num_layers);
+  if (scratch > 0) {
+    workspace = at::empty({scratch}, t.p_accept.options());
+    t.args.workspace = workspace.data_ptr<float>();
+  }
   check_launch(cuda::acceptance_head_step(t.args, at::cuda::getCurrentCUDAStream()), "acceptance_head_step");
   return {t.p_accept, t.stop};
 }

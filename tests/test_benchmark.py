@@ -569,3 +569,14 @@ def test_batch_benchmark_passes_its_admission_to_every_call(run, monkeypatch):
     with pytest.raises(ValueError, match="admission: static batches"):
         run_batch_benchmark(pair, prompts, ours, [2], max_new_tokens=6, progress=False, costs=TEST_COSTS,
                             admission="grouped", refill=False)
+
+
+def test_head_step_script_times_the_op_and_the_composition():
+    """bench/head_step.py on the CPU: a row per (H, B) with the op and the composition timed, and the op's p_hat
+    equal to the composition's up to rounding (so the timings compare the same head)."""
+    mod = _bench_script("head_step")
+    rows = mod.measure("cpu", [16, 40], [1, 3], layers=2, repeats=1)
+    assert [(r["H"], r["B"]) for r in rows] == [(16, 1), (16, 3), (40, 1), (40, 3)]
+    for r in rows:
+        assert set(r["us"]) == {"composition", "op"} and min(r["us"].values()) > 0
+        assert r["max_abs_err"]["op"] < 1e-5

@@ -59,6 +59,55 @@ def test_residual_and_head_cuda():
         torch.testing.assert_close(c2.cpu(), c1, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["fused", "split"])
+def test_cuda_head_kernels_equal_the_cpu_kernel(kernel, monkeypatch):
+    """Both CUDA head kernels (forced by SPECDEC_HEAD_KERNEL) against the CPU kernel: widths that are and are not
+    multiples of a warp or a block, batches that are not multiples of the split kernel's rows per warp, no residual
+    block (L = 0), hidden in every dtype, with and without features; p_hat, the running product and the stops."""
+    monkeypatch.setenv("SPECDEC_HEAD_KERNEL", kernel)
+    for B, H, L, F, dtype in [(1, 256, 3, 3, torch.float32), (9, 200, 2, 0, torch.bfloat16),
+                              (5, 1030, 1, 3, torch.float16), (70, 128, 3, 3, torch.float32),
+                              (3, 64, 0, 3, torch.float32), (6, 33, 2, 0, torch.float32)]:
+        head = head_args(B=B, H=H, L=L, dtype=dtype, F=F, seed=H)
+        head = (head[0], *head[1:4], head[4] / H**0.5, *head[5:])  # x stays of order 1 through the blocks
+        c1 = torch.rand(B)
+        c2 = c1.clone().cuda()
+        p1, s1 = ops.acceptance_head_step(*head, c1, 2, 1, 20, 0.4)
+        p2, s2 = ops.acceptance_head_step(*[t.cuda() if t is not None else None for t in head], c2, 2, 1, 20, 0.4)
+        what = f"{kernel} kernel, B={B} H={H} L={L} F={F} {dtype}"
+        torch.testing.assert_close(p2.cpu(), p1, rtol=1e-4, atol=1e-5, msg=what)
+        torch.testing.assert_close(c2.cpu(), c1, rtol=1e-4, atol=1e-5, msg=what)
+        close = ((1 - c1) - 0.4).abs() < 1e-4  # a running product at the threshold may round either way
+        assert torch.equal(s2.cpu()[~close], s1[~close]), what
+
+
+@pytest.mark.parametrize("kernel", ["fused", "split"])
+def test_cuda_head_step_captured_in_cuda_graph_equals_eager(kernel, monkeypatch):
+    """The head step (its workspace allocated from the graph's pool in the split kernels) replays as it runs."""
+    monkeypatch.setenv("SPECDEC_HEAD_KERNEL", kernel)
+    head = [t.cuda() if t is not None else None for t in head_args(B=5, H=256, F=3)]
+    head[4] /= 16
+    cum = torch.ones(5, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture
+        torch.ops.specdec_ext.acceptance_head_step(*head, cum, 2, 1, 20, 0.5)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    cum.fill_(1.0)
+    with torch.cuda.graph(g):
+        p, stop = torch.ops.specdec_ext.acceptance_head_step(*head, cum, 2, 1, 20, 0.5)
+    for scale in (1.0, 0.5, 2.0):
+        head[0].mul_(scale)
+        cum.fill_(1.0)
+        g.replay()
+        got = p.clone(), stop.clone(), cum.clone()
+        cum.fill_(1.0)
+        want = torch.ops.specdec_ext.acceptance_head_step(*head, cum, 2, 1, 20, 0.5)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], cum)
+
+
 def test_cuda_head_nan_raises_and_stops():
     head = [t.cuda() if t is not None else None for t in head_args(B=3, H=64, F=3)]
     head[0][1, 0] = float("nan")

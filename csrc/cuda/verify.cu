@@ -9,6 +9,8 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cfloat>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/launchers.h"
 
@@ -18,6 +20,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kItems = 4;  // consecutive elements per thread in an inverse-CDF tile
+// The narrowest head (H) that takes the split head kernels (acceptance_head_workspace). On an H100 (bench/head_step.py,
+// L = 3) the fused kernel took 110-120 us a call at H = 64 and 128, the split ones 125-135; at H = 256 163 against 130,
+// and at H = 4096 about 20 ms against 0.6 ms.
+constexpr int64_t kHeadSplitWidth = 256;
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -424,25 +430,41 @@ __global__ void __launch_bounds__(kThreads) residual_sample_kernel(ResidualArgs 
   if (threadIdx.x == 0) a.out[b] = r;
 }
 
-// Acceptance head: one block per row, x in shared memory, one warp per output feature. The input is
-// x_0 = hidden + W_f features + b_f. A kernel cannot raise: a row whose p_hat or running product is not
-// finite gets p_accept = NaN and stop = true (drafting stops), and the Python wrapper raises on it.
+// Acceptance head. x_0 = hidden + W_f features + b_f, element i of row b (both parts optional).
+template <typename T>
+__device__ __forceinline__ float head_input(const HeadArgs& a, int64_t b, int64_t i) {
+  const int64_t H = a.hidden_size, F = a.num_features;
+  float v = a.hidden != nullptr ? to_f(static_cast<const T*>(a.hidden)[b * H + i]) : 0.0f;
+  if (F > 0) {
+    v += a.feature_bias[i];
+    for (int64_t j = 0; j < F; ++j) v += a.feature_weight[i * F + j] * a.features[b * F + j];
+  }
+  return v;
+}
+
+// The head's last step for row b, by one thread: p_hat = sigmoid(logit), the running product, the stop rule.
+// A kernel cannot raise: a row whose p_hat or running product is not finite gets p_accept = NaN and
+// stop = true (drafting stops), and the Python wrapper raises on it.
+__device__ __forceinline__ void head_finish(const HeadArgs& a, int64_t b, float logit) {
+  const float p = sigmoidf_(logit);
+  const float c = a.cum_accept[b] * p;
+  const bool ok = finite_f(logit) && finite_f(c);
+  a.p_accept[b] = ok ? p : __int_as_float(0x7fc00000);
+  a.cum_accept[b] = c;
+  a.stop[b] = ok ? specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold) : true;
+}
+
+// Fused: one block per row, x in shared memory, one warp per output feature. One launch, but each block reads
+// every layer's H x H weights alone, one dependent load after another per warp, so its time grows as H^2 on one
+// SM; wide heads take the split kernels below (acceptance_head_workspace).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) head_step_kernel(HeadArgs a) {
   extern __shared__ float smem[];
   __shared__ typename ReduceF::TempStorage red;
-  const int64_t b = blockIdx.x, H = a.hidden_size, F = a.num_features;
+  const int64_t b = blockIdx.x, H = a.hidden_size;
   float* x = smem;
   float* y = smem + H;
-  const T* h = a.hidden != nullptr ? static_cast<const T*>(a.hidden) + b * H : nullptr;
-  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
-    float v = h != nullptr ? to_f(h[i]) : 0.0f;
-    if (F > 0) {
-      v += a.feature_bias[i];
-      for (int64_t j = 0; j < F; ++j) v += a.feature_weight[i * F + j] * a.features[b * F + j];
-    }
-    x[i] = v;
-  }
+  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) x[i] = head_input<T>(a, b, i);
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (int64_t l = 0; l < a.num_layers; ++l) {
@@ -463,14 +485,57 @@ __global__ void __launch_bounds__(kThreads) head_step_kernel(HeadArgs a) {
   float part = 0.0f;
   for (int64_t j = threadIdx.x; j < H; j += blockDim.x) part += a.out_weight[j] * x[j];
   const float logit = ReduceF(red).Sum(part) + a.out_bias[0];
-  if (threadIdx.x == 0) {
-    const float p = sigmoidf_(logit);
-    const float c = a.cum_accept[b] * p;
-    const bool ok = finite_f(logit) && finite_f(c);
-    a.p_accept[b] = ok ? p : __int_as_float(0x7fc00000);
-    a.cum_accept[b] = c;
-    a.stop[b] = ok ? specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold) : true;
+  if (threadIdx.x == 0) head_finish(a, b, logit);
+}
+
+// Split: x_l lives in the float32 workspace [2, B, H] (layer l reads half l % 2, writes the other); a launch per
+// stage. head_input_kernel: grid (B, ceil(H / kThreads)), a thread per element of x_0.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) head_input_kernel(HeadArgs a) {
+  const int64_t b = blockIdx.x, i = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
+  if (i < a.hidden_size) a.workspace[b * a.hidden_size + i] = head_input<T>(a, b, i);
+}
+
+// One residual block: grid (ceil(B / kHeadRows), ceil(H / warps)), a warp per output feature i and kHeadRows rows,
+// so that the blocks spread over the GPU and each weight row is read once per kHeadRows rows (coalesced).
+constexpr int kHeadRows = 4;
+__global__ void __launch_bounds__(kThreads) head_layer_kernel(HeadArgs a, int64_t l) {
+  const int64_t H = a.hidden_size, B = a.batch;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t i = blockIdx.y * int64_t(blockDim.x / 32) + warp, b0 = blockIdx.x * int64_t(kHeadRows);
+  if (i >= H) return;  // a whole warp: no block-wide synchronisation follows
+  const float* x = a.workspace + (l % 2) * B * H;
+  float* y = a.workspace + ((l + 1) % 2) * B * H;
+  const float* w = a.block_weight + (l * H + i) * H;
+  const int rows = static_cast<int>(B - b0 < kHeadRows ? B - b0 : kHeadRows);
+  float acc[kHeadRows] = {};
+  for (int64_t j = lane; j < H; j += 32) {
+    const float wj = __ldg(w + j);
+#pragma unroll
+    for (int r = 0; r < kHeadRows; ++r)
+      if (r < rows) acc[r] += wj * x[(b0 + r) * H + j];
   }
+#pragma unroll
+  for (int r = 0; r < kHeadRows; ++r) {
+    float v = acc[r];
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
+    if (lane == 0 && r < rows) {
+      v += a.block_bias[l * H + i];
+      y[(b0 + r) * H + i] = x[(b0 + r) * H + i] + v / (1.0f + __expf(-v));
+    }
+  }
+}
+
+// The output layer and the stop rule: one block per row.
+__global__ void __launch_bounds__(kThreads) head_output_kernel(HeadArgs a) {
+  __shared__ typename ReduceF::TempStorage red;
+  const int64_t b = blockIdx.x, H = a.hidden_size;
+  const float* x = a.workspace + (a.num_layers % 2) * a.batch * H + b * H;
+  float part = 0.0f;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) part += a.out_weight[j] * x[j];
+  const float logit = ReduceF(red).Sum(part) + a.out_bias[0];
+  if (threadIdx.x == 0) head_finish(a, b, logit);
 }
 
 // Draft-confidence features (as the CPU kernel): one block per row; the two largest values by a block
@@ -569,6 +634,7 @@ SPECDEC_KERNEL_LAUNCHER(VerifyLogitsK, chain_verify_logits_kernel, VerifyArgs)
 SPECDEC_KERNEL_LAUNCHER(VerifyGreedyK, chain_verify_greedy_kernel, VerifyArgs)
 SPECDEC_KERNEL_LAUNCHER(ResidualK, residual_sample_kernel, ResidualArgs)
 SPECDEC_KERNEL_LAUNCHER(HeadK, head_step_kernel, HeadArgs)
+SPECDEC_KERNEL_LAUNCHER(HeadInputK, head_input_kernel, HeadArgs)
 SPECDEC_KERNEL_LAUNCHER(ConfidenceK, confidence_kernel, ConfidenceArgs)
 
 }  // namespace
@@ -578,7 +644,30 @@ cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t s) { return la
 cudaError_t chain_verify_greedy(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyGreedyK>(a, a.dtype, 0, s); }
 cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t s) { return launch<ResidualK>(a, a.dtype, 0, s); }
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t s) { return launch<ConfidenceK>(a, a.dtype, 0, s); }
+int64_t acceptance_head_workspace(int64_t batch, int64_t hidden_size, int64_t num_layers) {
+  const char* force = std::getenv("SPECDEC_HEAD_KERNEL");
+  bool split = num_layers > 0 && hidden_size >= kHeadSplitWidth;
+  if (force != nullptr && std::strcmp(force, "fused") == 0) split = false;
+  if (force != nullptr && std::strcmp(force, "split") == 0) split = true;
+  return split ? 2 * batch * hidden_size : 0;
+}
+
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t s) {
+  if (a.workspace != nullptr) {  // split: a launch per stage
+    if (a.batch == 0) return cudaSuccess;
+    const int64_t H = a.hidden_size, warps = kThreads / 32;
+    const dim3 input(static_cast<unsigned>(a.batch), static_cast<unsigned>((H + kThreads - 1) / kThreads));
+    const dim3 layer(static_cast<unsigned>((a.batch + kHeadRows - 1) / kHeadRows),
+                     static_cast<unsigned>((H + warps - 1) / warps));
+    switch (a.dtype) {
+      case DType::kFloat32: HeadInputK<float>::launch(input, kThreads, 0, s, a); break;
+      case DType::kBFloat16: HeadInputK<__nv_bfloat16>::launch(input, kThreads, 0, s, a); break;
+      case DType::kFloat16: HeadInputK<__half>::launch(input, kThreads, 0, s, a); break;
+    }
+    for (int64_t l = 0; l < a.num_layers; ++l) head_layer_kernel<<<layer, kThreads, 0, s>>>(a, l);
+    head_output_kernel<<<static_cast<unsigned>(a.batch), kThreads, 0, s>>>(a);
+    return cudaGetLastError();
+  }
   const size_t smem = 2 * static_cast<size_t>(a.hidden_size) * sizeof(float);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(head_step_kernel<float>, cudaFuncAttributeMaxDynamicSharedMemorySize,
