@@ -580,3 +580,43 @@ def test_head_step_script_times_the_op_and_the_composition():
     for r in rows:
         assert set(r["us"]) == {"composition", "op"} and min(r["us"].values()) > 0
         assert r["max_abs_err"]["op"] < 1e-5
+
+
+def test_round_segments_script_times_each_arms_rounds_by_depth():
+    """bench/round_segments.py on a tiny pair: every arm's rounds are counted by depth with their segments (which
+    fit inside the engine's own round time), plain decoding has plain steps only, the timing wrappers are gone after
+    the run, and the profiled run reports host time (no device time on a CPU)."""
+    from types import SimpleNamespace
+
+    from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
+
+    mod = _bench_script("round_segments")
+    target, draft = make_pair("llama", noise=0.3)
+    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None),
+                           heads={"greedy": head_for(draft, kind="proposal")})
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
+    real = mod.SpeculativeGenerator
+    gens = []
+
+    def make(t, d, policy):
+        gens.append(real(t, d, policy=policy, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS))
+        return gens[-1]
+
+    mod.SpeculativeGenerator = make
+    try:
+        out = mod.measure(pair, prompts, batch_size=2, arms=["plain", "K2", "auto"], max_new_tokens=6, synced=True,
+                          profile=True)
+    finally:
+        mod.SpeculativeGenerator = real
+    assert set(out) == {"plain", "K2", "auto"}
+    assert out["plain"]["depths"] == {} and out["plain"]["plain_steps"] > 0
+    assert out["K2"]["plain_steps"] == 0 and max(out["K2"]["depths"]) == 2
+    for arm in ("K2", "auto"):
+        for d, seg in out[arm]["depths"].items():
+            assert seg["rounds"] > 0 and seg["draft_ms"] > 0 and seg["verify_ms"] > 0
+            assert seg["draft_ms"] + seg["verify_ms"] <= seg["round_ms"] * 1.5  # medians of parts of the same rounds
+        p = out[arm]["profile"]
+        assert p["rounds"] > 0 and p["host_ms"] > 0 and p["device_ms"] is None and p["top_ops"]
+    for gen in gens:  # the wrappers are removed: the generator's methods are its class's again
+        assert "_verify" not in vars(gen) and "_draft" not in vars(gen)
