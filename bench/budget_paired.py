@@ -17,7 +17,10 @@ streams, the noise of one stream's comparison); the same in decoding alone (toke
 rounds, the prompts' prefills left out: at B = 64 they are most of the wall time and move by seconds from call
 to call, which hides the differences in decoding), the candidates drafted per row and round, and the seconds the
 draft spent reading the requests' contexts. At B = 64 on a 2-core CPU a pass moves by up to 10%: read ratios
-within one run, and several passes.
+within one run, and several passes. Each arm that is not a fixed K gets a bootstrap 95% interval of its pooled
+ratio over the best fixed K (streams resampled whole, the best re-picked in each resample), and each replicate
+one of its ratio over its original: an A/A interval that excludes 1.00x says the streams' noise is not the
+whole of the run's noise (drift that lasts longer than a stream).
 
 ``--context-tokens N`` makes long-context requests: request i is the last N tokens of HumanEval prompts ..., i + 2,
 i + 1, i joined (so it ends with prompt i's signature and docstring), for workloads where reading a request's context
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 
 import torch
@@ -100,6 +104,25 @@ def long_contexts(encoded: list, n: int, tokens: int) -> list:
     return out
 
 
+def stream_interval(tokens: list, seconds: list, arm: str, over: list, reps: int = 2000, seed: int = 0) -> tuple:
+    """A bootstrap 95% interval of ``arm``'s pooled tokens/s over the best of ``over`` (each resample picks the
+    best again, so the interval carries the choice of the best after the fact), resampling streams whole (an arm's
+    stream is run beside the other arms' in the same minutes, so a stream keeps its arms together).
+    ``tokens``, ``seconds``: per stream, ``{arm: value}``."""
+    rng = random.Random(seed)
+    n = len(tokens)
+    values = []
+    for _ in range(reps):
+        pick = [rng.randrange(n) for _ in range(n)]
+
+        def rate(a):
+            return sum(tokens[i][a] for i in pick) / sum(seconds[i][a] for i in pick)
+
+        values.append(rate(arm) / max(rate(b) for b in over))
+    values.sort()
+    return values[int(0.025 * reps)], values[int(0.975 * reps) - 1]
+
+
 def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_new_tokens: int,
             rows_per_stream: int, draft_context=None) -> dict:
     """tokens/s of each arm per pass and pooled, and the pooled ratio of each arm to the best fixed K;
@@ -115,7 +138,7 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     # what alternate_streams counts per arm, summed over the passes
     total = {key: dict.fromkeys(arms, 0) for key in ("tokens", "seconds", "decode_seconds", "drafted", "verifications",
                                                      "draft_prefill_seconds", "prefill_seconds", "admissions")}
-    per_pass, by_stream = [], []
+    per_pass, by_stream, stream_tokens, stream_seconds = [], [], [], []
 
     def generate(arm, stream, n):
         return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos,
@@ -126,6 +149,8 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
         r = alternate_streams(generate, tuple(order), prompts, batch_size, rows_per_stream, max_new_tokens)
         per_pass.append(r["tokens_per_s"])
         by_stream += r["by_stream"]
+        stream_tokens += r["by_stream_tokens"]
+        stream_seconds += r["by_stream_seconds"]
         for key, sums in total.items():
             for a in arms:
                 sums[a] += r[key][a]
@@ -135,11 +160,14 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
     fixed = [a for a in arms if a.startswith("K") and "#" not in a]
     best = max(fixed, key=pooled.get) if fixed else None
     replicates = {a: {"of": o, "pooled": pooled[a] / pooled[o], "decoding": decoding[a] / decoding[o],
-                      "by_stream": [st[a] / st[o] for st in by_stream]}
+                      "by_stream": [st[a] / st[o] for st in by_stream],
+                      "ci95": stream_interval(stream_tokens, stream_seconds, a, [o])}
                   for a, o in ((a, arm_base(a)) for a in arms) if o != a}
     return {"batch_size": batch_size, "passes": passes, "tokens_per_s": pooled, "tokens_per_s_by_pass": per_pass,
             "best_fixed": best, "over_best_fixed": {a: pooled[a] / pooled[best] for a in arms} if best else None,
             "over_best_fixed_by_stream": {a: [st[a] / st[best] for st in by_stream] for a in arms} if best else None,
+            "over_best_fixed_ci95": {a: stream_interval(stream_tokens, stream_seconds, a, fixed)
+                                     for a in arms if a not in fixed} if best else None,
             "decode_tokens_per_s": decoding,
             "candidates_per_row_round": {a: total["drafted"][a] / max(total["verifications"][a], 1) for a in arms},
             "draft_prefill_seconds": total["draft_prefill_seconds"], "prefill_seconds": total["prefill_seconds"],
@@ -172,8 +200,10 @@ def main(argv=None) -> dict:
     for a, rate in row["tokens_per_s"].items():
         by_pass = " / ".join(f"{r[a]:.1f}" for r in row["tokens_per_s_by_pass"])
         streams = row["over_best_fixed_by_stream"][a] if row["best_fixed"] else []
+        ci = (row["over_best_fixed_ci95"] or {}).get(a)
         ratio = (f", {row['over_best_fixed'][a]:.3f}x {row['best_fixed']} (streams {min(streams):.3f}-"
-                 f"{max(streams):.3f}x)" if streams else "")
+                 f"{max(streams):.3f}x" + (f"; 95% interval over the best fixed K {ci[0]:.3f}-{ci[1]:.3f}x" if ci else "")
+                 + ")" if streams else "")
         decoding = f"; decoding {row['decode_tokens_per_s'][a]:.1f} tokens/s" + (
             f", {row['decode_over_best_fixed'][a]:.3f}x the best fixed K" if row["best_fixed"] else "")
         print(f"B = {args.batch_size}, {a}: {rate:.1f} tokens/s (passes {by_pass}){ratio}{decoding}; "
@@ -181,8 +211,9 @@ def main(argv=None) -> dict:
               f"{row['draft_prefill_seconds'][a]:.1f} s, prefills {row['prefill_seconds'][a]:.2f} s in "
               f"{row['admissions'][a]} admissions")
     for a, rep in row["replicates"].items():
-        print(f"B = {args.batch_size}, {a} over {rep['of']} (an A/A control): {rep['pooled']:.3f}x, decoding "
-              f"{rep['decoding']:.3f}x (streams {min(rep['by_stream']):.3f}-{max(rep['by_stream']):.3f}x)")
+        print(f"B = {args.batch_size}, {a} over {rep['of']} (an A/A control): {rep['pooled']:.3f}x (95% interval "
+              f"{rep['ci95'][0]:.3f}-{rep['ci95'][1]:.3f}x), decoding {rep['decoding']:.3f}x (streams "
+              f"{min(rep['by_stream']):.3f}-{max(rep['by_stream']):.3f}x)")
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -347,7 +347,8 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     ``accepted`` (accepted candidates), ``drafted`` (candidates) and ``verifications`` (rounds times their live rows)
     per arm (the calls'
     :class:`~specdec_ext.engine.stats.GenerationStats` summed), ``by_stream``: each stream's tokens/s per arm (in
-    stream order; their spread is the machine's noise over one stream), and ``same_tokens``: the share of requests
+    stream order; their spread is the machine's noise over one stream), with the tokens and seconds behind them
+    (``by_stream_tokens``, ``by_stream_seconds``: to resample streams), and ``same_tokens``: the share of requests
     whose tokens are the same under every arm."""
     seconds = dict.fromkeys(arms, 0.0)
     decode = dict.fromkeys(arms, 0.0)
@@ -356,19 +357,22 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     drafted, verifications, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
     prefill, admissions = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0)
     texts: dict = {a: [] for a in arms}
-    by_stream = []
+    by_stream, by_stream_tokens, by_stream_seconds = [], [], []
     for a in arms:
         generate(a, prompts[:batch_size], 8)
     step = rows_per_stream * batch_size
     for i, start in enumerate(range(0, len(prompts), step)):
         stream = prompts[start:start + step]
         by_stream.append({})
+        by_stream_tokens.append({})
+        by_stream_seconds.append({})
         for a in arms[i % len(arms):] + arms[:i % len(arms)]:
             t0 = time.perf_counter()
             out = generate(a, stream, max_new_tokens)
             dt = time.perf_counter() - t0
             seconds[a] += dt
             by_stream[-1][a] = out.stats.new_tokens / dt
+            by_stream_tokens[-1][a], by_stream_seconds[-1][a] = out.stats.new_tokens, dt
             tokens[a] += out.stats.new_tokens
             decode[a] += out.stats.decode_ms / 1e3
             accepted[a] += out.stats.accepted
@@ -382,7 +386,8 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
             "decode_seconds": decode, "draft_prefill_seconds": reads, "prefill_seconds": prefill,
             "admissions": admissions, "accepted": accepted, "drafted": drafted,
-            "verifications": verifications, "by_stream": by_stream, "same_tokens": same / len(prompts)}
+            "verifications": verifications, "by_stream": by_stream, "by_stream_tokens": by_stream_tokens,
+            "by_stream_seconds": by_stream_seconds, "same_tokens": same / len(prompts)}
 
 
 def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_tokens: int, rows_per_stream: int,

@@ -503,6 +503,11 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     assert rep["pooled"] == pytest.approx(row["tokens_per_s"]["K1#b"] / row["tokens_per_s"]["K1"])
     assert rep["decoding"] == pytest.approx(row["decode_tokens_per_s"]["K1#b"] / row["decode_tokens_per_s"]["K1"])
     assert min(rep["by_stream"]) * (1 - 1e-9) <= rep["pooled"] <= max(rep["by_stream"]) * (1 + 1e-9)
+    lo, hi = rep["ci95"]  # a bootstrap over the six streams: around the pooled ratio, within the streams' range
+    assert min(rep["by_stream"]) * (1 - 1e-9) <= lo <= hi <= max(rep["by_stream"]) * (1 + 1e-9)
+    assert set(row["over_best_fixed_ci95"]) == {"auto", "K1#b"}  # the arms that are not a fixed K
+    lo, hi = row["over_best_fixed_ci95"]["auto"]
+    assert 0 < lo <= hi and lo <= row["over_best_fixed"]["auto"] * 1.05
     for arms, message in ((["K1", "K1"], "twice"), (["K1", "K2#b"], "original")):  # refused before any run
         with pytest.raises(ValueError, match=message):
             mod.compare(pair, prompts, batch_size=2, arms=arms, passes=1, max_new_tokens=6, rows_per_stream=1)
