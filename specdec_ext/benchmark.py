@@ -357,13 +357,12 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     drafted, verifications, reads = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0), dict.fromkeys(arms, 0.0)
     prefill, admissions = dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0)
     texts: dict = {a: [] for a in arms}
-    by_stream, by_stream_tokens, by_stream_seconds = [], [], []
+    by_stream_tokens, by_stream_seconds = [], []
     for a in arms:
         generate(a, prompts[:batch_size], 8)
     step = rows_per_stream * batch_size
     for i, start in enumerate(range(0, len(prompts), step)):
         stream = prompts[start:start + step]
-        by_stream.append({})
         by_stream_tokens.append({})
         by_stream_seconds.append({})
         for a in arms[i % len(arms):] + arms[:i % len(arms)]:
@@ -371,7 +370,6 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             out = generate(a, stream, max_new_tokens)
             dt = time.perf_counter() - t0
             seconds[a] += dt
-            by_stream[-1][a] = out.stats.new_tokens / dt
             by_stream_tokens[-1][a], by_stream_seconds[-1][a] = out.stats.new_tokens, dt
             tokens[a] += out.stats.new_tokens
             decode[a] += out.stats.decode_ms / 1e3
@@ -383,6 +381,7 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
             admissions[a] += out.stats.admissions
             texts[a].extend(out.new_tokens)
     same = sum(all(t == row[0] for t in row) for row in zip(*(texts[a] for a in arms)))
+    by_stream = [{a: n[a] / s[a] for a in n} for n, s in zip(by_stream_tokens, by_stream_seconds)]
     return {"tokens_per_s": {a: tokens[a] / seconds[a] for a in arms}, "tokens": tokens, "seconds": seconds,
             "decode_seconds": decode, "draft_prefill_seconds": reads, "prefill_seconds": prefill,
             "admissions": admissions, "accepted": accepted, "drafted": drafted,
