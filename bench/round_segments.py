@@ -27,6 +27,7 @@ import torch
 
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.benchmark import machine_description
+from specdec_ext.engine.profile import _sync  # the cost profiler's device synchronisation
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
@@ -34,11 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from budget_paired import parse_arm  # noqa: E402
 
 SEGMENTS = {"_draft": "draft_ms", "_verify": "verify_ms", "_roll_back": "roll_back_ms"}
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_call(gen: SpeculativeGenerator, call, synced: bool, device) -> tuple:
@@ -93,7 +89,7 @@ def summarise(rounds: list, plain: list) -> dict:
             "plain_step_ms": round(statistics.median(plain), 3) if plain else None}
 
 
-def device_busy(gen: SpeculativeGenerator, call, device) -> dict:
+def device_busy(call, device) -> dict:
     """``call()`` under torch.profiler: the host's self time summed over its ops and (on CUDA) the device's summed
     over its kernels and copies, in ms (the totals of the profiler's table), and the ten kernels with the most
     device time (the ten ops with the most host time on a CPU)."""
@@ -137,7 +133,7 @@ def measure(pair, prompts: list, batch_size: int, arms: list, max_new_tokens: in
         wall = time.perf_counter() - t0
         entry = {"tokens_per_s": round(result.stats.new_tokens / wall, 1), **summarise(rounds, plain)}
         if profile:
-            entry["profile"] = device_busy(gen, call, device)
+            entry["profile"] = device_busy(call, device)
         out[arm] = entry
         print(arm, json.dumps(entry if not profile else {k: v for k, v in entry.items() if k != "profile"}), flush=True)
         if profile:
