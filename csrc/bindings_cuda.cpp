@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+
 #include "cuda/launchers.h"
 #include "ops_common.h"
 
@@ -64,6 +66,8 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cuda(
                                out_bias, cum_accept, candidate_length, k_min, k_max, threshold);
   at::Tensor workspace;  // the split kernels' scratch (wide heads; cuda/launchers.h)
   const int64_t scratch = cuda::acceptance_head_workspace(t.args.batch, t.args.hidden_size, t.args.num_layers);
+  SPECDEC_CHK_VALUE(scratch >= 0, "acceptance_head_step: the environment variable SPECDEC_HEAD_KERNEL must be "
+                    "unset, 'fused' or 'split', got '", std::getenv("SPECDEC_HEAD_KERNEL"), "'");
   if (scratch > 0) {
     workspace = at::empty({scratch}, t.p_accept.options());
     t.args.workspace = workspace.data_ptr<float>();

@@ -81,6 +81,20 @@ def test_cuda_head_kernels_equal_the_cpu_kernel(kernel, monkeypatch):
         assert torch.equal(s2.cpu()[~close], s1[~close]), what
 
 
+def test_cuda_head_kernel_variable_other_than_fused_or_split_is_refused(monkeypatch):
+    """SPECDEC_HEAD_KERNEL set to a misspelling is an error naming the variable, not the default rule in silence;
+    set empty, it is as if unset."""
+    head = [t.cuda() if t is not None else None for t in head_args(B=2, H=256, F=3)]
+    monkeypatch.setenv("SPECDEC_HEAD_KERNEL", "splt")
+    with pytest.raises(ValueError, match="SPECDEC_HEAD_KERNEL must be unset, 'fused' or 'split', got 'splt'"):
+        ops.acceptance_head_step(*head, torch.ones(2, device="cuda"), 2, 1, 20, 0.5)
+    monkeypatch.setenv("SPECDEC_HEAD_KERNEL", "")
+    p, _ = ops.acceptance_head_step(*head, torch.ones(2, device="cuda"), 2, 1, 20, 0.5)
+    monkeypatch.delenv("SPECDEC_HEAD_KERNEL")
+    want, _ = ops.acceptance_head_step(*head, torch.ones(2, device="cuda"), 2, 1, 20, 0.5)
+    torch.testing.assert_close(p, want)
+
+
 @pytest.mark.parametrize("kernel", ["fused", "split"])
 def test_cuda_head_step_captured_in_cuda_graph_equals_eager(kernel, monkeypatch):
     """The head step (its workspace allocated from the graph's pool in the split kernels) replays as it runs."""

@@ -18,7 +18,8 @@ cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t stream);
 // The head step runs fused (one block per row; a.workspace = nullptr) or split over the GPU (a launch per stage,
 // a.workspace holding acceptance_head_workspace() floats). Narrow heads run fused, heads at least
 // kHeadSplitWidth wide split; the environment variable SPECDEC_HEAD_KERNEL=fused|split overrides the rule
-// (tests, benchmarks). Returns the floats of device scratch to pass, 0 for the fused kernel.
+// (tests, benchmarks). Returns the floats of device scratch to pass, 0 for the fused kernel, -1 when
+// SPECDEC_HEAD_KERNEL is set (non-empty) to anything else.
 int64_t acceptance_head_workspace(int64_t batch, int64_t hidden_size, int64_t num_layers);
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t stream);
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t stream);

@@ -647,8 +647,15 @@ cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t s) { retur
 int64_t acceptance_head_workspace(int64_t batch, int64_t hidden_size, int64_t num_layers) {
   const char* force = std::getenv("SPECDEC_HEAD_KERNEL");
   bool split = num_layers > 0 && hidden_size >= kHeadSplitWidth;
-  if (force != nullptr && std::strcmp(force, "fused") == 0) split = false;
-  if (force != nullptr && std::strcmp(force, "split") == 0) split = true;
+  if (force != nullptr && force[0] != '\0') {
+    if (std::strcmp(force, "fused") == 0) {
+      split = false;
+    } else if (std::strcmp(force, "split") == 0) {
+      split = true;
+    } else {
+      return -1;  // neither: the binding refuses it, naming the variable
+    }
+  }
   return split ? 2 * batch * hidden_size : 0;
 }
 
