@@ -1,26 +1,27 @@
 """The batch verification budget against fixed K at one batch size, side by side in one process.
 
-Arms: ``plain`` (decoding without a draft), ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with ``threshold="auto"``: the budget), an
-``auto`` arm optionally with budget options after colons (``auto:cost_fit=line:headroom=0.0``, passed as
-``SpecDecPP(budget_options=...)``); any arm may end in ``@eager`` or ``@grouped``, the ``admission`` of its calls
-(``generate_continuous``; default eager); and any arm may end in ``#label``, a replicate: the arm before the ``#`` run
-again with a generator and policy of its own (``K2,K2#b``), an A/A control. A replicate is never the best fixed K;
-it is reported over its original (pooled, in decoding, and per stream), which measures what the run's ratios mean:
-the arms are alike, so any difference is noise. Picking the best of several near-tied fixed K after the fact also
-favours the one whose noise ran high, so a method that ties them reads below 1.00x the best fixed K. Each arm
-keeps its own generator and policy for the whole run and is warmed up once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
+Arms: ``plain`` (decoding without a draft), ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with
+``threshold="auto"``: the budget), an ``auto`` arm optionally with budget options after colons
+(``auto:cost_fit=line:headroom=0.0``, passed as ``SpecDecPP(budget_options=...)``); any arm may end in ``@eager`` or
+``@grouped``, the ``admission`` of its calls (``generate_continuous``; default eager); and any arm may end in
+``#label``, a replicate: the arm before the ``#`` run again with a generator and policy of its own (``K2,K2#b``), an
+A/A control. A replicate is never the best fixed K; it is reported over its original (pooled, in decoding, and per
+stream), which measures what the run's ratios mean: the arms are alike, so any difference is noise. Picking the best
+of several near-tied fixed K after the fact also favours the one whose noise ran high, so a method that ties them
+reads below 1.00x the best fixed K. Each arm keeps its own generator and policy for the whole run and is warmed up
+once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
-``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again
-from pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the
-passes (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's (and its range over the
-streams, the noise of one stream's comparison); the same in decoding alone (tokens over the time of the decoding
-rounds, the prompts' prefills left out: at B = 64 they are most of the wall time and move by seconds from call
-to call, which hides the differences in decoding), the candidates drafted per row and round, and the seconds the
-draft spent reading the requests' contexts. At B = 64 on a 2-core CPU a pass moves by up to 10%: read ratios
-within one run, and several passes. Each arm that is not a fixed K gets a bootstrap 95% interval of its pooled
-ratio over the best fixed K (streams resampled whole, the best re-picked in each resample), and each replicate
-one of its ratio over its original: an A/A interval that excludes 1.00x says the streams' noise is not the
-whole of the run's noise (drift that lasts longer than a stream).
+``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again from
+pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the passes
+(tokens over seconds), and each arm's pooled tokens/s over the best fixed K's (and its range over the streams, the
+noise of one stream's comparison); the same in decoding alone (tokens over the time of the decoding rounds, the
+prompts' prefills left out: at B = 64 they are most of the wall time and move by seconds from call to call, which
+hides the differences in decoding), the candidates drafted per row and round, and the seconds the draft spent
+reading the requests' contexts. At B = 64 on a 2-core CPU a pass moves by up to 10%: read ratios within one run, and
+several passes. Each arm that is not a fixed K gets a bootstrap 95% interval of its pooled ratio over the best fixed
+K (streams resampled whole, the best re-picked in each resample), and each replicate one of its ratio over its
+original: an A/A interval that excludes 1.00x says the streams' noise is not the whole of the run's noise (drift
+that lasts longer than a stream).
 
 ``--context-tokens N`` makes long-context requests: request i is the last N tokens of HumanEval prompts ..., i + 2,
 i + 1, i joined (so it ends with prompt i's signature and docstring), for workloads where reading a request's context
