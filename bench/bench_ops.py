@@ -26,6 +26,7 @@ import torch
 from transformers.generation.utils import _speculative_sampling
 
 from specdec_ext import ops
+from specdec_ext.benchmark import balanced_order
 
 
 def make_inputs(B, K, V, seed=0, device="cpu"):
@@ -56,14 +57,14 @@ def _sync(device):
 
 
 def time_pair(fns, repeats, device="cpu", rotate=False):
-    """Median µs per call of each function, alternating so that drift hits all alike; with ``rotate`` each
-    repeat starts one function later, so that no function always runs after the same one (on a GPU a call
-    can find the caches as the one before left them)."""
+    """Median µs per call of each function, alternating so that drift hits all alike; with ``rotate`` the order
+    changes from repeat to repeat (``benchmark.balanced_order``: each function runs directly after each other one
+    equally often; on a GPU a call can find the caches, and the clocks, as the one before left them). An earlier
+    rotation of one order kept each function's predecessor in all but one repeat of n."""
     times = {name: [] for name in fns}
     names = list(fns)
     for rep in range(repeats):
-        shift = rep % len(names) if rotate else 0
-        for name in names[shift:] + names[:shift]:
+        for name in (balanced_order(names, rep) if rotate else names):
             fn = fns[name]
             _sync(device)
             t0 = time.perf_counter()

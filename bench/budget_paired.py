@@ -11,8 +11,9 @@ of several near-tied fixed K after the fact also favours the one whose noise ran
 reads below 1.00x the best fixed K. Each arm keeps its own generator and policy for the whole run and is warmed up
 once at the batch size, so that a budget has measured its depths before it is timed, as a server's would after its
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
-``rows_per_stream * B`` requests, the arms taking turns first from stream to stream and the order rotated again from
-pass to pass (``benchmark.alternate_streams``). Reports each arm's tokens/s per pass and pooled over the passes
+``rows_per_stream * B`` requests, the arms' order changing from stream to stream, over the passes one sequence of a
+Williams design (``benchmark.balanced_order``: each arm runs equally often in each position and directly after each
+other arm). Reports each arm's tokens/s per pass and pooled over the passes
 (tokens over seconds), and each arm's pooled tokens/s over the best fixed K's (and its range over the streams, the
 noise of one stream's comparison); the same in decoding alone (tokens over the time of the decoding rounds, the
 prompts' prefills left out: at B = 64 they are most of the wall time and move by seconds from call to call, which
@@ -145,9 +146,10 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
         return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos,
                                              admission=arm_admission(arm))
 
-    for p in range(passes):
-        order = arms[p % len(arms):] + arms[:p % len(arms)]
-        r = alternate_streams(generate, tuple(order), prompts, batch_size, rows_per_stream, max_new_tokens)
+    streams = -(-len(prompts) // (rows_per_stream * batch_size))  # per pass
+    for p in range(passes):  # the passes continue one balanced sequence of orders (benchmark.balanced_order)
+        r = alternate_streams(generate, tuple(arms), prompts, batch_size, rows_per_stream, max_new_tokens,
+                              first_stream=p * streams)
         per_pass.append(r["tokens_per_s"])
         by_stream += r["by_stream"]
         stream_tokens += r["by_stream_tokens"]

@@ -3,8 +3,8 @@
 **Continuous batching** (the default, as a server runs): for each batch size B the prompts are cut, in
 order, into streams of 4 B requests, and every method serves each stream in one
 ``SpeculativeGenerator.generate_continuous`` call: B requests live at once, and a request that finishes
-hands its row to the next one in the queue after that round. Methods rotate per stream, so machine drift
-falls on all alike. Each stream ends with a tail in which the batch drains (B - 1 requests or fewer).
+hands its row to the next one in the queue after that round. The methods' order changes per stream
+(``benchmark.balanced_order``), so machine drift, and what a method leaves behind for the next, falls on all alike. Each stream ends with a tail in which the batch drains (B - 1 requests or fewer).
 
 **Static batches** (``refill=False``, ``--static-batches``): the prompts are cut into groups of B (left-padded)
 served by one ``generate()`` call each; a row that finishes leaves the batch but nothing takes its place, so
@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from .benchmark import Method, RunRecord
+from .benchmark import Method, RunRecord, balanced_order
 from .engine import SpeculativeGenerator
 from .engine.admission import check_admission
 
@@ -98,8 +98,8 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
                         refill: bool = True, repeats: int = 1, draft_context: Optional[int] = None,
                         length_spread: int = 0, admission: str = "eager") -> list[BatchRecord]:
     """Every method on every stream (``refill``, continuous batching) or group (static batches) of every batch
-    size (see the module docstring), ``repeats`` passes over them per batch size (the method order rotated by
-    stream and pass, so slow drift of the machine's speed falls on every method alike). ``methods``: ours only.
+    size (see the module docstring), ``repeats`` passes over them per batch size (the method order changing by
+    stream and pass, ``benchmark.balanced_order``, so slow drift of the machine's speed falls on every method alike). ``methods``: ours only.
     ``draft_context``: the speculative methods' draft reads at most the last that many tokens of a request's
     context (``SpeculativeGenerator(draft_context=)``; None: all of it). ``length_spread`` S (continuous batching
     only): request i asks for its own number of tokens, drawn once (uniform, seeded by ``seed``) from
@@ -145,9 +145,9 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     bar = tqdm(total=n_calls * len(methods), desc="bench (batches)", unit="call", disable=not progress)
     records = []
     for B in batch_sizes:
+        n_groups = -(-len(encoded) // size(B))
         for rep, (g, ids, mask) in ((r, x) for r in range(repeats) for x in _groups(encoded, size(B), pad)):
-            shift = (g + rep) % len(methods)
-            order = methods[shift:] + methods[:shift]
+            order = balanced_order(methods, g + rep * n_groups)  # one balanced sequence over the repeats
             for m in order:
                 at = g * size(B)  # the group's first request
                 kw = dict(max_new_tokens=limits[at : at + ids.shape[0]] if length_spread else max_new_tokens,

@@ -1,7 +1,8 @@
 """End-to-end benchmark: candidate-length policies side by side with plain decoding and Hugging Face's
 assisted generation, on the same models, prompts and seeds, in one process.
 
-Methods run prompt by prompt in a rotating order (so drift on the machine hits all alike). For every
+Methods run prompt by prompt, in an order that changes from prompt to prompt (:func:`balanced_order`), so that drift on
+the machine and any carry-over from one method to the next hit all alike. For every
 run the figures come from that run: wall time, tokens, forward passes of each model (counted with
 hooks, the same way for our loop and for ``transformers``), and for our engine its round statistics.
 Greedy runs of every method must produce the same text; a difference is reported instead of a speed.
@@ -23,6 +24,31 @@ from tqdm.auto import tqdm
 
 from .engine import SpeculativeGenerator
 from .policies import CandidateLengthPolicy, DraftStep, make_policy
+
+
+def balanced_order(items, i: int) -> list:
+    """The order in which ``items`` (n of them) run the i-th time (prompt, stream or pass i): row i of a Williams
+    design (E. J. Williams, 1949), a Latin square balanced for first-order carry-over, repeated. Over a full cycle of
+    n rows (2n for odd n) every item runs in every position equally often and directly after every other item equally
+    often. A rotation of one order, which this replaces, keeps each item's predecessor in all but one row of n, so an
+    item slowed by what ran just before it (caches, the allocator's state) would be slowed every time. Row 0 is
+    ``items`` in the given order."""
+    items, n = list(items), len(items)
+    if n <= 1:
+        return items
+    base, low, high = [0], 1, n - 1  # 0, 1, n - 1, 2, n - 2, ...
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    label = [0] * n  # relabelled so that row 0 is the items' own order (a relabelling keeps the balance)
+    for k, b in enumerate(base):
+        label[b] = k
+    r = i % (n if n % 2 == 0 else 2 * n)
+    row = [label[(b + r) % n] for b in base]
+    return [items[j] for j in (row[::-1] if r >= n else row)]
 
 
 class CallCounter:
@@ -215,7 +241,8 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
 
 def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_tokens: int = 128, temperature: float = 0.0,
                   seed: int = 0, progress: bool = True, warmup: bool = True, costs=None) -> list[RunRecord]:
-    """Every method on every prompt, rotating the order per prompt. The first method must be plain decoding.
+    """Every method on every prompt, the order changing per prompt (:func:`balanced_order`). The first method must be
+    plain decoding.
     ``costs``: the pair's cost model for cost-aware policies (default: profiled once, cached)."""
     import copy
 
@@ -238,7 +265,7 @@ def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_token
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress, unit="run")
     for i, ids in enumerate(encoded):
         reference = None
-        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        order = balanced_order(methods, i)
         # the oracle needs plain decoding's tokens of this prompt: run it after plain
         order = [m for m in order if m.family != "oracle"] + [m for m in order if m.family == "oracle"]
         for m in order:
@@ -334,10 +361,11 @@ def machine_description(pair) -> dict:
 
 
 def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size: int, rows_per_stream: int,
-                      max_new_tokens: int) -> dict:
+                      max_new_tokens: int, first_stream: int = 0) -> dict:
     """Two or more arms (e.g. two drafts) over the same requests, greedy, continuous batching: ``prompts`` split
-    into streams of ``rows_per_stream * batch_size``, the arms taking turns first from stream to stream, after one
-    short warm-up call of each at this batch size. ``generate(arm, stream, max_new_tokens)`` runs one stream and
+    into streams of ``rows_per_stream * batch_size``, the arms' order changing from stream to stream
+    (:func:`balanced_order`; stream i runs in order ``first_stream + i``, so that several calls continue one
+    sequence), after one short warm-up call of each at this batch size. ``generate(arm, stream, max_new_tokens)`` runs one stream and
     returns a ``GenerationOutput``.
 
     Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), with the ``tokens`` and ``seconds`` behind it
@@ -365,7 +393,7 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
         stream = prompts[start:start + step]
         by_stream_tokens.append({})
         by_stream_seconds.append({})
-        for a in arms[i % len(arms):] + arms[:i % len(arms)]:
+        for a in balanced_order(arms, first_stream + i):
             t0 = time.perf_counter()
             out = generate(a, stream, max_new_tokens)
             dt = time.perf_counter() - t0

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from specdec_ext.benchmark import (Oracle, arms_line, format_table, load_results, run_benchmark, save_json,
-                                   standard_methods, summarize)
+from specdec_ext.benchmark import (Oracle, arms_line, balanced_order, format_table, load_results, run_benchmark,
+                                   save_json, standard_methods, summarize)
 from specdec_ext.benchmark_cli import cost_model_replay
 from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
 from specdec_ext.zoo import ModelPair
@@ -176,8 +177,27 @@ def test_batch_benchmark_rows_texts_and_request_times(run, tmp_path, refill):
         run_batch_benchmark(pair, prompts, methods, [1], progress=False, costs=TEST_COSTS)
 
 
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_order_is_a_williams_design(n):
+    """Over a full cycle (n orders for even n, 2n for odd n) every item runs in every position equally often and
+    directly after every other item equally often (first-order carry-over balanced); order 0 is the items' own; the
+    cycle repeats. A rotation of one order (what the benchmarks used before) fails the second property."""
+    items = [f"m{j}" for j in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    rows = [balanced_order(items, i) for i in range(cycle)]
+    assert rows[0] == items and balanced_order(items, cycle + 3) == rows[3 % cycle]
+    assert all(sorted(r) == items for r in rows)
+    for pos in range(n):
+        assert Counter(r[pos] for r in rows) == {m: cycle // n for m in items}
+    follows = Counter((a, b) for r in rows for a, b in zip(r, r[1:]))
+    assert follows == {(a, b): cycle // n for a in items for b in items if a != b}
+    if n >= 3:  # the rotations of one order: each item follows one other only, n - 1 times in n
+        rotated = Counter((a, b) for i in range(n) for r in [items[i:] + items[:i]] for a, b in zip(r, r[1:]))
+        assert len(rotated) == n and set(rotated.values()) == {n - 1}
+
+
 def test_batch_benchmark_repeats_pool_every_pass(run):
-    """``repeats=2``: every (method, stream) twice, the method order rotated between passes; the summary pools both
+    """``repeats=2``: every (method, stream) twice, the method order changed between passes; the summary pools both
     passes (tokens and wall time) and gives each pass's tokens/s; texts are compared pass by pass."""
     from specdec_ext.batch_bench import run_batch_benchmark, summarize_batches
 
@@ -188,7 +208,7 @@ def test_batch_benchmark_repeats_pool_every_pass(run):
     assert sorted((r.method, r.repeat) for r in records) == sorted((m.name, p) for m in ours for p in (0, 1))
     first = [r.method for r in records if r.repeat == 0]
     second = [r.method for r in records if r.repeat == 1]
-    assert first != second and sorted(first) == sorted(second)  # rotated, not the same order again
+    assert first != second and sorted(first) == sorted(second)  # reordered, not the same order again
     rows = summarize_batches(records, ours)
     for row in rows:
         runs = [r for r in records if r.method == row["method"]]
