@@ -13,16 +13,15 @@ once at the batch size, so that a budget has measured its depths before it is ti
 first requests. Then ``--passes`` passes over the prompts (greedy, continuous batching), each split into streams of
 ``rows_per_stream * B`` requests, the arms' order changing from stream to stream, over the passes one sequence of a
 Williams design (``benchmark.balanced_order``: each arm runs equally often in each position and directly after each
-other arm). Reports each arm's tokens/s per pass and pooled over the passes
-(tokens over seconds), and each arm's pooled tokens/s over the best fixed K's (and its range over the streams, the
-noise of one stream's comparison); the same in decoding alone (tokens over the time of the decoding rounds, the
-prompts' prefills left out: at B = 64 they are most of the wall time and move by seconds from call to call, which
-hides the differences in decoding), the candidates drafted per row and round, and the seconds the draft spent
-reading the requests' contexts. At B = 64 on a 2-core CPU a pass moves by up to 10%: read ratios within one run, and
-several passes. Each arm that is not a fixed K gets a bootstrap 95% interval of its pooled ratio over the best fixed
-K (streams resampled whole, the best re-picked in each resample), and each replicate one of its ratio over its
-original: an A/A interval that excludes 1.00x says the streams' noise is not the whole of the run's noise (drift
-that lasts longer than a stream).
+other arm). Reports each arm's tokens/s per pass and pooled over the passes (tokens over seconds), and each arm's
+pooled tokens/s over the best fixed K's (and its range over the streams, the noise of one stream's comparison); the
+same in decoding alone (tokens over the time of the decoding rounds, the prompts' prefills left out: at B = 64 they
+are most of the wall time and move by seconds from call to call, which hides the differences in decoding), the
+candidates drafted per row and round, and the seconds the draft spent reading the requests' contexts. At B = 64 on a
+2-core CPU a pass moves by up to 10%: read ratios within one run, and several passes. Each arm that is not a fixed K
+gets a bootstrap 95% interval of its pooled ratio over the best fixed K (streams resampled whole, the best re-picked
+in each resample), and each replicate one of its ratio over its original: an A/A interval that excludes 1.00x says
+the streams' noise is not the whole of the run's noise (drift that lasts longer than a stream).
 
 ``--context-tokens N`` makes long-context requests: request i is the last N tokens of HumanEval prompts ..., i + 2,
 i + 1, i joined (so it ends with prompt i's signature and docstring), for workloads where reading a request's context

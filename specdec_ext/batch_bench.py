@@ -4,7 +4,8 @@
 order, into streams of 4 B requests, and every method serves each stream in one
 ``SpeculativeGenerator.generate_continuous`` call: B requests live at once, and a request that finishes
 hands its row to the next one in the queue after that round. The methods' order changes per stream
-(``benchmark.balanced_order``), so machine drift, and what a method leaves behind for the next, falls on all alike. Each stream ends with a tail in which the batch drains (B - 1 requests or fewer).
+(``benchmark.balanced_order``), so machine drift, and what a method leaves behind for the next, falls on all
+alike. Each stream ends with a tail in which the batch drains (B - 1 requests or fewer).
 
 **Static batches** (``refill=False``, ``--static-batches``): the prompts are cut into groups of B (left-padded)
 served by one ``generate()`` call each; a row that finishes leaves the batch but nothing takes its place, so
@@ -99,7 +100,8 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
                         length_spread: int = 0, admission: str = "eager") -> list[BatchRecord]:
     """Every method on every stream (``refill``, continuous batching) or group (static batches) of every batch
     size (see the module docstring), ``repeats`` passes over them per batch size (the method order changing by
-    stream and pass, ``benchmark.balanced_order``, so slow drift of the machine's speed falls on every method alike). ``methods``: ours only.
+    stream and pass, ``benchmark.balanced_order``, so slow drift of the machine's speed falls on every method
+    alike). ``methods``: ours only.
     ``draft_context``: the speculative methods' draft reads at most the last that many tokens of a request's
     context (``SpeculativeGenerator(draft_context=)``; None: all of it). ``length_spread`` S (continuous batching
     only): request i asks for its own number of tokens, drawn once (uniform, seeded by ``seed``) from

@@ -1,12 +1,11 @@
 """End-to-end benchmark: candidate-length policies side by side with plain decoding and Hugging Face's
 assisted generation, on the same models, prompts and seeds, in one process.
 
-Methods run prompt by prompt, in an order that changes from prompt to prompt (:func:`balanced_order`), so that drift on
-the machine and any carry-over from one method to the next hit all alike. For every
-run the figures come from that run: wall time, tokens, forward passes of each model (counted with
-hooks, the same way for our loop and for ``transformers``), and for our engine its round statistics.
-Greedy runs of every method must produce the same text; a difference is reported instead of a speed.
-"""
+Methods run prompt by prompt, in an order that changes from prompt to prompt (:func:`balanced_order`), so that drift
+on the machine and any carry-over from one method to the next hit all alike. For every run the figures come from
+that run: wall time, tokens, forward passes of each model (counted with hooks, the same way for our loop and for
+``transformers``), and for our engine its round statistics. Greedy runs of every method must produce the same text;
+a difference is reported instead of a speed."""
 
 from __future__ import annotations
 
@@ -365,8 +364,8 @@ def alternate_streams(generate: Callable, arms: tuple, prompts: list, batch_size
     """Two or more arms (e.g. two drafts) over the same requests, greedy, continuous batching: ``prompts`` split
     into streams of ``rows_per_stream * batch_size``, the arms' order changing from stream to stream
     (:func:`balanced_order`; stream i runs in order ``first_stream + i``, so that several calls continue one
-    sequence), after one short warm-up call of each at this batch size. ``generate(arm, stream, max_new_tokens)`` runs one stream and
-    returns a ``GenerationOutput``.
+    sequence), after one short warm-up call of each at this batch size. ``generate(arm, stream, max_new_tokens)``
+    runs one stream and returns a ``GenerationOutput``.
 
     Returns: ``tokens_per_s`` (aggregate, wall time of the arm's calls), with the ``tokens`` and ``seconds`` behind it
     (to pool several calls), ``decode_seconds`` (the time of the calls' decoding rounds, prefills and admission left
