@@ -56,15 +56,15 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_pair(fns, repeats, device="cpu", rotate=False):
-    """Median µs per call of each function, alternating so that drift hits all alike; with ``rotate`` the order
+def time_pair(fns, repeats, device="cpu", balanced=False):
+    """Median µs per call of each function, alternating so that drift hits all alike; with ``balanced`` the order
     changes from repeat to repeat (``benchmark.balanced_order``: each function runs directly after each other one
     equally often; on a GPU a call can find the caches, and the clocks, as the one before left them). An earlier
     rotation of one order kept each function's predecessor in all but one repeat of n."""
     times = {name: [] for name in fns}
     names = list(fns)
     for rep in range(repeats):
-        for name in (balanced_order(names, rep) if rotate else names):
+        for name in (balanced_order(names, rep) if balanced else names):
             fn = fns[name]
             _sync(device)
             t0 = time.perf_counter()

@@ -8,7 +8,7 @@ layer's H x H weights alone (one launch), and *split*, a launch per stage with t
 on a CPU the op's CPU kernel and the composition. Heads of L = 3 residual blocks (the paper's, Sec. 4.1) with the
 three draft-confidence features of the bundled heads. Each call is timed from a synchronised start to a
 synchronised end (host wall clock: launch overhead counts, as in a drafting step that reads the stop flags); the
-variants alternate, each repeat starting one variant later, medians of ``--repeats``. Each variant's p_hat
+variants alternate in a balanced order (``benchmark.balanced_order``), medians of ``--repeats``. Each variant's p_hat
 is checked against the composition's first.
 
     python bench/head_step.py --device cuda --out docs/results/head_step_cuda.json
@@ -72,7 +72,7 @@ def measure(device: str, widths, batches, layers: int = 3, repeats: int = 30) ->
                 fns["split"] = _kernel("split", args, cum)
             want = fns["composition"]()[0]
             err = {name: float((fn()[0] - want).abs().max()) for name, fn in fns.items() if name != "composition"}
-            us = time_pair(fns, repeats, device, rotate=True)
+            us = time_pair(fns, repeats, device, balanced=True)
             row = {"H": H, "B": B, "L": layers, "us": {k: round(v, 1) for k, v in us.items()},
                    "max_abs_err": err}
             if device == "cuda":

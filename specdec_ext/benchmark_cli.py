@@ -55,7 +55,7 @@ def add_arguments(p):
                         "(e.g. 1,4,16,64), for plain decoding, fixed K, SpecDec++ and the heuristic; continuous "
                         "batching (a finished request's row goes to the next one) unless --static-batches")
     p.add_argument("--repeats", type=int, default=1,
-                   help="with --batch-sizes: passes over the streams per batch size, the method order rotated per pass "
+                   help="with --batch-sizes: passes over the streams per batch size, the method order changing per pass "
                         "(the figures pool every pass; on a shared machine one pass can drift by 10-20%%)")
     p.add_argument("--static-batches", action="store_true",
                    help="with --batch-sizes: static batches (groups of B; a finished row is not refilled)")
