@@ -145,10 +145,9 @@ def compare(pair, prompts: list, batch_size: int, arms: list, passes: int, max_n
         return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos,
                                              admission=arm_admission(arm))
 
-    streams = -(-len(prompts) // (rows_per_stream * batch_size))  # per pass
     for p in range(passes):  # the passes continue one balanced sequence of orders (benchmark.balanced_order)
         r = alternate_streams(generate, tuple(arms), prompts, batch_size, rows_per_stream, max_new_tokens,
-                              first_stream=p * streams)
+                              first_stream=len(by_stream))
         per_pass.append(r["tokens_per_s"])
         by_stream += r["by_stream"]
         stream_tokens += r["by_stream_tokens"]

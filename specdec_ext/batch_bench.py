@@ -147,9 +147,9 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     bar = tqdm(total=n_calls * len(methods), desc="bench (batches)", unit="call", disable=not progress)
     records = []
     for B in batch_sizes:
-        n_groups = -(-len(encoded) // size(B))
-        for rep, (g, ids, mask) in ((r, x) for r in range(repeats) for x in _groups(encoded, size(B), pad)):
-            order = balanced_order(methods, g + rep * n_groups)  # one balanced sequence over the repeats
+        calls = ((r, x) for r in range(repeats) for x in _groups(encoded, size(B), pad))
+        for call, (rep, (g, ids, mask)) in enumerate(calls):
+            order = balanced_order(methods, call)  # one balanced sequence over the groups of every repeat
             for m in order:
                 at = g * size(B)  # the group's first request
                 kw = dict(max_new_tokens=limits[at : at + ids.shape[0]] if length_spread else max_new_tokens,
