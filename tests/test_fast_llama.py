@@ -177,4 +177,4 @@ def test_profile_key_tells_the_packed_runner_from_f_linear():
     finally:
         FastLlamaRunner.packed_default = None
     assert packed != linear and profile_key(target, draft, True, 8) == packed
-    assert profile_key(target, draft, False, 8) != packed  # the transformers runner: no packed weights either way
+    assert profile_key(target, draft, False, 8) != packed  # the transformers runner, whose packing is its own

@@ -15,7 +15,8 @@ per model and rebuilt when a weight tensor changes.
 
 It is used only for the draft: the draft's numbers need not match ``transformers`` bit for bit,
 because the verifier uses exactly the q the draft sampled from (losslessness only needs that), while
-the target always runs ``transformers``' own forward. It has the interface of ``CausalLMRunner``
+the target always runs ``transformers``' own forward (its linear layers packed for oneDNN likewise on a CPU:
+``engine/onednn_linear.py``). It has the interface of ``CausalLMRunner``
 (rows of a batch keep their own positions; rejected positions become attention-mask holes).
 """
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from . import onednn_linear
 from .attention import kernel_takes
 from .kv_cache import take_rows
 from .runner import TimedRunner, new_column_mask, usable_device
@@ -37,15 +39,7 @@ from .runner import TimedRunner, new_column_mask, usable_device
 _PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def packed_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether :class:`FastLlamaRunner` can run its matmuls through oneDNN with packed weights: a CPU tensor of
-    float32, or of bfloat16 on a CPU whose oneDNN has a bf16 path (AVX512BW/VL/DQ, AVX-NE-CONVERT or AMX; an AVX2-only
-    CPU has none), and a torch built with oneDNN (mkldnn)."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
-        return False
-    if not (hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return False
-    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+packed_linear_available = onednn_linear.available  # the lean runner's test, as before
 
 
 def uses_packed(device: torch.device, dtype: torch.dtype, packed: Optional[bool] = None) -> bool:
@@ -54,11 +48,6 @@ def uses_packed(device: torch.device, dtype: torch.dtype, packed: Optional[bool]
     if packed is None:
         packed = FastLlamaRunner.packed_default
     return packed_linear_available(device, dtype) if packed is None else bool(packed)
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` for a weight packed by ``torch.ops.mkldnn._reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def _fingerprint(model) -> tuple:
@@ -111,7 +100,7 @@ class FastLlamaRunner(TimedRunner):
                              f"available: {torch.backends.mkldnn.is_available()}, bf16 path: "
                              f"{bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())})")
         self.packed = uses_packed(self.device, self.dtype, packed)
-        self._linear: Callable = _packed_linear if self.packed else F.linear
+        self._linear: Callable = onednn_linear.linear if self.packed else F.linear
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -132,7 +121,7 @@ class FastLlamaRunner(TimedRunner):
         hit = kept.get(self.packed)
         if hit is not None and hit[0] == key:
             return hit[1]
-        pack = (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), 4)) if self.packed else (lambda w: w)
+        pack = onednn_linear.pack if self.packed else (lambda w: w)
         base = model.model
         with torch.no_grad():
             layers = []

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from ..policies.goodput import CostModel, isotonic
-from . import fast_llama
+from . import fast_llama, onednn_linear
 from .tensor_parallel import from_rank0, is_main_process, tp_size
 
 
@@ -53,9 +53,13 @@ def _model_key(model) -> dict:
 
 def profile_key(target, draft, fast_draft: bool, k_max: int) -> str:
     p = next(draft.parameters())  # the lean runner's matmuls (packed oneDNN weights or F.linear) change its costs
-    packed = bool(fast_draft) and fast_llama.supports(draft) and fast_llama.uses_packed(p.device, p.dtype)
+    from .runner import CausalLMRunner
+
+    lean = bool(fast_draft) and fast_llama.supports(draft)
+    packed = fast_llama.uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, CausalLMRunner.packed_default)
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
+            "target_linear": "onednn-packed" if onednn_linear.wanted(target, CausalLMRunner.packed_default) else "torch",
             "target_cache": "growing",  # the target runner's KV cache appends in place (engine/kv_cache.py)
             "target_attention": getattr(target.config, "_attn_implementation", None),
             "draft_attention": "decode_attention" if fast_llama.FastLlamaRunner.uses_attention_kernel(p.device, 1)

@@ -29,7 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from .attention import NAME as ATTENTION_NAME
+from . import onednn_linear
 from .kv_cache import GrowingCache, GrowingLayer
+from .onednn_linear import PackedLinears
 from .packing import PACKABLE_MODEL_TYPES, PackedRows
 from .packing import packed as packed_forward
 from .tensor_parallel import tp_size
@@ -236,13 +238,24 @@ def sliding_layout(model) -> Optional[dict]:
 
 
 class CausalLMRunner(TimedRunner):
+    """``model`` (a transformers causal LM) with its KV cache and rows (module docstring). ``packed``: run its
+    ``torch.nn.Linear`` layers through oneDNN with weights packed once (``engine/onednn_linear.py``; False:
+    ``F.linear``; None: :attr:`packed_default`, and where that is None as ``onednn_linear.wanted`` decides: a CPU
+    float32 model of at most 2 GiB of linear weights).
+
+    Raises:
+        ValueError: ``model``'s weights are not loaded (meta device), or ``packed=True`` where oneDNN cannot."""
+
     cache_class = GrowingCache  # transformers' DynamicCache to compare (bench/kv_cache.py): the same API, by torch.cat
+    packed_default: Optional[bool] = None  # what packed=None means, for every runner (e.g. False to compare)
     _state = ("cache", "mask", "next_pos", "col_pos")
 
-    def __init__(self, model, name: str):
+    def __init__(self, model, name: str, packed: Optional[bool] = None):
         self.model = model
         self.name = name
         self.device = usable_device(model, name)
+        packed = self.packed_default if packed is None else packed
+        self.linears = PackedLinears(model) if onednn_linear.wanted(model, packed) else None
         self.layout = sliding_layout(model)
         self.col_pos: Optional[torch.Tensor] = None   # [B, C] position id of every cache column (sliding models)
         self.cache: Optional[DynamicCache] = None
@@ -308,8 +321,9 @@ class CausalLMRunner(TimedRunner):
             if hidden and self._hook is None:
                 self._hook = self.model.get_output_embeddings().register_forward_pre_hook(self._capture)
             self._hidden = None
-            out = self.model(input_ids=tokens, attention_mask=attention, position_ids=position_ids,
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+            with self._linears():
+                out = self.model(input_ids=tokens, attention_mask=attention, position_ids=position_ids,
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
             logits = out.logits
         self.calls += 1
         self.next_pos = self.next_pos + steps[:, -1]
@@ -324,11 +338,19 @@ class CausalLMRunner(TimedRunner):
         sees the row's valid columns up to its own."""
         plan = PackedRows.from_valid(valid)
         mask = new_column_mask(self.mask, tokens.shape[1])
-        with packed_forward(plan):
+        with packed_forward(plan), self._linears():
             out = self.model(input_ids=tokens[valid].view(1, -1), attention_mask=mask,
                              position_ids=position_ids[valid].view(1, -1), past_key_values=self.cache,
                              use_cache=True, logits_to_keep=0)
         return plan.spread(out.logits, 1)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the model's linear layers run with packed oneDNN weights (``packed`` of the constructor)."""
+        return self.linears is not None
+
+    def _linears(self):
+        return self.linears.applied() if self.linears is not None else contextlib.nullcontext()
 
     def _capture(self, module, args):
         self._hidden = args[0]

@@ -1,0 +1,29 @@
+"""The target runner's linear layers: oneDNN with weights packed once (``engine/onednn_linear.py``) against torch's
+``F.linear`` (MKL's sgemm on a CPU).
+
+For the bundled pair in one process, greedy, continuous batching of HumanEval prompts, the two arms alternating
+stream by stream (``benchmark.alternate_streams``), for plain decoding and fixed K at each batch size: aggregate
+tokens/s, the ratio packed / F.linear, and the share of requests with the same tokens (the two compute the same
+function up to rounding, about 1e-5 relative in float32, so a near-tie of the target could flip a token). The lean
+draft runner packs its own weights in both arms.
+
+    python bench/target_linear.py --out docs/results/target_linear.json   # about 15 minutes
+"""
+
+from __future__ import annotations
+
+from specdec_ext.benchmark import setting_switch, switched_arm_script
+from specdec_ext.engine.runner import CausalLMRunner
+from specdec_ext.zoo import load_pair
+
+RUNNERS = {"packed": None, "F.linear": False}  # None: the runner's default, which packs a CPU float32 target
+use = setting_switch(CausalLMRunner, "packed_default", RUNNERS)  # the generator makes its target runner per call
+
+# compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
+compare, main = switched_arm_script(
+    __doc__, "target_linear", tuple(RUNNERS), use, "packed_over_linear", load_pair, "1,4,16,64", 64)
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
