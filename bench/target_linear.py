@@ -5,19 +5,26 @@ For the bundled pair in one process, greedy, continuous batching of HumanEval pr
 stream by stream (``benchmark.alternate_streams``), for plain decoding and fixed K at each batch size: aggregate
 tokens/s, the ratio packed / F.linear, and the share of requests with the same tokens (the two compute the same
 function up to rounding, about 1e-5 relative in float32, so a near-tie of the target could flip a token). The lean
-draft runner packs its own weights in both arms.
+draft runner packs its own weights in both arms. The packed arm packs a bf16 target too (the runner's default packs
+float32 only).
 
     python bench/target_linear.py --out docs/results/target_linear.json   # about 15 minutes
 """
 
 from __future__ import annotations
 
-from specdec_ext.benchmark import setting_switch, switched_arm_script
+from specdec_ext.benchmark import switched_arm_script
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.zoo import load_pair
 
-RUNNERS = {"packed": None, "F.linear": False}  # None: the runner's default, which packs a CPU float32 target
-use = setting_switch(CausalLMRunner, "packed_default", RUNNERS)  # the generator makes its target runner per call
+RUNNERS = {"packed": True, "F.linear": False}  # True also where the default would not pack (a bf16 target)
+
+
+def use(arm) -> None:
+    """The arm's packing for the target runners made from now on (the generator makes one per call); None: the
+    runner's own default again."""
+    CausalLMRunner.packed_default = None if arm is None else RUNNERS[arm]
+
 
 # compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
 compare, main = switched_arm_script(

@@ -405,6 +405,28 @@ def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
     assert CausalLMRunner.cache_class is GrowingCache
 
 
+def test_target_linear_script_compares_packed_and_f_linear_layers_on_the_same_requests(monkeypatch):
+    """bench/target_linear.py on a tiny float32 pair: the packed arm's target runners pack their layers and the
+    F.linear arm's do not, both run every request with the same tokens, and the runners' default is back to None."""
+    from specdec_ext.engine import runner
+    from specdec_ext.engine.onednn_linear import PackedLinears, available
+
+    if not available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN linear with packed weights")
+    made = []
+
+    class Counted(PackedLinears):
+        def __init__(self, model):
+            made.append(runner.CausalLMRunner.packed_default)
+            super().__init__(model)
+
+    monkeypatch.setattr(runner, "PackedLinears", Counted)
+    mod = _bench_script("target_linear")
+    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("packed", "F.linear"), "packed_over_linear")
+    assert made and set(made) == {True}  # only the packed arm packs
+    assert runner.CausalLMRunner.packed_default is None
+
+
 def test_prefill_chunks_script_compares_chunked_and_whole_prefills_on_the_same_requests():
     """bench/prefill_chunks.py on a tiny pair: both prefill settings run every request, with the same tokens, for
     plain decoding and fixed K; and the module-wide chunk size is back to its default."""

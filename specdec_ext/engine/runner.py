@@ -28,8 +28,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
-from .attention import NAME as ATTENTION_NAME
 from . import onednn_linear
+from .attention import NAME as ATTENTION_NAME
 from .kv_cache import GrowingCache, GrowingLayer
 from .onednn_linear import PackedLinears
 from .packing import PACKABLE_MODEL_TYPES, PackedRows
