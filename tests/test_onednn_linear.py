@@ -31,9 +31,9 @@ def test_packed_layers_compute_the_same_function_and_leave_the_model_as_it_was(a
     model = make_target(arch)
     want = logits(model)
     packed = PackedLinears(model)
-    assert packed.weights or arch == "gpt2"  # gpt2's only nn.Linear is its LM head
+    assert packed.forwards or arch == "gpt2"  # gpt2's only nn.Linear is its LM head
     with packed.applied():
-        assert instance_forwards(model) == len(packed.weights)
+        assert instance_forwards(model) == len(packed.forwards)
         got = logits(model)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert instance_forwards(model) == 0
@@ -60,7 +60,7 @@ def test_the_packed_path_is_taken_and_undone_even_when_the_forward_raises():
                 raise RuntimeError("boom")
     finally:
         onednn_linear.linear = saved
-    assert len(calls) == len(packed.weights) and head in packed.weights  # every layer once, the LM head included
+    assert len(calls) == len(packed.forwards) and head in packed.forwards  # every layer once, the LM head included
     assert instance_forwards(model) == 0
 
 
@@ -72,7 +72,7 @@ def test_a_layer_with_its_own_instance_forward_is_left_alone():
     own = head.forward
     hook = head.forward = lambda x: own(x) * 0.0
     packed = PackedLinears(model)
-    assert head not in packed.weights and len(packed.weights) == 14  # 2 layers x 7 projections
+    assert head not in packed.forwards and len(packed.forwards) == 14  # 2 layers x 7 projections
     with packed.applied():
         assert torch.count_nonzero(logits(model)) == 0
     assert head.__dict__["forward"] is hook and torch.count_nonzero(logits(model)) == 0
@@ -81,12 +81,12 @@ def test_a_layer_with_its_own_instance_forward_is_left_alone():
 @needs_onednn
 def test_weights_changed_in_place_are_packed_again():
     model = make_target("llama")
-    first = PackedLinears(model).weights
-    assert PackedLinears(model).weights is first  # kept per model while the weights stay the same
+    first = PackedLinears(model).forwards
+    assert PackedLinears(model).forwards is first  # kept per model while the weights stay the same
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(-1.0)
     again = PackedLinears(model)
-    assert again.weights is not first
+    assert again.forwards is not first
     with again.applied():
         got = logits(model)
     torch.testing.assert_close(got, logits(model), rtol=1e-4, atol=1e-4)

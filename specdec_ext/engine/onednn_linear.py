@@ -7,7 +7,7 @@ weight packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` once, then
 ``torch.ops.mkldnn._linear_pointwise``); the layers' projections 1.3-1.7x less at M = 4-16; at M >= 600 (a
 prefill) the two are level. End to end (128 HumanEval prompts, 48 tokens, greedy, continuous batching at B = 4,
 one process, the arms interleaved): plain decoding 1.50x faster, fixed K = 2 1.28x, the same tokens in every
-request (:mod:`bench.target_linear`).
+request (``bench/target_linear.py``).
 
 :class:`PackedLinears` holds the packed weights of every ``torch.nn.Linear`` of a model (kept per model while its
 weights stay the same tensors at the same version), and :meth:`PackedLinears.applied` routes those layers' calls to
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 # (the bundled target: 118 MB); CausalLMRunner.packed_default = True packs any size.
 AUTO_MAX_BYTES = 2 << 30
 
-# model -> (fingerprint of its weights, {layer: packed weight})
+# model -> (fingerprint of its weights, {layer: its forward with the packed weight})
 _PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -86,7 +86,8 @@ def wanted(model, packed: Optional[bool]) -> bool:
 
 
 class PackedLinears:
-    """The packed weights of ``model``'s linear layers (:func:`_layers`), made once per model and weights."""
+    """The packed weights of ``model``'s linear layers (:func:`_layers`) and the forwards that use them
+    (``forwards``: layer -> forward), made once per model and weights."""
 
     def __init__(self, model):
         layers = _layers(model)
@@ -94,9 +95,9 @@ class PackedLinears:
         hit = _PACKED.get(model)
         if hit is None or hit[0] != key:
             with torch.no_grad():
-                hit = (key, {m: pack(m.weight) for m in layers})
+                hit = (key, {m: _forward(m, pack(m.weight)) for m in layers})
             _PACKED[model] = hit
-        self.weights: dict = hit[1]
+        self.forwards: dict = hit[1]
 
     @contextlib.contextmanager
     def applied(self):
@@ -104,8 +105,8 @@ class PackedLinears:
         falls back to ``F.linear``); on leaving, even by an exception, the layers are as before."""
         patched = []
         try:
-            for m, w in self.weights.items():
-                m.forward = _forward(m, w)
+            for m, forward in self.forwards.items():
+                m.forward = forward
                 patched.append(m)
             yield
         finally:
