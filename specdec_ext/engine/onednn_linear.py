@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .tensor_parallel import tp_size
+
 # Packing duplicates the weights: by default a model is packed only if its linear weights take at most this many bytes
 # (the bundled target: 118 MB); CausalLMRunner.packed_default = True packs any size.
 AUTO_MAX_BYTES = 2 << 30
@@ -80,7 +82,7 @@ def wanted(model, packed: Optional[bool]) -> bool:
         return bool(packed)
     if p.dtype != torch.float32 or not available(p.device, p.dtype):
         return False
-    if getattr(model, "hf_device_map", None) or int(getattr(model, "tp_size", None) or 1) > 1:
+    if getattr(model, "hf_device_map", None) or tp_size(model) > 1:
         return False
     return sum(m.weight.numel() * m.weight.element_size() for m in _layers(model)) <= AUTO_MAX_BYTES
 
