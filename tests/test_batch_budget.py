@@ -16,7 +16,7 @@ from stats import assert_follows
 from support import TEST_BATCH_COSTS, TEST_COSTS, constant_head, exact_marginals, head_for
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig
-from specdec_ext.policies.goodput import EARLY_ROUNDS, BatchBudget, BatchCosts
+from specdec_ext.policies.goodput import EARLY_ROUNDS, BatchBudget, BatchCosts, DriftFilter
 
 # verification that grows fast with tokens (a CPU with many rows): slots rarely pay
 DEAR = BatchCosts([1, 8192], [[10.0 + 10.5 * k for k in range(9)]] * 2, [[10.0 * n for n in range(1, 10)]] * 2)
@@ -689,3 +689,79 @@ def test_the_drafts_reads_count_against_drafting():
     # falls 30% below it
     assert min(caps["free"][10:]) >= 2 and caps["not counted"] == caps["free"], caps
     assert caps["reads"][10:].count(0) >= 27, caps["reads"]
+
+
+def test_the_drift_filter_moves_every_depth_with_a_common_drift_and_learns_their_offsets():
+    """DriftFilter: rounds of depth 2 only, all of them 30% slower than before, move the unplayed depths' costs with
+    them (a per-depth running mean would keep depth 0 at its old cost); rounds alternating between depths teach the
+    filter their true relative costs (o_2 - o_1 = 0.15 here) to within a few hundredths."""
+    f = DriftFilter(4)
+    for t in range(60):                              # depths 0, 1, 2 in turn: 0.0, -0.05, +0.10 against the table
+        k = t % 3
+        f.observe(k, (0.0, -0.05, 0.10)[k], clip=0.25)
+    assert f.log_ratio(2) - f.log_ratio(1) == pytest.approx(0.15, abs=0.03)
+    assert f.log_ratio(0) == pytest.approx(0.0, abs=0.03)
+    for _ in range(40):                              # then every round slower by log(1.3), only depth 2 played
+        f.observe(2, 0.10 + math.log(1.3), clip=0.25)
+    assert f.log_ratio(2) == pytest.approx(0.10 + math.log(1.3), abs=0.02)
+    assert f.log_ratio(0) == pytest.approx(math.log(1.3), abs=0.06)  # the unplayed depth followed
+    assert f.log_ratio(2) - f.log_ratio(0) == pytest.approx(0.10, abs=0.06)
+    f.observe(2, 5.0, clip=0.25)                     # one stalled round: a bounded step
+    assert f.log_ratio(2) < 0.10 + math.log(1.3) + 0.25
+
+
+def test_with_cost_drift_a_slowdown_of_every_round_does_not_send_the_batch_exploring():
+    """When every round becomes 40% slower (the machine's load, longer contexts), the per-depth running means raise
+    only the played depth's cost, so the unplayed ones (plain decoding, the other depths) look cheaper and are
+    played in turn until each has been measured slow as well; with ``cost_drift`` the filter moves them together
+    and the batch stays at its best depth (2 here: survival 0.6, 10 + 2.5 c ms)."""
+    caps = {}
+    for drift in (False, True):
+        b = BatchBudget(MID, cost_drift=drift)
+        b.reset(4)
+        slow = [1.0]
+        ms = lambda c: slow[0] * (10.0 + 2.5 * c)
+        _play(b, 4, ms, 60, survival=0.6)
+        slow[0] = 1.4
+        caps[drift] = _play(b, 4, ms, 40, survival=0.6)
+    assert caps[True].count(2) >= 36, caps[True]
+    assert caps[False].count(2) < caps[True].count(2) - 10, caps[False]   # the default: 0, 1, 3, 4 in turn
+    for bad in ({"accuracy_decay": 0.0}, {"accuracy_decay": 1.5}):
+        with pytest.raises(ValueError, match="accuracy_decay"):
+            BatchBudget(MID, **bad)
+
+
+def test_accuracy_decay_sets_how_far_one_round_moves_the_heads_calibration():
+    """The head's calibration a (accepted over predicted) is a ratio of running means of weight ``accuracy_decay``
+    (default ``decay``): after rounds where the head was right, one round that accepted every slot where the head
+    predicted half moves a by the running means' weight."""
+    moved = {}
+    for weight in (None, 0.02):
+        b = BatchBudget(MID, accuracy_decay=weight)
+        b.reset(4)
+        S = torch.full((4, 2), 0.5, dtype=torch.float64)   # predicted: 4 rows x 2 slots x 0.5 = 4 tokens
+        for _ in range(10):
+            b.plan(4, 64)
+            b.update(4, 2, 2, 4 + 4, S)                      # 4 accepted: the head is right
+        assert b.head_scale == pytest.approx(1.0)
+        b.update(4, 2, 2, 4 + 8, S)                          # every slot accepted: 8 where 4 were predicted
+        moved[weight] = b.head_scale - 1.0
+    assert moved[None] == pytest.approx(0.2 * 4 / 4)         # (0.8 * 4 + 0.2 * 8) / 4 - 1
+    assert moved[0.02] == pytest.approx(0.02 * 4 / 4)
+
+
+def test_budget_with_cost_drift_greedy_equals_target_only():
+    """The budget with ``cost_drift`` (measured round times, so decisions vary with the machine) in the engine: the
+    greedy tokens equal target-only decoding, and the filter measured the rounds (a cost per played depth)."""
+    target, draft = make_pair("llama", noise=0.3)
+    ids = _ids(6, target.config.vocab_size)
+    plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
+                               threshold="auto", k_max=8, costs=TEST_COSTS, batch_costs=MID,
+                               budget_options={"cost_drift": True})
+    out = gen.generate(ids, max_new_tokens=24, temperature=0)
+    assert out.new_tokens == plain.new_tokens
+    budget = gen.policy.budget
+    assert budget.cost_drift and budget._drift is not None
+    played = {min(max(r.candidates), budget.depth_max) for r in out.stats.rounds[1:] if len(r.candidates) == 6}
+    assert played and all(budget.log_ratio[k] is not None for k in played), (played, budget.log_ratio)

@@ -314,6 +314,51 @@ class BatchCosts:
 EARLY_ROUNDS = 3  # a depth's first measured rounds, whose lower median sets its cost (BatchBudget.observe)
 
 
+class DriftFilter:
+    """A Kalman filter of the rounds' measured costs against the table, with ``BatchBudget(cost_drift=True)``:
+    log(measured / table ms) of a round of depth k is d + o_k + noise, d a drift common to every depth (o_0 = 0,
+    so d is that of a plain step) and o_k how much dearer than the table, relative to a plain step, a round of k
+    candidates is. d follows a random walk of ``drift_sd`` per round (the machine's load, the contexts' width, the
+    text: on the bundled pair at B = 4 on a 2-core CPU, every depth's rounds ran some 25% over the table in one
+    stretch of prompts and not in the next); o_k starts at 0 with sd ``offset_sd`` (the table's relative costs,
+    trusted to within about a third) and moves by ``offset_step`` sd per round; a round's own noise has sd
+    ``round_sd``. A round's innovation is clipped to within ``clip`` (a round that stalls moves the state by a
+    bounded step). With per-depth running means (the default), a depth not played for a while keeps the cost it
+    had when last played, so a drift that raised the played depth's cost made the unplayed ones look cheaper: at
+    B = 4 the budget went to plain decoding for some thirty rounds, where rounds of two candidates had given 1.5x its
+    tokens per ms. Here a round of any depth moves d, so every depth's cost follows the drift, and the offsets,
+    identified only by comparing depths, move only as far as the rounds at several depths show them to differ.
+    Standard Kalman predict / update (e.g. Sarkka, Bayesian Filtering and Smoothing, 2013, Sec. 4.3); the state has
+    ``depth_max + 1`` entries, so a round's update is a few hundred floating-point operations."""
+
+    def __init__(self, depth_max: int, round_sd: float = 0.12, drift_sd: float = 0.03, offset_sd: float = 0.3,
+                 offset_step: float = 0.005):
+        n = depth_max + 1
+        self.round_var, self.drift_var, self.step_var = round_sd ** 2, drift_sd ** 2, offset_step ** 2
+        self.x = [0.0] * n  # d, o_1 .. o_depth_max
+        self.P = [[(1.0 if i == 0 else offset_sd ** 2) if i == j else 0.0 for j in range(n)] for i in range(n)]
+
+    def log_ratio(self, k: int) -> float:
+        """The estimate of log(measured / table ms) of a round of depth k now: d + o_k."""
+        return self.x[0] + (self.x[k] if k else 0.0)
+
+    def observe(self, k: int, log_ratio: float, clip: float) -> None:
+        """One round of depth k whose log(measured / table ms) was ``log_ratio``."""
+        x, P, n = self.x, self.P, len(self.x)
+        for i in range(n):  # predict: d and every o_k walk
+            P[i][i] += self.drift_var if i == 0 else self.step_var
+        idx = (0, k) if k else (0,)  # the observation reads d + o_k
+        Ph = [sum(P[i][j] for j in idx) for i in range(n)]
+        S = sum(Ph[i] for i in idx) + self.round_var
+        innovation = min(max(log_ratio - sum(x[i] for i in idx), -clip), clip)
+        gain = [v / S for v in Ph]
+        for i in range(n):
+            x[i] += gain[i] * innovation
+            row = P[i]
+            for j in range(n):
+                row[j] -= gain[i] * Ph[j]
+
+
 class BatchBudget:
     """A verification budget across a batch (``threshold="auto"`` at batch size > 1): whether the batch drafts
     at all this round, how deep it drafts, and how many of the drafted slots it verifies, from the rows'
@@ -406,16 +451,27 @@ class BatchBudget:
     runs on the bundled pair with the in-place target cache: the line 0.97x / 0.94x / 0.92x the best fixed K at
     B = 4 / 16 / 64, per-depth means 1.02x / 1.00x / 0.89x; B = 64 moves by 10% from pass to pass; a later run
     of ``bench/budget_paired.py`` at B = 16 gave the line 0.92x and per-depth means 0.91x, so the two are within
-    the noise of a 2-core CPU). Costs are then counted in the table's plain-step time:
+    the noise of a 2-core CPU). With ``cost_drift``, the ratios come instead from a Kalman filter
+    (:class:`DriftFilter`) that reads each round as a drift common to every depth plus the depth's own offset, so
+    that a depth not played lately follows what the played ones measured instead of keeping the cost it had when
+    last played; each round's innovation is clipped to within ``ratio_clip``, and no first rounds' median is taken.
+    The per-depth means above read a stretch of slower rounds as the played depth alone being dearer: at B = 4
+    the batch then played plain decoding and the other depths in turn until each was measured slow too.
+    ``bench/budget_paired.py --batch-size 4 --arms K1,K2,auto,auto:cost_drift=true,... --passes 6 --prompts 128``
+    (2-core AMD EPYC, float32, packed target, ``docs/results/budget_paired_b4_drift.json``): the per-depth means
+    0.955x the best fixed K (K = 2) with 0.99 candidates per row and round, the filter 0.995x (95% interval
+    0.941-1.023x) with 1.73; at B = 16 (3 passes, ``budget_paired_b16_drift.json``) the filter 0.976x and the
+    means 0.996x, the filter playing plain decoding in most rounds, so it is not the default. Costs are then counted in the table's plain-step time:
     the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
-    The head's calibration a is the ratio of the running means of accepted tokens and of the verified slots'
-    summed survivals (1 until measured, clipped to [1/2, 2]). Both carry over to the next call at the same batch size
-    (:meth:`reset`), so only a policy's first call at a batch size spends rounds measuring depths. Without
-    ``measure`` the table alone decides (a = 1, every ratio 0), and the decisions, and a sampled row's draws, are
-    reproducible run to run: then the batch drafts
-    only if some depth d >= 1 is expected to pay, B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), uncapped, and
-    after ``probe`` plain steps in a row it drafts once anyway, so g can follow the text, the interval doubling
-    while drafting keeps not paying.
+    The head's calibration a is the ratio of the running means (weight ``accuracy_decay``, default ``decay``) of
+    accepted tokens and of the verified slots' summed survivals (1 until measured, clipped to [1/2, 2]); at B = 4
+    it moved between 0.8 and 1.6 from stretch to stretch of text with weight 0.2, but a longer memory (0.02) did
+    not measure better (0.969x the best fixed K in the run above, against 0.955x). Both carry over to the next
+    call at the same batch size (:meth:`reset`), so only a policy's first call at a batch size spends rounds
+    measuring depths. Without ``measure`` the table alone decides (a = 1, every ratio 0), and the decisions, and a
+    sampled row's draws, are reproducible run to run: then the batch drafts only if some depth d >= 1 is expected
+    to pay, B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), uncapped, and after ``probe`` plain steps in a row it
+    drafts once anyway, so g can follow the text, the interval doubling while drafting keeps not paying.
 
     lambda (the running goodput) starts at plain decoding's goodput B / T_B(0); lambda never falls below it (the
     goodput the time a slot costs would give as plain steps), so speculation must beat plain decoding to be chosen.
@@ -429,8 +485,14 @@ class BatchBudget:
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
-                 ratio_clip: float = 0.25, count_overhead: bool = True):
+                 ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = False,
+                 accuracy_decay: Optional[float] = None):
         self.top_n = bool(top_n)
+        self.cost_drift = bool(cost_drift)
+        if accuracy_decay is not None and not 0.0 < accuracy_decay <= 1.0:
+            raise ValueError("accuracy_decay must be in (0, 1] (a running mean's weight) or None, "
+                             f"got {accuracy_decay!r}")
+        self.accuracy_decay = decay if accuracy_decay is None else float(accuracy_decay)
         self.count_overhead = bool(count_overhead)
         self.overhead = 0.0  # ms per emitted token that drafting adds outside the rounds (set before each plan)
         if not explore_within >= 0.0:
@@ -462,7 +524,8 @@ class BatchBudget:
         self.reset(1)
 
     # what reset() keeps per batch size from call to call (see there), by attribute
-    _KEPT = ("log_ratio", "_accepted", "_predicted", "_since", "_every", "_tries", "_best", "_weight", "_early")
+    _KEPT = ("log_ratio", "_accepted", "_predicted", "_since", "_every", "_tries", "_best", "_weight", "_early",
+             "_drift")
 
     def reset(self, batch_size: int) -> None:
         """Start a call of ``batch_size`` rows. What earlier calls measured at this batch size, the per-depth cost
@@ -483,6 +546,7 @@ class BatchBudget:
         self._weight = [0] * n                # per drafted depth: rounds measured (at most 1 / decay)
         self._early = [[] for _ in range(n)]  # per drafted depth: the log ratios of its first rounds (observe)
         self.log_ratio = [None] * n           # per drafted depth: running mean log(measured / table ms)
+        self._drift = DriftFilter(self.depth_max) if self.cost_drift else None  # cost_drift: the costs' filter
         self.accuracy: Optional[float] = None  # a: accepted tokens over the verified slots' survivals (running)
         self._accepted = self._predicted = None  # their running means (a ratio of means: a round whose survivals
         #                                          sum to little would swing a running mean of ratios)
@@ -799,8 +863,9 @@ class BatchBudget:
             kept = torch.arange(deepest) < depths.view(-1, 1)  # the verified prefix of each row
             predicted = float((survivals.double()[:, :deepest] * kept).sum())
             if predicted > 0:
-                self._accepted = self._average(self._accepted, float(emitted - batch_size))
-                self._predicted = self._average(self._predicted, predicted)
+                w = self.accuracy_decay
+                self._accepted = self._average(self._accepted, float(emitted - batch_size), w)
+                self._predicted = self._average(self._predicted, predicted, w)
                 self.accuracy = self._accepted / self._predicted
 
     def observe(self, ms: float) -> None:
@@ -820,6 +885,10 @@ class BatchBudget:
         k = min(k, self.depth_max)
         self._weight[k] = min(self._weight[k] + 1, round(1 / self.decay))
         ratio, old = math.log(ms / table), self.log_ratio[k]
+        if self._drift is not None:  # cost_drift: every depth's cost from the filter (DriftFilter); unplayed: None
+            self._drift.observe(k, ratio, self.ratio_clip)
+            self.log_ratio = [self._drift.log_ratio(j) if self._weight[j] else None for j in range(len(self._weight))]
+            return
         early = self._early[k]
         if len(early) < EARLY_ROUNDS and (old is None or early):  # a depth's first rounds: their lower median
             early.append(ratio)
@@ -829,6 +898,8 @@ class BatchBudget:
             self.log_ratio[k] = self._average(old, ratio)
         self._measured()
 
-    def _average(self, old: Optional[float], new: float) -> float:
-        """The running average (weight ``decay``) after ``new``; ``new`` itself when nothing came before."""
-        return new if old is None else (1 - self.decay) * old + self.decay * new
+    def _average(self, old: Optional[float], new: float, weight: Optional[float] = None) -> float:
+        """The running average (weight ``weight``, default ``decay``) after ``new``; ``new`` itself when nothing came
+        before."""
+        w = self.decay if weight is None else weight
+        return new if old is None else (1 - w) * old + w * new
