@@ -460,9 +460,11 @@ class BatchBudget:
     ``bench/budget_paired.py --batch-size 4 --arms K1,K2,auto,auto:cost_drift=true,... --passes 6 --prompts 128``
     (2-core AMD EPYC, float32, packed target, ``docs/results/budget_paired_b4_drift.json``): the per-depth means
     0.955x the best fixed K (K = 2) with 0.99 candidates per row and round, the filter 0.995x (95% interval
-    0.941-1.023x) with 1.73; at B = 16 (3 passes, ``budget_paired_b16_drift.json``) the filter 0.976x and the
-    means 0.996x, the filter playing plain decoding in most rounds, so it is not the default. Costs are then counted in the table's plain-step time:
-    the modelled ms of a round of depth k is its table ms times ``calibration(k)`` = exp(ratio_k - ratio_0).
+    0.941-1.023x) with 1.73; a replicate (4 passes, ``budget_paired_b4_drift_rep.json``) 0.977x and 0.998x.
+    At B = 16 (3 passes, ``budget_paired_b16_drift.json``) the filter 0.976x and the means 0.996x, the filter playing plain decoding in most rounds (a near tie there: in one diagnostic run plain
+    steps and rounds of one and two candidates gave 0.57, 0.57 and 0.58-0.69 tokens/ms), so it is not the default.
+    Costs are then counted in the table's plain-step time: the modelled ms of a round of depth k is its table ms
+    times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the ratio of the running means (weight ``accuracy_decay``, default ``decay``) of
     accepted tokens and of the verified slots' summed survivals (1 until measured, clipped to [1/2, 2]); at B = 4
     it moved between 0.8 and 1.6 from stretch to stretch of text with weight 0.2, but a longer memory (0.02) did
@@ -570,7 +572,7 @@ class BatchBudget:
     @property
     def log_ratio(self) -> list:
         """Per drafted depth k = 0 .. ``depth_max``: the running mean log(measured / table ms) of its rounds (None
-        until measured)."""
+        until measured); with ``cost_drift``, the filter's estimate d + o_k (:class:`DriftFilter`)."""
         return self._log_ratio
 
     @log_ratio.setter
