@@ -463,7 +463,9 @@ class BatchBudget:
     0.941-1.023x) with 1.73; a replicate (4 passes, ``budget_paired_b4_drift_rep.json``) 0.977x and 0.998x.
     At B = 16 (3 passes, ``budget_paired_b16_drift.json``) the filter 0.976x and the means 0.996x, the filter
     playing plain decoding in most rounds (a near tie there: in one diagnostic run plain steps and rounds of one
-    and two candidates gave 0.57, 0.57 and 0.58-0.69 tokens/ms), so it is not the default.
+    and two candidates gave 0.57, 0.57 and 0.58-0.69 tokens/ms), so it is not the default. At B = 64
+    (``budget_paired_b64_drift.json``, every fixed K below plain decoding) both took plain steps in nearly every
+    round: the means 0.988x plain decoding, the filter 1.013x.
     Costs are then counted in the table's plain-step time: the modelled ms of a round of depth k is its table ms
     times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the ratio of the running means (weight ``accuracy_decay``, default ``decay``) of
