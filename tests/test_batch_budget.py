@@ -596,10 +596,10 @@ def test_budget_options_reach_the_budget_and_bad_ones_are_refused():
             SpecDecPP(head, budget_options={"cost_fit": "line"}, **kw)
 
 
-def _plain_steps():
-    """A budget at B = 4 (decay 0.2, ratio_clip 0.25), the table's ms of a plain step, and ``step(ms)``: plan,
-    update and observe one plain step that took ``ms``."""
-    b = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25)
+def _plain_steps(cost_drift=False):
+    """A budget at B = 4 (decay 0.2, ratio_clip 0.25; per-depth running means unless ``cost_drift``), the table's ms
+    of a plain step, and ``step(ms)``: plan, update and observe one plain step that took ``ms``."""
+    b = BatchBudget(TEST_BATCH_COSTS, decay=0.2, ratio_clip=0.25, cost_drift=cost_drift)
     b.reset(4)
 
     def step(ms):
@@ -636,6 +636,33 @@ def test_a_depths_first_rounds_set_its_cost_by_their_lower_median():
     c._cold = False
     step_c(table)
     assert c.log_ratio[0] == pytest.approx(0.8 * 0.5 + 0.2 * 0.25)  # clipped to within 0.25, weight 0.2
+
+
+def test_with_cost_drift_a_depths_first_rounds_anchor_its_cost_and_leave_the_others():
+    """With ``cost_drift`` a depth's first EARLY_ROUNDS rounds set its cost to their lower median as well (the
+    filter's ``anchor``), and leave every other depth's estimate where it was: they measure how far the table
+    misjudges that depth, not a drift of all of them. Without the anchor the filter read the first rounds of a table
+    that put each candidate at 1.6 ms (the rounds took 10 ms a candidate) mostly as a drift common to every depth,
+    made plain steps look 2x dearer than they were, and kept drafting 3-4 candidates where plain decoding was best."""
+    b, table, step = _plain_steps(cost_drift=True)
+    step(table)                                     # the cold round: not measured
+    step(1.5 * table)                               # a stalled first round
+    assert b.log_ratio[0] == pytest.approx(math.log(1.5))
+    step(table)                                     # the lower of two
+    assert b.log_ratio[0] == pytest.approx(0.0)
+    step(1.2 * table)                               # the middle of three
+    assert b.log_ratio[0] == pytest.approx(math.log(1.2))
+    step(table)                                     # then the filter: a clipped Kalman step towards 0
+    assert 0.0 < b.log_ratio[0] < math.log(1.2)
+
+    dear_slots = lambda c: 10.0 + 10.0 * c
+    for drift in (False, True):
+        b = BatchBudget(TEST_BATCH_COSTS, probe=2, explore_within=0.5, cost_drift=drift)
+        caps = _play(b, 4, dear_slots, 40)
+        assert caps[:6] == [4, 3, 4, 2, 1, 0], (drift, caps)  # each depth 0..4 measured once, plain steps last
+        assert caps[6:].count(0) >= 30, (drift, caps)  # then plain decoding, the best depth, in most rounds
+        for k in range(5):  # every measured depth's cost as its rounds measured it, whatever was measured after
+            assert b.log_ratio[k] == pytest.approx(math.log(dear_slots(k) / b._table_round(4, k)), abs=0.05), (drift, k)
 
 
 def test_a_stalled_round_moves_a_depths_measured_cost_by_a_bounded_step():

@@ -323,7 +323,8 @@ class DriftFilter:
     stretch of prompts and not in the next); o_k starts at 0 with sd ``offset_sd`` (the table's relative costs,
     trusted to within about a third) and moves by ``offset_step`` sd per round; a round's own noise has sd
     ``round_sd``. A round's innovation is clipped to within ``clip`` (a round that stalls moves the state by a
-    bounded step). With per-depth running means (the default), a depth not played for a while keeps the cost it
+    bounded step); a depth's first rounds instead set its estimate (:meth:`anchor`). With per-depth running means
+    (``cost_drift=False``), a depth not played for a while keeps the cost it
     had when last played, so a drift that raised the played depth's cost made the unplayed ones look cheaper: at
     B = 4 the budget went to plain decoding for some thirty rounds, where rounds of two candidates had given 1.5x its
     tokens per ms. Here a round of any depth moves d, so every depth's cost follows the drift, and the offsets,
@@ -341,6 +342,21 @@ class DriftFilter:
     def log_ratio(self, k: int) -> float:
         """The estimate of log(measured / table ms) of a round of depth k now: d + o_k."""
         return self.x[0] + (self.x[k] if k else 0.0)
+
+    def anchor(self, k: int, log_ratio: float, var: float) -> None:
+        """Set depth k's estimate d + o_k to ``log_ratio`` (with variance ``var``), every other depth's d + o_j left
+        as it was (k = 0 moves d, and every o_j by the opposite amount): a depth's first rounds measure how far the
+        table misjudges that depth, not a drift of every depth (:meth:`BatchBudget.observe`)."""
+        x, P, n = self.x, self.P, len(self.x)
+        if k:
+            x[k] = log_ratio - x[0]
+        else:
+            shift, x[0] = log_ratio - x[0], log_ratio
+            for j in range(1, n):
+                x[j] -= shift
+        for j in range(n):
+            P[k][j] = P[j][k] = 0.0
+        P[k][k] = var
 
     def observe(self, k: int, log_ratio: float, clip: float) -> None:
         """One round of depth k whose log(measured / table ms) was ``log_ratio``."""
@@ -437,15 +453,16 @@ class BatchBudget:
     and leave o out.
 
     What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), log(measured /
-    table ms), set by the lower median of the depth's first ``EARLY_ROUNDS`` rounds and then the running mean of
-    its rounds, each round's value first clipped to within ``ratio_clip`` of the mean (a Huber-style running
-    mean: a round that stalls on something besides its depth, such as the KV cache's buffers regrowing, moves the
-    mean by at most ``decay * ratio_clip``; at B = 64 one plain step of 92 ms among steps of 30 ms raised the cost
-    of plain decoding by a quarter and sent the batch to rounds of two candidates that emitted 1.6 tokens/ms where
-    plain steps emitted 2.1). The profiled table is taken once on random prompts and misjudges a batch's real
-    rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0 plain steps where it took
-    3.8, and a plain step (one query per row) measured dearer than a round of one candidate. ``cost_fit="depth"``
-    (default) keeps each depth's own mean, and a depth not yet measured takes the ratio of the nearest measured one;
+    table ms), set by the lower median of the depth's first ``EARLY_ROUNDS`` rounds and then (with
+    ``cost_drift=False``) the running mean of its rounds, each round's value first clipped to within ``ratio_clip``
+    of the mean (a Huber-style running mean: a round that stalls on something besides its depth, such as the KV
+    cache's buffers regrowing, moves the mean by at most ``decay * ratio_clip``; at B = 64 one plain step of 92 ms
+    among steps of 30 ms raised the cost of plain decoding by a quarter and sent the batch to rounds of two
+    candidates that emitted 1.6 tokens/ms where plain steps emitted 2.1). The profiled table is taken once on random
+    prompts and misjudges a batch's real rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0
+    plain steps where it took 3.8, and a plain step (one query per row) measured dearer than a round of one
+    candidate. ``cost_fit="depth"`` (default) keeps each depth's own mean, and a depth not yet measured takes the
+    ratio of the nearest measured one;
     ``cost_fit="line"`` smooths the drafted depths' ratios by a weighted line in k (:meth:`_ratios`), which shares
     the few rounds most depths are measured in but cannot follow a table that misjudges one depth alone (paired
     runs on the bundled pair with the in-place target cache: the line 0.97x / 0.94x / 0.92x the best fixed K at
@@ -454,7 +471,11 @@ class BatchBudget:
     the noise of a 2-core CPU). With ``cost_drift``, the ratios come instead from a Kalman filter
     (:class:`DriftFilter`) that reads each round as a drift common to every depth plus the depth's own offset, so
     that a depth not played lately follows what the played ones measured instead of keeping the cost it had when
-    last played; each round's innovation is clipped to within ``ratio_clip``, and no first rounds' median is taken.
+    last played; each round's innovation is clipped to within ``ratio_clip``. A depth's first rounds set its cost
+    by their lower median here too, every other depth's left as it was (``DriftFilter.anchor``): an earlier version
+    fed them to the filter as well, which read a table misjudging the drafted depths' costs mostly as a drift of
+    every depth, so plain steps, not played after their first rounds, looked ever dearer (with a table at 1.6 ms a
+    candidate and rounds at 10, it kept drafting 3-4 candidates where plain decoding was best).
     The per-depth means above read a stretch of slower rounds as the played depth alone being dearer: at B = 4
     the batch then played plain decoding and the other depths in turn until each was measured slow too.
     ``bench/budget_paired.py --batch-size 4 --arms K1,K2,auto,auto:cost_drift=true,... --passes 6 --prompts 128``
@@ -463,9 +484,15 @@ class BatchBudget:
     0.941-1.023x) with 1.73; a replicate (4 passes, ``budget_paired_b4_drift_rep.json``) 0.977x and 0.998x.
     At B = 16 (3 passes, ``budget_paired_b16_drift.json``) the filter 0.976x and the means 0.996x, the filter
     playing plain decoding in most rounds (a near tie there: in one diagnostic run plain steps and rounds of one
-    and two candidates gave 0.57, 0.57 and 0.58-0.69 tokens/ms), so it is not the default. At B = 64
+    and two candidates gave 0.57, 0.57 and 0.58-0.69 tokens/ms); a replicate (5 passes, with plain decoding,
+    ``budget_paired_b16_drift_rep.json``) read the filter 1.018x and the means 1.003x K = 2, plain decoding
+    1.041x. At B = 64
     (``budget_paired_b64_drift.json``, every fixed K below plain decoding) both took plain steps in nearly every
-    round: the means 0.988x plain decoding, the filter 1.013x.
+    round: the means 0.988x plain decoding, the filter 1.013x. With the anchor, now the default (arms
+    ``auto:cost_drift=false`` and ``auto`` side by side, ``docs/results/budget_paired_b{4,16,64}_anchor.json``):
+    B = 4 (4 passes) the means 0.950x K = 2, the filter 0.999x (0.975-1.022x); B = 64 (3 passes) the means 0.961x
+    plain decoding, the filter 1.004x (every fixed K below plain); B = 16 (3 passes) the means 0.998x K = 2, the
+    filter 0.947x (0.903-1.012x). Over the seven paired runs the filter led in five.
     Costs are then counted in the table's plain-step time: the modelled ms of a round of depth k is its table ms
     times ``calibration(k)`` = exp(ratio_k - ratio_0).
     The head's calibration a is the ratio of the running means (weight ``accuracy_decay``, default ``decay``) of
@@ -490,7 +517,7 @@ class BatchBudget:
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
-                 ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = False,
+                 ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
                  accuracy_decay: Optional[float] = None):
         self.top_n = bool(top_n)
         self.cost_drift = bool(cost_drift)
@@ -890,14 +917,20 @@ class BatchBudget:
         k = min(k, self.depth_max)
         self._weight[k] = min(self._weight[k] + 1, round(1 / self.decay))
         ratio, old = math.log(ms / table), self.log_ratio[k]
+        early = self._early[k]
+        first = len(early) < EARLY_ROUNDS and (old is None or early)
+        if first:  # a depth's first rounds: their lower median
+            early.append(ratio)
+            ratio = sorted(early)[(len(early) - 1) // 2]
         if self._drift is not None:  # cost_drift: every depth's cost from the filter (DriftFilter); unplayed: None
-            self._drift.observe(k, ratio, self.ratio_clip)
+            if first:  # how far the table misjudges this depth, not a drift of all of them
+                self._drift.anchor(k, ratio, self._drift.round_var / len(early))
+            else:
+                self._drift.observe(k, ratio, self.ratio_clip)
             self.log_ratio = [self._drift.log_ratio(j) if self._weight[j] else None for j in range(len(self._weight))]
             return
-        early = self._early[k]
-        if len(early) < EARLY_ROUNDS and (old is None or early):  # a depth's first rounds: their lower median
-            early.append(ratio)
-            self.log_ratio[k] = sorted(early)[(len(early) - 1) // 2]
+        if first:
+            self.log_ratio[k] = ratio
         else:  # then a running mean in which one stalled round moves the mean by decay * ratio_clip at most
             ratio = min(max(ratio, old - self.ratio_clip), old + self.ratio_clip)
             self.log_ratio[k] = self._average(old, ratio)
