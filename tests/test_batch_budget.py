@@ -610,14 +610,10 @@ def _plain_steps(cost_drift=False):
     return b, b.batch.round(4, 0, None), step
 
 
-def test_a_depths_first_rounds_set_its_cost_by_their_lower_median():
-    """A depth's first EARLY_ROUNDS measured rounds set its cost to their lower median, so a first round that
-    stalled (1.5x) does not stand for the depth: the second, usual, round replaces it at once, where a running mean
-    from the first round would keep most of the stall (at B = 16 on a 2-core CPU such a first round of depth 1 made
-    plain decoding look best for many probes). A cost set from outside (no early rounds) is followed as a running
-    mean."""
-    b, table, step = _plain_steps()
-
+def _first_plain_steps(cost_drift):
+    """``_plain_steps`` after the cold round and EARLY_ROUNDS plain steps (1.5x, 1x, 1.2x the table), each checked to
+    set the cost of plain decoding to the lower median of the measured steps so far."""
+    b, table, step = _plain_steps(cost_drift)
     step(table)                                     # the cold round: not measured
     step(1.5 * table)                               # a stalled first round
     assert b.log_ratio[0] == pytest.approx(math.log(1.5))
@@ -625,6 +621,16 @@ def test_a_depths_first_rounds_set_its_cost_by_their_lower_median():
     assert b.log_ratio[0] == pytest.approx(0.0)
     step(1.2 * table)                               # the middle of three
     assert b.log_ratio[0] == pytest.approx(math.log(1.2))
+    return b, table, step
+
+
+def test_a_depths_first_rounds_set_its_cost_by_their_lower_median():
+    """A depth's first EARLY_ROUNDS measured rounds set its cost to their lower median, so a first round that
+    stalled (1.5x) does not stand for the depth: the second, usual, round replaces it at once, where a running mean
+    from the first round would keep most of the stall (at B = 16 on a 2-core CPU such a first round of depth 1 made
+    plain decoding look best for many probes). A cost set from outside (no early rounds) is followed as a running
+    mean."""
+    b, table, step = _first_plain_steps(cost_drift=False)
     step(table)                                     # then a running mean
     assert b.log_ratio[0] == pytest.approx(0.8 * math.log(1.2))
     kept = b._early[0]
@@ -644,14 +650,7 @@ def test_with_cost_drift_a_depths_first_rounds_anchor_its_cost_and_leave_the_oth
     misjudges that depth, not a drift of all of them. Without the anchor the filter read the first rounds of a table
     that put each candidate at 1.6 ms (the rounds took 10 ms a candidate) mostly as a drift common to every depth,
     made plain steps look 2x dearer than they were, and kept drafting 3-4 candidates where plain decoding was best."""
-    b, table, step = _plain_steps(cost_drift=True)
-    step(table)                                     # the cold round: not measured
-    step(1.5 * table)                               # a stalled first round
-    assert b.log_ratio[0] == pytest.approx(math.log(1.5))
-    step(table)                                     # the lower of two
-    assert b.log_ratio[0] == pytest.approx(0.0)
-    step(1.2 * table)                               # the middle of three
-    assert b.log_ratio[0] == pytest.approx(math.log(1.2))
+    b, table, step = _first_plain_steps(cost_drift=True)
     step(table)                                     # then the filter: a clipped Kalman step towards 0
     assert 0.0 < b.log_ratio[0] < math.log(1.2)
 
