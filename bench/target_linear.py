@@ -5,10 +5,11 @@ For the bundled pair in one process, greedy, continuous batching of HumanEval pr
 stream by stream (``benchmark.alternate_streams``), for plain decoding and fixed K at each batch size: aggregate
 tokens/s, the ratio packed / F.linear, and the share of requests with the same tokens (the two compute the same
 function up to rounding, about 1e-5 relative in float32, so a near-tie of the target could flip a token). The lean
-draft runner packs its own weights in both arms. The packed arm packs a bf16 target too (the runner's default packs
-float32 only).
+draft runner packs its own weights in both arms. The packed arm packs a bf16 target even where the runner's default
+would not (a CPU without oneDNN's bf16 path raises there).
 
     python bench/target_linear.py --out docs/results/target_linear.json   # about 15 minutes
+    python bench/target_linear.py --batch-sizes 1,4,16,64 --ks 0,2   # bf16 on an AMX Xeon: target_linear_bf16_amx.json
 """
 
 from __future__ import annotations

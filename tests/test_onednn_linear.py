@@ -40,6 +40,20 @@ def test_packed_layers_compute_the_same_function_and_leave_the_model_as_it_was(a
     assert torch.equal(logits(model), want)  # the model's own forward again, bit for bit
 
 
+@pytest.mark.skipif(not onednn_linear.available(torch.device("cpu"), torch.bfloat16),
+                    reason="this CPU's oneDNN has no bf16 path (AVX2 only)")
+def test_packed_bfloat16_layers_compute_the_same_function_up_to_bf16_rounding():
+    """A bf16 model, packed by default where oneDNN has a bf16 path: logits as transformers' own forward's, up to bf16
+    rounding in another order of operations, and the same greedy token at every position."""
+    model = make_target("llama").to(torch.bfloat16)
+    want = logits(model).float()
+    with PackedLinears(model).applied():
+        got = logits(model).float()
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert instance_forwards(model) == 0
+
+
 @needs_onednn
 def test_the_packed_path_is_taken_and_undone_even_when_the_forward_raises():
     model = make_target("llama")
@@ -100,6 +114,8 @@ def test_when_a_runner_packs(monkeypatch):
     monkeypatch.setattr(CausalLMRunner, "packed_default", False)
     assert not CausalLMRunner(model, "target").packed and CausalLMRunner(model, "target", packed=True).packed
     monkeypatch.setattr(CausalLMRunner, "packed_default", None)
+    bf16 = make_target("llama").to(torch.bfloat16)  # packed by default exactly where oneDNN has a bf16 path
+    assert CausalLMRunner(bf16, "target").packed == onednn_linear.available(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(onednn_linear, "AUTO_MAX_BYTES", 1000)  # packing copies the weights: not for large models
     assert not CausalLMRunner(model, "target").packed and CausalLMRunner(model, "target", packed=True).packed
     half = make_target("llama").to(torch.float16)

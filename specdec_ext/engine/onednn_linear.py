@@ -71,16 +71,18 @@ def _fingerprint(layers: list) -> tuple:
 
 def wanted(model, packed: Optional[bool]) -> bool:
     """Whether a runner of ``model`` packs its linear layers: ``packed`` True / False as given (True where oneDNN cannot
-    is a ValueError), None: on a single CPU device in float32 (bfloat16 packing is unmeasured: set True to try it) with
-    oneDNN available, not split over processes (tensor parallelism) or devices, and linear weights of at most
-    :data:`AUTO_MAX_BYTES` (packing copies them)."""
+    is a ValueError), None: on a single CPU device in float32, or in bfloat16 where oneDNN has a bf16 path
+    (:func:`available`), not split over processes (tensor parallelism) or devices, and linear weights of at most
+    :data:`AUTO_MAX_BYTES` (packing copies them). bfloat16 packed since 2026-11-25: on a 2-core Intel Xeon with AMX,
+    bundled bf16 target, 1.09-1.17x end to end for plain decoding and 1.01-1.15x for fixed K = 2 at B = 1-64
+    (``bench/target_linear.py``, ``docs/results/target_linear_bf16_amx.json``)."""
     p = next(model.parameters())
     if packed is not None:
         if packed and not available(p.device, p.dtype):
             raise ValueError(f"packed linear layers need a CPU float32/bfloat16 model and a torch with oneDNN (bfloat16: "
                              f"a CPU with oneDNN's bf16 path); got {p.dtype} on {p.device}")
         return bool(packed)
-    if p.dtype != torch.float32 or not available(p.device, p.dtype):
+    if not available(p.device, p.dtype):
         return False
     if getattr(model, "hf_device_map", None) or tp_size(model) > 1:
         return False
