@@ -2,8 +2,8 @@
 
 Arms: ``plain`` (decoding without a draft), ``K<n>`` (fixed candidate length n) and ``auto`` (SpecDec++ with
 ``threshold="auto"``: the budget), an ``auto`` arm optionally with budget options after colons
-(``auto:cost_fit=line:headroom=0.0``, passed as ``SpecDecPP(budget_options=...)``); any arm may end in ``@eager`` or
-``@grouped``, the ``admission`` of its calls (``generate_continuous``; default eager); and any arm may end in
+(``auto:cost_fit=line:headroom=0.0``, passed as ``SpecDecPP(budget_options=...)``); any arm may end in ``@eager``,
+``@ahead`` or ``@grouped``, the ``admission`` of its calls (``generate_continuous``; default ahead); and any arm may end in
 ``#label``, a replicate: the arm before the ``#`` run again with a generator and policy of its own (``K2,K2#b``), an
 A/A control. A replicate is never the best fixed K; it is reported over its original (pooled, in decoding, and per
 stream), which measures what the run's ratios mean: the arms are alike, so any difference is noise. Picking the best
@@ -43,7 +43,7 @@ import torch
 
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
-from specdec_ext.engine.admission import ADMISSION_MODES
+from specdec_ext.engine.admission import ADMISSION_MODES, DEFAULT_ADMISSION
 from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
@@ -58,11 +58,12 @@ def arm_base(name: str) -> str:
 
 
 def arm_admission(name: str) -> str:
-    """The admission of an arm name (``K2@grouped`` -> ``grouped``; none given: ``eager``); ValueError for another."""
+    """The admission of an arm name (``K2@grouped`` -> ``grouped``; none given: ``DEFAULT_ADMISSION``, ``ahead``);
+    ValueError for another."""
     _, sep, admission = arm_base(name).partition("@")
     if sep and admission not in ADMISSION_MODES:
         raise ValueError(f"--arms: {name!r}: the admission after @ must be one of {', '.join(ADMISSION_MODES)}")
-    return admission if sep else "eager"
+    return admission if sep else DEFAULT_ADMISSION
 
 
 def parse_arm(name: str, head) -> object:

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from .benchmark import Method, RunRecord, balanced_order
 from .engine import SpeculativeGenerator
-from .engine.admission import check_admission
+from .engine.admission import DEFAULT_ADMISSION, check_admission
 
 
 @dataclass
@@ -97,7 +97,7 @@ def request_lengths(n: int, max_new_tokens: int, spread: int = 0, seed: int = 0)
 def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_sizes, max_new_tokens: int = 64,
                         temperature: float = 0.0, seed: int = 0, costs=None, progress: bool = True,
                         refill: bool = True, repeats: int = 1, draft_context: Optional[int] = None,
-                        length_spread: int = 0, admission: str = "eager") -> list[BatchRecord]:
+                        length_spread: int = 0, admission: Optional[str] = None) -> list[BatchRecord]:
     """Every method on every stream (``refill``, continuous batching) or group (static batches) of every batch
     size (see the module docstring), ``repeats`` passes over them per batch size (the method order changing by
     stream and pass, ``benchmark.balanced_order``, so slow drift of the machine's speed falls on every method
@@ -109,12 +109,13 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     server's requests differ (:func:`request_lengths`); 0: every request ``max_new_tokens``. With equal lengths
     plain decoding's requests finish in the same step and are refilled together, while a speculative method's
     finish at different rounds and are refilled a few at a time. ``admission`` (continuous batching only):
-    ``generate_continuous``'s, ``"eager"`` or ``"grouped"`` (:mod:`specdec_ext.engine.admission`).
+    ``generate_continuous``'s, ``"eager"``, ``"grouped"`` or ``"ahead"`` (:mod:`specdec_ext.engine.admission`;
+    None: its default, ``DEFAULT_ADMISSION``).
 
     Raises: ValueError for methods that are not this engine's, batch sizes or ``repeats`` that are not integers
     >= 1, a ``draft_context`` that is not None or an integer >= 1, a ``length_spread`` that is not an integer in
-    0 .. ``max_new_tokens`` - 1, or one > 0 with static batches, an unknown ``admission`` or a grouped one with
-    static batches."""
+    0 .. ``max_new_tokens`` - 1, or one > 0 with static batches, an unknown ``admission`` or any given with static
+    batches."""
     if any(m.kind != "ours" or m.family == "oracle" for m in methods):
         raise ValueError("the batch benchmark runs this engine's policies only (no transformers or oracle methods)")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
@@ -124,8 +125,9 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     limits = request_lengths(len(prompts), max_new_tokens, length_spread, seed)
     if length_spread and not refill:
         raise ValueError("length_spread: requests of their own lengths need continuous batching (refill=True)")
-    if check_admission(admission) != "eager" and not refill:
+    if admission is not None and check_admission(admission) and not refill:
         raise ValueError("admission: static batches admit no requests mid-generation (refill=True)")
+    admission = DEFAULT_ADMISSION if admission is None else admission
     tok = pair.tokenizer
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)

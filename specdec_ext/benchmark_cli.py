@@ -13,7 +13,7 @@ import torch
 
 from .benchmark import (DEFAULT_KS, DEFAULT_THRESHOLDS, PAPER_THRESHOLDS, format_table, machine_description,
                         run_benchmark, save_json, standard_methods, summarize)
-from .engine.admission import ADMISSION_MODES
+from .engine.admission import ADMISSION_MODES, DEFAULT_ADMISSION
 
 
 def _numbers(kind):
@@ -65,10 +65,12 @@ def add_arguments(p):
     p.add_argument("--length-spread", type=int, default=0,
                    help="with --batch-sizes: each request asks for its own number of new tokens, drawn uniformly "
                         "(seeded) from --max-new-tokens +- S, as a server's requests differ (default 0: all equal)")
-    p.add_argument("--admission", choices=ADMISSION_MODES, default="eager",
-                   help="with --batch-sizes: when queued requests join the batch: eager (after every round that frees "
-                        "a slot) or grouped (once the free slots' lost throughput reaches an admission's measured "
-                        "fixed cost; fewer prefill calls, for launch-bound GPUs)")
+    p.add_argument("--admission", choices=ADMISSION_MODES, default=None,
+                   help=f"with --batch-sizes (default {DEFAULT_ADMISSION}): when queued requests join the batch: eager "
+                        "(after every round that frees "
+                        "a slot), grouped (once the free slots' lost throughput reaches an admission's measured "
+                        "fixed cost; fewer prefill calls, for launch-bound GPUs) or ahead (eager, the queue's next B "
+                        "requests prefilled together)")
 
 
 def _command_line(args) -> str:
@@ -170,7 +172,7 @@ def run(args, pair):
     batch_only = [name for name, given in (("--repeats", args.repeats != 1), ("--static-batches", args.static_batches),
                                            ("--draft-context", args.draft_context is not None),
                                            ("--length-spread", args.length_spread != 0),
-                                           ("--admission", args.admission != "eager")) if given]
+                                           ("--admission", args.admission is not None)) if given]
     if batch_only:  # options of the batch benchmark would otherwise be ignored without a word
         raise ValueError(f"{', '.join(batch_only)}: only with --batch-sizes (the batch benchmark)")
     paper = pair.heads.get("paper")
@@ -227,7 +229,7 @@ def run_batches(args, pair, prompts, t0):
     if not 0 <= args.length_spread < args.max_new_tokens or (args.length_spread and args.static_batches):
         raise ValueError(f"--length-spread: expected tokens in 0 .. --max-new-tokens - 1 = {args.max_new_tokens - 1}, "
                          f"and not with --static-batches; got {args.length_spread}")
-    if args.admission != "eager" and args.static_batches:
+    if args.admission is not None and args.static_batches:
         raise ValueError("--admission: static batches admit no requests mid-generation (continuous batching only)")
     methods = [m for m in standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=False,
                                            oracle=False, adaptive=True)
@@ -239,14 +241,15 @@ def run_batches(args, pair, prompts, t0):
     records = run_batch_benchmark(pair, prompts, methods, list(args.batch_sizes), args.max_new_tokens,
                                   args.temperature, args.seed, refill=not args.static_batches, repeats=args.repeats,
                                   draft_context=args.draft_context, length_spread=args.length_spread,
-                                  admission=args.admission)
+                                  admission=args.admission if not args.static_batches else None)
     rows = summarize_batches(records, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{Path(args.dataset).stem}{f'-T{args.temperature:g}' if args.temperature else ''}-batch"
     meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
             "batch_sizes": list(args.batch_sizes), "refill": not args.static_batches, "repeats": args.repeats,
-            "draft_context": args.draft_context, "length_spread": args.length_spread, "admission": args.admission,
+            "draft_context": args.draft_context, "length_spread": args.length_spread,
+            "admission": None if args.static_batches else args.admission or DEFAULT_ADMISSION,
             "target_dtype": str(pair.target.dtype).replace("torch.", ""),
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "duration_s": time.time() - t0,
@@ -255,7 +258,7 @@ def run_batches(args, pair, prompts, t0):
             + (f" --repeats {args.repeats}" if args.repeats > 1 else "")
             + (f" --draft-context {args.draft_context}" if args.draft_context is not None else "")
             + (f" --length-spread {args.length_spread}" if args.length_spread else "")
-            + (f" --admission {args.admission}" if args.admission != "eager" else "")}
+            + (f" --admission {args.admission}" if args.admission is not None else "")}
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_batch_table(rows)
     (args.out / f"bench-{tag}.md").write_text(table + "\n")

@@ -1,7 +1,8 @@
 """Grouped admission in continuous batching (``generate_continuous(admission="grouped")``,
 ``engine/admission.AdmissionRule``): the ski-rental rule's fit and decisions, and a grouped call whose requests wait
 for free slots and whose batch grows back, with every request's output still its output alone (greedy: target-only
-decoding; seeded sampling: its own ``generate()``), under every policy and both draft runners."""
+decoding; seeded sampling: its own ``generate()``), under every policy and both draft runners; the same for requests
+prefilled ahead (``admission="ahead"``)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_the_rule_keeps_a_bounded_history():
 
 
 def test_an_unknown_admission_is_refused_with_the_argument_named():
-    with pytest.raises(ValueError, match="admission must be one of 'eager', 'grouped', got 'lazy'"):
+    with pytest.raises(ValueError, match="admission must be one of 'eager', 'grouped', 'ahead', got 'lazy'"):
         check_admission("lazy")
     target, draft = make_pair("llama")
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
@@ -122,9 +123,54 @@ def test_a_generator_learns_the_fit_from_its_own_admissions():
     target, draft = make_pair("llama")
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
     prompts = queue(target.config.vocab_size, n=7)
-    out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=[2, 9, 4, 6, 3, 8, 5], temperature=0)
+    out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=[2, 9, 4, 6, 3, 8, 5], temperature=0,
+                                  admission="eager")
     assert len(gen.admission_points) == 1 + out.stats.admissions and out.stats.admissions >= 2
     assert all(rows >= 1 and tokens >= rows and ms > 0 for rows, tokens, ms in gen.admission_points)
     assert gen.admission_points[0][0] == 3  # the first fill: three requests
     assert AdmissionRule(True, gen.admission_points).fit() is not None
     assert out.stats.summary()["admissions"] == out.stats.admissions
+
+
+@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
+def test_requests_prefilled_ahead_equal_their_output_alone(name, kw, fast_draft):
+    """admission="ahead" (the default): the target prefills the queue's next requests together (here batch_size of
+    them) and rows join from them a few at a time; every request's output is its output alone, in fewer, larger
+    prefills than eager admission."""
+    target, draft = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=11)
+    limits = [3, 17, 1, 9, 12, 5, 20, 2, 7, 4, 6]
+    sampled_kw = dict(kw, batch_budget=False) if kw.get("threshold") == "auto" else kw  # the budget couples rows
+    for temperature, kwargs in ((0.0, kw), (1.0, sampled_kw)):
+        gen = make_gen(target, draft, name, kwargs, fast_draft=fast_draft)
+        runs = {}
+        for admission in ("ahead", "eager"):
+            before = len(gen.admission_points)
+            runs[admission] = (gen.generate_continuous(prompts, batch_size=4, max_new_tokens=limits,
+                                                       temperature=temperature, seed=3, admission=admission),
+                               len(gen.admission_points) - before)
+        out, prefills = runs["ahead"]
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            ref = (target_only(target, p, n) if temperature == 0 else
+                   gen.generate(p.view(1, -1), max_new_tokens=n, temperature=1.0, seed=3 + i).new_tokens[0])
+            assert out.new_tokens[i] == ref, f"request {i} (T = {temperature}) differs from its output alone"
+        eager, eager_prefills = runs["eager"]
+        assert eager.new_tokens == out.new_tokens
+        assert out.stats.admissions == eager.stats.admissions  # rows join as eagerly ...
+        assert prefills < eager_prefills  # ... from fewer prefills: the first fill, then groups of up to 4
+        assert prefills <= 1 + -(-(len(prompts) - 4) // 4) + 1
+
+
+def test_rows_prefilled_ahead_join_a_target_that_has_read_nothing_yet():
+    """One-token prompts first (the target's cache stays empty: nothing to prefill), longer ones queued behind them:
+    the rows taken from the prefilled runner start the target's cache, which the prefilled runner keeps its own of."""
+    target, draft = make_pair("llama")
+    v = target.config.vocab_size
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    prompts = [torch.tensor([5]), torch.tensor([7])] + [torch.randint(2, v, (n,), generator=torch.Generator()
+                                                                        .manual_seed(n)) for n in (6, 3, 9, 4)]
+    limits = [2, 3, 8, 5, 7, 6]
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=limits, temperature=0, admission="ahead")
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        assert out.new_tokens[i] == target_only(target, p, n), f"request {i} differs from its output alone"

@@ -519,7 +519,7 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
             mod.parse_arm(bad, head)
     assert mod.parse_arm("K2@grouped", head).k == 2 and mod.parse_arm("K2@grouped#b", head).k == 2
     assert [mod.arm_admission(a) for a in ("K2", "K2@grouped", "plain@eager", "K2@grouped#b")] == \
-        ["eager", "grouped", "eager", "grouped"]
+        ["ahead", "grouped", "eager", "grouped"]
     pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None),
                            heads={"greedy": head})
     g = torch.Generator().manual_seed(0)

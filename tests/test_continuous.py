@@ -77,9 +77,9 @@ def test_a_prompt_wider_than_the_cache_widens_it(arch, fast_draft):
     widths = []
     replace = CausalLMRunner.replace_rows
 
-    def spy(self, slots, other):
+    def spy(self, slots, other, rows=None):
         before = self.length
-        replace(self, slots, other)
+        replace(self, slots, other, rows)
         widths.append((before, self.length))
 
     with pytest.MonkeyPatch.context() as m:
@@ -123,6 +123,50 @@ def test_replace_rows_gives_the_new_row_the_state_of_its_prompt_alone(runner, ol
 
 
 @pytest.mark.parametrize("runner", ["transformers", "lean"])
+@pytest.mark.parametrize("old_len", [1, 6], ids=["empty-cache", "filled"])
+def test_replace_rows_takes_some_rows_of_a_runner_that_stays_usable(runner, old_len):
+    """``replace_rows(slots, other, rows=...)`` (admission="ahead"): rows of a runner that read several prompts of
+    different lengths, taken one at a time, compute what a runner that read only their prompt computes; the other
+    runner keeps its rows (its remaining row still computes what it would alone), and its forward calls are
+    counted once."""
+    from specdec_ext.engine.fast_llama import FastLlamaRunner
+    from specdec_ext.engine.generator import _right_aligned
+
+    target, draft = make_pair("llama")
+    make = (lambda: CausalLMRunner(draft, "draft")) if runner == "transformers" else (lambda: FastLlamaRunner(draft))
+    g = torch.Generator().manual_seed(1)
+    old = torch.randint(2, 40, (2, old_len), generator=g)
+    pooled = [torch.randint(2, 40, (n,), generator=g) for n in (3, 8, 5)]
+    nxt = torch.randint(2, 40, (3, 1), generator=g)
+
+    def fresh(prompt):
+        r = make()
+        r.start(prompt.shape[0])
+        if prompt.shape[1] > 1:
+            r.forward(prompt[:, :-1])
+        return r
+
+    def alone(prompt, token):
+        return fresh(prompt.view(1, -1)).forward(torch.cat([prompt[-1:], token]).view(1, -1), keep=1)[0][0]
+
+    pool = make()
+    pool.start(3)
+    toks, mask = _right_aligned(pooled)
+    pool.forward(toks[:, :-1], mask[:, :-1].bool())
+    batch = fresh(old)
+    calls = batch.calls + pool.calls
+    batch.replace_rows(torch.tensor([1]), pool, rows=torch.tensor([0]))
+    batch.replace_rows(torch.tensor([0]), pool, rows=torch.tensor([2]))
+    assert batch.calls == calls and pool.calls == 0
+    got, _ = batch.forward(torch.stack([torch.cat([pooled[2][-1:], nxt[0]]), torch.cat([pooled[0][-1:], nxt[1]])]),
+                           keep=1)
+    torch.testing.assert_close(got[0], alone(pooled[2], nxt[0]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], alone(pooled[0], nxt[1]), rtol=1e-4, atol=1e-5)
+    rest, _ = pool.forward(torch.stack([torch.cat([p[-1:], nxt[2]]) for p in pooled]), keep=1)
+    torch.testing.assert_close(rest[1], alone(pooled[1], nxt[2]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("runner", ["transformers", "lean"])
 def test_replacing_every_row_in_order_takes_the_other_runner_whole(runner):
     """When every row is replaced, in order (plain decoding's requests finish together), the runner takes the
     other's storage instead of copying it row by row, and computes what the other would; any other order of slots
@@ -159,9 +203,9 @@ def test_plain_decoding_refills_a_whole_batch_by_taking_the_new_runner():
     taken = []
     replace = CausalLMRunner.replace_rows
 
-    def spy(self, slots, other):
+    def spy(self, slots, other, rows=None):
         cache = other.cache
-        replace(self, slots, other)
+        replace(self, slots, other, rows)
         taken.append(self.cache is cache)
 
     with pytest.MonkeyPatch.context() as m:
@@ -209,19 +253,21 @@ def test_caches_stay_as_wide_as_the_live_requests_need(monkeypatch):
     target, draft = make_pair("llama")
     V = target.config.vocab_size
     widths = []
-    replace = CausalLMRunner.replace_rows
+    forward = CausalLMRunner.forward
 
-    def spy(self, slots, other):
-        replace(self, slots, other)
-        widths.append(self.length)
+    def spy(self, *args, **kwargs):  # the cache width every forward of the batch's runners runs over
+        if self.mask is not None and self.mask.shape[0] == 2:
+            widths.append(self.length)
+        return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(CausalLMRunner, "replace_rows", spy)
+    monkeypatch.setattr(CausalLMRunner, "forward", spy)
     prompts = queue(V, n=14, longest=8)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=4, fast_draft=False)
     out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=1.0, seed=3)
-    assert len(widths) >= 6  # admissions happened
-    # without dropping the columns of requests that left, the width would grow with every request served
-    assert max(widths) <= 8 + 10 + 4, widths
+    assert out.stats.admissions >= 6 and len(widths) > 12
+    # without dropping the columns of requests that left, the width would grow with every request served; a
+    # forward runs over a prompt (<= 8), its tokens so far (< 10), up to 4 drafted candidates and 2 pending tokens
+    assert max(widths) <= 8 + 10 + 4 + 2, widths
     assert sum(len(t) for t in out.new_tokens) == 140
 
 

@@ -1,4 +1,5 @@
-"""When continuous batching lets queued requests into the batch: at once, or grouped by a measured rule.
+"""When continuous batching lets queued requests into the batch: at once, grouped by a measured rule, or at once from
+requests prefilled ahead.
 
 An admission (the target prefilling the new requests and their rows joining the batch) costs a fixed part
 (forward calls, kernel launches, the rows' bookkeeping) plus a part per prompt token. Where the fixed part
@@ -32,14 +33,32 @@ K = 2 made 10 admissions instead of 45, its prompts' reads fell from 1.99 to 1.1
 grouped (3416 against 3171 tokens/s; per pass 1.14, 1.17, 0.92x); plain decoding, already in lockstep, made 3 either way
 (0.95x; per pass 0.88, 0.85, 1.15x: noise); the budget (``threshold="auto"``) ran 0.88x grouped (per pass 0.92,
 1.01, 0.73x): with fewer rows live it drafted deeper (2.17 candidates per row and round against 0.60) and decoded
-slower. Hence opt-in, not the default.
+slower. Hence opt-in.
+
+``admission="ahead"`` (``SpeculativeGenerator.generate_continuous``) attacks the same cost from the other side:
+requests join as eagerly as ``"eager"``, but whenever no prefilled request is left the target prefills the queue's
+next ``batch_size`` requests in one go, and each admission takes its rows from that runner
+(``TimedRunner.replace_rows(..., rows=...)``), so the prefills are as large as plain decoding's lockstep refills
+whatever the rounds at which rows finish. It holds up to ``batch_size`` more rows of KV cache. On a CPU, where a
+forward's cost does grow with its rows, the fixed part is smaller but the small prefills still cost more per token:
+on the bundled pair in bf16 (2-core Intel Xeon with AMX, 128 HumanEval requests of 48 tokens at B = 16) a prefill
+took about 100 us per prompt token in groups of 16 and 110-290 us in the groups of 1-4 that fixed K = 1's staggered
+rows made. Paired runs (``bench/budget_paired.py``, 128 requests of 48 tokens, greedy, arms alternating stream by
+stream; ``docs/results/budget_paired_b*_bf16_ahead*.json``), ahead over eager: fixed K = 1 1.137x at B = 16 (1006.8
+against 885.2 tokens/s, prefills 5.8 s against 8.5 s; level with plain decoding, 0.985x), 1.048x at B = 64; K = 2
+1.009x at B = 4; the budget (``threshold="auto"``) 1.022x at B = 4, 0.944x at B = 16 (where eager's budget took only
+plain steps and ahead's drafted 0.35 candidates per row and round) and 1.117x at B = 64 (0.993x plain decoding).
+Prefilling every queued row of B = 64 ahead made prefills of 64 requests, slower per token than the groups of about 5
+that eager admission made there (K = 1 0.933x, the budget 0.846x): hence groups of at most 16 (the generator's
+``AHEAD_ROWS``). So ``"ahead"`` is the default (:data:`DEFAULT_ADMISSION`).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-ADMISSION_MODES = ("eager", "grouped")
+ADMISSION_MODES = ("eager", "grouped", "ahead")
+DEFAULT_ADMISSION = "ahead"  # generate_continuous's, and the batch benchmark's (measured: the module docstring)
 
 
 class AdmissionRule:

@@ -251,11 +251,13 @@ class FastLlamaRunner(TimedRunner):
                 t[:, :, n : end + n] = t[:, :, :end].clone()
                 t[:, :, :n] = 0
 
-    def _write_rows(self, idx: torch.Tensor, other: "FastLlamaRunner") -> None:
-        width, w = self.length, other.length
+    def _write_rows(self, idx: torch.Tensor, other: "FastLlamaRunner", src: Optional[torch.Tensor] = None,
+                    lead: int = 0) -> None:
+        width, end = self.length, other.length
+        w = end - lead
         for mine, theirs in ((self.k, other.k), (self.v, other.v)):
             for a, b in zip(mine, theirs):
-                a[idx, :, width - w : width] = b[:, :, :w]
+                a[idx, :, width - w : width] = b[:, :, lead:end] if src is None else b[src, :, lead:end]
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)

@@ -140,11 +140,14 @@ class TimedRunner:
     def _pad_front(self, n: int) -> None:
         raise NotImplementedError
 
-    def _write_rows(self, idx: torch.Tensor, other: "TimedRunner") -> None:
+    def _write_rows(self, idx: torch.Tensor, other: "TimedRunner", src: Optional[torch.Tensor] = None,
+                    lead: int = 0) -> None:
+        """Write ``other``'s rows ``src`` (default: all), its columns from ``lead`` on, right-aligned into this
+        runner's rows ``idx``."""
         raise NotImplementedError
 
     @torch.inference_mode()
-    def replace_rows(self, slots: torch.Tensor, other: "TimedRunner") -> None:
+    def replace_rows(self, slots: torch.Tensor, other: "TimedRunner", rows: Optional[torch.Tensor] = None) -> None:
         """Continuous batching: the rows at positions ``slots`` (``[n]`` int64, requests that finished) take the n
         rows of ``other`` (a runner of the same model that has just read the new requests' prompts), in place.
         Each new row's cache is written right-aligned into its slot (its positions are its own) and the slot's
@@ -152,9 +155,17 @@ class TimedRunner:
         prompt is wider than the cache (it is padded on the left). ``other``'s forward calls and time are added
         to this runner's; ``other`` is spent. An ``other`` that has read nothing (length 0) empties the slots.
         Columns that are holes in every row are then dropped at both ends. Where ``slots`` is every row in order,
-        this runner takes ``other``'s state as it is (nothing is copied)."""
+        this runner takes ``other``'s state as it is (nothing is copied).
+
+        With ``rows`` (``[n]`` int64, rows of ``other``), only those rows are written, from their first column that
+        is not a hole in all of them, and ``other`` stays usable (continuous batching's prefill ahead takes a
+        runner's rows a few at a time); its forward calls and time are counted here once. ``rows`` that are every
+        row of ``other`` in order are as no ``rows`` (``other`` is spent)."""
         if type(other) is not type(self) or other.model is not self.model:
             raise ValueError("replace_rows: the other runner must run the same model with the same runner class")
+        if rows is not None and rows.tolist() != list(range(other.mask.shape[0])):
+            self._replace_some(slots, other, rows.to(other.mask.device))
+            return
         if slots.tolist() == list(range(self.mask.shape[0])) == list(range(other.mask.shape[0])):
             # every row, in order (plain decoding's requests finish together): the result is ``other`` itself, so
             # take its state instead of writing every row of it into this cache (bundled pair, fp32 target, plain
@@ -164,20 +175,38 @@ class TimedRunner:
                 setattr(self, name, getattr(other, name))
             self._absorb(other)
             return
-        if other.length > self.length:
-            self._pad_front(other.length - self.length)
-            self.mask = pad_front(self.mask, other.length)
-        idx = slots.to(self.device)
-        width, w = self.length, other.length
-        self.mask = self.mask.clone()
-        self.mask[idx] = 0
-        self.mask[idx, width - w :] = other.mask.to(self.mask.dtype)
-        self.next_pos = self.next_pos.clone()
-        self.next_pos[idx] = other.next_pos.to(self.next_pos.device)
-        self._write_rows(idx, other)
+        self._write(slots, other, None, 0)
         self._absorb(other)
         self._trim_holes()  # an empty ``other`` (rows the draft reads later) leaves the slots' tail columns as holes
         self._trim_front()
+
+    def _replace_some(self, slots: torch.Tensor, other: "TimedRunner", src: torch.Tensor) -> None:
+        """:meth:`replace_rows` with ``rows``: ``other``'s rows ``src`` into ``slots``, ``other`` kept."""
+        valid_cols = other.mask[src].bool().any(0).nonzero()
+        lead = int(valid_cols.min()) if valid_cols.numel() else other.length
+        self._write(slots, other, src, lead)
+        self.calls += other.calls
+        self.seconds += other.seconds
+        other.calls, other.seconds = 0, 0.0
+        self._trim_holes()
+        self._trim_front()
+
+    def _write(self, slots: torch.Tensor, other: "TimedRunner", src: Optional[torch.Tensor], lead: int) -> None:
+        """Rows ``src`` of ``other`` (all: None), columns ``lead`` on, into rows ``slots``: mask, positions, KV."""
+        w = other.length - lead
+        if w > self.length:
+            self._pad_front(w - self.length)
+            self.mask = pad_front(self.mask, w)
+        idx = slots.to(self.device)
+        width = self.length
+        theirs = other.mask if src is None else other.mask[src]
+        pos = other.next_pos if src is None else other.next_pos[src]
+        self.mask = self.mask.clone()
+        self.mask[idx] = 0
+        self.mask[idx, width - w :] = theirs[:, lead:].to(self.mask.dtype)
+        self.next_pos = self.next_pos.clone()
+        self.next_pos[idx] = pos.to(self.next_pos.device)
+        self._write_rows(idx, other, src, lead)
 
     def _absorb(self, other: "TimedRunner") -> None:
         """Count ``other``'s forward calls and time as this runner's, and close it (its rows are now this runner's)."""
@@ -405,13 +434,24 @@ class CausalLMRunner(TimedRunner):
         if self.layout:
             self.col_pos = pad_front(self.col_pos, self.col_pos.shape[1] + n)
 
-    def _write_rows(self, idx: torch.Tensor, other: "CausalLMRunner") -> None:
-        width, w = self.length, other.length
+    def _write_rows(self, idx: torch.Tensor, other: "CausalLMRunner", src: Optional[torch.Tensor] = None,
+                    lead: int = 0) -> None:
+        width, w = self.length, other.length - lead
         if self.layout:
             self.col_pos = self.col_pos.clone()
             self.col_pos[idx] = 0
-            self.col_pos[idx, width - w :] = other.col_pos
-        if w and not self._layers():  # nothing stored here yet (one-token prompts, no forward): start from zeros
+            self.col_pos[idx, width - w :] = (other.col_pos if src is None else other.col_pos[src])[:, lead:]
+        if w and not self._layers() and (src is not None or lead):  # other keeps its rows: copies of those taken
+            rows = self.mask.shape[0]
+            for i, layer in enumerate(other.cache.layers):
+                kv = []
+                for t in (layer.keys, layer.values):
+                    t = (t if src is None else t[src])[:, :, lead:]
+                    full = t.new_zeros((rows, t.shape[1], width, t.shape[3]))
+                    full[idx, :, width - w :] = t
+                    kv.append(full)
+                self.cache.update(*kv, i)
+        elif w and not self._layers():  # nothing stored here yet (one-token prompts, no forward): start from zeros
             rows = self.mask.shape[0]
             for layer in other._layers():
                 if isinstance(layer, GrowingLayer):  # with spare columns: the next append goes in place
@@ -425,8 +465,9 @@ class CausalLMRunner(TimedRunner):
             self.cache = other.cache
         elif w:
             for mine, theirs in zip(self._layers(), other._layers()):
-                mine.keys[idx, :, width - w :] = theirs.keys
-                mine.values[idx, :, width - w :] = theirs.values
+                k, v = theirs.keys[:, :, lead:], theirs.values[:, :, lead:]
+                mine.keys[idx, :, width - w :] = k if src is None else k[src]
+                mine.values[idx, :, width - w :] = v if src is None else v[src]
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)
