@@ -91,20 +91,14 @@ def test_a_prompt_wider_than_the_cache_widens_it(arch, fast_draft):
         assert out.new_tokens[i] == target_only(target, p, 6), f"request {i} differs from target-only decoding"
 
 
-@pytest.mark.parametrize("runner", ["transformers", "lean"])
-@pytest.mark.parametrize("old_len,new_len", [(1, 4), (6, 3), (3, 9)], ids=["empty-cache", "narrower", "wider"])
-def test_replace_rows_gives_the_new_row_the_state_of_its_prompt_alone(runner, old_len, new_len):
-    """A row written into a slot computes what a runner that read only its prompt computes; the other row is
-    untouched. Covers a cache that holds nothing yet, a narrower and a wider new prompt."""
+def runners_of(runner: str, model):
+    """``(make, fresh)`` for the runner tests: ``make()`` a new runner of ``model`` (``"transformers"``: the
+    transformers runner; ``"lean"``: the lean Llama runner), ``fresh(prompt)`` one that has read ``prompt`` ``[B, T]``
+    but its last token."""
     from specdec_ext.engine.fast_llama import FastLlamaRunner
 
-    target, draft = make_pair("llama")
-    model = draft
-    make = (lambda: CausalLMRunner(model, "draft")) if runner == "transformers" else (lambda: FastLlamaRunner(model))
-    g = torch.Generator().manual_seed(0)
-    old = torch.randint(2, 40, (2, old_len), generator=g)
-    new = torch.randint(2, 40, (1, new_len), generator=g)
-    nxt = torch.randint(2, 40, (2, 1), generator=g)
+    def make():
+        return CausalLMRunner(model, "draft") if runner == "transformers" else FastLlamaRunner(model)
 
     def fresh(prompt):
         r = make()
@@ -112,6 +106,21 @@ def test_replace_rows_gives_the_new_row_the_state_of_its_prompt_alone(runner, ol
         if prompt.shape[1] > 1:
             r.forward(prompt[:, :-1])
         return r
+
+    return make, fresh
+
+
+@pytest.mark.parametrize("runner", ["transformers", "lean"])
+@pytest.mark.parametrize("old_len,new_len", [(1, 4), (6, 3), (3, 9)], ids=["empty-cache", "narrower", "wider"])
+def test_replace_rows_gives_the_new_row_the_state_of_its_prompt_alone(runner, old_len, new_len):
+    """A row written into a slot computes what a runner that read only its prompt computes; the other row is
+    untouched. Covers a cache that holds nothing yet, a narrower and a wider new prompt."""
+    target, draft = make_pair("llama")
+    _, fresh = runners_of(runner, draft)
+    g = torch.Generator().manual_seed(0)
+    old = torch.randint(2, 40, (2, old_len), generator=g)
+    new = torch.randint(2, 40, (1, new_len), generator=g)
+    nxt = torch.randint(2, 40, (2, 1), generator=g)
 
     batch, incoming = fresh(old), fresh(new)
     batch.replace_rows(torch.tensor([1]), incoming)
@@ -129,22 +138,14 @@ def test_replace_rows_takes_some_rows_of_a_runner_that_stays_usable(runner, old_
     different lengths, taken one at a time, compute what a runner that read only their prompt computes; the other
     runner keeps its rows (its remaining row still computes what it would alone), and its forward calls are
     counted once."""
-    from specdec_ext.engine.fast_llama import FastLlamaRunner
     from specdec_ext.engine.generator import _right_aligned
 
     target, draft = make_pair("llama")
-    make = (lambda: CausalLMRunner(draft, "draft")) if runner == "transformers" else (lambda: FastLlamaRunner(draft))
+    make, fresh = runners_of(runner, draft)
     g = torch.Generator().manual_seed(1)
     old = torch.randint(2, 40, (2, old_len), generator=g)
     pooled = [torch.randint(2, 40, (n,), generator=g) for n in (3, 8, 5)]
     nxt = torch.randint(2, 40, (3, 1), generator=g)
-
-    def fresh(prompt):
-        r = make()
-        r.start(prompt.shape[0])
-        if prompt.shape[1] > 1:
-            r.forward(prompt[:, :-1])
-        return r
 
     def alone(prompt, token):
         return fresh(prompt.view(1, -1)).forward(torch.cat([prompt[-1:], token]).view(1, -1), keep=1)[0][0]
@@ -171,21 +172,12 @@ def test_replacing_every_row_in_order_takes_the_other_runner_whole(runner):
     """When every row is replaced, in order (plain decoding's requests finish together), the runner takes the
     other's storage instead of copying it row by row, and computes what the other would; any other order of slots
     still writes the rows."""
-    from specdec_ext.engine.fast_llama import FastLlamaRunner
-
     target, draft = make_pair("llama")
-    make = (lambda: CausalLMRunner(draft, "draft")) if runner == "transformers" else (lambda: FastLlamaRunner(draft))
+    _, fresh = runners_of(runner, draft)
     storage = (lambda r: r.cache) if runner == "transformers" else (lambda r: r.k[0])
     g = torch.Generator().manual_seed(0)
     old, new = torch.randint(2, 40, (2, 7), generator=g), torch.randint(2, 40, (2, 4), generator=g)
     nxt = torch.randint(2, 40, (2, 1), generator=g)
-
-    def fresh(prompt):
-        r = make()
-        r.start(prompt.shape[0])
-        r.forward(prompt[:, :-1])
-        return r
-
     alone, _ = fresh(new).forward(torch.cat([new[:, -1:], nxt], 1), keep=1)
     for slots, whole in (([0, 1], True), ([1, 0], False)):
         batch, incoming = fresh(old), fresh(new)
