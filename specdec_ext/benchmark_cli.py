@@ -66,11 +66,10 @@ def add_arguments(p):
                    help="with --batch-sizes: each request asks for its own number of new tokens, drawn uniformly "
                         "(seeded) from --max-new-tokens +- S, as a server's requests differ (default 0: all equal)")
     p.add_argument("--admission", choices=ADMISSION_MODES, default=None,
-                   help=f"with --batch-sizes (default {DEFAULT_ADMISSION}): when queued requests join the batch: eager "
-                        "(after every round that frees "
-                        "a slot), grouped (once the free slots' lost throughput reaches an admission's measured "
-                        "fixed cost; fewer prefill calls, for launch-bound GPUs) or ahead (eager, the queue's next B "
-                        "requests prefilled together)")
+                   help=f"with --batch-sizes (default {DEFAULT_ADMISSION}): when queued requests join the batch: "
+                        "eager (after every round that frees a slot), grouped (once the free slots' lost throughput "
+                        "reaches an admission's measured fixed cost; fewer prefill calls, for launch-bound GPUs) or "
+                        "ahead (as eager, from the queue's next min(B, 16) requests prefilled together)")
 
 
 def _command_line(args) -> str:
