@@ -345,15 +345,21 @@ class SpeculativeGenerator:
         admitted_ms, finished_ms = [0.0] * N, [0.0] * N
         t_start = time.perf_counter()
 
-        def start(ids):  # runners that have read these requests' prompts, and their rows' starting state
+        def prefill(ids, draft=True):  # runners that have read these requests' prompts (the draft's: empty)
             t0 = time.perf_counter()
             toks, mask = _right_aligned([requests[r] for r in ids])
-            target, draft = self._start_runners(pol, toks, mask, lengths=[len(requests[r]) for r in ids])
+            runners = self._start_runners(pol, toks, mask, lengths=[len(requests[r]) for r in ids], draft=draft)
             stats.prefill_ms += (time.perf_counter() - t0) * 1e3
             for r in ids:
                 admitted_ms[r] = (t0 - t_start) * 1e3
-            last = toks[:, -1].clone()
-            return target, draft, _Batch.starting(list(ids), last, [rngs[r] for r in ids], generated)
+            return runners
+
+        def joining(ids):  # the starting state of these requests' rows
+            last = torch.stack([requests[r][-1] for r in ids])
+            return _Batch.starting(list(ids), last, [rngs[r] for r in ids], generated)
+
+        def start(ids):  # runners that have read these requests' prompts, and their rows' starting state
+            return (*prefill(ids), joining(ids))
 
         generated = [[] for _ in range(N)]
         rule = AdmissionRule(admission == "grouped", self.admission_points)
@@ -365,11 +371,7 @@ class SpeculativeGenerator:
                 if ahead["used"] == len(ahead["ids"]):  # prefill the next requests in one go
                     group = need + queue[: max(0, min(batch_size, AHEAD_ROWS) - len(need))]
                     t0 = time.perf_counter()
-                    toks, mask = _right_aligned([requests[r] for r in group])
-                    runner = self._start_runners(pol, toks, mask, [len(requests[r]) for r in group], draft=False)[0]
-                    stats.prefill_ms += (time.perf_counter() - t0) * 1e3
-                    for r in group:
-                        admitted_ms[r] = (t0 - t_start) * 1e3
+                    runner = prefill(group, draft=False)[0]
                     observe(group, t0)
                     ahead.update(runner=runner, ids=group, used=0)
                 k = min(len(need), len(ahead["ids"]) - ahead["used"])
@@ -403,8 +405,7 @@ class SpeculativeGenerator:
                 parts = prefilled(ids)
                 t_new = None
                 d_new = self._start_runners(pol, None, None, target=False, rows=len(ids))[1]
-                new = _Batch.starting(list(ids), torch.stack([requests[r][-1] for r in ids]), [rngs[r] for r in ids],
-                                      generated)
+                new = joining(ids)
             else:
                 t_new, d_new, new = start(ids)
             grow = len(ids) - len(done)  # more requests than rows finished this round: the batch grows back

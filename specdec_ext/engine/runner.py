@@ -164,9 +164,11 @@ class TimedRunner:
         if type(other) is not type(self) or other.model is not self.model:
             raise ValueError("replace_rows: the other runner must run the same model with the same runner class")
         if rows is not None and rows.tolist() != list(range(other.mask.shape[0])):
-            self._replace_some(slots, other, rows.to(other.mask.device))
-            return
-        if slots.tolist() == list(range(self.mask.shape[0])) == list(range(other.mask.shape[0])):
+            src = rows.to(other.mask.device)
+            valid_cols = other.mask[src].bool().any(0).nonzero()
+            self._write(slots, other, src, int(valid_cols.min()) if valid_cols.numel() else other.length)
+            self._absorb(other, spent=False)
+        elif slots.tolist() == list(range(self.mask.shape[0])) == list(range(other.mask.shape[0])):
             # every row, in order (plain decoding's requests finish together): the result is ``other`` itself, so
             # take its state instead of writing every row of it into this cache (bundled pair, fp32 target, plain
             # decoding of 128 HumanEval requests at B = 64 on a 2-core CPU: 0.06 s for the refill where writing the
@@ -175,20 +177,10 @@ class TimedRunner:
                 setattr(self, name, getattr(other, name))
             self._absorb(other)
             return
-        self._write(slots, other, None, 0)
-        self._absorb(other)
+        else:
+            self._write(slots, other, None, 0)
+            self._absorb(other)
         self._trim_holes()  # an empty ``other`` (rows the draft reads later) leaves the slots' tail columns as holes
-        self._trim_front()
-
-    def _replace_some(self, slots: torch.Tensor, other: "TimedRunner", src: torch.Tensor) -> None:
-        """:meth:`replace_rows` with ``rows``: ``other``'s rows ``src`` into ``slots``, ``other`` kept."""
-        valid_cols = other.mask[src].bool().any(0).nonzero()
-        lead = int(valid_cols.min()) if valid_cols.numel() else other.length
-        self._write(slots, other, src, lead)
-        self.calls += other.calls
-        self.seconds += other.seconds
-        other.calls, other.seconds = 0, 0.0
-        self._trim_holes()
         self._trim_front()
 
     def _write(self, slots: torch.Tensor, other: "TimedRunner", src: Optional[torch.Tensor], lead: int) -> None:
@@ -208,11 +200,15 @@ class TimedRunner:
         self.next_pos[idx] = pos.to(self.next_pos.device)
         self._write_rows(idx, other, src, lead)
 
-    def _absorb(self, other: "TimedRunner") -> None:
-        """Count ``other``'s forward calls and time as this runner's, and close it (its rows are now this runner's)."""
+    def _absorb(self, other: "TimedRunner", spent: bool = True) -> None:
+        """Count ``other``'s forward calls and time as this runner's, and close it (its rows are now this runner's);
+        ``spent=False``: keep it open, its counts zeroed so they are counted once."""
         self.calls += other.calls
         self.seconds += other.seconds
-        other.close()
+        if spent:
+            other.close()
+        else:
+            other.calls, other.seconds = 0, 0.0
 
 
 def pad_front(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
