@@ -4,13 +4,14 @@ in-place row writes), copies only a forward's new columns while its buffer has r
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.cache_utils import DynamicLayer
 
 from models import make_pair
-from specdec_ext.engine.kv_cache import GrowingCache, GrowingLayer, compaction, take_rows
+from specdec_ext.engine.kv_cache import GrowingCache, GrowingLayer, compaction, copy_rows, take_rows
 from specdec_ext.engine.runner import CausalLMRunner, pad_front
 
 B, H, D = 3, 2, 4
@@ -116,6 +117,28 @@ def test_rows_that_leave_move_only_the_rows_that_take_their_places():
     assert torch.equal(layer.keys, kept) and layer._kbuf.data_ptr() == buffer.data_ptr()
     layer.update(torch.randn(2, H, 2, D), torch.randn(2, H, 2, D))
     assert layer._kbuf.data_ptr() == buffer.data_ptr() and layer.get_seq_length() == 52  # appends go on in place
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=6, unique=True), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_copy_rows_equals_an_indexed_assignment(dst_rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    dst = torch.randn(6, H, 9, D, generator=g)
+    src = torch.randn(4 + len(dst_rows), H, 5, D, generator=g)
+    src_rows = torch.randperm(src.shape[0], generator=g)[: len(dst_rows)]
+    want = dst.clone()
+    want[torch.tensor(dst_rows, dtype=torch.int64), :, 4:] = src[src_rows]
+    copy_rows(dst[:, :, 4:], torch.tensor(dst_rows, dtype=torch.int64), src, src_rows)  # into a column view
+    assert torch.equal(dst, want)
+    first = src[: len(dst_rows)]
+    want[torch.tensor(dst_rows, dtype=torch.int64), :, 4:] = first
+    copy_rows(dst[:, :, 4:], dst_rows, first)  # lists, and the source's rows in order
+    assert torch.equal(dst, want)
+
+
+def test_copy_rows_names_a_count_mismatch():
+    with pytest.raises(ValueError, match="2 destination rows but 1 source rows"):
+        copy_rows(torch.zeros(3, 2), [0, 1], torch.ones(3, 2), [2])
 
 
 def test_front_padding_goes_into_the_spare_columns_before_the_view():

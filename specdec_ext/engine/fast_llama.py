@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .. import ops
 from . import onednn_linear
 from .attention import kernel_takes
-from .kv_cache import take_rows
+from .kv_cache import copy_rows, take_rows
 from .runner import TimedRunner, new_column_mask, usable_device
 
 # model -> {packed: (fingerprint of its weights, the runner's prepared weights)}: packing costs a few ms, and a
@@ -257,7 +257,7 @@ class FastLlamaRunner(TimedRunner):
         w = end - lead
         for mine, theirs in ((self.k, other.k), (self.v, other.v)):
             for a, b in zip(mine, theirs):
-                a[idx, :, width - w : width] = b[:, :, lead:end] if src is None else b[src, :, lead:end]
+                copy_rows(a[:, :, width - w : width], idx, b[:, :, lead:end], src)
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)

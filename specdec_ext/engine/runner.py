@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from . import onednn_linear
 from .attention import NAME as ATTENTION_NAME
-from .kv_cache import GrowingCache, GrowingLayer
+from .kv_cache import GrowingCache, GrowingLayer, copy_rows
 from .onednn_linear import PackedLinears
 from .packing import PACKABLE_MODEL_TYPES, PackedRows
 from .packing import packed as packed_forward
@@ -444,7 +444,7 @@ class CausalLMRunner(TimedRunner):
                 for t in (layer.keys, layer.values):
                     t = (t if src is None else t[src])[:, :, lead:]
                     full = t.new_zeros((rows, t.shape[1], width, t.shape[3]))
-                    full[idx, :, width - w :] = t
+                    copy_rows(full[:, :, width - w :], idx, t)
                     kv.append(full)
                 self.cache.update(*kv, i)
         elif w and not self._layers():  # nothing stored here yet (one-token prompts, no forward): start from zeros
@@ -456,14 +456,13 @@ class CausalLMRunner(TimedRunner):
                 for name in ("keys", "values"):
                     t = getattr(layer, name)
                     full = t.new_zeros((rows, t.shape[1], width, t.shape[3]))
-                    full[idx, :, width - w :] = t
+                    copy_rows(full[:, :, width - w :], idx, t)
                     setattr(layer, name, full)
             self.cache = other.cache
         elif w:
             for mine, theirs in zip(self._layers(), other._layers()):
-                k, v = theirs.keys[:, :, lead:], theirs.values[:, :, lead:]
-                mine.keys[idx, :, width - w :] = k if src is None else k[src]
-                mine.values[idx, :, width - w :] = v if src is None else v[src]
+                copy_rows(mine.keys[:, :, width - w :], idx, theirs.keys[:, :, lead:], src)
+                copy_rows(mine.values[:, :, width - w :], idx, theirs.values[:, :, lead:], src)
 
     def select_rows(self, index: torch.Tensor) -> None:
         idx = index.to(self.device)
