@@ -168,6 +168,32 @@ def test_a_neighbour_far_below_the_best_is_not_probed():
         assert (max(later) >= 1) == probed, (within, caps)
 
 
+def test_probes_of_drafting_from_plain_decoding_wait_until_the_reads_they_need_are_a_small_share():
+    """While plain steps are best, a probe of drafting would first make the draft read every unread live row's
+    context (``draft_reads``; at B = 64 on a 2-core CPU some 110 ms, four plain steps, and the probe broke plain
+    decoding's lockstep); it waits until those reads are at most ``probe_read_share`` of the plain steps' measured
+    ms since the batch last drafted. With nothing to read, probes keep their doubling schedule."""
+    dear = lambda c: 10.0 + 10.0 * c  # plain steps best at survival 0.8 (test above)
+
+    def probes(read_ms, share=0.02):
+        b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth", explore_within=0.5, probe_read_share=share)
+        caps = []
+        for _ in range(160):
+            b.read_ms = read_ms
+            caps += _play(b, 4, dear, 1)
+        settled = next(i for i, c in enumerate(caps) if c == 0) + 1
+        return [i for i, c in enumerate(caps) if c >= 1 and i >= settled]
+
+    free = probes(0.0)
+    assert len(free) >= 3, free  # the doubling schedule: 2, 4, 8, ... rounds
+    assert probes(500.0) == []  # 500 ms of reads: 2% of 25 s of plain steps, never reached in 160 rounds of 10 ms
+    spaced = probes(8.0)  # 8 ms of reads: one probe per 40 ms / 0.02 = 400 ms of plain steps at most
+    assert 2 <= len(spaced) < len(free) and all(j - i >= 40 for i, j in zip(spaced, spaced[1:])), (spaced, free)
+    assert probes(8.0, share=1.0) == free  # reads allowed up to the whole of the plain time: the schedule alone
+    with pytest.raises(ValueError, match="probe_read_share"):
+        BatchBudget(TEST_BATCH_COSTS, probe_read_share=0.0)
+
+
 def test_the_line_fit_shares_the_depths_measurements():
     """cost_fit="line": the drafted depths' log ratios are the weighted least-squares line through their running
     means (weights: rounds measured, at most 1 / decay); depth 0 keeps its own. A depth measured once, far off the

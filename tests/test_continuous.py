@@ -460,10 +460,13 @@ class OverheadRecorder(Intermittent):
 
     def __init__(self, drafting, gen):
         super().__init__(drafting)
-        self.gen, self.seen = gen, []
+        self.gen, self.seen, self.reads = gen, [], []
 
     def draft_overhead(self, ms_per_token):
         self.seen.append((ms_per_token, self.gen.catch_up_ms, self.gen.catch_up_rows))
+
+    def draft_reads(self, ms):
+        self.reads.append(ms)
 
 
 def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come():
@@ -484,6 +487,12 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
         assert o == 0.0 or o == pytest.approx(ms / rows / 10)
     positive = [i for i, (o, _, _) in enumerate(seen) if o > 0]
     assert positive and positive[0] == 3 and seen[-1][0] == 0.0  # the tail: every live row read, nothing queued
+    # draft_reads: the mean ms per row read times the live rows not read yet (0 before a read was measured)
+    assert len(pol.reads) == len(seen)
+    assert all(r == 0.0 for r, (_, _, rows) in zip(pol.reads, seen) if not rows)
+    unread = [r / (ms / rows) for r, (_, ms, rows) in zip(pol.reads, seen) if rows]
+    assert all(u == pytest.approx(round(u)) and 0 <= round(u) <= 2 for u in unread), unread
+    assert any(round(u) >= 1 for u in unread) and unread[-1] == 0  # new rows wait to be read; the tail is read
     for i, p in enumerate(prompts):
         assert out.new_tokens[i] == target_only(target, p, 10)
 

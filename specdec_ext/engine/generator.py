@@ -466,6 +466,7 @@ class SpeculativeGenerator:
                 remaining = torch.tensor([call.limit(r) - len(batch.generated[r]) for r in batch.rows])
                 if pol.speculative:  # not measured for a tensor-parallel target's ranks, which must decide alike
                     pol.draft_overhead(0.0 if tp else self._draft_overhead(call, batch, waiting))
+                    pol.draft_reads(0.0 if tp else self._draft_reads(batch))
                 if not pol.speculative:
                     emitted = self._plain_step(call, target, batch, stats)
                 elif pol.draft_round(target.length):
@@ -540,6 +541,14 @@ class SpeculativeGenerator:
         if not self.catch_up_rows or not (batch.unread or (waiting is not None and waiting())):
             return 0.0
         return self.catch_up_ms / self.catch_up_rows / call.mean_limit
+
+    def _draft_reads(self, batch: "_Batch") -> float:
+        """ms the draft would spend reading the live rows it has not read (:meth:`_catch_up`) if this round drafted:
+        the measured mean ms per request times those rows, for the policy's ``draft_reads``; 0 before any read was
+        measured."""
+        if not self.catch_up_rows or not batch.unread:
+            return 0.0
+        return self.catch_up_ms / self.catch_up_rows * sum(r in batch.unread for r in batch.rows)
 
     def _catch_up(self, call: "_Call", draft, batch: "_Batch", stats) -> None:
         """Before a round that drafts: the draft reads the context (prompt and generated tokens, but the last) of

@@ -84,6 +84,13 @@ class CandidateLengthPolicy:
         decoding may add it to a drafting round's cost (the batch budget of ``threshold="auto"`` does); default:
         ignored."""
 
+    def draft_reads(self, ms: float) -> None:
+        """Before each :meth:`draft_round`: the ms the draft would spend, before this round, reading the contexts of
+        the live rows it has not read yet (``SpeculativeGenerator._catch_up``; the measured mean ms per request
+        times the unread rows, 0 until a read was measured), were the round to draft. Policies that choose between
+        drafting and plain steps may weigh it (the batch budget of ``threshold="auto"`` spaces its probes of
+        drafting by it); default: ignored."""
+
     def draft_round(self, width: int) -> bool:
         """Before a round: whether the live rows draft at all (default: yes). False makes the round one step of
         plain decoding by the target alone (the draft catches up on the tokens it missed when it next drafts;

@@ -244,6 +244,10 @@ class SpecDecPP(CandidateLengthPolicy):
         if self.use_budget:
             self.budget.overhead = ms_per_token
 
+    def draft_reads(self, ms):
+        if self.use_budget:
+            self.budget.read_ms = ms
+
     def draft_round(self, width):
         self._plain = self.use_budget and not self.budget.plan(int(self.cum_accept.shape[0]), width)
         return not self._plain

@@ -419,6 +419,11 @@ class BatchBudget:
       neighbour measured and expected more than ``explore_within`` below the best is not probed until it comes
       within it: at B = 64 on a 2-core CPU depth 1 measured 10-40% below plain decoding, and every probe of it
       also made the draft read the contexts of the rows it had not read (``SpeculativeGenerator._catch_up``).
+      While plain decoding is the best depth, a probe of drafting also waits until those reads (:attr:`read_ms`,
+      the engine's ``draft_reads``) are at most ``probe_read_share`` of the plain steps' measured ms since the
+      batch last drafted: at B = 64 on a 2-core AMX Xeon (bf16) a probe read some 60 contexts (about 110 ms, four
+      plain steps) and its accepted tokens ended plain decoding's lockstep, so requests finished in several rounds
+      and were admitted in several groups.
       A neighbour not yet measured is probed (so plain decoding gets measured when the table overrates drafting).
       Such a round, and each first round of depths 0 .. ``explore``, is :attr:`forced`: it drafts to its cap
       whatever the survivals say (an earlier version let the rule below stop it short, so the depth it was to
@@ -518,7 +523,7 @@ class BatchBudget:
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
-                 accuracy_decay: Optional[float] = None):
+                 accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02):
         self.top_n = bool(top_n)
         self.cost_drift = bool(cost_drift)
         if accuracy_decay is not None and not 0.0 < accuracy_decay <= 1.0:
@@ -527,6 +532,11 @@ class BatchBudget:
         self.accuracy_decay = decay if accuracy_decay is None else float(accuracy_decay)
         self.count_overhead = bool(count_overhead)
         self.overhead = 0.0  # ms per emitted token that drafting adds outside the rounds (set before each plan)
+        self.read_ms = 0.0  # ms the draft would spend reading unread live rows were this round to draft (likewise)
+        if not 0.0 < probe_read_share <= 1.0:
+            raise ValueError("probe_read_share must be in (0, 1] (a fraction of the time spent in plain steps), "
+                             f"got {probe_read_share!r}")
+        self.probe_read_share = float(probe_read_share)
         if not explore_within >= 0.0:
             raise ValueError("explore_within must be >= 0 (a fraction of the best depth's goodput), "
                              f"got {explore_within!r}")
@@ -557,7 +567,7 @@ class BatchBudget:
 
     # what reset() keeps per batch size from call to call (see there), by attribute
     _KEPT = ("log_ratio", "_accepted", "_predicted", "_since", "_every", "_tries", "_best", "_weight", "_early",
-             "_drift")
+             "_drift", "_plain_ms")
 
     def reset(self, batch_size: int) -> None:
         """Start a call of ``batch_size`` rows. What earlier calls measured at this batch size, the per-depth cost
@@ -586,6 +596,7 @@ class BatchBudget:
         self._tries = [0] * n                 # rounds played to measure each depth (rows may lack the room to reach it)
         self._every = [self.probe] * n        # each neighbour's probe interval (doubles while it keeps losing)
         self._best: Optional[int] = None
+        self._plain_ms = 0.0                  # measured ms of the plain steps since the batch last drafted
         self.cap = self.depth_max             # this round's cap: the most candidates per row it may draft
         self.score_last = True                # whether this round's head scores the slot at the cap (see plan)
         self.forced = False                   # this round drafts to its cap whatever the survivals (see plan)
@@ -780,6 +791,8 @@ class BatchBudget:
             self._tries[cap] += 1
         self.forced = bool(unmeasured)
         for c in ((best - 1, best + 1) if not unmeasured and not self._cold else ()):
+            if best == 0 and self.read_ms > self.probe_read_share * self._plain_ms:
+                continue  # a probe of drafting would first make the draft read the unread rows: not worth it yet
             if (0 <= c < len(values) and self._since[c] >= self._every[c]
                     and (values[c] >= floor or self.log_ratio[c] is None)):  # a depth measured far below: not again
                 self._every[c] *= 2
@@ -911,6 +924,7 @@ class BatchBudget:
             return
         k, table = self._last
         self._last = None
+        self._plain_ms = self._plain_ms + ms if k == 0 else 0.0
         if self._cold:  # a call's first round: its caches grow for the first time, and every row's first tokens
             self._cold = False  # (the ends of prompts' lines) are the easiest to draft; it says little of the rest
             return
