@@ -442,9 +442,8 @@ class CausalLMRunner(TimedRunner):
             for i, layer in enumerate(other.cache.layers):
                 kv = []
                 for t in (layer.keys, layer.values):
-                    t = (t if src is None else t[src])[:, :, lead:]
                     full = t.new_zeros((rows, t.shape[1], width, t.shape[3]))
-                    copy_rows(full[:, :, width - w :], idx, t)
+                    copy_rows(full[:, :, width - w :], idx, t[:, :, lead:], src)
                     kv.append(full)
                 self.cache.update(*kv, i)
         elif w and not self._layers():  # nothing stored here yet (one-token prompts, no forward): start from zeros
