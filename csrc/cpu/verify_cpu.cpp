@@ -54,33 +54,40 @@ inline double sum_f64(int64_t b0, int64_t b1, const F& f) {
   return acc[0] + tail;
 }
 
-// Two sums in one pass: f(j, &a, &b) gives both terms of element j (lanes as in sum_f64).
+// Two sums in one pass: f(j, &a, &b) gives both terms of element j. Float lanes within blocks of kLanes * 32
+// elements, double across blocks (as sum_blocked_f32 below: relative error about 2e-6 per block); used for the
+// confidence features' softmax sums, where double lanes throughout made the pass over V twice as slow.
 template <typename F>
-inline void sum2_f64(int64_t V, const F& f, double* sa, double* sb) {
-  double aa[kLanes] = {}, ab[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= V; j += kLanes) {
-    float va[kLanes], vb[kLanes];
-    for (int k = 0; k < kLanes; ++k) f(j + k, &va[k], &vb[k]);
-    for (int k = 0; k < kLanes; ++k) {
-      aa[k] += static_cast<double>(va[k]);
-      ab[k] += static_cast<double>(vb[k]);
-    }
-  }
+inline void sum2_blocked_f32(int64_t V, const F& f, double* sa, double* sb) {
+  constexpr int64_t kBlockElems = kLanes * 32;
   double ta = 0.0, tb = 0.0;
+  int64_t j = 0;
+  for (; j + kBlockElems <= V; j += kBlockElems) {
+    float aa[kLanes] = {}, ab[kLanes] = {};
+    for (int64_t i = j; i < j + kBlockElems; i += kLanes) {
+      float va[kLanes], vb[kLanes];
+      for (int k = 0; k < kLanes; ++k) f(i + k, &va[k], &vb[k]);
+      for (int k = 0; k < kLanes; ++k) {
+        aa[k] += va[k];
+        ab[k] += vb[k];
+      }
+    }
+    for (int w = kLanes / 2; w > 0; w /= 2)
+      for (int k = 0; k < w; ++k) {
+        aa[k] += aa[k + w];
+        ab[k] += ab[k + w];
+      }
+    ta += static_cast<double>(aa[0]);
+    tb += static_cast<double>(ab[0]);
+  }
   for (; j < V; ++j) {
     float va, vb;
     f(j, &va, &vb);
     ta += va;
     tb += vb;
   }
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int k = 0; k < w; ++k) {
-      aa[k] += aa[k + w];
-      ab[k] += ab[k + w];
-    }
-  *sa = aa[0] + ta;
-  *sb = ab[0] + tb;
+  *sa = ta;
+  *sb = tb;
 }
 
 // Sum for a softmax normaliser: float lanes within blocks of kLanes * 32 elements (relative
@@ -634,7 +641,7 @@ static void confidence_impl(const ConfidenceArgs& a) {
         if (code == 0) {
           const float m = top1;
           double z = 0.0, sx = 0.0;  // one pass for Z = sum e and S = sum e (x - m)
-          sum2_f64(V, [&](int64_t j, float* e, float* ed) {
+          sum2_blocked_f32(V, [&](int64_t j, float* e, float* ed) {
             const float d = std::min(ld(x, j) - m, 0.0f);
             const float ev = exp_nonpos(d);
             *e = ev;

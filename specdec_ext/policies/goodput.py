@@ -311,6 +311,26 @@ class BatchCosts:
                    d.get("wide_context", 0), d.get("verify_wide_ms", ()))
 
 
+def _nearest_measured(values: list) -> list[float]:
+    """Each entry, or where it is None the nearest entry that is not (the lower one on a tie); all 0.0 when every
+    entry is None. One pass each way (the budget reads it once per measured round)."""
+    n = len(values)
+    below: list = [None] * n  # (distance, value) of the nearest measured entry at or below j
+    last = None
+    for j in range(n):
+        if values[j] is not None:
+            last = j
+        below[j] = None if last is None else (j - last, values[last])
+    out, last = [0.0] * n, None
+    for j in range(n - 1, -1, -1):
+        if values[j] is not None:
+            last = j
+        up = None if last is None else (last - j, values[last])
+        lo = below[j]
+        out[j] = (lo if up is None or (lo is not None and lo[0] <= up[0]) else up)[1] if (lo or up) else 0.0
+    return out
+
+
 EARLY_ROUNDS = 3  # a depth's first measured rounds, whose lower median sets its cost (BatchBudget.observe)
 
 
@@ -523,8 +543,14 @@ class BatchBudget:
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
-                 accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02):
+                 accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02, long_decay: float = 0.02,
+                 revert: float = 0.2):
         self.top_n = bool(top_n)
+        if not 0.0 < long_decay <= 1.0:
+            raise ValueError(f"long_decay must be in (0, 1] (a running mean's weight), got {long_decay!r}")
+        if not 0.0 <= revert <= 1.0:
+            raise ValueError(f"revert must be in [0, 1] (a weight per plain step), got {revert!r}")
+        self.long_decay, self.revert = float(long_decay), float(revert)
         self.cost_drift = bool(cost_drift)
         if accuracy_decay is not None and not 0.0 < accuracy_decay <= 1.0:
             raise ValueError("accuracy_decay must be in (0, 1] (a running mean's weight) or None, "
@@ -567,7 +593,7 @@ class BatchBudget:
 
     # what reset() keeps per batch size from call to call (see there), by attribute
     _KEPT = ("log_ratio", "_accepted", "_predicted", "_since", "_every", "_tries", "_best", "_weight", "_early",
-             "_drift", "_plain_ms")
+             "_drift", "_plain_ms", "_long")
 
     def reset(self, batch_size: int) -> None:
         """Start a call of ``batch_size`` rows. What earlier calls measured at this batch size, the per-depth cost
@@ -583,6 +609,9 @@ class BatchBudget:
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
         self._seen = 0  # slots 1 .. _seen have been drafted at least once since the reset
         self._counts = [0] * self.depth_max  # rounds that drafted each slot
+        # the long-run means (weight ``long_decay``) of the slots' survivals and of the head's calibration terms,
+        # kept from call to call: what the short running means start from and revert to (see update)
+        self._long = {"gain": [None] * self.depth_max, "accepted": None, "predicted": None}
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
         n = self.depth_max + 1
         self._weight = [0] * n                # per drafted depth: rounds measured (at most 1 / decay)
@@ -609,6 +638,10 @@ class BatchBudget:
                 setattr(self, name, copy.deepcopy(value))
             if self._predicted:
                 self.accuracy = self._accepted / self._predicted
+            long = self._long["gain"]
+            self._seen = next((j for j, v in enumerate(long) if v is None), len(long))
+            for j in range(self._seen):  # a new call starts from what the earlier ones measured, not the prior
+                self.gain[j], self._counts[j] = long[j], round(1 / self.decay)
 
     @property
     def log_ratio(self) -> list:
@@ -623,6 +656,7 @@ class BatchBudget:
 
     def _measured(self) -> None:
         """The ratios changed: what is computed from them is recomputed when next read."""
+        self._ratio_list = None  # _ratios()
         self._calibrations = None  # calibration(k) for k = 0 .. depth_max
         self._costs_at = None  # _costs: (batch size, width) and the modelled ms of each depth there
         self._plain_scale = None  # exp(ratio_0): measured over table ms of a plain step (overhead_per_token)
@@ -656,12 +690,17 @@ class BatchBudget:
         neighbouring depths moves the best depth. But when the table itself misjudges one depth (at B = 16 with the
         in-place target cache, the table put rounds of two and three candidates 19% and 39% above a round of one where
         the rounds' medians were 39% and 67% above), the line spreads the correction over all depths; per-depth means
-        keep it (paired runs: the class docstring)."""
+        keep it (paired runs: the class docstring). Computed once per measurement (:meth:`_measured`)."""
+        if self._ratio_list is None:
+            self._ratio_list = self._fit_ratios()
+        return self._ratio_list
+
+    def _fit_ratios(self) -> list[float]:
         r = self.log_ratio
         near = [i for i in range(len(r)) if r[i] is not None]
         drafted = [i for i in near if i >= 1]
         if self.cost_fit == "depth" or len(drafted) < 2:
-            return [r[min(near, key=lambda i: (abs(i - j), i))] if near else 0.0 for j in range(len(r))]
+            return _nearest_measured(r)
         w = [max(self._weight[i], 1) for i in drafted]  # a ratio set without a measured round counts as one
         total = sum(w)
         mean_k = sum(wi * i for wi, i in zip(w, drafted)) / total
@@ -720,13 +759,22 @@ class BatchBudget:
             sums.append(sums[-1] + last)
         return sums
 
-    def expected_goodput(self, B: int, c: int, sums: Optional[list] = None) -> float:
-        """Tokens per plain-step ms expected of a round drafting c candidates per row: E / (T_B(c) + E o) with
-        E = B (1 + a sum_{j<=c} g_j) (``sums``: :meth:`_survival_sums`, computed when not given) and o the
-        overhead per token of drafting (:meth:`overhead_per_token`; 0 for c = 0)."""
-        total = (self._survival_sums() if sums is None else sums)[min(c, len(self.gain))]
-        tokens = B * (1.0 + self.head_scale * total)
-        return tokens / (self._round(B, c) + (tokens * self.overhead_per_token() if c else 0.0))
+    def expected_goodput(self, B: int, c: int) -> float:
+        """Tokens per plain-step ms expected of a round drafting c (0 .. ``depth_max``) candidates per row:
+        E / (T_B(c) + E o) with E = B (1 + a sum_{j<=c} g_j) (:meth:`_survival_sums`) and o the overhead per token
+        of drafting (:meth:`overhead_per_token`; 0 for c = 0)."""
+        return self._values(B)[c]
+
+    def _values(self, B: int) -> list[float]:
+        """:meth:`expected_goodput` of every depth c = 0 .. ``depth_max``, in one pass (the plan reads them all each
+        round: computed depth by depth they took a third of the budget's time per round at B = 4)."""
+        sums, costs = self._survival_sums(), self._costs(B)
+        a, o, n = self.head_scale, self.overhead_per_token(), len(self.gain)
+        values = []
+        for c, ms in enumerate(costs):
+            tokens = B * (1.0 + a * sums[min(c, n)])
+            values.append(tokens / (ms + tokens * o) if c else tokens / ms)
+        return values
 
     def overhead_per_token(self) -> float:
         """o: the wall time drafting adds outside the rounds per emitted token (:attr:`overhead`, the engine's
@@ -775,8 +823,7 @@ class BatchBudget:
         again after ``probe`` rounds, the interval doubling each time one is played and still loses (a new best
         depth's own interval starts again). Sets :attr:`forced` for the rounds that measure a depth (those drafts
         go to the cap, :meth:`go_on`)."""
-        sums = self._survival_sums()
-        values = [self.expected_goodput(B, c, sums) for c in range(self.depth_max + 1)]
+        values = self._values(B)
         best = max(range(len(values)), key=lambda c: (values[c], -c))
         self._planned = values[best]
         if best != self._best:  # the new best's interval starts again; a neighbour that kept losing keeps its own
@@ -888,6 +935,8 @@ class BatchBudget:
         if verified > 0:
             self._interval = self.probe  # table decisions: a probe whose slots paid starts the interval again
         if survivals is None or not survivals.numel():
+            if self.measure:
+                self._revert(0)
             return
         columns = survivals.double().t().tolist()  # per slot, the rows' survivals
         # slot j is a fair sample of its survival only where reaching it did not depend on the survivals before
@@ -895,23 +944,50 @@ class BatchBudget:
         # carried on to slot 2 was one whose slot-1 survivals were high (the running mean of slot 2 came out
         # above slot 1's, 0.89 against 0.72, and the budget drafted deeper than it paid)
         fair = len(columns) if self.forced or not self.measure else 1
+        if self.measure:
+            self._revert(min(fair, len(columns)))
         for j, col in enumerate(columns[: min(fair, len(self.gain))]):
             real = [v for v in col if v > 0]  # rows that drafted the slot
             if real:  # the prior counts as one round: weight 1/2, 1/3, ... then ``decay``
                 self._counts[j] += 1
                 w = max(a, 1.0 / (self._counts[j] + 1))
-                self.gain[j] = (1 - w) * self.gain[j] + w * sum(real) / len(real)
+                mean = sum(real) / len(real)
+                self.gain[j] = (1 - w) * self.gain[j] + w * mean
                 self._seen = max(self._seen, j + 1)
-        depths = depth if per_row else torch.full((survivals.shape[0],), depth)  # verified slots per row
-        deepest = int(depths.max())
-        if self.measure and 0 < deepest <= len(columns):
-            kept = torch.arange(deepest) < depths.view(-1, 1)  # the verified prefix of each row
-            predicted = float((survivals.double()[:, :deepest] * kept).sum())
+                long = self._long["gain"]
+                long[j] = self._average(long[j], mean, max(self.long_decay, w))
+        depths = depth.tolist() if per_row else None  # verified slots per row (None: ``depth`` for every row)
+        deepest = max(depths) if per_row else depth
+        if self.measure and 0 < deepest <= len(columns):  # the summed survivals of each row's verified prefix
+            predicted = (sum(sum(col) for col in columns[:deepest]) if not per_row else
+                         sum(v for j, col in enumerate(columns[:deepest]) for v, d in zip(col, depths) if j < d))
             if predicted > 0:
                 w = self.accuracy_decay
                 self._accepted = self._average(self._accepted, float(emitted - batch_size), w)
                 self._predicted = self._average(self._predicted, predicted, w)
                 self.accuracy = self._accepted / self._predicted
+                long = self._long
+                long["accepted"] = self._average(long["accepted"], float(emitted - batch_size), self.long_decay)
+                long["predicted"] = self._average(long["predicted"], predicted, self.long_decay)
+
+    def _revert(self, first: int) -> None:
+        """A round that sampled no survival of slots ``first + 1`` and deeper (a plain step: ``first`` = 0): the short
+        running means of those slots' survivals (g) move ``revert`` of the way back to their long-run means (weight
+        ``long_decay``), and after a plain step the head's calibration terms too. Without this, the estimate that
+        made drafting (or a deeper slot) look poor stays as it was until a probe, and a probe is one round's
+        sample: at B = 4 on a 2-core CPU (bf16) a stretch of rounds with low survivals sent the batch to plain
+        decoding for up to a fifth of its rounds, at 0.47 tokens/ms where fixed K = 2 gave 0.62. What the short
+        means remember of the text fades as it would while drafting (rows change, text moves on); where drafting
+        does not pay over the long run (B = 64), the long-run means say so too."""
+        r, long = self.revert, self._long
+        for j in range(first, len(self.gain)):
+            v = long["gain"][j]
+            if v is not None:
+                self.gain[j] += r * (v - self.gain[j])
+        if first == 0 and long["predicted"] and self._predicted:
+            self._accepted += r * (long["accepted"] - self._accepted)
+            self._predicted += r * (long["predicted"] - self._predicted)
+            self.accuracy = self._accepted / self._predicted
 
     def observe(self, ms: float) -> None:
         """The measured wall time (ms) of the round just updated: the log ratio of measured to table time at the
