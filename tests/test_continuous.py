@@ -454,6 +454,39 @@ def test_a_batch_that_never_drafts_never_runs_the_draft():
     assert drafting.stats.draft_calls > 0 and drafting.stats.draft_prefill_ms > 0
 
 
+@pytest.mark.parametrize("fast_draft", [True, False], ids=["lean-draft", "hf-draft"])
+def test_a_drafting_batch_reads_new_requests_with_their_prefill(fast_draft, monkeypatch):
+    """admission="ahead" while the batch drafts: the draft reads the queue's next requests in the same go as the
+    target's prefill ahead of them (one group, not a few rows at a time when they first draft), so the lazy read
+    (_catch_up) reads only the first rows. The draft is the target itself, so a context read wrongly would show as
+    a rejected candidate; each request is read once, and the output is target-only decoding's."""
+    target, _ = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=7, longest=12)
+    lazy = []
+    catch_up = SpeculativeGenerator._catch_up
+
+    def counting(self, call, draft, batch, stats):
+        lazy.append(len(batch.unread & set(batch.rows)))
+        return catch_up(self, call, draft, batch, stats)
+
+    monkeypatch.setattr(SpeculativeGenerator, "_catch_up", counting)
+    for admission, lazily_read in (("ahead", 2), ("eager", len(prompts))):
+        lazy.clear()
+        gen = SpeculativeGenerator(target, target, policy="fixed", k=2, fast_draft=fast_draft)
+        out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=9, temperature=0, admission=admission)
+        drafted = [r for r in out.stats.rounds if sum(r.candidates)]
+        assert drafted and all(r.accepted == r.candidates for r in drafted), "the draft read a context wrongly"
+        assert sum(lazy) == lazily_read and gen.catch_up_rows == len(prompts), (admission, lazy)
+        assert out.stats.draft_prefill_ms > 0 and gen.catch_up_ms == pytest.approx(out.stats.draft_prefill_ms)
+        for i, p in enumerate(prompts):
+            assert out.new_tokens[i] == target_only(target, p, 9)
+    # a window of the context (draft_context): the same tokens the lazy read would take
+    gen = SpeculativeGenerator(target, target, policy="fixed", k=2, fast_draft=fast_draft, draft_context=4)
+    lazy.clear()
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=9, temperature=0)
+    assert sum(lazy) == 2 and all(out.new_tokens[i] == target_only(target, p, 9) for i, p in enumerate(prompts))
+
+
 class OverheadRecorder(Intermittent):
     """Intermittent, keeping per round what the engine reports before it (draft_overhead's ms per token) beside the
     generator's measured reads at that moment (catch_up_ms, catch_up_rows)."""
@@ -472,12 +505,14 @@ class OverheadRecorder(Intermittent):
 def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come():
     """draft_overhead: 0 until a read of a row's context (_catch_up) has been measured; then the mean ms per row read
     over max_new_tokens while a live row is unread or requests wait; 0 once every live row is read and the queue is
-    empty (what was read is paid for). generate(): the same, without a queue."""
+    empty (what was read is paid for). generate(): the same, without a queue. (Eager admission: with admission
+    "ahead" a drafting batch's new rows are read as they are prefilled, test below.)"""
     target, draft = make_pair("llama")
     prompts = queue(target.config.vocab_size, n=7, longest=10)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
     pol = OverheadRecorder(lambda r: r >= 2, gen)
-    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=0, policy=pol)
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=0, policy=pol,
+                                  admission="eager")
     seen = pol.seen
     assert len(seen) == len(out.stats.rounds)
     assert seen[0] == (0.0, 0.0, 0) and seen[1][0] == 0.0  # nothing read yet: nothing measured
