@@ -404,7 +404,7 @@ class SpeculativeGenerator:
             ids = queue[:free]
             del queue[: len(ids)]
             if admission == "ahead":
-                parts = prefilled(ids, bool(stats.rounds) and any(stats.rounds[-1].candidates))
+                parts = prefilled(ids, _drafting(stats.rounds))
                 t_new = None
                 d_new = self._start_runners(pol, None, None, target=False, rows=len(ids))[1]
                 new = joining(ids)
@@ -554,7 +554,7 @@ class SpeculativeGenerator:
         return self.catch_up_ms / self.catch_up_rows / call.mean_limit
 
     def _read_ahead(self, pol, call: "_Call", ids: list, stats) -> Optional[TimedRunner]:
-        """admission="ahead", while the batch drafts (its last round did): a draft runner that has read requests
+        """admission="ahead", while the batch drafts (:func:`_drafting`): a draft runner that has read requests
         ``ids``' prompts (their contexts: nothing is generated yet) in one prefill, as the target just did; None for
         plain decoding. A batch taking plain steps (the verification budget where speculation does not pay) leaves
         its new rows for the draft to read when they first draft (:meth:`_catch_up`), so rows that never draft cost
@@ -804,6 +804,16 @@ def length_groups(lengths: Sequence[int], padding: float = PREFILL_PADDING,
         groups.append([i])
         real = lengths[i]
     return groups
+
+
+def _drafting(rounds: list, recent: int = 4) -> bool:
+    """Whether a batch is drafting, for reading new requests ahead (:meth:`SpeculativeGenerator._read_ahead`): at
+    least three in four of its last ``recent`` rounds drafted (all of them while it has had fewer). One drafting
+    round among plain steps is a verification budget's probe (``BatchBudget``), after which it mostly goes back to plain
+    steps: reading ahead on the last round alone, the budget at B = 16 read 0.92 s of contexts where it read 0.30
+    s lazily (bundled pair, 128 HumanEval requests, bf16 on a 2-core AMD EPYC)."""
+    last = rounds[-recent:]
+    return bool(last) and sum(any(r.candidates) for r in last) * 4 >= 3 * len(last)
 
 
 def _right_aligned(seqs: list) -> tuple[torch.Tensor, torch.Tensor]:

@@ -331,6 +331,7 @@ def _nearest_measured(values: list) -> list[float]:
     return out
 
 
+LONG_SAMPLES = 8  # fair samples of a slot before its long-run mean survival is used (BatchBudget._long_gain)
 EARLY_ROUNDS = 3  # a depth's first measured rounds, whose lower median sets its cost (BatchBudget.observe)
 
 
@@ -544,13 +545,16 @@ class BatchBudget:
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
                  accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02, long_decay: float = 0.02,
-                 revert: float = 0.2):
+                 revert: float = 0.2, switch_margin: float = 0.03):
         self.top_n = bool(top_n)
         if not 0.0 < long_decay <= 1.0:
             raise ValueError(f"long_decay must be in (0, 1] (a running mean's weight), got {long_decay!r}")
         if not 0.0 <= revert <= 1.0:
             raise ValueError(f"revert must be in [0, 1] (a weight per plain step), got {revert!r}")
         self.long_decay, self.revert = float(long_decay), float(revert)
+        if not switch_margin >= 0.0:
+            raise ValueError(f"switch_margin must be >= 0 (a fraction of goodput), got {switch_margin!r}")
+        self.switch_margin = float(switch_margin)
         self.cost_drift = bool(cost_drift)
         if accuracy_decay is not None and not 0.0 < accuracy_decay <= 1.0:
             raise ValueError("accuracy_decay must be in (0, 1] (a running mean's weight) or None, "
@@ -611,7 +615,8 @@ class BatchBudget:
         self._counts = [0] * self.depth_max  # rounds that drafted each slot
         # the long-run means (weight ``long_decay``) of the slots' survivals and of the head's calibration terms,
         # kept from call to call: what the short running means start from and revert to (see update)
-        self._long = {"gain": [None] * self.depth_max, "accepted": None, "predicted": None}
+        self._long = {"gain": [None] * self.depth_max, "samples": [0] * self.depth_max, "accepted": None,
+                      "predicted": None}
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
         n = self.depth_max + 1
         self._weight = [0] * n                # per drafted depth: rounds measured (at most 1 / decay)
@@ -638,7 +643,7 @@ class BatchBudget:
                 setattr(self, name, copy.deepcopy(value))
             if self._predicted:
                 self.accuracy = self._accepted / self._predicted
-            long = self._long["gain"]
+            long = self._long_gain()
             self._seen = next((j for j, v in enumerate(long) if v is None), len(long))
             for j in range(self._seen):  # a new call starts from what the earlier ones measured, not the prior
                 self.gain[j], self._counts[j] = long[j], round(1 / self.decay)
@@ -825,6 +830,10 @@ class BatchBudget:
         go to the cap, :meth:`go_on`)."""
         values = self._values(B)
         best = max(range(len(values)), key=lambda c: (values[c], -c))
+        last = self._best
+        if (last is not None and (best == 0) != (last == 0)
+                and values[best] < (1.0 + self.switch_margin) * values[last]):
+            best = last  # between plain steps and drafting, a near tie keeps the batch where it is
         self._planned = values[best]
         if best != self._best:  # the new best's interval starts again; a neighbour that kept losing keeps its own
             self._best = best
@@ -954,8 +963,10 @@ class BatchBudget:
                 mean = sum(real) / len(real)
                 self.gain[j] = (1 - w) * self.gain[j] + w * mean
                 self._seen = max(self._seen, j + 1)
-                long = self._long["gain"]
-                long[j] = self._average(long[j], mean, max(self.long_decay, w))
+                long = self._long
+                long["samples"][j] += 1
+                weight = max(self.long_decay, 1.0 / long["samples"][j])  # a mean, then a running mean
+                long["gain"][j] = self._average(long["gain"][j], mean, weight)
         depths = depth.tolist() if per_row else None  # verified slots per row (None: ``depth`` for every row)
         deepest = max(depths) if per_row else depth
         if self.measure and 0 < deepest <= len(columns):  # the summed survivals of each row's verified prefix
@@ -970,18 +981,26 @@ class BatchBudget:
                 long["accepted"] = self._average(long["accepted"], float(emitted - batch_size), self.long_decay)
                 long["predicted"] = self._average(long["predicted"], predicted, self.long_decay)
 
+    def _long_gain(self) -> list:
+        """Per slot, the long-run mean survival, or None until the slot has been a fair sample in ``LONG_SAMPLES``
+        rounds (the deeper slots are sampled only in a budget's forced and scored rounds: at B = 16 slots 3 and 4
+        once or twice, at 0.12 and 0.01)."""
+        long = self._long
+        return [v if n >= LONG_SAMPLES else None for v, n in zip(long["gain"], long["samples"])]
+
     def _revert(self, first: int) -> None:
-        """A round that sampled no survival of slots ``first + 1`` and deeper (a plain step: ``first`` = 0): the short
-        running means of those slots' survivals (g) move ``revert`` of the way back to their long-run means (weight
-        ``long_decay``), and after a plain step the head's calibration terms too. Without this, the estimate that
-        made drafting (or a deeper slot) look poor stays as it was until a probe, and a probe is one round's
-        sample: at B = 4 on a 2-core CPU (bf16) a stretch of rounds with low survivals sent the batch to plain
-        decoding for up to a fifth of its rounds, at 0.47 tokens/ms where fixed K = 2 gave 0.62. What the short
-        means remember of the text fades as it would while drafting (rows change, text moves on); where drafting
-        does not pay over the long run (B = 64), the long-run means say so too."""
+        """A round that sampled no survival of slots ``first + 1`` and deeper (a plain step: ``first`` = 0): the
+        short running means of those slots' survivals (g) move ``revert`` of the way back to their long-run means
+        (weight ``long_decay``; :meth:`_long_gain`), and after a plain step the head's calibration terms too.
+        Without this, the estimate that made drafting (or a deeper slot) look poor stays as it was until a probe,
+        and a probe is one round's sample: at B = 4 on a 2-core CPU (bf16) a stretch of rounds with low survivals
+        sent the batch to plain decoding for up to a fifth of its rounds, at 0.47 tokens/ms where fixed K = 2 gave
+        0.62. What the short means remember of the text fades as it would while drafting (rows change, text moves
+        on); where drafting does not pay over the long run (B = 64), the long-run means say so too."""
         r, long = self.revert, self._long
+        gain = self._long_gain()
         for j in range(first, len(self.gain)):
-            v = long["gain"][j]
+            v = gain[j]
             if v is not None:
                 self.gain[j] += r * (v - self.gain[j])
         if first == 0 and long["predicted"] and self._predicted:
