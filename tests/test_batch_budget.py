@@ -235,6 +235,29 @@ def test_survival_estimates_revert_to_their_long_run_means_where_a_round_samples
         BatchBudget(TEST_BATCH_COSTS, long_decay=0.0)
 
 
+def test_a_near_tie_between_plain_steps_and_drafting_keeps_the_batch_where_it_is():
+    """switch_margin: the batch goes from plain steps to drafting, or back, only when the other side's best depth is
+    expected to do better by more than the margin (each switch to drafting costs the draft's catch-up on the tokens
+    it missed); a near tie keeps it where it is, a clear gain moves it."""
+    costs = BatchCosts([1, 64], [[10.0 + 6.0 * k for k in range(9)]] * 2, [[10.0] * 9] * 2)
+
+    def cap(previous, g1, margin=0.03):  # plain step: 4 / 10 tokens per ms; one candidate: 4 (1 + g1) / 16
+        b = BatchBudget(costs, probe=1000, headroom=0.0, switch_margin=margin)
+        b.reset(4)
+        b.log_ratio = [0.0] * 9  # every depth measured at the table's cost: no exploration
+        b.gain, b._seen = [g1] + [0.0] * 7, 8
+        b._best, b._cold = previous, False
+        b.plan(4, None)
+        return b.cap
+
+    assert cap(0, 0.61) == 0 and cap(0, 0.61, margin=0.0) == 1  # drafting 0.6% better: plain steps go on
+    assert cap(0, 0.70) == 1                                     # 6% better: the batch drafts
+    assert cap(1, 0.59) == 1 and cap(1, 0.59, margin=0.0) == 0  # plain steps 0.6% better: drafting goes on
+    assert cap(1, 0.50) == 0                                     # 6% better: plain steps
+    with pytest.raises(ValueError, match="switch_margin"):
+        BatchBudget(costs, switch_margin=-0.1)
+
+
 def test_the_line_fit_shares_the_depths_measurements():
     """cost_fit="line": the drafted depths' log ratios are the weighted least-squares line through their running
     means (weights: rounds measured, at most 1 / decay); depth 0 keeps its own. A depth measured once, far off the
