@@ -487,6 +487,29 @@ def test_a_drafting_batch_reads_new_requests_with_their_prefill(fast_draft, monk
     assert sum(lazy) == 2 and all(out.new_tokens[i] == target_only(target, p, 9) for i, p in enumerate(prompts))
 
 
+def test_a_round_after_plain_steps_starts_from_one_pending_token(monkeypatch):
+    """Plain steps defer their tokens to the draft; before the next drafting round the draft reads them in a forward
+    of its own (counted in draft_deferred_ms, among the draft's reads), so the round's first draft forward feeds at
+    most two tokens a row, as after a drafting round, and a round's time measures its depth alone. The draft is the
+    target, so a deferred token read wrongly would show as a rejected candidate."""
+    target, _ = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=5, longest=10)
+    widths = []
+    draft_round = SpeculativeGenerator._draft
+
+    def recording(self, pol, call, draft, batch, remaining, u):
+        widths.append(batch.pending.shape[1])
+        return draft_round(self, pol, call, draft, batch, remaining, u)
+
+    monkeypatch.setattr(SpeculativeGenerator, "_draft", recording)
+    gen = SpeculativeGenerator(target, target, policy=Intermittent(lambda r: r % 4 == 3))  # 3 plain steps, 1 round
+    out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=12, temperature=0)
+    drafted = [r for r in out.stats.rounds if sum(r.candidates)]
+    assert drafted and all(r.accepted == r.candidates for r in drafted)
+    assert widths and max(widths) <= 2 and out.stats.draft_deferred_ms > 0, widths
+    assert out.new_tokens == [target_only(target, p, 12) for p in prompts]
+
+
 class OverheadRecorder(Intermittent):
     """Intermittent, keeping per round what the engine reports before it (draft_overhead's ms per token) beside the
     generator's measured reads at that moment (catch_up_ms, catch_up_rows)."""
@@ -516,7 +539,9 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
     seen = pol.seen
     assert len(seen) == len(out.stats.rounds)
     assert seen[0] == (0.0, 0.0, 0) and seen[1][0] == 0.0  # nothing read yet: nothing measured
-    assert gen.catch_up_rows == len(prompts) and gen.catch_up_ms == out.stats.draft_prefill_ms > 0
+    # the draft's reads: each request's context once, and the tokens the plain steps committed (deferred)
+    assert gen.catch_up_rows == len(prompts) and gen.catch_up_ms > 0 and out.stats.draft_deferred_ms > 0
+    assert gen.catch_up_ms + out.stats.draft_deferred_ms == pytest.approx(out.stats.draft_prefill_ms)
     later = seen[3:]
     for (o, ms, rows) in later:  # rows read so far over the tokens a request emits, while the queue is not empty
         assert o == 0.0 or o == pytest.approx(ms / rows / 10)

@@ -29,6 +29,7 @@ class GenerationStats:
     draft_calls: int = 0           # draft forward passes (prefill included)
     prefill_ms: float = 0.0
     draft_prefill_ms: float = 0.0   # the draft reading rows' contexts when they first draft (in prefill_ms)
+    draft_deferred_ms: float = 0.0  # the draft reading the tokens plain steps committed (in draft_prefill_ms)
     admissions: int = 0            # continuous batching: times queued requests joined the batch (the first fill not counted)
     wall_ms: float = 0.0
     target_forward_ms: float = 0.0  # inside target forward calls (prefill included)

@@ -440,11 +440,14 @@ class BatchBudget:
       neighbour measured and expected more than ``explore_within`` below the best is not probed until it comes
       within it: at B = 64 on a 2-core CPU depth 1 measured 10-40% below plain decoding, and every probe of it
       also made the draft read the contexts of the rows it had not read (``SpeculativeGenerator._catch_up``).
-      While plain decoding is the best depth, a probe of drafting also waits until those reads (:attr:`read_ms`,
-      the engine's ``draft_reads``) are at most ``probe_read_share`` of the plain steps' measured ms since the
-      batch last drafted: at B = 64 on a 2-core AMX Xeon (bf16) a probe read some 60 contexts (about 110 ms, four
-      plain steps) and its accepted tokens ended plain decoding's lockstep, so requests finished in several rounds
-      and were admitted in several groups.
+      While plain decoding is the best depth, a probe of drafting, and the first round of an unmeasured drafting
+      depth, also waits until those reads (:attr:`read_ms`, the engine's ``draft_reads``) are at most
+      ``probe_read_share`` of the plain steps' measured ms since the batch last drafted: at B = 64 on a 2-core AMX
+      Xeon (bf16) a probe read some 60 contexts (about 110 ms, four plain steps) and its accepted tokens ended
+      plain decoding's lockstep, so requests finished in several rounds and were admitted in several groups; on
+      a 2-core AMD EPYC (bf16) the first call at B = 64 explored depths 1 and 2 so and ran 13% slower than the
+      next, which took plain steps only. A batch size's first round counts as plain steps for ``switch_margin``
+      (below): the draft has read nothing yet.
       A neighbour not yet measured is probed (so plain decoding gets measured when the table overrates drafting).
       Such a round, and each first round of depths 0 .. ``explore``, is :attr:`forced`: it drafts to its cap
       whatever the survivals say (an earlier version let the rule below stop it short, so the depth it was to
@@ -844,9 +847,8 @@ class BatchBudget:
         go to the cap, :meth:`go_on`)."""
         values = self._values(B)
         best = max(range(len(values)), key=lambda c: (values[c], -c))
-        last = self._best
-        if (last is not None and (best == 0) != (last == 0)
-                and values[best] < (1.0 + self.switch_margin) * values[last]):
+        last = 0 if self._best is None else self._best  # a batch size's first round: the draft has read nothing
+        if (best == 0) != (last == 0) and values[best] < (1.0 + self.switch_margin) * values[last]:
             best = last  # between plain steps and drafting, a near tie keeps the batch where it is
         self._planned = values[best]
         if best != self._best:  # the new best's interval starts again; a neighbour that kept losing keeps its own
@@ -854,15 +856,19 @@ class BatchBudget:
             self._every[best] = self.probe
         self._since = [s + 1 for s in self._since]
         floor = (1.0 - self.explore_within) * values[best]  # depths expected to do worse are not worth a round
+        # from plain steps, a round that drafts would first make the draft read the unread rows: not worth it to
+        # measure a depth or probe one until those reads are a small share of the plain steps' time
+        reads_wait = best == 0 and self.read_ms > self.probe_read_share * self._plain_ms
         unmeasured = [] if self._cold else [c for c in range(min(self.explore, self.depth_max) + 1)
-                                            if self.log_ratio[c] is None and self._tries[c] < 2 and values[c] >= floor]
+                                            if self.log_ratio[c] is None and self._tries[c] < 2 and values[c] >= floor
+                                            and not (c and reads_wait)]
         cap = min(unmeasured, key=lambda c: (abs(c - best), c)) if unmeasured else best
         if unmeasured:
             self._tries[cap] += 1
         self.forced = bool(unmeasured)
         for c in ((best - 1, best + 1) if not unmeasured and not self._cold else ()):
-            if best == 0 and self.read_ms > self.probe_read_share * self._plain_ms:
-                continue  # a probe of drafting would first make the draft read the unread rows: not worth it yet
+            if reads_wait:
+                continue
             if (0 <= c < len(values) and self._since[c] >= self._every[c]
                     and (values[c] >= floor or self.log_ratio[c] is None)):  # a depth measured far below: not again
                 self._every[c] *= 2
