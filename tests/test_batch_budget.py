@@ -238,7 +238,8 @@ def test_survival_estimates_revert_to_their_long_run_means_where_a_round_samples
 def test_a_near_tie_between_plain_steps_and_drafting_keeps_the_batch_where_it_is():
     """switch_margin: the batch goes from plain steps to drafting, or back, only when the other side's best depth is
     expected to do better by more than the margin (each switch to drafting costs the draft's catch-up on the tokens
-    it missed); a near tie keeps it where it is, a clear gain moves it."""
+    it missed); a near tie keeps it where it is, a clear gain moves it. From plain steps (a batch size's first round
+    counts as such), a depth not measured yet must do better by more than explore_within."""
     costs = BatchCosts([1, 64], [[10.0 + 6.0 * k for k in range(9)]] * 2, [[10.0] * 9] * 2)
 
     def cap(previous, g1, margin=0.03):  # plain step: 4 / 10 tokens per ms; one candidate: 4 (1 + g1) / 16
@@ -256,6 +257,19 @@ def test_a_near_tie_between_plain_steps_and_drafting_keeps_the_batch_where_it_is
     assert cap(1, 0.50) == 0                                     # 6% better: plain steps
     with pytest.raises(ValueError, match="switch_margin"):
         BatchBudget(costs, switch_margin=-0.1)
+
+    def first_cap(g1, measured):  # a batch size's first round (counts as plain steps), depth 1 measured or not
+        b = BatchBudget(costs, probe=1000, headroom=0.0)
+        b.reset(4)
+        if measured:
+            b.log_ratio = [0.0] * 9
+        b.gain, b._seen = [g1] + [0.0] * 7, 8
+        b.plan(4, None)
+        return b.cap
+
+    # a depth not measured must beat plain steps by more than explore_within (0.15), the table's trusted error
+    assert first_cap(0.76, measured=False) == 0 and first_cap(0.92, measured=False) == 1  # +10%, +20%
+    assert first_cap(0.76, measured=True) == 1  # measured: the switch margin alone
 
 
 def test_the_line_fit_shares_the_depths_measurements():
