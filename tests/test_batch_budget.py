@@ -16,7 +16,8 @@ from stats import assert_follows
 from support import TEST_BATCH_COSTS, TEST_COSTS, constant_head, exact_marginals, head_for
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig
-from specdec_ext.policies.goodput import EARLY_ROUNDS, LONG_SAMPLES, BatchBudget, BatchCosts, DriftFilter
+from specdec_ext.policies.goodput import (EARLY_ROUNDS, LONG_SAMPLES, READS_FREE_STEPS, BatchBudget, BatchCosts,
+                                         DriftFilter)
 
 # verification that grows fast with tokens (a CPU with many rows): slots rarely pay
 DEAR = BatchCosts([1, 8192], [[10.0 + 10.5 * k for k in range(9)]] * 2, [[10.0 * n for n in range(1, 10)]] * 2)
@@ -172,7 +173,8 @@ def test_probes_of_drafting_from_plain_decoding_wait_until_the_reads_they_need_a
     """While plain steps are best, a probe of drafting would first make the draft read every unread live row's
     context (``draft_reads``; at B = 64 on a 2-core CPU some 110 ms, four plain steps, and the probe broke plain
     decoding's lockstep); it waits until those reads are at most ``probe_read_share`` of the plain steps' measured
-    ms since the batch last drafted. With nothing to read, probes keep their doubling schedule."""
+    ms since the batch last drafted. With nothing to read, or reads worth at most READS_FREE_STEPS plain steps,
+    probes keep their doubling schedule."""
     dear = lambda c: 10.0 + 10.0 * c  # plain steps best at survival 0.8 (test above)
 
     def probes(read_ms, share=0.02):
@@ -187,9 +189,11 @@ def test_probes_of_drafting_from_plain_decoding_wait_until_the_reads_they_need_a
     free = probes(0.0)
     assert len(free) >= 3, free  # the doubling schedule: 2, 4, 8, ... rounds
     assert probes(500.0) == []  # 500 ms of reads: 2% of 25 s of plain steps, never reached in 160 rounds of 10 ms
-    spaced = probes(8.0)  # 8 ms of reads: one probe per 40 ms / 0.02 = 400 ms of plain steps at most
-    assert 2 <= len(spaced) < len(free) and all(j - i >= 40 for i, j in zip(spaced, spaced[1:])), (spaced, free)
-    assert probes(8.0, share=1.0) == free  # reads allowed up to the whole of the plain time: the schedule alone
+    assert probes(READS_FREE_STEPS * 10.0 - 1.0) == free  # reads worth fewer plain steps than that: no wait
+    spaced = probes(45.0, share=0.1)  # 45 ms of reads: one probe per 45 ms / 0.1 = 450 ms of plain steps at most
+    assert 2 <= len(spaced) < len(free) and all(j - i >= 45 for i, j in zip(spaced, spaced[1:])), (spaced, free)
+    waited = probes(45.0, share=1.0)  # reads up to the whole of the plain time: the schedule, some 5 steps later
+    assert len(waited) == len(free) and all(0 < w - f <= 6 for w, f in zip(waited, free)), (waited, free)
     with pytest.raises(ValueError, match="probe_read_share"):
         BatchBudget(TEST_BATCH_COSTS, probe_read_share=0.0)
 

@@ -331,6 +331,7 @@ def _nearest_measured(values: list) -> list[float]:
     return out
 
 
+READS_FREE_STEPS = 4  # reads worth at most this many plain steps never hold back a probe of drafting (BatchBudget)
 LONG_SAMPLES = 8  # fair samples of a slot before its long-run mean survival is used (BatchBudget._long_gain)
 EARLY_ROUNDS = 3  # a depth's first measured rounds, whose lower median sets its cost (BatchBudget.observe)
 
@@ -442,7 +443,9 @@ class BatchBudget:
       also made the draft read the contexts of the rows it had not read (``SpeculativeGenerator._catch_up``).
       While plain decoding is the best depth, a probe of drafting, and the first round of an unmeasured drafting
       depth, also waits until those reads (:attr:`read_ms`, the engine's ``draft_reads``) are at most
-      ``probe_read_share`` of the plain steps' measured ms since the batch last drafted: at B = 64 on a 2-core AMX
+      ``probe_read_share`` of the plain steps' measured ms since the batch last drafted, or worth at most
+      ``READS_FREE_STEPS`` plain steps (at B = 4 a probe reads a few rows, 2-3 plain steps' worth, and waiting
+      for 2% held the batch in plain steps for 100 rounds after a poor first stretch): at B = 64 on a 2-core AMX
       Xeon (bf16) a probe read some 60 contexts (about 110 ms, four plain steps) and its accepted tokens ended
       plain decoding's lockstep, so requests finished in several rounds and were admitted in several groups; on
       a 2-core AMD EPYC (bf16) the first call at B = 64 explored depths 1 and 2 so and ran 13% slower than the
@@ -616,7 +619,7 @@ class BatchBudget:
 
     # what reset() keeps per batch size from call to call (see there), by attribute
     _KEPT = ("log_ratio", "_accepted", "_predicted", "_since", "_every", "_tries", "_best", "_weight", "_early",
-             "_drift", "_plain_ms", "_long")
+             "_drift", "_plain_ms", "_plain_step_ms", "_long")
 
     def reset(self, batch_size: int) -> None:
         """Start a call of ``batch_size`` rows. What earlier calls measured at this batch size, the per-depth cost
@@ -650,6 +653,7 @@ class BatchBudget:
         self._every = [self.probe] * n        # each neighbour's probe interval (doubles while it keeps losing)
         self._best: Optional[int] = None
         self._plain_ms = 0.0                  # measured ms of the plain steps since the batch last drafted
+        self._plain_step_ms = 0.0             # the last plain step's measured ms
         self.cap = self.depth_max             # this round's cap: the most candidates per row it may draft
         self.score_last = True                # whether this round's head scores the slot at the cap (see plan)
         self.forced = False                   # this round drafts to its cap whatever the survivals (see plan)
@@ -862,7 +866,8 @@ class BatchBudget:
         floor = (1.0 - self.explore_within) * values[best]  # depths expected to do worse are not worth a round
         # from plain steps, a round that drafts would first make the draft read the unread rows: not worth it to
         # measure a depth or probe one until those reads are a small share of the plain steps' time
-        reads_wait = best == 0 and self.read_ms > self.probe_read_share * self._plain_ms
+        reads_wait = best == 0 and self.read_ms > max(self.probe_read_share * self._plain_ms,
+                                                       READS_FREE_STEPS * self._plain_step_ms)
         unmeasured = [] if self._cold else [c for c in range(min(self.explore, self.depth_max) + 1)
                                             if self.log_ratio[c] is None and self._tries[c] < 2 and values[c] >= floor
                                             and not (c and reads_wait)]
@@ -1044,6 +1049,8 @@ class BatchBudget:
         k, table = self._last
         self._last = None
         self._plain_ms = self._plain_ms + ms if k == 0 else 0.0
+        if k == 0:
+            self._plain_step_ms = ms
         if self._cold:  # a call's first round: its caches grow for the first time, and every row's first tokens
             self._cold = False  # (the ends of prompts' lines) are the easiest to draft; it says little of the rest
             return
