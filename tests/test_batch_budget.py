@@ -318,9 +318,12 @@ def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
     b.reset(4)                                # a call of 4 rows
     first = _play(b, 4, lambda c: 10.0 + 10.0 * c, 12)
     assert sorted(first[1:6]) == [0, 1, 2, 3, 4]
-    ratios, scale, calibrations = list(b.log_ratio), b.head_scale, [b.calibration(k) for k in range(9)]
+    ratios, calibrations = list(b.log_ratio), [b.calibration(k) for k in range(9)]
     b.reset(4)
-    assert b.log_ratio == ratios and b.head_scale == scale and b.gain[0] == pytest.approx(0.7)
+    assert b.log_ratio == ratios and b.gain[0] == pytest.approx(0.7)
+    # the head's calibration was measured in fewer than LONG_SAMPLES rounds: the next call starts from the prior
+    # (the test of the calibration's long-run terms below)
+    assert b._long["calibrated"] < LONG_SAMPLES and b.head_scale == 1.0
     assert [b.calibration(k) for k in range(9)] == calibrations  # the line's weights carried over too
     schedule = (list(b._every), b._best)
     again = _play(b, 4, lambda c: 10.0 + 10.0 * c, 6)
@@ -336,6 +339,39 @@ def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
     _play(table_only, 4, lambda c: 10.0 + 10.0 * c, 4)
     table_only.reset(4)
     assert table_only.log_ratio == [None] * 9
+
+
+def test_the_heads_calibration_carries_over_only_from_enough_rounds():
+    """The head's calibration a (accepted tokens over predicted survival) keeps long-run terms that are a mean over
+    their first rounds, then a running mean, and that a plain step reverts the short terms to and a new call starts
+    from only once LONG_SAMPLES rounds measured them. An earlier version weighted the long-run terms by
+    ``long_decay`` from the first round on, so one round that accepted nothing (the bench's warm-up call) held a
+    near 0 for some 50 rounds and every plain step pulled a towards it."""
+    b = BatchBudget(TEST_BATCH_COSTS, probe=1000, explore_within=0.5)
+    b.reset(4)
+    half = torch.full((4, 1), 0.5)  # each row's one verified slot predicted to survive with 0.5: 2.0 tokens
+
+    def round_(accepted):  # a round of one candidate per row that accepted ``accepted`` tokens over the batch
+        b.plan(4, None)
+        b.update(4, 1, 1, 4 + accepted, half)
+        b.observe(10.0)
+
+    round_(0)                          # the first round accepts nothing: a = 0, clipped to 1/2
+    assert b.head_scale == 0.5
+    b.reset(4)
+    assert b.head_scale == 1.0         # one round: not carried over
+    for _ in range(LONG_SAMPLES):
+        round_(3)                      # then rounds that accept 1.5x what the head predicts
+    long_accepted = 3.0 * LONG_SAMPLES / (LONG_SAMPLES + 1)  # the mean of 0 and LONG_SAMPLES 3s
+    assert b._long_calibration() == pytest.approx((long_accepted, 2.0))
+    assert b.head_scale == pytest.approx(1.5)     # the short terms: from the first of these rounds on
+    b.reset(4)
+    assert b.head_scale == pytest.approx(long_accepted / 2.0)  # from the long-run terms
+    b.accuracy, b._accepted, b._predicted = 0.5, 1.0, 2.0  # a stretch put the short terms low: plain steps revert
+    for _ in range(10):                                   # them, 0.2 of the way a step, to the long-run terms
+        b.plan(4, None)
+        b.update(4, 0, 0, 4)
+    assert b.head_scale == pytest.approx((1.0 + (long_accepted - 1.0) * (1 - 0.8 ** 10)) / 2.0)
 
 
 def test_calibration_scales_speculative_costs_by_what_was_measured():

@@ -638,7 +638,7 @@ class BatchBudget:
         # the long-run means (weight ``long_decay``) of the slots' survivals and of the head's calibration terms,
         # kept from call to call: what the short running means start from and revert to (see update)
         self._long = {"gain": [None] * self.depth_max, "samples": [0] * self.depth_max, "accepted": None,
-                      "predicted": None}
+                      "predicted": None, "calibrated": 0}
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
         n = self.depth_max + 1
         self._weight = [0] * n                # per drafted depth: rounds measured (at most 1 / decay)
@@ -664,8 +664,9 @@ class BatchBudget:
         if batch_size in self._kept:
             for name, value in self._kept[batch_size].items():
                 setattr(self, name, copy.deepcopy(value))
-            if self._predicted:
-                self.accuracy = self._accepted / self._predicted
+            # the head's calibration, likewise, from the long-run terms once they rest on LONG_SAMPLES rounds
+            self._accepted, self._predicted = self._long_calibration() or (None, None)
+            self.accuracy = self._accepted / self._predicted if self._predicted else None
             long = self._long_gain()
             self._seen = next((j for j, v in enumerate(long) if v is None), len(long))
             for j in range(self._seen):  # a new call starts from what the earlier ones measured, not the prior
@@ -1007,8 +1008,10 @@ class BatchBudget:
                 self._predicted = self._average(self._predicted, predicted, w)
                 self.accuracy = self._accepted / self._predicted
                 long = self._long
-                long["accepted"] = self._average(long["accepted"], float(emitted - batch_size), self.long_decay)
-                long["predicted"] = self._average(long["predicted"], predicted, self.long_decay)
+                long["calibrated"] += 1
+                weight = max(self.long_decay, 1.0 / long["calibrated"])  # a mean, then a running mean (as the gain's)
+                long["accepted"] = self._average(long["accepted"], float(emitted - batch_size), weight)
+                long["predicted"] = self._average(long["predicted"], predicted, weight)
 
     def _long_gain(self) -> list:
         """Per slot, the long-run mean survival, or None until the slot has been a fair sample in ``LONG_SAMPLES``
@@ -1016,6 +1019,18 @@ class BatchBudget:
         once or twice, at 0.12 and 0.01)."""
         long = self._long
         return [v if n >= LONG_SAMPLES else None for v, n in zip(long["gain"], long["samples"])]
+
+    def _long_calibration(self) -> Optional[tuple]:
+        """The long-run means of the head's calibration terms (accepted tokens, summed survivals of the verified
+        slots), or None until ``LONG_SAMPLES`` rounds measured them. An earlier version took them as a running mean
+        of weight ``long_decay`` from the first round on, so the first round ruled them for some 50 rounds: after
+        ``specdec bench``'s warm-up call (4 copies of one 16-token prompt, 8 tokens; its first round accepted
+        nothing) they put a at 0.06, every plain step pulled the short means towards it (:meth:`_revert`), and a
+        call at B = 4 (bf16, 2-core AMD EPYC) took plain steps in all but a few of its rounds, at 0.87x fixed K = 2."""
+        long = self._long
+        if long["calibrated"] < LONG_SAMPLES or not long["predicted"]:
+            return None
+        return long["accepted"], long["predicted"]
 
     def _revert(self, first: int) -> None:
         """A round that sampled no survival of slots ``first + 1`` and deeper (a plain step: ``first`` = 0): the
@@ -1032,9 +1047,10 @@ class BatchBudget:
             v = gain[j]
             if v is not None:
                 self.gain[j] += r * (v - self.gain[j])
-        if first == 0 and long["predicted"] and self._predicted:
-            self._accepted += r * (long["accepted"] - self._accepted)
-            self._predicted += r * (long["predicted"] - self._predicted)
+        calibration = self._long_calibration()
+        if first == 0 and calibration and self._predicted:
+            self._accepted += r * (calibration[0] - self._accepted)
+            self._predicted += r * (calibration[1] - self._predicted)
             self.accuracy = self._accepted / self._predicted
 
     def observe(self, ms: float) -> None:
