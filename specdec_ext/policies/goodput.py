@@ -534,13 +534,14 @@ class BatchBudget:
     it moved between 0.8 and 1.6 from stretch to stretch of text with weight 0.2, but a longer memory (0.02) did
     not measure better (0.969x the best fixed K in the run above, against 0.955x). Both carry over to the next
     call at the same batch size (:meth:`reset`), so only a policy's first call at a batch size spends rounds
-    measuring depths. Beside these short running means the budget keeps long-run means (weight ``long_decay``,
-    also carried over) of each slot's survival and of the calibration's two terms. A round that samples no survival
-    of a slot (a plain step: none; a round scored to slot j: none beyond it) moves that slot's short mean, and after
-    a plain step the calibration's terms, ``revert`` of the way back to the long-run ones (:meth:`_revert`), and a
-    call starts from the long-run means of the slots sampled in ``LONG_SAMPLES`` rounds: plain steps learn nothing
-    of the text, so an estimate that a stretch of poor rounds had lowered used to hold the batch in plain steps until
-    a probe (at B = 4 in bf16 on a 2-core AMD EPYC, up to a fifth of the rounds; paired,
+    measuring depths. Beside these short running means the budget keeps long-run means (a mean over their first
+    rounds, then weight ``long_decay``; also carried over) of each slot's survival and of the calibration's two
+    terms. A round that samples no survival of a slot (a plain step: none; a round scored to slot j: none beyond it)
+    moves that slot's short mean, and after a plain step the calibration's terms, ``revert`` of the way back to the
+    long-run ones (:meth:`_revert`), and a call starts from the long-run means (each slot's and the calibration's)
+    measured in at least ``LONG_SAMPLES`` rounds, from the prior otherwise (:meth:`_long_calibration`): plain steps
+    learn nothing of the text, so an estimate that a stretch of poor rounds had lowered used to hold the batch in
+    plain steps until a probe (at B = 4 in bf16 on a 2-core AMD EPYC, up to a fifth of the rounds; paired,
     ``bench/budget_paired.py --batch-size 4 --arms K1,K2,auto,auto:revert=0 --passes 4``: 0.979x the best fixed K
     against 0.944x without). And the batch changes between plain steps and drafting only where the best depth's
     expected goodput beats the current side's by ``switch_margin`` (a fraction): at B = 16 the two were within 3% of
