@@ -565,18 +565,29 @@ class SpeculativeGenerator:
         if not pol.speculative:
             return None
         t0 = time.perf_counter()
-        ctx = [call.inputs[r] for r in ids]
-        if self.draft_context is not None:  # the last draft_context tokens, as _catch_up reads them
-            ctx = [c[-self.draft_context :] for c in ctx]
+        ctx = self._draft_window([call.inputs[r] for r in ids])
         d = self._start_runners(pol, None, None, target=False, rows=len(ids))[1]
         toks, mask = _right_aligned(ctx)
         _prefill(d, toks, mask, [len(c) for c in ctx])
+        self._count_read(stats, t0, len(ids))
+        return d
+
+    def _draft_window(self, contexts: list) -> list:
+        """The part of each context (1-D int64) the draft reads: all of it, or with ``draft_context`` its last
+        ``draft_context`` tokens."""
+        return contexts if self.draft_context is None else [c[-self.draft_context :] for c in contexts]
+
+    def _count_read(self, stats, t0: float, requests: int) -> float:
+        """Count a read by the draft that began at ``t0`` (``time.perf_counter()``) as prefill time and the draft's
+        (``stats.prefill_ms``, ``stats.draft_prefill_ms``) and, where it read ``requests`` > 0 requests' contexts,
+        in the engine's mean ms per request read (:meth:`_draft_reads`); returns its ms."""
         ms = (time.perf_counter() - t0) * 1e3
         stats.prefill_ms += ms
         stats.draft_prefill_ms += ms
-        self.catch_up_ms += ms
-        self.catch_up_rows += len(ids)
-        return d
+        if requests:
+            self.catch_up_ms += ms
+            self.catch_up_rows += requests
+        return ms
 
     def _draft_reads(self, batch: "_Batch") -> float:
         """ms the draft would spend reading the live rows it has not read (:meth:`_catch_up`) if this round drafted:
@@ -602,28 +613,23 @@ class SpeculativeGenerator:
     def _read_rows(self, call: "_Call", draft, batch: "_Batch", stats, pos: list) -> None:
         """The draft reads the contexts of the live rows at positions ``pos`` (:meth:`_catch_up`)."""
         t0 = time.perf_counter()
-        ctx = [torch.cat([call.inputs[batch.rows[i]], torch.tensor(batch.generated[batch.rows[i]], dtype=torch.int64)])
-               for i in pos]
-        if self.draft_context is not None:  # the draft reads a recent window of each context
-            ctx = [c[-self.draft_context :] for c in ctx]
+        ctx = self._draft_window([torch.cat([call.inputs[batch.rows[i]],
+                                             torch.tensor(batch.generated[batch.rows[i]], dtype=torch.int64)])
+                                  for i in pos])
         toks, mask = _right_aligned(ctx)
         _prefill(draft, toks, mask, [len(c) for c in ctx], slots=torch.tensor(pos))
         valid = batch.pending_valid.clone()
         valid[pos, :-1] = False  # the last pending token (the row's last token) is all the draft has not read
         batch.pending_valid = valid
         batch.unread -= {batch.rows[i] for i in pos}
-        ms = (time.perf_counter() - t0) * 1e3
-        stats.prefill_ms += ms
-        stats.draft_prefill_ms += ms
-        self.catch_up_ms += ms
-        self.catch_up_rows += len(pos)
+        self._count_read(stats, t0, len(pos))
 
     def _catch_up_deferred(self, draft, batch: "_Batch", stats) -> None:
         """Before a round that drafts after plain steps: the draft reads the tokens those steps committed (deferred,
         ``_Batch.defer``) but the last in one forward of its own, so the round's first draft forward feeds what a
         round after a drafting round feeds. Its time counts as the draft's reads (``stats.draft_prefill_ms``, and
-        apart in ``stats.draft_deferred_ms``), not the round's: a round's time is what a policy measures a depth's cost by, and one after 40 plain steps at
-        B = 16 (bundled pair, bf16, 2-core AMD EPYC) carried 40 tokens a row into its first forward, which made the
+        apart in ``stats.draft_deferred_ms``), not the round's: a round's time is what a policy measures a depth's
+        cost by, and one after 40 plain steps at B = 16 (bundled pair, bf16, 2-core AMD EPYC) carried 40 tokens a row into its first forward, which made the
         verification budget read a round of one candidate as 1.9x dearer against the table than a plain step, where
         rounds of fixed K = 1 measured 1.5x."""
         if batch.pending.shape[1] <= 2:  # after a drafting round: the last candidate (when unseen) and the next token
@@ -633,10 +639,7 @@ class SpeculativeGenerator:
         if bool(valid.any()):
             draft.forward(batch.pending[:, :-1], valid, keep=1)
         batch.pending, batch.pending_valid = batch.pending[:, -1:], batch.pending_valid[:, -1:]
-        ms = (time.perf_counter() - t0) * 1e3
-        stats.prefill_ms += ms
-        stats.draft_prefill_ms += ms
-        stats.draft_deferred_ms += ms
+        stats.draft_deferred_ms += self._count_read(stats, t0, 0)
 
     def _commit(self, call: "_Call", batch: "_Batch", emitted, remaining, stats) -> list[int]:
         """Append each live row's emitted tokens, cut at max_new_tokens and at EOS; stream them; return the
