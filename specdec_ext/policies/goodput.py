@@ -636,8 +636,8 @@ class BatchBudget:
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
         self._seen = 0  # slots 1 .. _seen have been drafted at least once since the reset
         self._counts = [0] * self.depth_max  # rounds that drafted each slot
-        # the long-run means (weight ``long_decay``) of the slots' survivals and of the head's calibration terms,
-        # kept from call to call: what the short running means start from and revert to (see update)
+        # the long-run means (_long_weight) of the slots' survivals and of the head's calibration terms, with their
+        # sample counts, kept from call to call: what the short running means start from and revert to (see update)
         self._long = {"gain": [None] * self.depth_max, "samples": [0] * self.depth_max, "accepted": None,
                       "predicted": None, "calibrated": 0}
         self._plain_run, self._interval = 0, self.probe  # table decisions: plain steps since drafting, probe interval
@@ -996,8 +996,7 @@ class BatchBudget:
                 self._seen = max(self._seen, j + 1)
                 long = self._long
                 long["samples"][j] += 1
-                weight = max(self.long_decay, 1.0 / long["samples"][j])  # a mean, then a running mean
-                long["gain"][j] = self._average(long["gain"][j], mean, weight)
+                long["gain"][j] = self._average(long["gain"][j], mean, self._long_weight(long["samples"][j]))
         depths = depth.tolist() if per_row else None  # verified slots per row (None: ``depth`` for every row)
         deepest = max(depths) if per_row else depth
         if self.measure and 0 < deepest <= len(columns):  # the summed survivals of each row's verified prefix
@@ -1010,9 +1009,14 @@ class BatchBudget:
                 self.accuracy = self._accepted / self._predicted
                 long = self._long
                 long["calibrated"] += 1
-                weight = max(self.long_decay, 1.0 / long["calibrated"])  # a mean, then a running mean (as the gain's)
+                weight = self._long_weight(long["calibrated"])
                 long["accepted"] = self._average(long["accepted"], float(emitted - batch_size), weight)
                 long["predicted"] = self._average(long["predicted"], predicted, weight)
+
+    def _long_weight(self, n: int) -> float:
+        """The weight of the n-th sample (n >= 1) in a long-run mean: 1/n (a mean over the first samples) until that
+        falls below ``long_decay``, then ``long_decay`` (a running mean)."""
+        return max(self.long_decay, 1.0 / n)
 
     def _long_gain(self) -> list:
         """Per slot, the long-run mean survival, or None until the slot has been a fair sample in ``LONG_SAMPLES``
@@ -1036,7 +1040,7 @@ class BatchBudget:
     def _revert(self, first: int) -> None:
         """A round that sampled no survival of slots ``first + 1`` and deeper (a plain step: ``first`` = 0): the
         short running means of those slots' survivals (g) move ``revert`` of the way back to their long-run means
-        (weight ``long_decay``; :meth:`_long_gain`), and after a plain step the head's calibration terms too.
+        (:meth:`_long_gain`), and after a plain step the head's calibration terms too (:meth:`_long_calibration`).
         Without this, the estimate that made drafting (or a deeper slot) look poor stays as it was until a probe,
         and a probe is one round's sample: at B = 4 on a 2-core CPU (bf16) a stretch of rounds with low survivals
         sent the batch to plain decoding for up to a fifth of its rounds, at 0.47 tokens/ms where fixed K = 2 gave
