@@ -419,23 +419,21 @@ class SpeculativeGenerator:
             slots = done[: len(ids)] + list(range(n, n + max(0, grow)))
             if t_new is not None:
                 target.replace_rows(torch.tensor(slots), t_new)
-            else:  # the prefilled rows, part by part
-                at = 0
-                for runner, _, rows in parts:
-                    target.replace_rows(torch.tensor(slots[at : at + len(rows)]), runner, rows=rows)
-                    at += len(rows)
-                    if runner is not ahead["runner"] or ahead["used"] == len(ahead["ids"]):
-                        runner.close()  # every row taken
             if draft is not None:  # d_new has read nothing: the slots become empty rows, read when they draft
                 draft.replace_rows(torch.tensor(slots), d_new)
-                at = 0
-                for _, d_runner, rows in (parts if t_new is None else ()):  # rows the draft read ahead
-                    if d_runner is not None:
-                        draft.replace_rows(torch.tensor(slots[at : at + len(rows)]), d_runner, rows=rows)
-                        new.unread -= set(ids[at : at + len(rows)])
-                        if d_runner is not ahead["draft"] or ahead["used"] == len(ahead["ids"]):
-                            d_runner.close()
-                    at += len(rows)
+
+            def take(cache, runner, key, at, rows):  # a prefilled part's rows into their slots; close it once spent
+                cache.replace_rows(torch.tensor(slots[at : at + len(rows)]), runner, rows=rows)
+                if runner is not ahead[key] or ahead["used"] == len(ahead["ids"]):
+                    runner.close()  # every row taken
+
+            at = 0
+            for runner, d_runner, rows in (parts if t_new is None else ()):  # the prefilled rows, part by part
+                take(target, runner, "runner", at, rows)
+                if draft is not None and d_runner is not None:  # rows the draft read ahead
+                    take(draft, d_runner, "draft", at, rows)
+                    new.unread -= set(ids[at : at + len(rows)])
+                at += len(rows)
             order = list(range(n)) + [0] * max(0, grow)  # the new rows, appended, move into their slots
             for j, slot in enumerate(slots):
                 order[slot] = n + j
