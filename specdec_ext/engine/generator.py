@@ -627,9 +627,9 @@ class SpeculativeGenerator:
         ``_Batch.defer``) but the last in one forward of its own, so the round's first draft forward feeds what a
         round after a drafting round feeds. Its time counts as the draft's reads (``stats.draft_prefill_ms``, and
         apart in ``stats.draft_deferred_ms``), not the round's: a round's time is what a policy measures a depth's
-        cost by, and one after 40 plain steps at B = 16 (bundled pair, bf16, 2-core AMD EPYC) carried 40 tokens a row into its first forward, which made the
-        verification budget read a round of one candidate as 1.9x dearer against the table than a plain step, where
-        rounds of fixed K = 1 measured 1.5x."""
+        cost by, and one after 40 plain steps at B = 16 (bundled pair, bf16, 2-core AMD EPYC) carried 40 tokens a
+        row into its first forward, which made the verification budget read a round of one candidate as 1.9x dearer
+        against the table than a plain step, where rounds of fixed K = 1 measured 1.5x."""
         if batch.pending.shape[1] <= 2:  # after a drafting round: the last candidate (when unseen) and the next token
             return
         t0 = time.perf_counter()
