@@ -667,3 +667,34 @@ def test_round_segments_script_times_each_arms_rounds_by_depth():
         assert p["rounds"] > 0 and p["host_ms"] > 0 and p["device_ms"] is None and p["top_ops"]
     for gen in gens:  # the wrappers are removed: the generator's methods are its class's again
         assert "_verify" not in vars(gen) and "_draft" not in vars(gen)
+
+
+def test_survival_scale_script_scales_what_the_rule_reads():
+    """bench/survival_scale_b1.py on a tiny pair: every arm runs every request with target-only decoding's tokens
+    (greedy: the decisions never change the text); an arm whose rule reads the survivals scaled a millionfold never
+    stops before its cap (K_max, or one below the tokens the request may still emit); the head's calibration
+    sums the survivals of the ``auto`` arm's verified candidates, in its rounds that drafted."""
+    from specdec_ext import SpeculativeGenerator
+
+    mod = _bench_script("survival_scale_b1")
+    pair, prompts = _tiny_stream_pair()
+    head = head_for(pair.draft, kind="proposal")
+    row = mod.compare(pair, head, prompts[:4], [1e6], max_new_tokens=7, costs=TEST_COSTS)
+    arms = {"K3", "h0.8", "auto", "auto*1e+06"}
+    assert set(row["tokens_per_s"]) == arms and min(row["tokens_per_s"].values()) > 0
+    assert row["over_auto"]["auto"] == 1.0
+    plain = SpeculativeGenerator(pair.target, policy="autoregressive")
+    for i, p in enumerate(prompts[:4]):
+        want = len(plain.generate_continuous([p], 1, max_new_tokens=7, temperature=0).new_tokens[0])
+        for a in arms:
+            assert sum(e for _, e in row["rounds"][a][i]) == want
+    k_max = 20  # SpecDecPP's default K_max
+    for request in row["rounds"]["auto*1e+06"]:
+        remaining = 7
+        for candidates, emitted in request:
+            assert candidates == min(k_max, remaining - 1)
+            remaining -= emitted
+    cal = row["head_calibration"]
+    drafting = sum(1 for request in row["rounds"]["auto"] for candidates, _ in request if candidates > 0)
+    assert cal["rounds"] == drafting > 0 and cal["predicted"] > 0
+    assert cal["a"] == pytest.approx(cal["accepted"] / cal["predicted"])
