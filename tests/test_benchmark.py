@@ -698,3 +698,32 @@ def test_survival_scale_script_scales_what_the_rule_reads():
     drafting = sum(1 for request in row["rounds"]["auto"] for candidates, _ in request if candidates > 0)
     assert cal["rounds"] == drafting > 0 and cal["predicted"] > 0
     assert cal["a"] == pytest.approx(cal["accepted"] / cal["predicted"])
+
+
+def test_full_rounds_script_splits_rounds_by_occupancy():
+    """bench/full_rounds.py: rounds split by drafted depth and by whether every row took part, with their mean ms
+    and tokens; on a tiny pair every arm emits every request's tokens, plain decoding's requests of equal length run
+    only full rounds of depth 0 (they finish together), and each full depth is costed against plain's full rounds."""
+    from specdec_ext.engine.stats import RoundStats
+
+    mod = _bench_script("full_rounds")
+    rounds = [RoundStats([1, 1], [1, 0], [2, 1], 0, 0, 10.0, [0, 1]), RoundStats([1, 1], [0, 0], [1, 1], 0, 0, 6.0,
+                                                                                  [0, 1]),
+              RoundStats([1], [1], [2], 0, 0, 4.0, [1]), RoundStats([0, 0], [0, 0], [1, 1], 0, 0, 5.0, [0, 1])]
+    by = mod.summarize(rounds, batch_size=2)
+    assert by["1"]["full"] == {"rounds": 2, "ms": 16.0, "tokens": 5, "mean_ms": 8.0, "mean_tokens": 2.5}
+    assert by["1"]["partial"]["rounds"] == 1 and by["1"]["partial"]["mean_tokens"] == 2
+    assert by["0"]["full"]["mean_ms"] == 5.0 and "partial" not in by["0"]
+    with pytest.raises(ValueError, match="plain, K<n> or auto"):
+        mod.arm_policy("K", None)
+    pair, prompts = _tiny_stream_pair()
+    head = head_for(pair.draft, kind="proposal")
+    out = mod.compare(pair, head, prompts, batch_size=2, arms=["plain", "K2", "auto"], sets=3, max_new_tokens=5,
+                      costs=TEST_COSTS)  # sets of two requests: one wave of two rows each
+    assert len(out["sets"]) == 3
+    for s in out["sets"]:
+        assert s["plain"]["tokens"] == s["K2"]["tokens"] == s["auto"]["tokens"] > 0
+        assert set(s["plain"]["by_depth"]) == {"0"} and set(s["plain"]["by_depth"]["0"]) == {"full"}
+        assert s["plain"]["by_depth"]["0"]["full"]["over_plain_step"] == 1.0
+        full = s["K2"]["by_depth"]["2"]["full"]
+        assert full["over_plain_step"] == pytest.approx(full["mean_ms"] / s["plain"]["by_depth"]["0"]["full"]["mean_ms"])
