@@ -125,15 +125,21 @@ def main(argv=None) -> dict:
     row.pop("rounds")
     result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
               "command": "python bench/survival_scale_b1.py " + " ".join(argv if argv is not None else []), **row}
-    cal = result["head_calibration"]
-    print(f"head calibration in the auto arm: {cal['accepted']} accepted over {cal['predicted']:.1f} predicted "
-          f"(a = {cal['a']:.3f}, {cal['rounds']} drafting rounds)")
-    for a, rate in result["tokens_per_s"].items():
-        print(f"{a:10s} {rate:7.1f} tokens/s, {result['over_auto'][a]:.3f}x auto "
-              f"(median per prompt {result['median_per_prompt_over_auto'][a]:.3f}x)")
+    print(report(result))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def report(result: dict) -> str:
+    """The lines printed for a result of :func:`main`: the head's calibration, then each arm against ``auto``."""
+    cal = result["head_calibration"]
+    lines = [f"head calibration in the auto arm: {cal['accepted']} accepted over {cal['predicted']:.1f} predicted "
+             f"(a = {cal['a']:.3f}, {cal['rounds']} drafting rounds)"]
+    lines += [f"{a:10s} {rate:7.1f} tokens/s, {result['over_auto'][a]:.3f}x auto "
+              f"(median per prompt {result['median_per_prompt_over_auto'][a]:.3f}x)"
+              for a, rate in result["tokens_per_s"].items()]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

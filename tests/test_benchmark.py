@@ -698,6 +698,8 @@ def test_survival_scale_script_scales_what_the_rule_reads():
     drafting = sum(1 for request in row["rounds"]["auto"] for candidates, _ in request if candidates > 0)
     assert cal["rounds"] == drafting > 0 and cal["predicted"] > 0
     assert cal["a"] == pytest.approx(cal["accepted"] / cal["predicted"])
+    lines = mod.report(row).splitlines()
+    assert len(lines) == 1 + len(arms) and lines[0].startswith("head calibration") and "1.000x auto" in lines[3]
 
 
 def test_full_rounds_script_splits_rounds_by_occupancy():
