@@ -141,8 +141,12 @@ def test_requests_prefilled_ahead_equal_their_output_alone(name, kw, fast_draft)
     target, draft = make_pair("llama")
     prompts = queue(target.config.vocab_size, n=11)
     limits = [3, 17, 1, 9, 12, 5, 20, 2, 7, 4, 6]
-    sampled_kw = dict(kw, batch_budget=False) if kw.get("threshold") == "auto" else kw  # the budget couples rows
-    for temperature, kwargs in ((0.0, kw), (1.0, sampled_kw)):
+    auto = kw.get("threshold") == "auto"
+    # the budget's depths from measured round times differ from run to run, and with them the rounds in which rows
+    # finish and join (CI once had 7 admissions ahead against 6 eager); from the cost table alone they do not
+    greedy_kw = dict(kw, measured_costs=False) if auto else kw
+    sampled_kw = dict(kw, batch_budget=False) if auto else kw  # the budget couples rows
+    for temperature, kwargs in ((0.0, greedy_kw), (1.0, sampled_kw)):
         gen = make_gen(target, draft, name, kwargs, fast_draft=fast_draft)
         runs = {}
         for admission in ("ahead", "eager"):
