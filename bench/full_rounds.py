@@ -3,7 +3,8 @@
 Averaged over a call, a speculative arm's rounds include those in which the call's last requests drain and the
 batch runs with fewer rows (speculative rows finish at staggered rounds; plain decoding's requests of equal length
 finish together and never run such rounds), so the mean round time understates what a round of the full batch
-costs. This bench runs arms (``plain``, ``K<n>``, ``auto``: SpecDec++ with the verification budget) on the same
+costs. This bench runs arms (``plain``, ``K<n>``, ``auto``: SpecDec++ with the verification budget, as
+``bench/budget_paired.py`` names them) on the same
 requests in sets (continuous batching at ``--batch-size``, greedy; the arms' order reversed every other set) and
 reports per arm and drafted depth the rounds, their mean ms and tokens, over the rounds with every row
 (``full``) and the others (``partial``), and the full rounds' mean ms over plain decoding's in the same set.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -23,20 +25,11 @@ import torch
 
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.benchmark import machine_description
-from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
-
-def arm_policy(name: str, head):
-    """``plain``, ``K<n>`` or ``auto``; ValueError for another name."""
-    if name == "plain":
-        return make_policy("autoregressive")
-    if name[:1] == "K" and name[1:].isdigit():
-        return make_policy("fixed", k=int(name[1:]))
-    if name == "auto":
-        return make_policy("specdec++", head=head, threshold="auto")
-    raise ValueError(f"--arms: {name!r} is not plain, K<n> or auto")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from budget_paired import parse_arm  # noqa: E402  (the arms' names: plain, K<n>, auto[:option=value...])
 
 
 def summarize(rounds, batch_size: int) -> dict:
@@ -62,7 +55,7 @@ def compare(pair, head, prompts: list, batch_size: int, arms: list, sets: int, m
     :func:`summarize` of its rounds, and each depth's full rounds' mean ms over plain decoding's full rounds in that
     set (with a ``plain`` arm). ``costs``: the pair's ``CostModel`` for ``auto`` (None: profiled)."""
     eos = pair.tokenizer.eos_token_id
-    gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=arm_policy(a, head), costs=costs) for a in arms}
+    gens = {a: SpeculativeGenerator(pair.target, pair.draft, policy=parse_arm(a, head), costs=costs) for a in arms}
 
     def generate(arm, requests, n):
         return gens[arm].generate_continuous(requests, batch_size, max_new_tokens=n, temperature=0,
@@ -121,6 +114,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

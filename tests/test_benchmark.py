@@ -716,8 +716,8 @@ def test_full_rounds_script_splits_rounds_by_occupancy():
     assert by["1"]["full"] == {"rounds": 2, "ms": 16.0, "tokens": 5, "mean_ms": 8.0, "mean_tokens": 2.5}
     assert by["1"]["partial"]["rounds"] == 1 and by["1"]["partial"]["mean_tokens"] == 2
     assert by["0"]["full"]["mean_ms"] == 5.0 and "partial" not in by["0"]
-    with pytest.raises(ValueError, match="plain, K<n> or auto"):
-        mod.arm_policy("K", None)
+    with pytest.raises(ValueError, match="neither K<n> nor auto"):
+        mod.parse_arm("K", None)  # the arms are budget_paired.py's
     pair, prompts = _tiny_stream_pair()
     head = head_for(pair.draft, kind="proposal")
     out = mod.compare(pair, head, prompts, batch_size=2, arms=["plain", "K2", "auto"], sets=3, max_new_tokens=5,
