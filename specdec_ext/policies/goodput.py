@@ -1046,7 +1046,7 @@ class BatchBudget:
         sent the batch to plain decoding for up to a fifth of its rounds, at 0.47 tokens/ms where fixed K = 2 gave
         0.62. What the short means remember of the text fades as it would while drafting (rows change, text moves
         on); where drafting does not pay over the long run (B = 64), the long-run means say so too."""
-        r, long = self.revert, self._long
+        r = self.revert
         gain = self._long_gain()
         for j in range(first, len(self.gain)):
             v = gain[j]
