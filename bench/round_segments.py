@@ -22,6 +22,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -89,6 +90,21 @@ def summarise(rounds: list, plain: list) -> dict:
             "plain_step_ms": round(statistics.median(plain), 3) if plain else None}
 
 
+def budget_state(policy, batch_size: int) -> Optional[dict]:
+    """What a batch budget (``auto`` arms) holds after its run, at ``batch_size``: per depth k = 0 .. depth_max the
+    profiled table's round ms, the measured calibration(k) (how much dearer than the table, relative to a plain step,
+    such a round measured) and the log(measured / table) ratios behind it (None: never measured), and the head's
+    calibration a. None for arms without one."""
+    budget = getattr(policy, "budget", None)
+    if budget is None:
+        return None
+    depths = range(budget.depth_max + 1)
+    return {"table_ms": [round(budget.batch.round(batch_size, k), 3) for k in depths],
+            "calibration": [round(budget.calibration(k), 4) for k in depths],
+            "log_ratio": [None if r is None else round(r, 4) for r in budget.log_ratio],
+            "head_scale": round(budget.head_scale, 4)}
+
+
 def device_busy(call, device) -> dict:
     """``call()`` under torch.profiler: the host's self time summed over its ops and (on CUDA) the device's summed
     over its kernels and copies, in ms (the totals of the profiler's table), and the ten kernels with the most
@@ -132,6 +148,9 @@ def measure(pair, prompts: list, batch_size: int, arms: list, max_new_tokens: in
         result, rounds, plain = timed_call(gen, call, synced, device)
         wall = time.perf_counter() - t0
         entry = {"tokens_per_s": round(result.stats.new_tokens / wall, 1), **summarise(rounds, plain)}
+        state = budget_state(gen.policy, batch_size)
+        if state is not None:
+            entry["budget"] = state
         if profile:
             entry["profile"] = device_busy(call, device)
         out[arm] = entry

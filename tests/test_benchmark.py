@@ -667,6 +667,12 @@ def test_round_segments_script_times_each_arms_rounds_by_depth():
         assert p["rounds"] > 0 and p["host_ms"] > 0 and p["device_ms"] is None and p["top_ops"]
     for gen in gens:  # the wrappers are removed: the generator's methods are its class's again
         assert "_verify" not in vars(gen) and "_draft" not in vars(gen)
+    # the budget's state: the table's rounds at B = 2, its calibration (1 at depth 0) and the ratios behind it
+    assert "budget" not in out["plain"] and "budget" not in out["K2"]
+    state, budget = out["auto"]["budget"], gens[2].policy.budget
+    assert state["table_ms"] == [round(budget.batch.round(2, k), 3) for k in range(budget.depth_max + 1)]
+    assert state["calibration"][0] == 1.0 and len(state["calibration"]) == len(state["log_ratio"])
+    assert any(r is not None for r in state["log_ratio"]) and state["head_scale"] > 0
 
 
 def test_survival_scale_script_scales_what_the_rule_reads():
