@@ -9,6 +9,8 @@ before and after each segment, so that each segment holds its own device time. W
 host's time to launch its work plus whatever it waits for, and the wait lands in the segment that reads a result
 back (the verification's). ``--profile`` runs the prompts once more per arm under ``torch.profiler`` and reports
 the device's busy time (the kernels' summed time) against the host's, and the top ops (on a CPU only the host).
+An ``auto`` arm also reports what its batch budget holds after the run (:func:`budget_state`): what it believes a
+round of each depth costs, beside what the rounds measured.
 
     python bench/round_segments.py --device cuda --batch-size 4 --arms K1,K2,auto --profile --out seg.json
 """
