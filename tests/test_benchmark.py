@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -673,6 +674,37 @@ def test_round_segments_script_times_each_arms_rounds_by_depth():
     assert state["table_ms"] == [round(budget.batch.round(2, k), 3) for k in range(budget.depth_max + 1)]
     assert state["calibration"][0] == 1.0 and len(state["calibration"]) == len(state["log_ratio"])
     assert any(r is not None for r in state["log_ratio"]) and state["head_scale"] > 0
+
+
+def test_budget_trace_script_records_each_round_of_the_traced_call():
+    """bench/budget_trace.py on a tiny pair: one record per round of the traced call (the warm-up's are not kept),
+    each with the measured ms the engine timed for that round and a cap within the budget's depths; plain steps are
+    the rounds of cap 0; the summary counts them; the class's methods are restored; an arm without a budget is
+    refused, naming the arm."""
+    from specdec_ext.policies.goodput import BatchBudget
+
+    from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
+
+    mod = _bench_script("budget_trace")
+    pair, prompts = _tiny_stream_pair()
+    head = head_for(pair.draft, kind="proposal")
+    plan, observe = BatchBudget.plan, BatchBudget.observe
+    out = mod.trace(pair, head, prompts, batch_size=2, arm="auto", max_new_tokens=6, warmup=2, costs=TEST_COSTS,
+                    batch_costs=TEST_BATCH_COSTS)
+    assert BatchBudget.plan is plan and BatchBudget.observe is observe
+    log, summary = out["log"], out["summary"]
+    assert out["tokens"] == 6 * len(prompts) and log and summary["rounds"] == len(log)
+    assert [r["ms"] for r in log] == out["round_ms"]  # each round's own measured time, in order
+    assert all(r["ms"] > 0 and 0 <= r["cap"] <= 8 and r["over_plain"][0] == 1.0 for r in log)
+    assert sum(summary["caps"].values()) == len(log) and summary["tokens_per_s"] > 0
+    # the four requests after the first two join in one to four admissions
+    assert summary["admissions"] == out["admissions"] and 1 <= out["admissions"] <= len(prompts) - 2
+    assert summary["full_rounds"] == sum(r["rows"] == 2 for r in log)
+    for cap, e in summary["by_cap"].items():
+        played = [r["ms"] for r in log if r["rows"] == 2 and r["cap"] == int(cap)]
+        assert e["rounds"] == len(played) and e["median_ms"] == pytest.approx(statistics.median(played), abs=1e-3)
+    with pytest.raises(ValueError, match="'K2' has no batch budget"):
+        mod.trace(pair, head, prompts, batch_size=2, arm="K2", costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
 
 
 def test_survival_scale_script_scales_what_the_rule_reads():
