@@ -4,7 +4,8 @@ An ``auto`` arm (SpecDec++ with ``threshold="auto"``: the batch budget, ``BatchB
 as ``bench/budget_paired.py`` names it) first runs a warm-up call (``--warmup`` requests of 8 tokens at the batch
 size, as ``budget_paired.py`` warms each arm), whose measurements the budget carries over, then one call of
 continuous batching over ``--prompts`` HumanEval prompts (greedy, ``--max-new-tokens`` each). Each round of that
-call is recorded: the live rows, the target cache's width, the depth the plan chose (its cap; 0 = a plain step),
+call is recorded: the live rows, the target cache's width, whether the rows were in lockstep (every row with as
+many tokens left: ``BatchBudget.together``), the depth the plan chose (its cap; 0 = a plain step),
 whether the round explored or probed a depth (``forced``), the best depth, the expected goodput of depths 0 .. 3
 over a plain step's, the drafting overhead per token ``o`` and the head's calibration ``a``, the budget's predicted
 ms of a round of depth 0 .. 3 at that moment (its table's ms times exp of its measured log ratio; None for a depth
@@ -52,7 +53,8 @@ def recording(budget_of):
         out = plan(self, batch_size, width)
         if self is budget_of():
             values = self._values(batch_size)
-            log.append({"rows": batch_size, "width": width, "cap": self.cap, "forced": bool(self.forced),
+            log.append({"rows": batch_size, "width": width, "together": self.together, "cap": self.cap,
+                        "forced": bool(self.forced),
                         "best": self._best, "over_plain": [round(v / values[0], 4) for v in values[:DEPTHS]],
                         "o": round(self.overhead_per_token(), 5), "a": round(self.head_scale, 4),
                         "predicted_ms": [None if self.log_ratio[k] is None else

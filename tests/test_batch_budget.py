@@ -276,6 +276,35 @@ def test_a_near_tie_between_plain_steps_and_drafting_keeps_the_batch_where_it_is
     assert first_cap(0.76, measured=True) == 1  # measured: the switch margin alone
 
 
+def test_rows_in_lockstep_leave_plain_steps_only_for_a_clear_gain():
+    """lockstep (default on): while the engine says the rows are together (rows_together), from plain steps (or a
+    call's first round) the batch drafts only where its best depth is expected to beat plain steps by more than
+    explore_within, measured or not, and it neither explores nor probes a drafting depth; out of lockstep, or with
+    lockstep=False, the switch margin alone decides, as before; a batch already drafting goes on."""
+    costs = BatchCosts([1, 64], [[10.0 + 6.0 * k for k in range(9)]] * 2, [[10.0] * 9] * 2)
+
+    def cap(g1, together, previous=0, cold=False, lockstep=True, measured=True):
+        b = BatchBudget(costs, probe=1000, headroom=0.0, lockstep=lockstep)
+        b.reset(4)
+        # every depth measured at the table's cost (no exploration), or plain steps alone
+        b.log_ratio = [0.0] * 9 if measured else [0.0] + [None] * 8
+        b.gain, b._seen = [g1] + [0.0] * 7, 8
+        b._best, b._cold, b.together = previous, cold, together
+        b.plan(4, None)
+        return b.cap, b.forced
+
+    # plain step: 4 / 10 tokens per ms; one candidate: 4 (1 + g1) / 16
+    assert cap(0.76, together=False) == (1, False)                  # +10%: out of lockstep the batch drafts
+    assert cap(0.76, together=True) == (0, False)                   # together: +10% is not enough
+    assert cap(0.76, together=True, previous=1, cold=True) == (0, False)  # nor in a call's first round
+    assert cap(0.76, together=True, lockstep=False) == (1, False)   # the rule switched off
+    assert cap(0.92, together=True) == (1, False)                   # +20%: the batch drafts
+    assert cap(0.76, together=True, previous=1) == (1, False)       # already drafting: it goes on
+    # an unmeasured depth 1 expected 10% below plain steps, within explore_within: explored out of lockstep only
+    assert cap(0.44, together=False, measured=False) == (1, True)
+    assert cap(0.44, together=True, measured=False) == (0, False)
+
+
 def test_the_line_fit_shares_the_depths_measurements():
     """cost_fit="line": the drafted depths' log ratios are the weighted least-squares line through their running
     means (weights: rounds measured, at most 1 / decay); depth 0 keeps its own. A depth measured once, far off the

@@ -512,24 +512,31 @@ def test_a_round_after_plain_steps_starts_from_one_pending_token(monkeypatch):
 
 class OverheadRecorder(Intermittent):
     """Intermittent, keeping per round what the engine reports before it (draft_overhead's ms per token) beside the
-    generator's measured reads at that moment (catch_up_ms, catch_up_rows)."""
+    generator's measured reads at that moment (catch_up_ms, catch_up_rows), the target's measured prefill ms per
+    request then (``prefills``: None before one), and rows_together's flags (``together``)."""
 
     def __init__(self, drafting, gen):
         super().__init__(drafting)
-        self.gen, self.seen, self.reads = gen, [], []
+        self.gen, self.seen, self.reads, self.prefills, self.together = gen, [], [], [], []
 
     def draft_overhead(self, ms_per_token):
         self.seen.append((ms_per_token, self.gen.catch_up_ms, self.gen.catch_up_rows))
+        points = self.gen.admission_points
+        self.prefills.append(sum(p[2] for p in points) / sum(p[0] for p in points) if points else None)
+
+    def rows_together(self, together):
+        self.together.append(together)
 
     def draft_reads(self, ms):
         self.reads.append(ms)
 
 
 def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come():
-    """draft_overhead: 0 until a read of a row's context (_catch_up) has been measured; then the mean ms per row read
-    over max_new_tokens while a live row is unread or requests wait; 0 once every live row is read and the queue is
-    empty (what was read is paid for). generate(): the same, without a queue. (Eager admission: with admission
-    "ahead" a drafting batch's new rows are read as they are prefilled, test below.)"""
+    """draft_overhead: until a read of a row's context (_catch_up) has been measured, the target's measured prefill
+    ms per request times the draft's share of the pair's parameters, over max_new_tokens; then the mean ms per row
+    read over max_new_tokens while a live row is unread or requests wait; 0 once every live row is read and the
+    queue is empty (what was read is paid for). generate(): the same, without a queue. (Eager admission: with
+    admission "ahead" a drafting batch's new rows are read as they are prefilled, test below.)"""
     target, draft = make_pair("llama")
     prompts = queue(target.config.vocab_size, n=7, longest=10)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
@@ -538,15 +545,21 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
                                   admission="eager")
     seen = pol.seen
     assert len(seen) == len(out.stats.rounds)
-    assert seen[0] == (0.0, 0.0, 0) and seen[1][0] == 0.0  # nothing read yet: nothing measured
+    # nothing read yet: the target's prefills (the first two requests, measured) scaled by the draft's share
+    share = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
+    assert 0 < share <= 1 and seen[0][1:] == (0.0, 0) and pol.prefills[0] > 0
+    assert seen[0][0] == pytest.approx(pol.prefills[0] * share / 10) and seen[1][0] == pytest.approx(
+        pol.prefills[1] * share / 10)
     # the draft's reads: each request's context once, and the tokens the plain steps committed (deferred)
     assert gen.catch_up_rows == len(prompts) and gen.catch_up_ms > 0 and out.stats.draft_deferred_ms > 0
     assert gen.catch_up_ms + out.stats.draft_deferred_ms == pytest.approx(out.stats.draft_prefill_ms)
     later = seen[3:]
     for (o, ms, rows) in later:  # rows read so far over the tokens a request emits, while the queue is not empty
         assert o == 0.0 or o == pytest.approx(ms / rows / 10)
-    positive = [i for i, (o, _, _) in enumerate(seen) if o > 0]
-    assert positive and positive[0] == 3 and seen[-1][0] == 0.0  # the tail: every live row read, nothing queued
+    unmeasured = [i for i, (_, _, rows) in enumerate(seen) if not rows]
+    assert unmeasured == [0, 1, 2]  # the first drafting round (round 2) reads the rows
+    assert all(seen[i][0] == pytest.approx(pol.prefills[i] * share / 10) for i in unmeasured)
+    assert seen[-1][0] == 0.0  # the tail: every live row read, nothing queued
     # draft_reads: the mean ms per row read times the live rows not read yet (0 before a read was measured)
     assert len(pol.reads) == len(seen)
     assert all(r == 0.0 for r, (_, _, rows) in zip(pol.reads, seen) if not rows)
@@ -564,6 +577,43 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
     assert gen.catch_up_rows == rows_before + 3
     # read in round 1: nothing left to read, and no queue
     assert len(pol.seen) > 2 and all(o == 0.0 for o, _, _ in pol.seen[2:])
+
+
+def _in_lockstep(rounds, limits) -> list:
+    """Per round of ``rounds`` (RoundStats, in order): whether it had several live rows, each with as many tokens
+    left before it, given each request's token limit (the tokens a row commits: its emitted ones, up to its limit)."""
+    done = [0] * len(limits)
+    out = []
+    for r in rounds:
+        left = {limits[q] - done[q] for q in r.rows}
+        out.append(len(r.rows) > 1 and len(left) == 1)
+        for q, n in zip(r.rows, r.emitted):
+            done[q] = min(limits[q], done[q] + n)
+    return out
+
+
+def test_the_engine_tells_the_policy_when_its_rows_are_in_lockstep():
+    """rows_together, before each round: True exactly when the batch has several live rows with as many tokens left
+    each. Plain steps keep requests of one length together, refills included (the odd last request runs alone);
+    requests of their own lengths are never together; drafting rounds part rows that accept different numbers of
+    candidates, and the flag follows. generate() reports it too."""
+    target, draft = make_pair("llama", noise=0.3)
+    prompts = queue(target.config.vocab_size, n=5, longest=8)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    for drafting, limits in ((lambda r: False, [4] * 5), (lambda r: False, [3, 5, 4, 6, 2]),
+                             (lambda r: True, [6] * 5)):
+        pol = OverheadRecorder(drafting, gen)
+        out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=limits, temperature=0, policy=pol)
+        assert pol.together == _in_lockstep(out.stats.rounds, limits)
+        if limits == [4] * 5:  # two waves of two together, then the fifth request alone
+            assert pol.together == [True] * 8 + [False] * 4
+        elif len(set(limits)) > 1:
+            assert not any(pol.together)
+        else:  # fixed K = 3 on a noisy pair: some round parts the rows
+            assert pol.together[0] and not all(pol.together)
+    pol = OverheadRecorder(lambda r: True, gen)
+    out = gen.generate(torch.stack([p[:1] for p in prompts[:3]]), max_new_tokens=5, temperature=0, policy=pol)
+    assert pol.together[0] and pol.together == _in_lockstep(out.stats.rounds, [5] * 3)
 
 
 @pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)],

@@ -122,6 +122,7 @@ class SpeculativeGenerator:
         self.catch_up_ms = 0.0  # the draft's reads of rows' contexts (_catch_up) over this generator's calls: ms,
         self.catch_up_rows = 0  # and rows read (_draft_overhead's measured mean ms per request)
         self.admission_points: list = []  # continuous batching's admissions (rows, prompt tokens, ms): AdmissionRule
+        self._draft_share: Optional[float] = None  # the draft's parameters over the target's (_draft_overhead)
         self.policy = self._make_policy(policy, head, policy_kwargs)
 
     def _make_policy(self, policy, head, kwargs) -> CandidateLengthPolicy:
@@ -476,6 +477,8 @@ class SpeculativeGenerator:
                 if pol.speculative:  # not measured for a tensor-parallel target's ranks, which must decide alike
                     pol.draft_overhead(0.0 if tp else self._draft_overhead(call, batch, waiting))
                     pol.draft_reads(0.0 if tp else self._draft_reads(batch))
+                    # rows in lockstep: they would finish in the same round (CandidateLengthPolicy.rows_together)
+                    pol.rows_together(len(remaining) > 1 and bool((remaining == remaining[0]).all()))
                 if not pol.speculative:
                     emitted = self._plain_step(call, target, batch, stats)
                 elif pol.draft_round(target.length):
@@ -542,14 +545,27 @@ class SpeculativeGenerator:
         """ms per emitted token that drafting adds outside the rounds, for the policy's ``draft_overhead``: the
         draft's measured mean ms to read a request's context (:meth:`_catch_up`, over this generator's calls)
         over the tokens a request emits (``max_new_tokens``; their mean where requests have their own), while reads
-        are still to come (a live row unread, or ``waiting()``: requests queued); else 0, and 0 before any read was
-        measured. On the bundled pair at B = 16 (2-core AMD EPYC, 48-token HumanEval requests) a read took 5.4 ms
+        are still to come (a live row unread, or ``waiting()``: requests queued); else 0. Before any read was
+        measured, the target's measured mean prefill ms per request (continuous batching's admissions) times the
+        draft's share of the pair's parameters (draft over target; 0.126 on the bundled pair, whose target prefilled
+        HumanEval prompts at about 35 ms each at B = 16, so 4.4 ms, where the draft's reads measured 3.5-5.4; a
+        ``draft_context`` window is not counted in it), and 0 without either. On the bundled pair at B = 16 (2-core AMD EPYC, 48-token HumanEval requests) a read took 5.4 ms
         per request with the bf16 target's draft (0.6 s for 112 requests) and 7.5-9 ms with the fp32 draft of an
         AVX2-only machine, 0.11-0.19 ms per emitted token, where decoding gains some 0.1 ms per token over plain
         steps."""
-        if not self.catch_up_rows or not (batch.unread or (waiting is not None and waiting())):
+        if not (batch.unread or (waiting is not None and waiting())):
             return 0.0
-        return self.catch_up_ms / self.catch_up_rows / call.mean_limit
+        if self.catch_up_rows:
+            return self.catch_up_ms / self.catch_up_rows / call.mean_limit
+        # nothing read yet: the target's measured prefill ms per request, scaled by the draft's share of the pair's
+        # parameters (a prefill's work grows with both), so that a batch's first decision to draft prices the reads
+        points = self.admission_points
+        if not points or self.draft is None:
+            return 0.0
+        if self._draft_share is None:  # counted once: a round reads it until the draft's first read
+            self._draft_share = _param_count(self.draft) / max(1, _param_count(self.target))
+        per_request = sum(ms for _, _, ms in points) / max(1, sum(rows for rows, _, _ in points))
+        return per_request * self._draft_share / call.mean_limit
 
     def _read_ahead(self, pol, call: "_Call", ids: list, stats) -> Optional[TimedRunner]:
         """admission="ahead", while the batch drafts (:func:`_drafting`): a draft runner that has read requests
@@ -1007,6 +1023,11 @@ def _row_generators(seed, B: int) -> list:
     if len(seeds) != B:
         raise ValueError(f"seed: need one seed per row ({B}), got {len(seeds)}")
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+
+def _param_count(model) -> int:
+    """The number of a model's parameters (elements)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def _uniforms(rngs, n: int) -> torch.Tensor:

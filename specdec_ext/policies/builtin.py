@@ -248,6 +248,10 @@ class SpecDecPP(CandidateLengthPolicy):
         if self.use_budget:
             self.budget.read_ms = ms
 
+    def rows_together(self, together):
+        if self.use_budget:
+            self.budget.together = bool(together)
+
     def draft_round(self, width):
         self._plain = self.use_budget and not self.budget.plan(int(self.cum_accept.shape[0]), width)
         return not self._plain

@@ -549,6 +549,18 @@ class BatchBudget:
     tokens it had missed (paired, ``--batch-size 16 --arms plain,K2,auto,auto:switch_margin=0 --passes 3``: 0.984x
     and 0.942x K = 2, plain decoding 1.004x).
 
+    Rows in lockstep (``lockstep``, default on; :attr:`together`, which the engine sets before each round: every
+    live row has as many tokens left) finish in the same round under plain steps, and a continuous batch's next
+    requests join them in one admission. A round that drafts ends that for the rest of the call: rows accept
+    different numbers of tokens, finish in different rounds, and so do the requests that take their places,
+    whatever the batch does next; each admission then writes a few rows into the caches, and the batch runs its
+    last requests' rounds with fewer rows. So while the rows are together, from plain steps
+    (or a call's first round) the batch drafts only where its best depth is expected to beat plain steps by more
+    than ``explore_within``, and it neither explores nor probes drafting depths. On the bundled pair at B = 16
+    (bf16, 2-core AMD EPYC, HumanEval requests of 48 tokens) rounds of one candidate were expected 3-13% above
+    plain steps, and calls that drafted a few rounds made 27-101 admissions where plain decoding made 7
+    (``bench/budget_trace.py``); paired, plain decoding measured 1.03-1.07x fixed K = 1 there.
+
     Without ``measure`` the table alone decides (a = 1, every ratio 0), and the decisions, and a sampled row's
     draws, are reproducible run to run: then the batch drafts only if some depth d >= 1 is expected to pay,
     B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), uncapped, and after ``probe`` plain steps in a row it drafts
@@ -568,8 +580,10 @@ class BatchBudget:
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
                  accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02, long_decay: float = 0.02,
-                 revert: float = 0.2, switch_margin: float = 0.03):
+                 revert: float = 0.2, switch_margin: float = 0.03, lockstep: bool = True):
         self.top_n = bool(top_n)
+        self.lockstep = bool(lockstep)
+        self.together = False  # the live rows are in lockstep (the engine's rows_together, before each plan)
         if not 0.0 < long_decay <= 1.0:
             raise ValueError(f"long_decay must be in (0, 1] (a running mean's weight), got {long_decay!r}")
         if not 0.0 <= revert <= 1.0:
@@ -631,6 +645,7 @@ class BatchBudget:
             self._kept[self._size] = {name: copy.deepcopy(getattr(self, name)) for name in self._KEPT}
         self._size = batch_size
         self.width = None
+        self.together = False  # a continuous batch's engine says so before each round
         plain = batch_size / self.batch.round(batch_size, 0)  # plain decoding's goodput, tokens/ms
         self.tokens, self.time = plain * self.prior_ms, self.prior_ms
         self.gain = [self.prior_accept ** j for j in range(1, self.depth_max + 1)]
@@ -860,6 +875,10 @@ class BatchBudget:
             best = last  # between plain steps and drafting, a near tie keeps the batch where it is
         elif last == 0 and self.log_ratio[best] is None and values[best] < (1.0 + self.explore_within) * values[0]:
             best = 0  # from plain steps, a depth not measured yet must beat them by more than the table's error
+        elif (best and self.lockstep and self.together and (last == 0 or self._cold)
+              and values[best] < (1.0 + self.explore_within) * values[0]):
+            best = 0  # rows in lockstep: drafting would end it for the rest of the stream, so it must beat plain
+            #           steps by more than the costs' error
         self._planned = values[best]
         if best != self._best:  # the new best's interval starts again; a neighbour that kept losing keeps its own
             self._best = best
@@ -868,8 +887,9 @@ class BatchBudget:
         floor = (1.0 - self.explore_within) * values[best]  # depths expected to do worse are not worth a round
         # from plain steps, a round that drafts would first make the draft read the unread rows: not worth it to
         # measure a depth or probe one until those reads are a small share of the plain steps' time
-        reads_wait = best == 0 and self.read_ms > max(self.probe_read_share * self._plain_ms,
-                                                       READS_FREE_STEPS * self._plain_step_ms)
+        reads_wait = best == 0 and (self.read_ms > max(self.probe_read_share * self._plain_ms,
+                                                        READS_FREE_STEPS * self._plain_step_ms)
+                                    or (self.lockstep and self.together))  # nor in lockstep (see the rule above)
         unmeasured = [] if self._cold else [c for c in range(min(self.explore, self.depth_max) + 1)
                                             if self.log_ratio[c] is None and self._tries[c] < 2 and values[c] >= floor
                                             and not (c and reads_wait)]
