@@ -596,7 +596,7 @@ def test_the_engine_tells_the_policy_when_its_rows_are_in_lockstep():
     """rows_together, before each round: True exactly when the batch has several live rows with as many tokens left
     each. Plain steps keep requests of one length together, refills included (the odd last request runs alone);
     requests of their own lengths are never together; drafting rounds part rows that accept different numbers of
-    candidates, and the flag follows. generate() reports it too."""
+    candidates, and the flag follows. generate()'s batches, which no request joins, are not reported."""
     target, draft = make_pair("llama", noise=0.3)
     prompts = queue(target.config.vocab_size, n=5, longest=8)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
@@ -613,7 +613,7 @@ def test_the_engine_tells_the_policy_when_its_rows_are_in_lockstep():
             assert pol.together[0] and not all(pol.together)
     pol = OverheadRecorder(lambda r: True, gen)
     out = gen.generate(torch.stack([p[:1] for p in prompts[:3]]), max_new_tokens=5, temperature=0, policy=pol)
-    assert pol.together[0] and pol.together == _in_lockstep(out.stats.rounds, [5] * 3)
+    assert out.stats.rounds and pol.together == []
 
 
 @pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)],

@@ -477,8 +477,8 @@ class SpeculativeGenerator:
                 if pol.speculative:  # not measured for a tensor-parallel target's ranks, which must decide alike
                     pol.draft_overhead(0.0 if tp else self._draft_overhead(call, batch, waiting))
                     pol.draft_reads(0.0 if tp else self._draft_reads(batch))
-                    # rows in lockstep: they would finish in the same round (CandidateLengthPolicy.rows_together)
-                    pol.rows_together(len(remaining) > 1 and bool((remaining == remaining[0]).all()))
+                    if waiting is not None:  # a continuous batch's rows in lockstep (CandidateLengthPolicy.rows_together)
+                        pol.rows_together(len(remaining) > 1 and bool((remaining == remaining[0]).all()))
                 if not pol.speculative:
                     emitted = self._plain_step(call, target, batch, stats)
                 elif pol.draft_round(target.length):

@@ -85,12 +85,13 @@ class CandidateLengthPolicy:
         ignored."""
 
     def rows_together(self, together: bool) -> None:
-        """Before each :meth:`draft_round` of a batch of several rows: whether its live rows are in lockstep, that is,
-        every live row has the same number of tokens left (``max_new_tokens``), so under plain steps the rows finish
-        in the same round: a continuous batch's next requests then join them in one admission, and a batch never
-        runs rounds with fewer rows at its end. A round that drafts ends that for the rest of the call (rows accept
-        different numbers of tokens). Policies that weigh drafting against plain decoding may demand more of
-        drafting while the rows are together (the batch budget of ``threshold="auto"`` does); default: ignored."""
+        """Before each :meth:`draft_round` of a continuous batch (``SpeculativeGenerator.generate_continuous``):
+        whether its live rows are in lockstep, that is, it has several and every one has the same number of tokens
+        left, so under plain steps the rows finish in the same round: the queue's next requests then join them in
+        one admission, and the call never runs rounds with fewer rows at its end. A round that drafts ends that for
+        the rest of the call (rows accept different numbers of tokens). Policies that weigh drafting against plain
+        decoding may demand more of drafting while the rows are together (the batch budget of ``threshold="auto"``
+        does); default: ignored. ``generate()``'s batches, which no request joins, are not reported."""
 
     def draft_reads(self, ms: float) -> None:
         """Before each :meth:`draft_round`: the ms the draft would spend, before this round, reading the contexts of

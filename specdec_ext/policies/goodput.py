@@ -549,9 +549,9 @@ class BatchBudget:
     tokens it had missed (paired, ``--batch-size 16 --arms plain,K2,auto,auto:switch_margin=0 --passes 3``: 0.984x
     and 0.942x K = 2, plain decoding 1.004x).
 
-    Rows in lockstep (``lockstep``, default on; :attr:`together`, which the engine sets before each round: every
-    live row has as many tokens left) finish in the same round under plain steps, and a continuous batch's next
-    requests join them in one admission. A round that drafts ends that for the rest of the call: rows accept
+    Rows in lockstep (``lockstep``, default on; :attr:`together`, which the engine sets before each round of a
+    continuous batch: every live row has as many tokens left) finish in the same round under plain steps, and the
+    queue's next requests join them in one admission. A round that drafts ends that for the rest of the call: rows accept
     different numbers of tokens, finish in different rounds, and so do the requests that take their places,
     whatever the batch does next; each admission then writes a few rows into the caches, and the batch runs its
     last requests' rounds with fewer rows. So while the rows are together, from plain steps
