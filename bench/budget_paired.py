@@ -90,6 +90,13 @@ def parse_arm(name: str, head) -> object:
     return make_policy("specdec++", head=head, threshold="auto", budget_options=budget)
 
 
+def save_result(path, result: dict) -> None:
+    """Write ``result`` to ``path`` as indented JSON, its folder made first; nothing when ``path`` is None."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def long_contexts(encoded: list, n: int, tokens: int) -> list:
     """``n`` requests of ``tokens`` tokens (ValueError for fewer than 2): request i is the last ``tokens`` tokens of
     ``... + encoded[i + 1] + encoded[i]`` (indices cyclic), joined until that long."""

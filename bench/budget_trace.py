@@ -37,7 +37,7 @@ from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from budget_paired import parse_arm  # noqa: E402  (the arms' names)
+from budget_paired import parse_arm, save_result  # noqa: E402  (the arms' names, the JSON writer)
 
 DEPTHS = 4  # depths 0 .. 3 recorded per round
 
@@ -145,9 +145,7 @@ def main(argv=None) -> dict:
               "command": "python bench/budget_trace.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               **trace(pair, pair.heads["greedy"], prompts, args.batch_size, args.arm, args.max_new_tokens, warmup)}
     print(json.dumps(result["summary"], indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    save_result(args.out, result)
     return result
 
 

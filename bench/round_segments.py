@@ -35,7 +35,7 @@ from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from budget_paired import parse_arm  # noqa: E402
+from budget_paired import parse_arm, save_result  # noqa: E402
 
 SEGMENTS = {"_draft": "draft_ms", "_verify": "verify_ms", "_roll_back": "roll_back_ms"}
 
@@ -189,9 +189,7 @@ def main(argv=None) -> dict:
               "command": "python bench/round_segments.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "arms": measure(pair, prompts, args.batch_size, arms, args.max_new_tokens, args.synced, args.profile,
                               args.device)}
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    save_result(args.out, result)
     return result
 
 

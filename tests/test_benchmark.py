@@ -676,7 +676,7 @@ def test_round_segments_script_times_each_arms_rounds_by_depth():
     assert any(r is not None for r in state["log_ratio"]) and state["head_scale"] > 0
 
 
-def test_budget_trace_script_records_each_round_of_the_traced_call():
+def test_budget_trace_script_records_each_round_of_the_traced_call(tmp_path):
     """bench/budget_trace.py on a tiny pair: one record per round of the traced call (the warm-up's are not kept),
     each with the measured ms the engine timed for that round and a cap within the budget's depths; plain steps are
     the rounds of cap 0; the summary counts them; the class's methods are restored; an arm without a budget is
@@ -705,6 +705,11 @@ def test_budget_trace_script_records_each_round_of_the_traced_call():
         assert e["rounds"] == len(played) and e["median_ms"] == pytest.approx(statistics.median(played), abs=1e-3)
     with pytest.raises(ValueError, match="'K2' has no batch budget"):
         mod.trace(pair, head, prompts, batch_size=2, arm="K2", costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    # its --out: the JSON written (a new folder made), nothing without a path
+    mod.save_result(tmp_path / "new" / "trace.json", {"summary": summary})
+    assert json.loads((tmp_path / "new" / "trace.json").read_text()) == {"summary": summary}
+    mod.save_result(None, {"summary": summary})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
 
 
 def test_survival_scale_script_scales_what_the_rule_reads():
