@@ -344,11 +344,9 @@ def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "
 
 
 def machine_description(pair) -> dict:
+    from .engine.models import param_count as params
     from .engine.profile import processor_name
     from .zoo import cpu_bf16_flags
-
-    def params(m):
-        return sum(p.numel() for p in m.parameters())
 
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine(), "processor": processor_name(), **cpu_bf16_flags(),

@@ -29,7 +29,7 @@ from ..policies.goodput import CostModel
 from . import fast_llama
 from .admission import DEFAULT_ADMISSION, AdmissionRule, check_admission
 from .kv_cache import compaction
-from .models import context_length, fingerprint, hidden_size, vocab_size
+from .models import context_length, fingerprint, hidden_size, param_count, vocab_size
 from .packing import worth_packing
 from .runner import CausalLMRunner, TimedRunner, pad_front, sliding_layout
 from .tensor_parallel import check_same_output, tp_size
@@ -477,7 +477,7 @@ class SpeculativeGenerator:
                 if pol.speculative:  # not measured for a tensor-parallel target's ranks, which must decide alike
                     pol.draft_overhead(0.0 if tp else self._draft_overhead(call, batch, waiting))
                     pol.draft_reads(0.0 if tp else self._draft_reads(batch))
-                    if waiting is not None:  # a continuous batch's rows in lockstep (CandidateLengthPolicy.rows_together)
+                    if waiting is not None:  # continuous batching: rows in lockstep (rows_together)
                         pol.rows_together(len(remaining) > 1 and bool((remaining == remaining[0]).all()))
                 if not pol.speculative:
                     emitted = self._plain_step(call, target, batch, stats)
@@ -549,10 +549,10 @@ class SpeculativeGenerator:
         measured, the target's measured mean prefill ms per request (continuous batching's admissions) times the
         draft's share of the pair's parameters (draft over target; 0.126 on the bundled pair, whose target prefilled
         HumanEval prompts at about 35 ms each at B = 16, so 4.4 ms, where the draft's reads measured 3.5-5.4; a
-        ``draft_context`` window is not counted in it), and 0 without either. On the bundled pair at B = 16 (2-core AMD EPYC, 48-token HumanEval requests) a read took 5.4 ms
-        per request with the bf16 target's draft (0.6 s for 112 requests) and 7.5-9 ms with the fp32 draft of an
-        AVX2-only machine, 0.11-0.19 ms per emitted token, where decoding gains some 0.1 ms per token over plain
-        steps."""
+        ``draft_context`` window is not counted in it), and 0 without either. On the bundled pair at B = 16
+        (2-core AMD EPYC, 48-token HumanEval requests) a read took 5.4 ms per request with the bf16 target's draft
+        (0.6 s for 112 requests) and 7.5-9 ms with the fp32 draft of an AVX2-only machine, 0.11-0.19 ms per emitted
+        token, where decoding gains some 0.1 ms per token over plain steps."""
         if not (batch.unread or (waiting is not None and waiting())):
             return 0.0
         if self.catch_up_rows:
@@ -563,7 +563,7 @@ class SpeculativeGenerator:
         if not points or self.draft is None:
             return 0.0
         if self._draft_share is None:  # counted once: a round reads it until the draft's first read
-            self._draft_share = _param_count(self.draft) / max(1, _param_count(self.target))
+            self._draft_share = param_count(self.draft) / max(1, param_count(self.target))
         per_request = sum(ms for _, _, ms in points) / max(1, sum(rows for rows, _, _ in points))
         return per_request * self._draft_share / call.mean_limit
 
@@ -1023,11 +1023,6 @@ def _row_generators(seed, B: int) -> list:
     if len(seeds) != B:
         raise ValueError(f"seed: need one seed per row ({B}), got {len(seeds)}")
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
-
-
-def _param_count(model) -> int:
-    """The number of a model's parameters (elements)."""
-    return sum(p.numel() for p in model.parameters())
 
 
 def _uniforms(rngs, n: int) -> torch.Tensor:

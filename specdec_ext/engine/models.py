@@ -22,6 +22,11 @@ def hidden_size(model) -> int:
     return model.get_output_embeddings().weight.shape[1]
 
 
+def param_count(model) -> int:
+    """The number of the model's parameters (elements, over every tensor)."""
+    return sum(p.numel() for p in model.parameters())
+
+
 def context_length(model) -> Optional[int]:
     return getattr(model.config, "max_position_embeddings", None)
 

@@ -551,15 +551,16 @@ class BatchBudget:
 
     Rows in lockstep (``lockstep``, default on; :attr:`together`, which the engine sets before each round of a
     continuous batch: every live row has as many tokens left) finish in the same round under plain steps, and the
-    queue's next requests join them in one admission. A round that drafts ends that for the rest of the call: rows accept
-    different numbers of tokens, finish in different rounds, and so do the requests that take their places,
-    whatever the batch does next; each admission then writes a few rows into the caches, and the batch runs its
-    last requests' rounds with fewer rows. So while the rows are together, from plain steps
-    (or a call's first round) the batch drafts only where its best depth is expected to beat plain steps by more
-    than ``explore_within``, and it neither explores nor probes drafting depths. On the bundled pair at B = 16
-    (bf16, 2-core AMD EPYC, HumanEval requests of 48 tokens) rounds of one candidate were expected 3-13% above
-    plain steps, and calls that drafted a few rounds made 27-101 admissions where plain decoding made 7
-    (``bench/budget_trace.py``); paired, plain decoding measured 1.03-1.07x fixed K = 1 there.
+    queue's next requests join them in one admission. A round that drafts ends that for the rest of the call:
+    rows accept different numbers of tokens, finish in different rounds, and so do the requests that take their
+    places, whatever the batch does next; each admission then writes a few rows into the caches, and the batch
+    runs its last requests' rounds with fewer rows. So while the rows are together, from plain steps (or a call's
+    first round) the batch drafts only where its best depth is expected to beat plain steps by more than
+    ``explore_within``, and it neither explores nor probes drafting depths. On the bundled pair at B = 16 (bf16,
+    2-core AMD EPYC, HumanEval requests of 48 tokens) calls that drafted in a few rounds made 27-101 admissions
+    where plain decoding made 7 (``bench/budget_trace.py``), and in paired runs plain decoding measured
+    1.00-1.07x fixed K = 1; with the rule the budget took plain decoding's steps there (README, "Rows in
+    lockstep").
 
     Without ``measure`` the table alone decides (a = 1, every ratio 0), and the decisions, and a sampled row's
     draws, are reproducible run to run: then the batch drafts only if some depth d >= 1 is expected to pay,
