@@ -223,8 +223,7 @@ def main(argv=None) -> dict:
         print(f"B = {args.batch_size}, {a} over {rep['of']} (an A/A control): {rep['pooled']:.3f}x (95% interval "
               f"{rep['ci95'][0]:.3f}-{rep['ci95'][1]:.3f}x), decoding {rep['decoding']:.3f}x (streams "
               f"{min(rep['by_stream']):.3f}-{max(rep['by_stream']):.3f}x)")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    save_result(args.out, result)
     return result
 
 

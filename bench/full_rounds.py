@@ -16,7 +16,6 @@ reports per arm and drafted depth the rounds, their mean ms and tokens, over the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from budget_paired import parse_arm  # noqa: E402  (the arms' names: plain, K<n>, auto[:option=value...])
+from budget_paired import parse_arm, save_result  # noqa: E402  (the arms' names; the JSON writer)
 
 
 def summarize(rounds, batch_size: int) -> dict:
@@ -108,8 +107,7 @@ def main(argv=None) -> dict:
                     parts.append(f"depth {depth} {kind}: {e['rounds']} rounds, {e['mean_ms']:.2f} ms, "
                                  f"{e['mean_tokens']:.2f} tokens{ratio}")
             print(f"set {i}, {a}: {r['tokens'] / r['seconds']:.1f} tokens/s; " + "; ".join(parts))
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    save_result(args.out, result)
     return result
 
 

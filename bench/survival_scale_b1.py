@@ -14,8 +14,8 @@ minutes apart; reported: each arm's total tokens/s, its ratio to ``auto``, and t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +26,9 @@ from specdec_ext.benchmark import machine_description
 from specdec_ext.policies import make_policy
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from budget_paired import save_result  # noqa: E402  (the JSON writer)
 
 
 def scaled_auto(head, scale: float):
@@ -126,8 +129,7 @@ def main(argv=None) -> dict:
     result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
               "command": "python bench/survival_scale_b1.py " + " ".join(argv if argv is not None else []), **row}
     print(report(result))
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    save_result(args.out, result)
     return result
 
 

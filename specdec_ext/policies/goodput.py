@@ -874,12 +874,12 @@ class BatchBudget:
         last = 0 if self._best is None else self._best  # a batch size's first round: the draft has read nothing
         if (best == 0) != (last == 0) and values[best] < (1.0 + self.switch_margin) * values[last]:
             best = last  # between plain steps and drafting, a near tie keeps the batch where it is
-        elif last == 0 and self.log_ratio[best] is None and values[best] < (1.0 + self.explore_within) * values[0]:
-            best = 0  # from plain steps, a depth not measured yet must beat them by more than the table's error
-        elif (best and self.lockstep and self.together and (last == 0 or self._cold)
-              and values[best] < (1.0 + self.explore_within) * values[0]):
-            best = 0  # rows in lockstep: drafting would end it for the rest of the stream, so it must beat plain
-            #           steps by more than the costs' error
+        elif (values[best] < (1.0 + self.explore_within) * values[0]
+              and ((last == 0 and self.log_ratio[best] is None)
+                   or (self.lockstep and self.together and (last == 0 or self._cold)))):
+            # from plain steps, drafting must beat them by more than the costs' error where its depth is not measured
+            # yet, or where the rows are in lockstep (a drafting round would end it for the rest of the stream)
+            best = 0
         self._planned = values[best]
         if best != self._best:  # the new best's interval starts again; a neighbour that kept losing keeps its own
             self._best = best
