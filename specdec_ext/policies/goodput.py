@@ -439,7 +439,8 @@ class BatchBudget:
       neighbours c* - 1 and c* + 1 of the best depth are played again after ``probe`` rounds, the interval
       doubling each time one is played and still loses, so that a depth the table misjudges gets measured; a
       neighbour measured and expected more than ``explore_within`` below the best is not probed until it comes
-      within it: at B = 64 on a 2-core CPU depth 1 measured 10-40% below plain decoding, and every probe of it
+      within it, once its first ``EARLY_ROUNDS`` rounds have set its cost (before that, one stalled round could
+      rule a depth out for good: :meth:`_measured_cap`): at B = 64 on a 2-core CPU depth 1 measured 10-40% below plain decoding, and every probe of it
       also made the draft read the contexts of the rows it had not read (``SpeculativeGenerator._catch_up``).
       While plain decoding is the best depth, a probe of drafting, and the first round of an unmeasured drafting
       depth, also waits until those reads (:attr:`read_ms`, the engine's ``draft_reads``) are at most
@@ -865,8 +866,8 @@ class BatchBudget:
         """The best depth by :meth:`expected_goodput`, except that each depth 0 .. ``explore`` expected within
         ``explore_within`` of the best is played once first (the unmeasured one nearest the best first; twice at
         most, when the rows lack the room to reach it; not in a call's first round, which is not measured), and
-        that the best depth's neighbours (if measured, only those within ``explore_within`` of it) are played
-        again after ``probe`` rounds, the interval doubling each time one is played and still loses (a new best
+        that the best depth's neighbours (once measured in ``EARLY_ROUNDS`` rounds, only those within
+        ``explore_within`` of it) are played again after ``probe`` rounds, the interval doubling each time one is played and still loses (a new best
         depth's own interval starts again). Sets :attr:`forced` for the rounds that measure a depth (those drafts
         go to the cap, :meth:`go_on`)."""
         values = self._values(B)
@@ -902,7 +903,8 @@ class BatchBudget:
             if reads_wait:
                 continue
             if (0 <= c < len(values) and self._since[c] >= self._every[c]
-                    and (values[c] >= floor or self.log_ratio[c] is None)):  # a depth measured far below: not again
+                    and (values[c] >= floor or len(self._early[c]) < EARLY_ROUNDS)):
+                # a depth measured far below is not probed again once its first rounds settled its cost
                 self._every[c] *= 2
                 cap, self.forced = c, True
                 break
