@@ -15,6 +15,10 @@ measured in the same process just before, the depths rotating stream by stream. 
 The best cut is chosen on the same rounds it is scored on (in-sample), so it bounds what a rule of this kind gains
 on this text; the budget's own cut comes from its cost model (:meth:`BatchBudget.go_on`).
 
+The report also gives the head's calibration per slot (:func:`slot_calibration`) over every recorded round, the
+tail's included: the budget scales every slot's survival by one measured factor a (``BatchBudget.head_scale``),
+and this shows how far each slot's own factor is from it.
+
     python bench/batch_replay.py --batch-size 4 --out docs/results/batch_replay_b4.json
 """
 
@@ -110,6 +114,30 @@ def replay(rounds: list[dict], times: dict[int, float], depth: int, B: int) -> d
                 / fixed[best_fixed])
 
 
+def slot_calibration(rounds: list[dict]) -> list[dict]:
+    """The head's calibration per drafted slot j = 1 .. D over recorded ``rounds`` (each ``S`` per row: the
+    survivals S_bj; ``drafted`` and ``accepted`` per row): the rows that drafted slot j (S_bj > 0), the share of them
+    that accepted it (accepted_b >= j), their mean S_bj, and a_j, that share over that mean (the factor by which the
+    head's survivals understate slot j's acceptance); and among those rows the ones whose slots before j were all
+    accepted: how many, the share that accepted slot j, and their mean p_hat_j = S_bj / S_b,j-1 (the head's own
+    probability for that step, SpecDec++ Eq. 1). A head whose every step is a little underconfident understates the
+    deeper slots' survivals more: the products compound it."""
+    depth = max((len(row) for r in rounds for row in r["S"]), default=0)
+    out = []
+    for j in range(depth):
+        drafted = [(row[j], row[j - 1] if j else 1.0, a) for r in rounds for row, a, d in
+                   zip(r["S"], r["accepted"], r["drafted"]) if j < min(d, len(row)) and row[j] > 0]
+        reached = [(s / prev, a) for s, prev, a in drafted if a >= j and prev > 0]
+        n, m = len(drafted), len(reached)
+        share = sum(a > j for _, _, a in drafted) / n if n else None
+        mean = sum(s for s, _, _ in drafted) / n if n else None
+        out.append({"slot": j + 1, "rows": n, "acceptance": share, "mean_survival": mean,
+                    "calibration": share / mean if n and mean else None, "rows_reached": m,
+                    "step_acceptance": sum(a > j for _, a in reached) / m if m else None,
+                    "mean_p_hat": sum(p for p, _ in reached) / m if m else None})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-size", type=int, default=4)
@@ -134,13 +162,18 @@ def main():
     gen.generate_continuous(prompts, args.batch_size, **kw)
     report = dict(batch_size=args.batch_size, depth=args.depth, prompts=len(prompts),
                   max_new_tokens=args.max_new_tokens, round_ms=times, machine=machine_description(pair),
-                  seconds=time.perf_counter() - t0, **replay(policy.recorded, times, args.depth, args.batch_size))
+                  seconds=time.perf_counter() - t0, **replay(policy.recorded, times, args.depth, args.batch_size),
+                  slot_calibration=slot_calibration(policy.recorded))
     line = {k: round(v, 1) for k, v in report["fixed_tokens_per_s"].items()}
     ms = {k: round(v, 1) for k, v in times.items()}
     print(f"B = {args.batch_size}: fixed depth tokens/s {line}; round ms {ms}")
     for name, r in report["rule"].items():
         print(f"  one-step rule {name}: best cut {r['best_cut']:.2f} -> {r['best_tokens_per_s']:.1f} tokens/s")
     print(f"  best rule / best fixed depth ({report['best_fixed']}): {report['best_rule_over_best_fixed']:.3f}")
+    for c in report["slot_calibration"]:
+        if c["rows"]:
+            print(f"  slot {c['slot']}: acceptance {c['acceptance']:.3f}, mean survival {c['mean_survival']:.3f}, "
+                  f"calibration a_j {c['calibration']:.3f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -340,6 +340,22 @@ def test_batch_replay_script_by_hand():
     assert r["best_rule_over_best_fixed"] == pytest.approx(24 / 22.0)
 
 
+def test_batch_replay_slot_calibration_by_hand():
+    """bench/batch_replay.py's per-slot calibration: acceptance over mean survival among the rows that drafted the
+    slot, and the per-step acceptance and p_hat among the rows whose earlier slots were all accepted."""
+    mod = _bench_script("batch_replay")
+    rounds = [dict(S=[[0.8, 0.4], [0.5, 0.25]], drafted=[2, 2], accepted=[2, 0]),
+              dict(S=[[0.6, 0.0]], drafted=[1], accepted=[1])]  # a row that stopped after slot 1
+    one, two = mod.slot_calibration(rounds)
+    assert one["rows"] == 3 and one["acceptance"] == pytest.approx(2 / 3)
+    assert one["mean_survival"] == pytest.approx(1.9 / 3) and one["calibration"] == pytest.approx((2 / 3) / (1.9 / 3))
+    assert one["rows_reached"] == 3 and one["step_acceptance"] == one["acceptance"]
+    assert two["rows"] == 2 and two["acceptance"] == 0.5 and two["calibration"] == pytest.approx(0.5 / 0.325)
+    # slot 2 was reached (slot 1 accepted) by the first row only: p_hat 0.4 / 0.8, and it was accepted
+    assert two["rows_reached"] == 1 and two["step_acceptance"] == 1.0 and two["mean_p_hat"] == pytest.approx(0.5)
+    assert mod.slot_calibration([]) == []
+
+
 def _tiny_stream_pair():
     """A tiny fp32 pair as the A/B stream scripts take it (target, draft, tokenizer without EOS), and six prompts."""
     from types import SimpleNamespace
