@@ -440,8 +440,9 @@ class BatchBudget:
       doubling each time one is played and still loses, so that a depth the table misjudges gets measured; a
       neighbour measured and expected more than ``explore_within`` below the best is not probed until it comes
       within it, once its first ``EARLY_ROUNDS`` rounds have set its cost (before that, one stalled round could
-      rule a depth out for good: :meth:`_measured_cap`): at B = 64 on a 2-core CPU depth 1 measured 10-40% below plain decoding, and every probe of it
-      also made the draft read the contexts of the rows it had not read (``SpeculativeGenerator._catch_up``).
+      rule a depth out for good: :meth:`_measured_cap`): at B = 64 on a 2-core CPU depth 1 measured 10-40% below
+      plain decoding, and every probe of it also made the draft read the contexts of the rows it had not read
+      (``SpeculativeGenerator._catch_up``).
       While plain decoding is the best depth, a probe of drafting, and the first round of an unmeasured drafting
       depth, also waits until those reads (:attr:`read_ms`, the engine's ``draft_reads``) are at most
       ``probe_read_share`` of the plain steps' measured ms since the batch last drafted, or worth at most
@@ -867,9 +868,9 @@ class BatchBudget:
         ``explore_within`` of the best is played once first (the unmeasured one nearest the best first; twice at
         most, when the rows lack the room to reach it; not in a call's first round, which is not measured), and
         that the best depth's neighbours (once measured in ``EARLY_ROUNDS`` rounds, only those within
-        ``explore_within`` of it) are played again after ``probe`` rounds, the interval doubling each time one is played and still loses (a new best
-        depth's own interval starts again). Sets :attr:`forced` for the rounds that measure a depth (those drafts
-        go to the cap, :meth:`go_on`)."""
+        ``explore_within`` of it) are played again after ``probe`` rounds, the interval doubling each time one is
+        played and still loses (a new best depth's own interval starts again). Sets :attr:`forced` for the rounds
+        that measure a depth (those drafts go to the cap, :meth:`go_on`)."""
         values = self._values(B)
         best = max(range(len(values)), key=lambda c: (values[c], -c))
         last = 0 if self._best is None else self._best  # a batch size's first round: the draft has read nothing
