@@ -56,6 +56,12 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cpu(
   return {t.p_accept, t.stop};
 }
 
+at::Tensor argmax_tokens_cpu(const at::Tensor& logits) {
+  ArgmaxTensors t = prepare_argmax(logits);
+  if (t.out.numel() > 0) cpu::argmax_tokens(t.args);
+  return t.out;
+}
+
 std::tuple<at::Tensor, at::Tensor> confidence_features_cpu(const at::Tensor& dist, const at::Tensor& tokens, bool logits) {
   ConfidenceTensors t = prepare_confidence(dist, tokens, logits);
   cpu::confidence_features(t.args);
@@ -90,6 +96,7 @@ TORCH_LIBRARY(specdec_ext, m) {
       "int candidate_length, int k_min, int k_max, float threshold) "
       "-> (Tensor p_accept, Tensor stop)");
   m.def("confidence_features(Tensor dist, Tensor tokens, bool logits) -> (Tensor features, Tensor code)");
+  m.def("argmax_tokens(Tensor logits) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
 }
 
@@ -100,6 +107,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("residual_sample", &residual_sample_cpu);
   m.impl("acceptance_head_step", &acceptance_head_step_cpu);
   m.impl("confidence_features", &confidence_features_cpu);
+  m.impl("argmax_tokens", &argmax_tokens_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
 }
 

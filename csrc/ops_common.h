@@ -218,6 +218,25 @@ inline ResidualTensors prepare_residual(const at::Tensor& target, const at::Tens
   return t;
 }
 
+struct ArgmaxTensors {
+  at::Tensor logits, out;
+  ArgmaxArgs args;
+};
+
+// argmax_tokens: logits [..., V] (at least one dimension, V >= 1) -> [...] int64.
+inline ArgmaxTensors prepare_argmax(const at::Tensor& logits) {
+  const char* op = "argmax_tokens";
+  const DType dt = float_dtype(logits, "logits");
+  SPECDEC_CHK_VALUE(logits.dim() >= 1 && logits.size(-1) >= 1, op,
+                    ": logits must be [..., V] with V >= 1 (the vocabulary last), got shape ", logits.sizes());
+  ArgmaxTensors t;
+  t.logits = logits.contiguous();
+  const int64_t V = logits.size(-1);
+  t.out = at::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kLong));
+  t.args = ArgmaxArgs{dt, logits.numel() / V, V, t.logits.data_ptr(), t.out.data_ptr<int64_t>()};
+  return t;
+}
+
 struct ConfidenceTensors {
   at::Tensor dist, tokens, out, code;
   ConfidenceArgs args;

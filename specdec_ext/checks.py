@@ -213,6 +213,15 @@ def confidence_shapes(dist, tokens, logits):
     return tuple(dist.shape)
 
 
+def argmax_shapes(logits) -> tuple:
+    """Shape and dtype checks of ``argmax_tokens``; returns the output's shape (``logits.shape[:-1]``)."""
+    _float(logits, "logits", "argmax_tokens")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"argmax_tokens: logits must be [..., V] with V >= 1 (the vocabulary last), got shape "
+                         f"{list(logits.shape)}")
+    return tuple(logits.shape[:-1])
+
+
 def attention_shapes(query, key, value, mask) -> tuple[int, int, int, int]:
     """Shape, dtype and device checks of ``decode_attention``; returns (B, n, Hq, D), the output's shape."""
     op = "decode_attention"

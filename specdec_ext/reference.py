@@ -386,6 +386,13 @@ def confidence_features(dist, tokens, logits):
     return out.to(dist.device)
 
 
+def argmax_tokens(logits):
+    """Reference of ``ops.argmax_tokens``: ``torch.argmax(logits, -1)`` (the first index of each row's maximum,
+    NaN counting as the maximum), after the op's checks."""
+    checks.argmax_shapes(logits)
+    return torch.argmax(logits, -1)
+
+
 def decode_attention(query, key, value, mask, scale):
     """Reference of ``ops.decode_attention``: softmax(q k^T * scale, masked) v in float32, per query head with
     the key/value head it shares (grouped-query attention); a query that sees no column gets zeros."""

@@ -646,6 +646,19 @@ def test_head_step_script_times_the_op_and_the_composition():
         assert r["max_abs_err"]["op"] < 1e-5
 
 
+def test_argmax_script_times_the_three_variants():
+    """bench/argmax.py: a row per (dtype, V, B) with argmax_tokens, torch.argmax and torch.max timed (the script
+    first checks that their tokens agree)."""
+    mod = _bench_script("argmax")
+    rows = mod.measure([1, 3], [5, 70], ["bfloat16", "float32"], repeats=2)
+    assert [(r["dtype"], r["V"], r["B"]) for r in rows] == [
+        (d, V, B) for d in ("bfloat16", "float32") for V in (5, 70) for B in (1, 3)]
+    for r in rows:
+        assert set(r["us"]) == {"argmax_tokens", "torch.argmax", "torch.max"} and min(r["us"].values()) > 0
+        # the speed-up is taken before the times are rounded to 0.1 us
+        assert r["speedup_over_argmax"] == pytest.approx(r["us"]["torch.argmax"] / r["us"]["argmax_tokens"], rel=0.1)
+
+
 def test_round_segments_script_times_each_arms_rounds_by_depth():
     """bench/round_segments.py on a tiny pair: every arm's rounds are counted by depth with their segments (which
     fit inside the engine's own round time), plain decoding has plain steps only, the timing wrappers are gone after

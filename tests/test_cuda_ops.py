@@ -191,3 +191,14 @@ def test_chain_verify_greedy_cuda():
     got = ops.chain_verify_greedy(ids.cuda(), tl.cuda(), n.cuda())
     want = ops.chain_verify_greedy(ids, tl, n)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_tokens_cuda_equals_the_cpu_kernel(dtype):
+    # on a GPU the wrapper is torch.argmax (the op has a CPU kernel only): same tokens, on the input's device
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-3, 3, (2, 5, 3000), generator=g).float().to(dtype)  # ties in every row
+    got = ops.argmax_tokens(x.cuda())
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), ops.argmax_tokens(x))
+    with pytest.raises(ValueError, match="V >= 1"):
+        ops.argmax_tokens(torch.zeros(3, 0, device="cuda"))

@@ -489,6 +489,82 @@ def test_confidence_features_errors_and_opcheck():
     torch.library.opcheck(torch.ops.specdec_ext.confidence_features.default, (torch.softmax(x, -1), t, False))
 
 
+# ------------------------------------------------- argmax_tokens (and chain_verify_greedy's argmax)
+def _argmax_rows(V: int, dtype, seed: int) -> torch.Tensor:
+    """[9, V] rows that test the first-index convention: Gaussian, small integers (many ties), -inf in most places,
+    a NaN or two, +inf, -inf everywhere, signed zeros, the maximum in the last place, and in the first."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(9, V, generator=g)
+    x[1] = torch.randint(-2, 2, (V,), generator=g).float()
+    x[2] = torch.where(torch.rand(V, generator=g) < 0.9, float("-inf"), x[2])
+    x[3, torch.randint(0, V, (2,), generator=g)] = float("nan")
+    x[4, torch.randint(0, V, (2,), generator=g)] = float("inf")
+    x[5] = float("-inf")
+    x[6] = torch.where(torch.arange(V) % 3 == 0, -0.0, 0.0)
+    x[7, -1] = 100.0
+    x[8, 0] = 100.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [1, 2, 63, 64, 65, 200, 8192, 32001])
+def test_argmax_tokens_equals_torch_argmax(dtype, V):
+    x = _argmax_rows(V, dtype, seed=V)
+    got = ops.argmax_tokens(x)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.argmax(x, -1))
+    assert torch.equal(got, reference.argmax_tokens(x))
+    wide = torch.cat([x, x], -1)[..., ::2]  # any strides
+    assert torch.equal(ops.argmax_tokens(wide), torch.argmax(wide, -1))
+    batched = x.view(3, 3, V)  # any leading dimensions, and none
+    assert torch.equal(ops.argmax_tokens(batched), torch.argmax(batched, -1))
+    assert ops.argmax_tokens(x[7]).shape == () and int(ops.argmax_tokens(x[7])) == V - 1
+    assert ops.argmax_tokens(x[:0]).shape == (0,)
+
+
+@given(rows=st.integers(1, 70), V=st.integers(1, 300), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(DTYPES), ties=st.booleans())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_argmax_tokens_fuzzed_against_torch(rows, V, seed, dtype, ties):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 3, (rows, V), generator=g).float() if ties else torch.randn(rows, V, generator=g)
+    x = x.to(dtype)
+    assert torch.equal(ops.argmax_tokens(x), torch.argmax(x, -1))
+
+
+def test_argmax_tokens_errors_opcheck_and_compile():
+    for fn in (ops.argmax_tokens, reference.argmax_tokens):
+        with pytest.raises(ValueError, match="logits must be \\[..., V\\] with V >= 1"):
+            fn(torch.tensor(1.0))
+        with pytest.raises(ValueError, match="got shape \\[3, 0\\]"):
+            fn(torch.zeros(3, 0))
+        with pytest.raises(TypeError, match="logits must be float32, bfloat16 or float16"):
+            fn(torch.zeros(3, 4, dtype=torch.int64))
+    x = _argmax_rows(37, torch.bfloat16, seed=1)
+    torch.library.opcheck(torch.ops.specdec_ext.argmax_tokens.default, (x,))
+    torch.library.opcheck(torch.ops.specdec_ext.argmax_tokens.default, (x.float().view(3, 3, 37),))
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def greedy(logits):
+        return ops.argmax_tokens(logits[:, -1])
+
+    y = torch.randn(4, 2, 37)
+    assert torch.equal(greedy(y), torch.argmax(y[:, -1], -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chain_verify_greedy_takes_the_first_of_tied_maxima(dtype):
+    # logits of small integers: every row has ties; the op accepts and emits the first index, as torch.argmax
+    g = torch.Generator().manual_seed(11)
+    B, K, V = 64, 3, 130
+    tl = torch.randint(-3, 3, (B, K + 1, V), generator=g).float().to(dtype)
+    ids = torch.argmax(tl[:, :K], -1)
+    ids[::3, 1] = (ids[::3, 1] + 1) % V  # a mismatch at slot 1 in every third row
+    out, num = ops.chain_verify_greedy(ids, tl)
+    want = reference.chain_verify_greedy(ids, tl)
+    assert torch.equal(out, want[0]) and torch.equal(num, want[1])
+    assert torch.equal(out[torch.arange(B), num], torch.argmax(tl, -1)[torch.arange(B), num])
+
+
 # ------------------------------------------------------------------ chain_verify_greedy
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,K,V", [(8, 1, 5), (12, 4, 257), (16, 8, 32000)])

@@ -280,19 +280,55 @@ inline void check_code(int64_t code, const char* what, bool logits) {
 
 inline bool uniform_ok(float u) { return u > 0.0f && u <= 1.0f; }
 
+// The maximum of a row of V >= 1 entries and the first index that holds it (torch.argmax's convention: NaN
+// counts as the maximum, so a row with NaN gives its first NaN's index), in two vectorised passes: the maximum
+// (a max reduction, whose result does not depend on the order; NaN and +Inf are noted on the way), then a scan
+// for the first entry equal to it, kArgmaxChunk entries compared at once and only the chunk that holds it
+// searched one entry at a time. The scalar running maximum it replaced does not vectorise.
+constexpr int64_t kArgmaxChunk = 64;
+
+struct RowMax {
+  float value;    // the largest entry that is not NaN (-Inf for a row of NaN and -Inf alone)
+  int64_t index;  // the first index of the maximum (of the first NaN, where the row holds one)
+  bool nan;       // the row holds a NaN
+  bool pos_inf;   // the row holds +Inf
+};
+
+template <typename T>
+RowMax row_max(const T* x, int64_t V) {
+  float top = -std::numeric_limits<float>::infinity();
+  int nan = 0, inf = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan, inf)
+  for (int64_t j = 0; j < V; ++j) {
+    const float v = ld(x, j);
+    top = v > top ? v : top;
+    nan |= v != v;
+    inf |= v > 3.4028234663852886e38f;
+  }
+  RowMax r{top, 0, nan != 0, inf != 0};
+  if (r.nan) {
+    while (!(ld(x, r.index) != ld(x, r.index))) ++r.index;
+    return r;
+  }
+  int64_t j = 0;
+  for (; j + kArgmaxChunk <= V; j += kArgmaxChunk) {
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t k = 0; k < kArgmaxChunk; ++k) hit |= ld(x, j + k) == top;
+    if (hit) break;
+  }
+  while (ld(x, j) != top) ++j;  // the maximum lies in this chunk, or in the tail
+  r.index = j;
+  return r;
+}
+
 template <typename T>
 int64_t greedy_argmax(const T* x, int64_t V, int64_t* code) {
   // First index of the maximum (torch.argmax's convention); NaN/+Inf and fully masked rows flagged.
-  int64_t best = 0;
-  float bv = ld(x, 0);
-  bool good = true;
-  for (int64_t j = 0; j < V; ++j) {
-    const float v = ld(x, j);
-    good &= logit_ok(v);
-    if (v > bv) { bv = v; best = j; }
-  }
-  *code = !good ? int64_t(kInvalidTarget) : (bv > -3.4028234663852886e38f ? 0 : int64_t(kMaskedTarget));
-  return best;
+  const RowMax r = row_max(x, V);
+  const bool masked = !(r.value > -3.4028234663852886e38f);  // -Inf everywhere
+  *code = r.nan || r.pos_inf ? int64_t(kInvalidTarget) : (masked ? int64_t(kMaskedTarget) : 0);
+  return r.index;
 }
 
 }  // namespace
@@ -491,6 +527,21 @@ static void residual_sample_impl(const ResidualArgs& args) {
 void chain_verify(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_impl, a); }
 void chain_verify_logits(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_logits_impl, a); }
 void chain_verify_greedy(const VerifyArgs& a) { SPECDEC_DISPATCH(a.dtype, chain_verify_greedy_impl, a); }
+
+// Rows in parallel, each task at least kArgmaxGrain entries: a few rows of a small vocabulary cost less than
+// waking a second thread.
+constexpr int64_t kArgmaxGrain = int64_t(1) << 16;
+
+template <typename T>
+static void argmax_tokens_impl(const ArgmaxArgs& a) {
+  const T* x = static_cast<const T*>(a.logits);
+  const int64_t V = a.vocab;
+  at::parallel_for(0, a.rows, std::max<int64_t>(1, kArgmaxGrain / V), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) a.out[b] = row_max(x + b * V, V).index;
+  });
+}
+
+void argmax_tokens(const ArgmaxArgs& a) { SPECDEC_DISPATCH(a.dtype, argmax_tokens_impl, a); }
 void residual_sample(const ResidualArgs& a) { SPECDEC_DISPATCH(a.dtype, residual_sample_impl, a); }
 
 // The acceptance head runs layer by layer over the whole batch, the threads splitting each weight matrix's

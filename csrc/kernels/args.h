@@ -30,6 +30,14 @@ struct VerifyArgs {
   bool validate;                // check every row the op may read (0..n_b), not only those it does read
 };
 
+// argmax_tokens: the first index of each row's maximum (NaN counts as the maximum, as in torch.argmax).
+struct ArgmaxArgs {
+  DType dtype;                  // of logits
+  int64_t rows, vocab;          // R (the product of the leading dimensions), V
+  const void* logits;           // [R, V]
+  int64_t* out;                 // [R]
+};
+
 struct ResidualArgs {
   DType dtype;
   int64_t batch, vocab;

@@ -685,7 +685,7 @@ class SpeculativeGenerator:
         if call.processor is not None:
             logits = _processed(call.processor, _prefixes(call, batch), logits, None)
         if cfg.greedy:
-            nxt = logits.argmax(-1)
+            nxt = ops.argmax_tokens(logits)
         else:
             nxt = sample_with_uniforms(process_logits(logits, cfg), _uniforms(batch.rngs, 1)[:, 0])
         batch.last.copy_(nxt.to(batch.last.device))
@@ -740,7 +740,7 @@ class SpeculativeGenerator:
             if call.processor is not None:
                 last_logits = _processed(call.processor, bases, last_logits, torch.stack(cands, 1) if cands else None)
             if cfg.greedy:
-                x = last_logits.argmax(-1)
+                x = ops.argmax_tokens(last_logits)  # torch.argmax's tokens, vectorised on a CPU
                 q = torch.softmax(last_logits, -1) if need_probs else None
             else:
                 q = process_logits(last_logits, cfg)
@@ -790,7 +790,7 @@ class SpeculativeGenerator:
                                     for i in range(K + 1)], 1)
         n_dev = drafted.n.to(vdev)
         if K == 0:  # no slot kept: the target's next token, as plain decoding (the same uniform as a bonus token)
-            nxt = t_logits[:, 0].argmax(-1) if cfg.greedy else \
+            nxt = ops.argmax_tokens(t_logits[:, 0]) if cfg.greedy else \
                 sample_with_uniforms(process_logits(t_logits[:, 0], cfg), u[:, kcap].to(vdev))
             return nxt.view(-1, 1).cpu(), torch.zeros(B, dtype=torch.int64)
         if cfg.greedy:
