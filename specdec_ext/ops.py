@@ -342,11 +342,8 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: no vocabulary dimension (a 0-dim tensor) or V = 0. TypeError: a dtype other than the three.
     """
-    if not HAS_EXTENSION:
-        return reference.argmax_tokens(logits)
-    if logits.device.type != "cpu" and not checks._is_fake(logits):
-        checks.argmax_shapes(logits)
-        return torch.argmax(logits, -1)
+    if not HAS_EXTENSION or (logits.device.type != "cpu" and not checks._is_fake(logits)):
+        return reference.argmax_tokens(logits)  # the checks, then torch.argmax
     return torch.ops.specdec_ext.argmax_tokens(logits)
 
 
