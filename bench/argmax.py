@@ -23,6 +23,7 @@ from specdec_ext import ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ops import time_pair  # noqa: E402
+from budget_paired import save_result  # noqa: E402  (the JSON writer)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -62,12 +63,10 @@ def main(argv=None):
         ap.error(f"--dtypes: each of {', '.join(DTYPES)}")
     rows = measure([int(b) for b in args.batch_sizes.split(",")], [int(v) for v in args.vocabs.split(",")], dtypes,
                    args.repeats)
-    if args.out is not None:
-        meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(),
-                "command": "python bench/argmax.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "command": "python bench/argmax.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    save_result(args.out, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -307,7 +307,7 @@ RowMax row_max(const T* x, int64_t V) {
   }
   RowMax r{top, 0, nan != 0, inf != 0};
   if (r.nan) {
-    while (!(ld(x, r.index) != ld(x, r.index))) ++r.index;
+    while (ld(x, r.index) == ld(x, r.index)) ++r.index;  // equal to itself: not NaN
     return r;
   }
   int64_t j = 0;
