@@ -62,15 +62,8 @@ def headless(policy):
 
 def parse_arm(name, head, parse=budget_paired.parse_arm):
     policy = parse(name, head)
-    if name.endswith(("#hl", "#sticky")):
-        configure = policy.configure
-
-        def swap(*a, **k):  # the policy makes its budget on its first configure: set the trial's class and headroom
-            configure(*a, **k)
-            if type(policy.budget) is BatchBudget:
-                policy.budget.__class__ = Sticky if name.endswith("#sticky") else BatchBudget
-                policy.budget.headroom = 0.0
-        policy.configure = swap
+    if name.endswith(("#hl", "#sticky")):  # no headroom: without the one-step rule the extra slot is always drafted
+        budget_paired.swap_budget(policy, Sticky if name.endswith("#sticky") else BatchBudget, headroom=0.0)
         headless(policy)
     return policy
 

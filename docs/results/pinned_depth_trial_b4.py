@@ -68,13 +68,7 @@ def lite(policy):
 def parse_arm(name, head, parse=budget_paired.parse_arm):
     policy = parse(name, head)
     if name.endswith(("#pin", "#lite")):
-        configure = policy.configure
-
-        def pinned(*a, **k):  # the policy makes its budget on its first configure: give it the trial's class
-            configure(*a, **k)
-            if type(policy.budget) is BatchBudget:
-                policy.budget.__class__ = Pinned
-        policy.configure = pinned
+        budget_paired.swap_budget(policy, Pinned)
         if name.endswith("#lite"):
             lite(policy)
     return policy

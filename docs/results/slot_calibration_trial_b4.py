@@ -32,13 +32,7 @@ class SlotCalibrated(BatchBudget):
 def parse_arm(name, head, parse=budget_paired.parse_arm):
     policy = parse(name, head)
     if name.endswith("#cal"):
-        configure = policy.configure
-
-        def calibrated(*a, **k):  # the policy makes its budget on its first configure: give it the trial's class
-            configure(*a, **k)
-            if type(policy.budget) is BatchBudget:
-                policy.budget.__class__ = SlotCalibrated
-        policy.configure = calibrated
+        budget_paired.swap_budget(policy, SlotCalibrated)
     return policy
 
 
