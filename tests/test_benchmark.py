@@ -589,6 +589,35 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
         mod.long_contexts(prompts, 2, 1)
 
 
+def test_budget_paired_swap_budget_gives_the_budget_a_trial_class_when_the_policy_makes_it():
+    """budget_paired.swap_budget (the trial scripts' arms): after the policy's first configure its budget is an
+    instance of the given BatchBudget subclass, with the given attributes set; a later configure that keeps the
+    budget leaves it so, and a policy without a budget (a batch of one row) is left alone."""
+    from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
+
+    from specdec_ext.policies.goodput import BatchBudget
+
+    mod = _bench_script("budget_paired")
+    head = head_for(make_pair("llama", noise=0.3)[1], kind="proposal")
+
+    class Trial(BatchBudget):
+        pass
+
+    pol = mod.parse_arm("auto", head)
+    mod.swap_budget(pol, Trial, headroom=0.0, probe=3)
+    pol.configure(None, TEST_COSTS)  # one row: no batch table, no budget
+    assert pol.budget is None
+    pol.configure(None, TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    budget = pol.budget
+    assert type(budget) is Trial and (budget.headroom, budget.probe) == (0.0, 3)
+    assert budget.batch is TEST_BATCH_COSTS and budget.score_every == BatchBudget(TEST_BATCH_COSTS).score_every
+    pol.configure(None, TEST_COSTS, batch_costs=TEST_BATCH_COSTS)  # the same table and head: the budget is kept
+    assert pol.budget is budget and type(budget) is Trial
+    untouched = mod.parse_arm("auto", head)
+    untouched.configure(None, TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    assert type(untouched.budget) is BatchBudget and untouched.budget.headroom == 0.03
+
+
 def test_packed_verify_script_times_the_three_forwards_on_the_same_depths():
     """bench/packed_verify.py on a tiny model: one row per (width, pattern) with the three forwards timed, the real and
     padded token counts of its depth pattern, and ratios that are the medians' ratios."""
