@@ -685,6 +685,76 @@ def test_the_policy_skips_the_head_on_an_unscored_capped_slot(monkeypatch):
     assert len(calls) == 1 and bool(stop.all()) and budget.gain[0] != g1
 
 
+def test_without_in_round_rounds_outside_the_scored_ones_draft_to_the_cap_without_the_head(monkeypatch):
+    """in_round=False: outside the scored rounds the policy drafts to the budget's cap with no head
+    step below it (no features, head, one-step rule or verified depth), verifies every drafted slot and reports the
+    round at the depth drafted; rows that lack the room stop on their own caps; a scored round runs the head at
+    every slot; with in_round=True the head runs below the cap (the one-step rule's slot)."""
+    from specdec_ext import ops
+    from specdec_ext.policies import SpecDecPP
+    from specdec_ext.policies.base import DraftStep
+
+    target, draft = make_pair("llama", noise=0.3)
+    V, H = target.config.vocab_size, draft.config.hidden_size
+    calls = []
+    real = ops.acceptance_head_step
+    monkeypatch.setattr(ops, "acceptance_head_step", lambda *a: (calls.append(a[9]), real(*a))[1])
+
+    def one_round(pol, score, cap=3, steps=3):
+        budget = pol.budget
+
+        def plan(B, width):
+            budget.cap, budget.forced, budget.score_last, budget.width = cap, score, score, width
+            return True
+        monkeypatch.setattr(budget, "plan", plan)
+        assert pol.draft_round(64)
+        pol.begin_round()
+        stops = []
+        for k in range(1, steps + 1):
+            info = DraftStep(k, 3, hidden=torch.randn(3, H), tokens=torch.tensor([1, 2, 3]), logits=torch.randn(3, V),
+                             drafting=torch.ones(3, dtype=torch.bool), room=torch.ones(3, dtype=torch.bool))
+            stops.append(bool(pol.should_stop(info).all()))
+        drafted = torch.full((3,), steps, dtype=torch.int64)
+        n = pol.verify_depth(drafted)
+        pol.end_round(n, torch.tensor([1, 0, 2]))
+        return stops, n.tolist(), budget._last[0]
+
+    pol = SpecDecPP(head_for(draft, kind="proposal"), threshold="auto", k_max=8, budget_options={"in_round": False})
+    pol.configure(SamplingConfig(0.0), TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    pol.reset(3, torch.device("cpu"))
+    assert not pol.budget.in_round
+    g = list(pol.budget.gain)
+    assert one_round(pol, score=False) == ([False, False, True], [3, 3, 3], 3) and not calls
+    assert pol.budget.gain == g  # no survival sampled (and no long-run means yet to revert to)
+    assert one_round(pol, score=False, steps=2) == ([False, False], [2, 2, 2], 2) and not calls  # rows out of room
+    assert one_round(pol, score=True)[1:] == ([3, 3, 3], 3) and calls == [1, 2, 3]  # scored: every slot
+    assert pol.budget.gain[0] != g[0]
+    calls.clear()
+    in_round = SpecDecPP(head_for(draft, kind="proposal"), threshold="auto", k_max=8)  # the default
+    in_round.configure(SamplingConfig(0.0), TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
+    in_round.reset(3, torch.device("cpu"))
+    assert in_round.budget.in_round
+    monkeypatch.setattr(in_round.budget, "go_on", lambda k, s: True)
+    assert one_round(in_round, score=False)[0] == [False, False, True] and calls == [1, 2]  # not the slot at the cap
+
+
+def test_without_in_round_a_tied_depth_past_the_best_is_not_drafted_for_the_one_step_rule():
+    """headroom needs in_round: without in-round decisions nothing would decide the extra slot, so the cap is the
+    best depth, and such a round is blind outside the scored ones (BatchBudget.blind); with measure=False the table's
+    rounds always decide in the round."""
+    tied = BatchCosts([1, 64], [[10.0, 14.0, 18.2, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0]] * 2,
+                      [[10.0 + n for n in range(1, 10)]] * 2)  # as in the headroom test below: depths 1 and 2 tie
+    for in_round, cap in ((False, 1), (True, 2)):
+        b = BatchBudget(tied, probe=100, score_every=1000, in_round=in_round)
+        b.reset(4)
+        b.log_ratio = [0.0] * 9
+        b.plan(4, None)
+        assert b.cap == cap and not b.forced and b.blind == (not in_round)
+        b.score_last = True
+        assert not b.blind  # a scored round reads the head at every slot
+    assert not BatchBudget(tied, measure=False, in_round=False).blind and BatchBudget(tied).in_round
+
+
 def test_headroom_lets_the_one_step_rule_decide_the_slot_past_a_tied_best_depth():
     """When the depth past the best is expected to do nearly as well (within ``headroom``), a steady round's cap
     is one deeper and go_on decides that slot from the round's own survivals; lambda is then the best depth's

@@ -127,7 +127,10 @@ class SpecDecPP(CandidateLengthPolicy):
             not, a step of plain decoding without a draft forward), how deep it drafts, and how many of the
             drafted slots it verifies (possibly none): one depth for every row, or, with
             ``budget_options={"top_n": True}`` where the target packs rows (``packed_verification``,
-            ``engine/packing.py``), each row its own top slots.
+            ``engine/packing.py``), each row its own top slots. The last two decisions are made within a round from
+            the head's step at each slot below the depth planned; with ``budget_options={"in_round": False}`` a
+            round drafts and verifies the planned depth, and the head runs only in the budget's scored rounds (one
+            in four, and those that explore or probe a depth), for its running survivals.
         k_min, k_max: bounds on K (``k_max`` is K_max).
         batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
@@ -261,6 +264,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self._prev_features = None
         self._survivals = []
         self._unscored = False  # the round's last slot went unscored (BatchBudget.score_last)
+        self._steps = 0  # draft steps this round (should_stop's last k)
 
     def _features(self, info) -> Optional[torch.Tensor]:
         """The head's input features of the candidates just drafted, ``[B, F]`` (None without features)."""
@@ -280,11 +284,14 @@ class SpecDecPP(CandidateLengthPolicy):
 
     def should_stop(self, info):
         head, k = self.head, info.step
-        if self.use_budget and k >= self.k_min and k >= self.budget.cap and not self.budget.score_last:
-            # the budget stops the batch here whatever the head says: its features and forward are skipped
-            # (one round in ``score_every`` at the budget's best depth still scores the slot, for its statistics)
+        self._steps = k
+        capped = self.use_budget and k >= max(self.k_min, self.budget.cap)
+        if self.use_budget and not self.budget.score_last and (self.budget.blind or capped):
+            # the budget stops the batch at its cap whatever the head says, and a blind round (BatchBudget.blind) does
+            # not ask below it: the head's features and forward are skipped (one round in ``score_every`` at the
+            # budget's best depth still scores every slot, for its statistics)
             self._unscored = True
-            return torch.ones(info.batch_size, dtype=torch.bool)
+            return torch.full((info.batch_size,), capped, dtype=torch.bool)
         dev = self._weights[-1].device
         features = self._features(info)
         if features is not None:
@@ -317,7 +324,7 @@ class SpecDecPP(CandidateLengthPolicy):
         # [B, k]: S_bj, 0 past a row's own candidates (DraftStep.drafting)
         self._S = S = torch.stack(self._survivals, 1) if self._survivals else None
         if self._unscored:  # the slot at the cap has no survival: the planned depth is verified whole
-            self._drafted = self._depth = len(self._survivals) + 1
+            self._drafted = self._depth = self._steps
             return num_drafted
         if S is None:
             return num_drafted

@@ -463,11 +463,12 @@ class BatchBudget:
       the nearest measured depth (at B = 64 on a 2-core CPU the table put rounds of 3 and 4 candidates 16% and
       21% below plain decoding; each exploration round of them cost 2.5 to 4 plain steps for 2.5 to 3 steps'
       tokens), and never in a call's first round, which is not measured (:meth:`observe`; an earlier version
-      spent it on the deepest depth and played that depth again next round). When depth c* + 1 is expected to do
-      within ``headroom`` (a fraction) of c*, the cap of the other rounds is c* + 1 and the one-step rule below
-      decides that slot from the round's own survivals: two depths tie on average (at B = 4 on a 2-core CPU,
-      one and two candidates per row did), and a round whose rows' first slots survive well gains from the
-      second while one whose rows do not saves it (``bench/batch_replay.py``: +1.8% over either depth);
+      spent it on the deepest depth and played that depth again next round). With ``in_round``, when depth c* + 1
+      is expected to do within ``headroom`` (a fraction) of c*, the cap of the other rounds is c* + 1 and the
+      one-step rule below decides that slot from the round's own survivals: two depths tie on average (at B = 4 on
+      a 2-core CPU, one and two candidates per row did), and a round whose rows' first slots survive well gains
+      from the second while one whose rows do not saves it (``bench/batch_replay.py``: +1.8% over either depth,
+      in-sample, before the head's cost; see the blind rounds below);
     - at the best depth, the head does not score the slot at the cap (its p_hat cannot change the round: the
       batch stops there), but for one round in ``score_every`` (:attr:`score_last`; it drafts to its cap, so
       its survivals are a fair sample of every slot), which keeps g and a current: with a cap of one candidate
@@ -480,6 +481,29 @@ class BatchBudget:
     - (padded rows) the verified depth is the d <= k that maximises a sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
       draft time is spent, the verification is not, so slots whose survival does not pay for their
       verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
+
+    The last two rules, and the headroom slot, decide within a round from the head's p_hat of its slots, so they need
+    the head's step at every slot below the cap (``in_round``, default). With ``in_round=False`` (and ``measure``) a
+    round outside the scored ones is :attr:`blind`: the batch drafts to the planned depth c* with no head step and
+    verifies every slot, and only the scored rounds (one in ``score_every``, and the forced rounds that explore or
+    probe a depth) run the head at each slot, for g and a. On the bundled pair at B = 4 (bf16, 2-core AMD EPYC) the
+    head's step at slot 1, which the one-step rule reads in every round, cost about what the rule gained. Paired
+    (``bench/budget_paired.py --batch-size 4 --passes 6 --prompts 128``; trial arms as replicates of the budget in
+    ``docs/results/pinned_depth_trial_b4.py`` and ``headless_budget_trial_b4.py``):
+
+    - pinned at depth 2 with all of the budget's work, the budget measured 0.974x fixed K = 2 in two runs;
+    - pinned at depth 2 without that step, 1.006x and 0.994x;
+    - with blind rounds at the plan's own depth (a trial equal to ``in_round=False``), 1.000x and 1.016x the
+      budget; ``in_round=False`` itself 0.955x it (0.942x K = 2), with 0.89 candidates per row and round
+      (``budget_paired_b4_blind_rounds_bf16_epyc_2026-11-26.json``).
+
+    Without the one-step rule the depth beside the planned one is measured only in probes. Fresh budgets at B = 4
+    settled erratically with the rule and without it (``docs/results/blind_rounds_depths_b4.py``, one call of 48
+    requests each after a warm-up call: of three default budgets, two drafted 2 candidates per row in most rounds
+    and one took plain steps for the whole call, its rows in lockstep; of four blind ones, two drafted 2, one 3, and
+    one took plain steps only). With one paired run against it, the default keeps the rule. On a GPU a step of the
+    head also reads its stop decision back to the host, which waits for the draft's forward in every draft step of a
+    round; ``in_round=False`` is the setting to measure there.
 
     Drafting also costs outside the rounds: the draft reads each request's context once, when the request first
     drafts. With ``count_overhead`` (default) and ``measure``, the expected goodput of a depth c >= 1 is
@@ -583,8 +607,9 @@ class BatchBudget:
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
                  accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02, long_decay: float = 0.02,
-                 revert: float = 0.2, switch_margin: float = 0.03, lockstep: bool = True):
+                 revert: float = 0.2, switch_margin: float = 0.03, lockstep: bool = True, in_round: bool = True):
         self.top_n = bool(top_n)
+        self.in_round = bool(in_round)
         self.lockstep = bool(lockstep)
         self.together = False  # the live rows are in lockstep (the engine's rows_together, before each plan)
         if not 0.0 < long_decay <= 1.0:
@@ -909,11 +934,17 @@ class BatchBudget:
                 self._every[c] *= 2
                 cap, self.forced = c, True
                 break
-        if (not self.forced and self.headroom > 0 and 1 <= cap < self.depth_max
+        if (self.in_round and not self.forced and self.headroom > 0 and 1 <= cap < self.depth_max
                 and values[cap + 1] >= (1.0 - self.headroom) * values[cap]):
             cap += 1  # the one-step rule (go_on) decides the last slot from this round's survivals
         self._since[cap] = 0
         return cap
+
+    @property
+    def blind(self) -> bool:
+        """Whether this round drafts to its cap without the head (``in_round=False``, with ``measure``, outside the
+        scored rounds): no survivals are read below the cap, so neither :meth:`go_on` nor :meth:`depth` is asked."""
+        return self.measure and not self.in_round and not self.score_last
 
     def go_on(self, k: int, survival: torch.Tensor) -> bool:
         """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
