@@ -4,7 +4,8 @@ to the plan's depth without the head, as a replicate of ``auto`` (``bench/budget
 - ``auto#hl``: headless rounds. Outside the budget's scored rounds (one in ``score_every``, and its exploration and
   probe rounds, which score every slot) the head is not run: no confidence features, head step, one-step rule or
   verified depth; the batch drafts and verifies the plan's depth. No headroom: without the one-step rule an extra
-  slot would always be drafted.
+  slot would always be drafted. The library has this since as ``BatchBudget(in_round=False)`` (the arm
+  ``auto:in_round=false``); this trial is what measured it first.
 - ``auto#sticky``: headless rounds, and the plan keeps its last drafting depth unless the best one is expected to beat
   it by more than ``MARGIN`` (hysteresis between drafting depths; between plain steps and drafting the budget's own
   ``switch_margin`` rule holds).
