@@ -1045,3 +1045,27 @@ def test_budget_with_cost_drift_greedy_equals_target_only():
     assert budget.cost_drift and budget._drift is not None
     played = {min(max(r.candidates), budget.depth_max) for r in out.stats.rounds[1:] if len(r.candidates) == 6}
     assert played and all(budget.log_ratio[k] is not None for k in played), (played, budget.log_ratio)
+
+
+def test_budget_with_blind_rounds_greedy_equals_target_only(monkeypatch):
+    """``in_round=False`` in the engine (blind rounds outside the scored ones): the greedy tokens equal target-only
+    decoding, and each drafting round ran the head at none of its slots (blind) or at every one (scored), never below
+    its cap alone as the one-step rule does; some rounds were blind."""
+    from specdec_ext import ops
+
+    target, draft = make_pair("llama", noise=0.3)
+    ids = _ids(6, target.config.vocab_size)
+    plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
+                               threshold="auto", k_max=8, costs=TEST_COSTS, batch_costs=MID,
+                               budget_options={"in_round": False})
+    calls = []  # per drafting round, the slots the head scored
+    real, begin = ops.acceptance_head_step, gen.policy.begin_round
+    monkeypatch.setattr(ops, "acceptance_head_step", lambda *a: (calls[-1].append(a[9]), real(*a))[1])
+    monkeypatch.setattr(gen.policy, "begin_round", lambda: (calls.append([]), begin())[1])
+    out = gen.generate(ids, max_new_tokens=24, temperature=0)
+    assert out.new_tokens == plain.new_tokens
+    depths = [max(r.candidates) for r in out.stats.rounds if r.draft_ms > 0]  # the drafting rounds (not plain steps)
+    assert len(depths) == len(calls) and out.stats.accepted > 0
+    assert all(c in ([], list(range(1, d + 1))) for c, d in zip(calls, depths)), list(zip(calls, depths))
+    assert any(c == [] and d > 0 for c, d in zip(calls, depths))

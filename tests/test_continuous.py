@@ -267,7 +267,8 @@ N_ROWS, N_POS = 1500, 3
 
 
 @pytest.mark.slow
-def test_budgeted_continuous_sampling_is_lossless():
+@pytest.mark.parametrize("in_round", [True, False], ids=["in-round", "blind"])
+def test_budgeted_continuous_sampling_is_lossless(in_round):
     target, draft = make_pair("llama", vocab=12, noise=0.5)
     prompt = torch.tensor([0, 5, 7, 3, 9])
     cfg = SamplingConfig(1.0)
@@ -276,7 +277,7 @@ def test_budgeted_continuous_sampling_is_lossless():
     # times): without the rule the budget explores its depths, so the rows draft and finish at different rounds
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
                                threshold="auto", k_max=6, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS,
-                               budget_options={"lockstep": False})
+                               budget_options={"lockstep": False, "in_round": in_round})
     out = gen.generate_continuous([prompt] * N_ROWS, batch_size=64, max_new_tokens=N_POS, temperature=1.0, seed=7)
     toks = torch.tensor(out.new_tokens)
     for i in range(N_POS):
