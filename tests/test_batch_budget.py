@@ -1030,15 +1030,21 @@ def test_accuracy_decay_sets_how_far_one_round_moves_the_heads_calibration():
     assert moved[0.02] == pytest.approx(0.02 * 4 / 4)
 
 
-def test_budget_with_cost_drift_greedy_equals_target_only():
-    """The budget with ``cost_drift`` (measured round times, so decisions vary with the machine) in the engine: the
-    greedy tokens equal target-only decoding, and the filter measured the rounds (a cost per played depth)."""
+def _budget_and_target_only(options: dict):
+    """A generator with the budget (``budget_options=options``, measured times, MID's table) on a tiny pair, six
+    prompts, and target-only decoding's greedy output for them (24 tokens)."""
     target, draft = make_pair("llama", noise=0.3)
     ids = _ids(6, target.config.vocab_size)
     plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
-                               threshold="auto", k_max=8, costs=TEST_COSTS, batch_costs=MID,
-                               budget_options={"cost_drift": True})
+                               threshold="auto", k_max=8, costs=TEST_COSTS, batch_costs=MID, budget_options=options)
+    return gen, ids, plain
+
+
+def test_budget_with_cost_drift_greedy_equals_target_only():
+    """The budget with ``cost_drift`` (measured round times, so decisions vary with the machine) in the engine: the
+    greedy tokens equal target-only decoding, and the filter measured the rounds (a cost per played depth)."""
+    gen, ids, plain = _budget_and_target_only({"cost_drift": True})
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
     budget = gen.policy.budget
@@ -1053,12 +1059,7 @@ def test_budget_with_blind_rounds_greedy_equals_target_only(monkeypatch):
     its cap alone as the one-step rule does; some rounds were blind."""
     from specdec_ext import ops
 
-    target, draft = make_pair("llama", noise=0.3)
-    ids = _ids(6, target.config.vocab_size)
-    plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
-    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
-                               threshold="auto", k_max=8, costs=TEST_COSTS, batch_costs=MID,
-                               budget_options={"in_round": False})
+    gen, ids, plain = _budget_and_target_only({"in_round": False})
     calls = []  # per drafting round, the slots the head scored
     real, begin = ops.acceptance_head_step, gen.policy.begin_round
     monkeypatch.setattr(ops, "acceptance_head_step", lambda *a: (calls[-1].append(a[9]), real(*a))[1])
