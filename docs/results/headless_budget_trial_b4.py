@@ -4,8 +4,8 @@ to the plan's depth without the head, as a replicate of ``auto`` (``bench/budget
 - ``auto#hl``: headless rounds. Outside the budget's scored rounds (one in ``score_every``, and its exploration and
   probe rounds, which score every slot) the head is not run: no confidence features, head step, one-step rule or
   verified depth; the batch drafts and verifies the plan's depth. No headroom: without the one-step rule an extra
-  slot would always be drafted. The library has this since as ``BatchBudget(in_round=False)`` (the arm
-  ``auto:in_round=false``); this trial is what measured it first.
+  slot would always be drafted. This is ``BatchBudget(in_round=False)`` (the arm ``auto:in_round=false``); the runs
+  in the results files wrapped the policy's ``should_stop`` by hand for the same rounds, before the library had it.
 - ``auto#sticky``: headless rounds, and the plan keeps its last drafting depth unless the best one is expected to beat
   it by more than ``MARGIN`` (hysteresis between drafting depths; between plain steps and drafting the budget's own
   ``switch_margin`` rule holds).
@@ -16,8 +16,6 @@ Run from the repository root, as bench/budget_paired.py::
         --prompts 128
 """
 import sys
-
-import torch
 
 sys.path.insert(0, "bench")
 import budget_paired  # noqa: E402
@@ -41,31 +39,10 @@ class Sticky(BatchBudget):
         return best
 
 
-def headless(policy):
-    """Rounds outside the budget's scored ones draft to the cap with no head step (see the module docstring)."""
-    should_stop, verify_depth = policy.should_stop, policy.verify_depth
-
-    def stop(info):
-        if policy.use_budget and not policy.budget.score_last:
-            at_cap = info.step >= policy.budget.cap
-            policy._unscored = at_cap
-            return torch.full((info.batch_size,), at_cap, dtype=torch.bool)
-        return should_stop(info)
-
-    def depth(num_drafted):
-        out = verify_depth(num_drafted)
-        if policy.use_budget and policy._unscored and not policy._survivals:  # no slot scored: all verified
-            policy._drafted = policy._depth = int(num_drafted.max())
-        return out
-
-    policy.should_stop, policy.verify_depth = stop, depth
-
-
 def parse_arm(name, head, parse=budget_paired.parse_arm):
     policy = parse(name, head)
-    if name.endswith(("#hl", "#sticky")):  # no headroom: without the one-step rule the extra slot is always drafted
-        budget_paired.swap_budget(policy, Sticky if name.endswith("#sticky") else BatchBudget, headroom=0.0)
-        headless(policy)
+    if name.endswith(("#hl", "#sticky")):  # blind rounds: BatchBudget(in_round=False), which ignores the headroom
+        budget_paired.swap_budget(policy, Sticky if name.endswith("#sticky") else BatchBudget, in_round=False)
     return policy
 
 

@@ -9,8 +9,11 @@ Arms, as replicates of ``auto`` (``bench/budget_paired.py``'s A/A mechanism):
   Its gap to K2 is what that work costs; ``auto``'s gap to it is what the decisions gain.
 - ``auto#lite``: pinned likewise, but the head is not run at slot 1 (no features, head step, one-step rule or
   verified depth there) except in the budget's scored rounds (one in ``score_every``, which score every slot for
-  the running survivals); the plan, the update and the round-time measurement still run every round. ``auto#pin``
-  over ``auto#lite`` is the head's step at slot 1 and its glue.
+  the running survivals); the plan, the update and the round-time measurement still run every round: the pinned
+  budget with ``in_round=False``. ``auto#pin`` over ``auto#lite`` is the head's step at slot 1 and its glue. (The
+  runs in the results files wrapped the policy's ``should_stop`` by hand for this, before the library had
+  ``in_round``; the one difference, a round whose rows all ran out of room before slot 2, was counted as two slots
+  drafted there and as the slots drafted now.)
 
 Run from the repository root, as bench/budget_paired.py::
 
@@ -19,8 +22,6 @@ Run from the repository root, as bench/budget_paired.py::
         --prompts 128
 """
 import sys
-
-import torch
 
 sys.path.insert(0, "bench")
 import budget_paired  # noqa: E402
@@ -46,31 +47,11 @@ class Pinned(BatchBudget):
         return survivals.shape[1]
 
 
-def lite(policy):
-    """``auto#lite``: the policy's slot-1 head step skipped outside the scored rounds."""
-    should_stop, verify_depth = policy.should_stop, policy.verify_depth
-
-    def stop(info):
-        if policy.use_budget and not policy.budget.score_last:
-            policy._unscored = info.step >= DEPTH
-            return torch.full((info.batch_size,), info.step >= DEPTH, dtype=torch.bool)
-        return should_stop(info)
-
-    def depth(num_drafted):
-        out = verify_depth(num_drafted)
-        if policy.use_budget and policy._unscored:  # no slot scored: the round drafted and verifies DEPTH
-            policy._drafted = policy._depth = DEPTH
-        return out
-
-    policy.should_stop, policy.verify_depth = stop, depth
-
-
 def parse_arm(name, head, parse=budget_paired.parse_arm):
     policy = parse(name, head)
     if name.endswith(("#pin", "#lite")):
-        budget_paired.swap_budget(policy, Pinned)
-        if name.endswith("#lite"):
-            lite(policy)
+        # #lite: blind rounds (BatchBudget(in_round=False)), which the first run of this trial wrapped by hand
+        budget_paired.swap_budget(policy, Pinned, **({"in_round": False} if name.endswith("#lite") else {}))
     return policy
 
 
