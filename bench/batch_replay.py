@@ -13,7 +13,12 @@ measured in the same process just before, the depths rotating stream by stream. 
   survival of slot c, sum_b S_bc, reaches a cut; every cut of a grid (the quantiles of that sum) is played.
 
 The best cut is chosen on the same rounds it is scored on (in-sample), so it bounds what a rule of this kind gains
-on this text; the budget's own cut comes from its cost model (:meth:`BatchBudget.go_on`).
+on this text; the budget's own cut comes from its cost model (:meth:`BatchBudget.go_on`). The same bound is given for
+other signals the rule could read before drafting slot c + 1 (:data:`SIGNALS`): the draft's own confidence (the
+product of q(y) over slots 1..c, summed over rows: no head step), the previous full round's accepted candidates, and
+the head's survival plus a tenth of those; and the oracle, each round at the depth that was best for it in hindsight
+(the choice of depths with the highest tokens/s over all rounds: what a perfect predictor of each round's acceptances
+would gain).
 
 The report also gives the head's calibration per slot (:func:`slot_calibration`) over every recorded round, the
 tail's included: the budget scales every slot's survival by one measured factor a (``BatchBudget.head_scale``),
@@ -26,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -62,11 +69,22 @@ class _Recording(SpecDecPP):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.recorded: list[dict] = []
+        self._q: list[list[float]] = []
+
+    def begin_round(self):
+        super().begin_round()
+        self._q = []
+
+    def should_stop(self, info):
+        # q(y) of each row's candidate (greedy: q = softmax of the draft's logits), 0 for rows not drafting the slot
+        q = torch.softmax(info.logits.float(), -1).gather(-1, info.tokens.view(-1, 1)).squeeze(-1)
+        self._q.append((q * info.drafting.float() if info.drafting is not None else q).tolist())
+        return super().should_stop(info)
 
     def end_round(self, num_drafted, num_accepted):
         if not self._plain and self._S is not None:
-            self.recorded.append(dict(S=self._S.tolist(), drafted=num_drafted.tolist(),
-                                      accepted=num_accepted.tolist()))
+            self.recorded.append(dict(S=self._S.tolist(), Q=[list(row) for row in zip(*self._q)],
+                                      drafted=num_drafted.tolist(), accepted=num_accepted.tolist()))
         super().end_round(num_drafted, num_accepted)
 
 
@@ -83,9 +101,33 @@ def round_times(gen, prompts, B, depths, **kw) -> dict[int, float]:
     return {c: statistics.median(v) for c, v in rounds.items()}
 
 
-def replay(rounds: list[dict], times: dict[int, float], depth: int, B: int) -> dict:
-    """Tokens/s of fixed depths and of the one-step rule between c and c + 1 over the recorded full-batch
-    ``rounds`` (those of B rows that drafted ``depth`` slots), each depth's round taking ``times[c]`` ms."""
+def _survival(key: str):
+    """Signal: the rows' summed product of ``key`` (per-slot values ``[B, D]``) over slots 1..c."""
+    return lambda rounds, i, c: sum(math.prod(row[:c]) for row in rounds[i][key])
+
+
+def _previous(rounds, i, c):
+    """Signal: the candidates the batch accepted in the round before (its first round: one per row)."""
+    return sum(rounds[i - 1]["accepted"]) if i else len(rounds[i]["accepted"])
+
+
+# what a one-step rule between depths c and c + 1 could read before drafting slot c + 1: name -> signal(rounds, i, c),
+# a number that the rule compares with a cut (the round drafts slot c + 1 where it reaches the cut)
+SIGNALS = {
+    "head_survival": lambda rounds, i, c: sum(row[c - 1] for row in rounds[i]["S"]),  # sum_b S_bc, the budget's
+    "draft_confidence": _survival("Q"),
+    "previous_round": _previous,
+    "head_survival_and_previous": lambda rounds, i, c: (sum(row[c - 1] for row in rounds[i]["S"])
+                                                        + 0.1 * _previous(rounds, i, c)),
+}
+
+
+def replay(rounds: list[dict], times: dict[int, float], depth: int, B: int, cuts: int = 20) -> dict:
+    """Tokens/s of fixed depths, of the one-step rule between c and c + 1 on each signal of :data:`SIGNALS` at its
+    best of ``cuts`` + 1 cuts (the signal's quantiles over the rounds), and of the oracle (every round at its own best
+    depth), over the recorded full-batch ``rounds`` (those of B rows that drafted ``depth`` slots), each depth's
+    round taking ``times[c]`` ms. ``rule`` is the head survival's, ``signals`` every signal's best over the best fixed
+    depth (a signal needing a record the rounds lack, such as ``Q``, is left out)."""
     rounds = [r for r in rounds if len(r["S"]) == B and len(r["S"][0]) >= depth]
 
     def tokens(r, c):
@@ -93,25 +135,39 @@ def replay(rounds: list[dict], times: dict[int, float], depth: int, B: int) -> d
 
     def rate(choose):
         tok = ms = 0.0
-        for r in rounds:
-            c = choose(r)
+        for i, r in enumerate(rounds):
+            c = choose(i)
             tok, ms = tok + tokens(r, c), ms + times[c]
         return tok / ms * 1e3
 
-    fixed = {c: rate(lambda r, c=c: c) for c in range(1, depth + 1)}
-    rules = {}
-    for c in range(1, depth):
-        sums = sorted(sum(row[c - 1] for row in r["S"]) for r in rounds)
-        cuts = [sums[int(q * (len(sums) - 1))] for q in [i / 20 for i in range(21)]]
-        curve = [(cut, rate(lambda r, cut=cut, c=c: c + 1 if sum(row[c - 1] for row in r["S"]) >= cut else c))
-                 for cut in cuts]
-        best = max(curve, key=lambda x: x[1])
-        rules[f"{c}..{c + 1}"] = dict(best_cut=best[0], best_tokens_per_s=best[1],
-                                      curve=[dict(cut=x, tokens_per_s=y) for x, y in curve])
+    def one_step(signal, c):
+        values = [signal(rounds, i, c) for i in range(len(rounds))]
+        ranked = sorted(values)
+        grid = [ranked[int(q * (len(ranked) - 1))] for q in [j / cuts for j in range(cuts + 1)]]
+        curve = [(cut, rate(lambda i, cut=cut: c + 1 if values[i] >= cut else c)) for cut in grid]
+        return max(curve, key=lambda x: x[1]), curve
+
+    fixed = {c: rate(lambda i, c=c: c) for c in range(1, depth + 1)}
     best_fixed = max(fixed, key=fixed.get)
+    rules, signals = {}, {}
+    for name, signal in SIGNALS.items():
+        if name == "draft_confidence" and not all("Q" in r for r in rounds):
+            continue
+        for c in range(1, depth):
+            best, curve = one_step(signal, c)
+            signals.setdefault(name, {})[f"{c}..{c + 1}"] = best[1] / fixed[best_fixed]
+            if name == "head_survival":
+                rules[f"{c}..{c + 1}"] = dict(best_cut=best[0], best_tokens_per_s=best[1],
+                                              curve=[dict(cut=x, tokens_per_s=y) for x, y in curve])
+    oracle = fixed[best_fixed]  # each round at its best depth given the others (Dinkelbach: at the rate lam, a round's
+    for _ in range(20):          # best depth maximises tokens - lam * ms; the rate those depths give is the next lam)
+        lam = oracle / 1e3
+        oracle = rate(lambda i: max(range(1, depth + 1), key=lambda c: tokens(rounds[i], c) - lam * times[c]))
+        if oracle <= lam * 1e3 * (1 + 1e-12):
+            break
     return dict(rounds=len(rounds), fixed_tokens_per_s=fixed, best_fixed=best_fixed,
                 rule=rules, best_rule_over_best_fixed=max(v["best_tokens_per_s"] for v in rules.values())
-                / fixed[best_fixed])
+                / fixed[best_fixed], signals=signals, oracle_over_best_fixed=oracle / fixed[best_fixed])
 
 
 def slot_calibration(rounds: list[dict]) -> list[dict]:
@@ -160,8 +216,9 @@ def main():
     policy.budget = _EveryRoundAtDepth(gen.batch_costs(), args.depth)  # kept by configure (same table and head)
     policy.recorded.clear()
     gen.generate_continuous(prompts, args.batch_size, **kw)
-    report = dict(batch_size=args.batch_size, depth=args.depth, prompts=len(prompts),
-                  max_new_tokens=args.max_new_tokens, round_ms=times, machine=machine_description(pair),
+    report = dict(command="python bench/batch_replay.py " + " ".join(sys.argv[1:]), batch_size=args.batch_size,
+                  depth=args.depth, prompts=len(prompts), max_new_tokens=args.max_new_tokens, round_ms=times,
+                  machine=machine_description(pair),
                   seconds=time.perf_counter() - t0, **replay(policy.recorded, times, args.depth, args.batch_size),
                   slot_calibration=slot_calibration(policy.recorded))
     line = {k: round(v, 1) for k, v in report["fixed_tokens_per_s"].items()}
@@ -170,6 +227,9 @@ def main():
     for name, r in report["rule"].items():
         print(f"  one-step rule {name}: best cut {r['best_cut']:.2f} -> {r['best_tokens_per_s']:.1f} tokens/s")
     print(f"  best rule / best fixed depth ({report['best_fixed']}): {report['best_rule_over_best_fixed']:.3f}")
+    for name, by_rule in report["signals"].items():
+        print(f"  {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in by_rule.items()) + " x the best fixed depth")
+    print(f"  oracle (each round at its best depth in hindsight): {report['oracle_over_best_fixed']:.4f}x")
     for c in report["slot_calibration"]:
         if c["rows"]:
             print(f"  slot {c['slot']}: acceptance {c['acceptance']:.3f}, mean survival {c['mean_survival']:.3f}, "

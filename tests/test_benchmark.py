@@ -340,6 +340,30 @@ def test_batch_replay_script_by_hand():
     assert r["best_rule_over_best_fixed"] == pytest.approx(24 / 22.0)
 
 
+def test_batch_replay_signals_and_oracle_by_hand():
+    """bench/batch_replay.py's other signals: the draft's confidence (rows' product of q(y) up to slot c), the
+    previous round's accepted candidates, and the oracle that plays each round at its best depth in hindsight."""
+    mod = _bench_script("batch_replay")
+    # the head calls the first round easy and the second hard; the draft's confidence says the reverse
+    easy = dict(S=[[0.9, 0.8], [0.9, 0.8]], Q=[[0.2, 0.9], [0.2, 0.9]], drafted=[2, 2], accepted=[2, 2])
+    hard = dict(S=[[0.2, 0.1], [0.3, 0.1]], Q=[[0.9, 0.9], [0.9, 0.9]], drafted=[2, 2], accepted=[0, 1])
+    times = {0: 5.0, 1: 10.0, 2: 12.0}
+    r = mod.replay([easy, hard], times, depth=2, B=2)
+    fixed = 9 / 24.0 * 1e3  # depth 2 in both rounds: the best fixed depth
+    assert r["signals"]["head_survival"]["1..2"] == pytest.approx(24 / 22.0)
+    # confidence can only keep depth 2 for both (its cut at the lower value) or draft slot 2 in the hard round alone
+    assert r["signals"]["draft_confidence"]["1..2"] == pytest.approx(1.0)
+    assert mod.SIGNALS["draft_confidence"]([easy, hard], 1, 2) == pytest.approx(2 * 0.81)
+    # the previous round: the first round counts one accepted per row (2), the second reads the first's 4
+    previous = mod.SIGNALS["previous_round"]
+    assert previous([easy, hard], 0, 1) == 2 and previous([easy, hard], 1, 1) == 4
+    # the oracle: the easy round at depth 2 (6 tokens / 12 ms), the hard one at depth 1 (3 tokens / 10 ms)
+    assert r["oracle_over_best_fixed"] == pytest.approx((9 / 22.0 * 1e3) / fixed)
+    # rounds recorded without q(y) leave the confidence signal out
+    bare = [{k: v for k, v in x.items() if k != "Q"} for x in (easy, hard)]
+    assert "draft_confidence" not in mod.replay(bare, times, depth=2, B=2)["signals"]
+
+
 def test_batch_replay_slot_calibration_by_hand():
     """bench/batch_replay.py's per-slot calibration: acceptance over mean survival among the rows that drafted the
     slot, and the per-step acceptance and p_hat among the rows whose earlier slots were all accepted."""

@@ -467,8 +467,9 @@ class BatchBudget:
       is expected to do within ``headroom`` (a fraction) of c*, the cap of the other rounds is c* + 1 and the
       one-step rule below decides that slot from the round's own survivals: two depths tie on average (at B = 4 on
       a 2-core CPU, one and two candidates per row did), and a round whose rows' first slots survive well gains
-      from the second while one whose rows do not saves it (``bench/batch_replay.py``: +1.8% over either depth,
-      in-sample, before the head's cost; see the blind rounds below);
+      from the second while one whose rows do not saves it (``bench/batch_replay.py``: +0.4% to +1.8% over either
+      depth, in-sample, before the head's cost, where each round at its own best depth in hindsight would gain about
+      5%; see the blind rounds below);
     - at the best depth, the head does not score the slot at the cap (its p_hat cannot change the round: the
       batch stops there), but for one round in ``score_every`` (:attr:`score_last`; it drafts to its cap, so
       its survivals are a fair sample of every slot), which keeps g and a current: with a cap of one candidate
