@@ -738,6 +738,37 @@ def test_without_in_round_rounds_outside_the_scored_ones_draft_to_the_cap_withou
     assert one_round(in_round, score=False)[0] == [False, False, True] and calls == [1, 2]  # not the slot at the cap
 
 
+def test_without_in_round_the_scored_round_drafts_one_slot_past_the_plan():
+    """in_round=False: a scored round drafts to c* + 1 (forced, every slot scored), so slot c* + 1's survival and cost
+    stay measured while the blind rounds draft c*; not where c* + 1 is expected more than explore_within below c*, nor
+    with score_deeper=False, and with in_round=True the scored round's cap is the headroom's, as before."""
+    tied = BatchCosts([1, 64], [[10.0, 14.0, 18.2, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0]] * 2,
+                      [[10.0 + n for n in range(1, 10)]] * 2)  # depths 1 and 2 tie, 3 is far below
+    b = BatchBudget(tied, probe=100, score_every=2, in_round=False)
+    b.reset(4)
+    b.log_ratio = [0.0] * 9
+    assert b.plan(4, None) and b.cap == 1 and b.blind  # round 1: blind, at the best depth
+    assert b.plan(4, None) and b.cap == 2 and b.forced and not b.blind  # round 2: scored, one slot deeper
+    far = BatchBudget(tied, probe=100, score_every=2, in_round=False, explore_within=0.0)
+    far.reset(4)
+    far.log_ratio = [0.0] * 9
+    far.plan(4, None)
+    far.plan(4, None)
+    assert far.score_last and far.cap == 1  # depth 2 expected below depth 1: the scored round stays at c*
+    off = BatchBudget(tied, probe=100, score_every=2, in_round=False, score_deeper=False)
+    off.reset(4)
+    off.log_ratio = [0.0] * 9
+    off.plan(4, None)
+    off.plan(4, None)
+    assert off.score_last and off.cap == 1  # score_deeper=False: the scored round drafts the plan's depth
+    in_round = BatchBudget(tied, probe=100, score_every=2)
+    in_round.reset(4)
+    in_round.log_ratio = [0.0] * 9
+    in_round.plan(4, None)
+    in_round.plan(4, None)
+    assert in_round.score_last and in_round.cap == 2  # the headroom's c* + 1, not c* + 2
+
+
 def test_without_in_round_a_tied_depth_past_the_best_is_not_drafted_for_the_one_step_rule():
     """headroom needs in_round: without in-round decisions nothing would decide the extra slot, so the cap is the
     best depth, and such a round is blind outside the scored ones (BatchBudget.blind); with measure=False the table's

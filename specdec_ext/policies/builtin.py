@@ -130,7 +130,8 @@ class SpecDecPP(CandidateLengthPolicy):
             ``engine/packing.py``), each row its own top slots. The last two decisions are made within a round from
             the head's step at each slot below the depth planned; with ``budget_options={"in_round": False}`` a
             round drafts and verifies the planned depth, and the head runs only in the budget's scored rounds (one
-            in four, and those that explore or probe a depth), for its running survivals.
+            in four, which draft one slot past that depth, and those that explore or probe a depth), for its running
+            survivals.
         k_min, k_max: bounds on K (``k_max`` is K_max).
         batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its

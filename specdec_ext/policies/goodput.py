@@ -498,13 +498,24 @@ class BatchBudget:
       budget; ``in_round=False`` itself 0.955x it (0.942x K = 2), with 0.89 candidates per row and round
       (``budget_paired_b4_blind_rounds_bf16_epyc_2026-11-26.json``).
 
-    Without the one-step rule the depth beside the planned one is measured only in probes. Fresh budgets at B = 4
-    settled erratically with the rule and without it (``docs/results/blind_rounds_depths_b4.py``, one call of 48
-    requests each after a warm-up call: of three default budgets, two drafted 2 candidates per row in most rounds
-    and one took plain steps for the whole call, its rows in lockstep; of four blind ones, two drafted 2, one 3, and
-    one took plain steps only). With one paired run against it, the default keeps the rule. On a GPU a step of the
-    head also reads its stop decision back to the host, which waits for the draft's forward in every draft step of a
-    round; ``in_round=False`` is the setting to measure there.
+    Without the one-step rule the depth beside the planned one would be measured only in probes, so a blind budget's
+    scored round drafts one slot past c* (``score_deeper``, default; to c* + 1, where that depth is expected within
+    ``explore_within`` of c*): the slot's survival and the depth's cost stay measured, and the scored rounds' tokens
+    are about what c*'s would be (the two are near a tie). Without it (``score_deeper=False``) a blind budget that settled on depth 1 at B = 4
+    sampled slot 2 only in probes and could play depth 1 for whole calls (K = 2 decodes some 7% faster there): in
+    ``docs/results/blind_rounds_trace_b4.py`` (four fresh budgets of each kind, seven calls of 16 requests each after a
+    warm-up) two of four such budgets played depth 1 in 56% and 57% of their rounds, up to 93% of one call's, and
+    none of the four with ``score_deeper`` more than 10% (at most 40% of one call's; one of them drafted 4 in 35% of
+    its rounds). Paired, without it the budget measured 0.942x K = 2 with 0.89 candidates per row and round
+    (``budget_paired_b4_blind_rounds_bf16_epyc_2026-11-26.json``), and with the deeper scored rounds 1.006x and
+    0.981x / 0.983x (an A/A pair) K = 2, with 1.89-2.08, beside the default's 1.001x and 0.985x
+    (``budget_paired_b4_blind_deeper_run{1,2}_bf16_epyc_2026-11-26.json``): level with the default, not above it.
+    Fresh budgets at B = 4 settled erratically with the rule and without it (``docs/results/blind_rounds_depths_b4.py``,
+    one call of 48 requests each after a warm-up call: of three default budgets, two drafted 2 candidates per row in
+    most rounds and one took plain steps for the whole call, its rows in lockstep; of four blind ones, two drafted 2,
+    one 3, and one took plain steps only; that was before the deeper scored rounds). The default keeps the rule. On a
+    GPU a step of the head also reads its stop decision back to the host, which waits for the draft's forward in
+    every draft step of a round; ``in_round=False`` is the setting to measure there.
 
     Drafting also costs outside the rounds: the draft reads each request's context once, when the request first
     drafts. With ``count_overhead`` (default) and ``measure``, the expected goodput of a depth c >= 1 is
@@ -608,9 +619,11 @@ class BatchBudget:
                  headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
                  accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02, long_decay: float = 0.02,
-                 revert: float = 0.2, switch_margin: float = 0.03, lockstep: bool = True, in_round: bool = True):
+                 revert: float = 0.2, switch_margin: float = 0.03, lockstep: bool = True, in_round: bool = True,
+                 score_deeper: bool = True):
         self.top_n = bool(top_n)
         self.in_round = bool(in_round)
+        self.score_deeper = bool(score_deeper)
         self.lockstep = bool(lockstep)
         self.together = False  # the live rows are in lockstep (the engine's rows_together, before each plan)
         if not 0.0 < long_decay <= 1.0:
@@ -872,6 +885,12 @@ class BatchBudget:
             self.cap = self._measured_cap(batch_size)  # sets forced
             self._rounds += 1
             self.score_last = self.forced or self._rounds % self.score_every == 0
+            values = self._plan_values
+            if (self.score_deeper and self.score_last and not self.forced and not self.in_round
+                    and 1 <= self.cap < self.depth_max
+                    and values[self.cap + 1] >= (1.0 - self.explore_within) * values[self.cap]):
+                self.cap += 1  # blind rounds: the scored round samples slot c* + 1 too (see the class docstring)
+                self._since[self.cap] = 0
             self.forced = self.score_last  # a scored round drafts to the cap: its survivals are a sample of every slot
             return self.cap > 0
         B, lam = batch_size, self._lambda(batch_size)
@@ -897,7 +916,7 @@ class BatchBudget:
         ``explore_within`` of it) are played again after ``probe`` rounds, the interval doubling each time one is
         played and still loses (a new best depth's own interval starts again). Sets :attr:`forced` for the rounds
         that measure a depth (those drafts go to the cap, :meth:`go_on`)."""
-        values = self._values(B)
+        values = self._plan_values = self._values(B)
         best = max(range(len(values)), key=lambda c: (values[c], -c))
         last = 0 if self._best is None else self._best  # a batch size's first round: the draft has read nothing
         if (best == 0) != (last == 0) and values[best] < (1.0 + self.switch_margin) * values[last]:
