@@ -101,9 +101,14 @@ def round_times(gen, prompts, B, depths, **kw) -> dict[int, float]:
     return {c: statistics.median(v) for c, v in rounds.items()}
 
 
-def _survival(key: str):
-    """Signal: the rows' summed product of ``key`` (per-slot values ``[B, D]``) over slots 1..c."""
-    return lambda rounds, i, c: sum(math.prod(row[:c]) for row in rounds[i][key])
+def _head(rounds, i, c):
+    """Signal: the head's survivals of slot c summed over rows, sum_b S_bc (the budget's one-step rule reads it)."""
+    return sum(row[c - 1] for row in rounds[i]["S"])
+
+
+def _confidence(rounds, i, c):
+    """Signal: the draft's own confidence, the rows' summed product of q(y) over slots 1..c (no head step)."""
+    return sum(math.prod(row[:c]) for row in rounds[i]["Q"])
 
 
 def _previous(rounds, i, c):
@@ -114,11 +119,10 @@ def _previous(rounds, i, c):
 # what a one-step rule between depths c and c + 1 could read before drafting slot c + 1: name -> signal(rounds, i, c),
 # a number that the rule compares with a cut (the round drafts slot c + 1 where it reaches the cut)
 SIGNALS = {
-    "head_survival": lambda rounds, i, c: sum(row[c - 1] for row in rounds[i]["S"]),  # sum_b S_bc, the budget's
-    "draft_confidence": _survival("Q"),
+    "head_survival": _head,
+    "draft_confidence": _confidence,
     "previous_round": _previous,
-    "head_survival_and_previous": lambda rounds, i, c: (sum(row[c - 1] for row in rounds[i]["S"])
-                                                        + 0.1 * _previous(rounds, i, c)),
+    "head_survival_and_previous": lambda rounds, i, c: _head(rounds, i, c) + 0.1 * _previous(rounds, i, c),
 }
 
 

@@ -501,21 +501,22 @@ class BatchBudget:
     Without the one-step rule the depth beside the planned one would be measured only in probes, so a blind budget's
     scored round drafts one slot past c* (``score_deeper``, default; to c* + 1, where that depth is expected within
     ``explore_within`` of c*): the slot's survival and the depth's cost stay measured, and the scored rounds' tokens
-    are about what c*'s would be (the two are near a tie). Without it (``score_deeper=False``) a blind budget that settled on depth 1 at B = 4
-    sampled slot 2 only in probes and could play depth 1 for whole calls (K = 2 decodes some 7% faster there): in
-    ``docs/results/blind_rounds_trace_b4.py`` (four fresh budgets of each kind, seven calls of 16 requests each after a
-    warm-up) two of four such budgets played depth 1 in 56% and 57% of their rounds, up to 93% of one call's, and
-    none of the four with ``score_deeper`` more than 10% (at most 40% of one call's; one of them drafted 4 in 35% of
-    its rounds). Paired, without it the budget measured 0.942x K = 2 with 0.89 candidates per row and round
-    (``budget_paired_b4_blind_rounds_bf16_epyc_2026-11-26.json``), and with the deeper scored rounds 1.006x and
-    0.981x / 0.983x (an A/A pair) K = 2, with 1.89-2.08, beside the default's 1.001x and 0.985x
+    are about what c*'s would be (the two are near a tie). Without it (``score_deeper=False``) a blind budget that
+    settled on depth 1 at B = 4 sampled slot 2 only in probes and could play depth 1 for whole calls (K = 2 decodes
+    some 7% faster there): in ``docs/results/blind_rounds_trace_b4.py`` (four fresh budgets of each kind, seven calls
+    of 16 requests each after a warm-up) two of four such budgets played depth 1 in 56% and 57% of their rounds, up to
+    93% of one call's, and none of the four with ``score_deeper`` more than 10% (at most 40% of one call's; one of
+    them drafted 4 in 35% of its rounds). Paired, without it the budget measured 0.942x K = 2 with 0.89 candidates
+    per row and round (``budget_paired_b4_blind_rounds_bf16_epyc_2026-11-26.json``), and with the deeper scored rounds
+    1.006x and 0.981x / 0.983x (an A/A pair) K = 2, with 1.89-2.08, beside the default's 1.001x and 0.985x
     (``budget_paired_b4_blind_deeper_run{1,2}_bf16_epyc_2026-11-26.json``): level with the default, not above it.
-    Fresh budgets at B = 4 settled erratically with the rule and without it (``docs/results/blind_rounds_depths_b4.py``,
-    one call of 48 requests each after a warm-up call: of three default budgets, two drafted 2 candidates per row in
-    most rounds and one took plain steps for the whole call, its rows in lockstep; of four blind ones, two drafted 2,
-    one 3, and one took plain steps only; that was before the deeper scored rounds). The default keeps the rule. On a
-    GPU a step of the head also reads its stop decision back to the host, which waits for the draft's forward in
-    every draft step of a round; ``in_round=False`` is the setting to measure there.
+    Fresh budgets at B = 4 settled erratically with the rule and without it
+    (``docs/results/blind_rounds_depths_b4.py``, one call of 48 requests each after a warm-up call: of three default
+    budgets, two drafted 2 candidates per row in most rounds and one took plain steps for the whole call, its rows in
+    lockstep; of four blind ones, two drafted 2, one 3, and one took plain steps only; that was before the deeper
+    scored rounds). The default keeps the rule. On a GPU a step of the head also reads its stop decision back to the
+    host, which waits for the draft's forward in every draft step of a round; ``in_round=False`` is the setting to
+    measure there.
 
     Drafting also costs outside the rounds: the draft reads each request's context once, when the request first
     drafts. With ``count_overhead`` (default) and ``measure``, the expected goodput of a depth c >= 1 is
