@@ -883,15 +883,9 @@ class BatchBudget:
         ``width`` columns wide (kept for this round's other decisions); sets :attr:`cap`."""
         self.width = width
         if self.measure:
-            self.cap = self._measured_cap(batch_size)  # sets forced
             self._rounds += 1
+            self.cap = self._measured_cap(batch_size)  # sets forced
             self.score_last = self.forced or self._rounds % self.score_every == 0
-            values = self._plan_values
-            if (self.score_deeper and self.score_last and not self.forced and not self.in_round
-                    and 1 <= self.cap < self.depth_max
-                    and values[self.cap + 1] >= (1.0 - self.explore_within) * values[self.cap]):
-                self.cap += 1  # blind rounds: the scored round samples slot c* + 1 too (see the class docstring)
-                self._since[self.cap] = 0
             self.forced = self.score_last  # a scored round drafts to the cap: its survivals are a sample of every slot
             return self.cap > 0
         B, lam = batch_size, self._lambda(batch_size)
@@ -917,7 +911,7 @@ class BatchBudget:
         ``explore_within`` of it) are played again after ``probe`` rounds, the interval doubling each time one is
         played and still loses (a new best depth's own interval starts again). Sets :attr:`forced` for the rounds
         that measure a depth (those drafts go to the cap, :meth:`go_on`)."""
-        values = self._plan_values = self._values(B)
+        values = self._values(B)
         best = max(range(len(values)), key=lambda c: (values[c], -c))
         last = 0 if self._best is None else self._best  # a batch size's first round: the draft has read nothing
         if (best == 0) != (last == 0) and values[best] < (1.0 + self.switch_margin) * values[last]:
@@ -955,9 +949,12 @@ class BatchBudget:
                 self._every[c] *= 2
                 cap, self.forced = c, True
                 break
-        if (self.in_round and not self.forced and self.headroom > 0 and 1 <= cap < self.depth_max
-                and values[cap + 1] >= (1.0 - self.headroom) * values[cap]):
-            cap += 1  # the one-step rule (go_on) decides the last slot from this round's survivals
+        if not self.forced and 1 <= cap < self.depth_max:
+            if self.in_round and self.headroom > 0 and values[cap + 1] >= (1.0 - self.headroom) * values[cap]:
+                cap += 1  # the one-step rule (go_on) decides the last slot from this round's survivals
+            elif (not self.in_round and self.score_deeper and self._rounds % self.score_every == 0
+                  and values[cap + 1] >= (1.0 - self.explore_within) * values[cap]):
+                cap += 1  # blind rounds: the scored one (plan) samples slot c* + 1 too (see the class docstring)
         self._since[cap] = 0
         return cap
 
