@@ -69,12 +69,13 @@ def _tokenizer_dir(path, flag: str) -> Path:
 def _models(args, need_head: bool):
     """The one place that loads models for every subcommand: the bundled pair by default, or --target /
     --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``."""
-    from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models
+    from .zoo import default_attn_implementation, load_heads, load_models, unpacked_pair
 
     _check_device(args.device)
     bundled = not getattr(args, "target", None)
-    target = _model_dir(args.target or PAIR_DIR / "target", "--target", bundled)
-    draft = _model_dir(args.draft or (PAIR_DIR / "draft" if bundled else None) or "", "--draft", bundled) \
+    root = unpacked_pair() if bundled else None
+    target = _model_dir(root / "target" if bundled else args.target, "--target", bundled)
+    draft = _model_dir(args.draft or (root / "draft" if bundled else None) or "", "--draft", bundled) \
         if (args.draft or bundled) else None
     if draft is None:
         raise UsageError("--draft DIR is needed with --target (a draft model sharing the target's vocabulary)")
@@ -128,7 +129,7 @@ def _model_args(p):
                    help="auto: bfloat16 on a GPU or a CPU with bf16 matrix instructions (AMX, AVX512_BF16), else float32")
     p.add_argument("--draft-dtype", default="auto", choices=["auto"] + list(DTYPES),
                    help="auto: as --target-dtype (bfloat16 where the hardware has bf16 matrix instructions: the "
-                        "bundled draft runs 1.1-2x faster in it on a CPU); bench/draft_dtype.py compares the two")
+                        "bundled draft runs 1.1-2x faster in it on a CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
     p.add_argument("--attn-implementation", default="auto",

@@ -11,6 +11,7 @@ from specdec_ext import AcceptanceHead, SpeculativeGenerator
 from specdec_ext.head.features import FEATURES
 from specdec_ext.engine.sampling import SamplingConfig, process_logits
 from specdec_ext.policies.goodput import BatchCosts, CostModel
+from specdec_ext.zoo import unpacked_pair
 from stats import assert_follows
 
 # (policy name, keyword arguments); "_head" picks the acceptance head (default: the paper's kind)
@@ -198,3 +199,8 @@ def spy_draft_reads(monkeypatch) -> list:
 
     monkeypatch.setattr(generator, "_prefill", spy)
     return widths
+
+
+def bundled(name: str):
+    """The bundled pair's model directory ``name`` (target or draft), its weights unpacked."""
+    return unpacked_pair() / name

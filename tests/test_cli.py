@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specdec_ext import SpeculativeGenerator, cli
-from specdec_ext.zoo import PAIR_DIR, pair_available
+from specdec_ext.zoo import pair_available
+from support import bundled
 
 needs_pair = pytest.mark.skipif(not pair_available(), reason="the bundled pair is not in this checkout")
 
@@ -38,14 +39,14 @@ def test_missing_target_directory(capsys, tmp_path):
 
 def test_draft_that_is_not_a_model(capsys, tmp_path):
     (tmp_path / "notamodel").mkdir()
-    code, _, err = run(["generate", "--target", str(PAIR_DIR / "target"), "--draft", str(tmp_path / "notamodel"),
+    code, _, err = run(["generate", "--target", str(bundled("target")), "--draft", str(tmp_path / "notamodel"),
                         "--policy", "fixed", "--prompt", "x"], capsys)
     assert_one_line_error(code, err, "has no config.json: not a Hugging Face model directory")
 
 
 @needs_pair
 def test_missing_head_directory(capsys, tmp_path):
-    code, _, err = run(["generate", "--target", str(PAIR_DIR / "target"), "--draft", str(PAIR_DIR / "draft"),
+    code, _, err = run(["generate", "--target", str(bundled("target")), "--draft", str(bundled("draft")),
                         "--head", str(tmp_path / "nohead"), "--prompt", "x", "--max-new-tokens", "2"], capsys)
     assert_one_line_error(code, err, f"--head {tmp_path / 'nohead'}: no acceptance head there")
 
@@ -55,12 +56,12 @@ def test_target_without_tokenizer_asks_for_one(capsys, tmp_path):
     t = tmp_path / "target"
     t.mkdir()
     for f in ("config.json", "model.safetensors", "generation_config.json"):
-        shutil.copy(PAIR_DIR / "target" / f, t / f)
-    code, _, err = run(["generate", "--target", str(t), "--draft", str(PAIR_DIR / "draft"), "--policy", "fixed",
+        shutil.copy(bundled("target") / f, t / f)
+    code, _, err = run(["generate", "--target", str(t), "--draft", str(bundled("draft")), "--policy", "fixed",
                         "--prompt", "x"], capsys)
     assert_one_line_error(code, err, "pass --tokenizer DIR")
-    code, out, err = run(["generate", "--target", str(t), "--draft", str(PAIR_DIR / "draft"), "--policy", "fixed",
-                          "--tokenizer", str(PAIR_DIR / "target"), "--prompt", "def f(x):", "--max-new-tokens", "3"],
+    code, out, err = run(["generate", "--target", str(t), "--draft", str(bundled("draft")), "--policy", "fixed",
+                          "--tokenizer", str(bundled("target")), "--prompt", "def f(x):", "--max-new-tokens", "3"],
                          capsys)
     assert code == 0 and out.startswith("def f(x):")
 
@@ -179,7 +180,7 @@ def test_head_for_another_draft_of_the_same_size_is_refused():
 def test_train_head_data_in_shards_then_merged(capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(5)))
-    base = ["train-head", "--target", str(PAIR_DIR / "target"), "--draft", str(PAIR_DIR / "draft"), "--prompts",
+    base = ["train-head", "--target", str(bundled("target")), "--draft", str(bundled("draft")), "--prompts",
             str(prompts), "--out", str(tmp_path / "head"), "--work-dir", str(tmp_path / "work"), "--max-new-tokens", "6",
             "--data-only"]
     code, _, err = run(base[:-1] + ["--shard", "0/2"], capsys)

@@ -1,4 +1,4 @@
-"""A tensor-parallel target under ``torchrun`` (issue 16): two CPU processes on the gloo backend.
+"""A tensor-parallel target under ``torchrun``: two CPU processes on the gloo backend.
 
 The ranks load a tiny Llama with ``load_models(tp=2)`` (transformers' ``tp_plan="auto"``), generate
 greedy and sampled text with fixed K, SpecDec++ and the cost-aware rule, and must (1) agree with each
@@ -23,6 +23,7 @@ from models import make_pair
 from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
 from specdec_ext import cli
 from specdec_ext.zoo import PAIR_DIR, load_models, pair_available
+from support import bundled
 
 needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                       reason="transformers' tensor parallelism needs accelerate (the [tp] extra)")
@@ -108,7 +109,7 @@ def test_head_data_from_two_torchrun_ranks_equals_one_process(tmp_path):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(5)))
-    base = ["train-head", "--target", str(PAIR_DIR / "target"), "--draft", str(PAIR_DIR / "draft"), "--prompts",
+    base = ["train-head", "--target", str(bundled("target")), "--draft", str(bundled("draft")), "--prompts",
             str(prompts), "--max-new-tokens", "6", "--data-only", "--eval-prompts", "none"]
     torchrun(["--no-python", "specdec", *base, "--out", str(tmp_path / "h2"), "--work-dir", str(tmp_path / "w2")],
              tmp_path)

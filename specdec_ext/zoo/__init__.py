@@ -28,6 +28,15 @@ def pair_available(path: Path = PAIR_DIR) -> bool:
     return (path / "target" / "config.json").exists() and (path / "draft" / "config.json").exists()
 
 
+def unpacked_pair(path: Path = PAIR_DIR) -> Path:
+    """The bundled pair as directories ``from_pretrained`` loads (``<dir>/target``, ``<dir>/draft``): its weights are
+    stored xz-compressed and unpacked once into the user's cache on first use (``zoo/store.py``; a progress line on
+    stderr, about 2 s on a 2-core CPU). Raises FileNotFoundError or ValueError (a damaged file) naming the file."""
+    from .store import pair_dir
+
+    return pair_dir(path)
+
+
 def cpu_bf16_flags() -> dict:
     """``{"amx_bf16": bool, "avx512_bf16": bool}`` for this CPU (torch's CPU feature queries, else /proc/cpuinfo)."""
     try:
@@ -59,7 +68,7 @@ def default_draft_dtype(device: str = "cpu") -> torch.dtype:
     (AVX512_BF16) the bundled 2 x 256 draft's forward in bfloat16 through the lean runner took 0.5-0.9x the
     float32 time at every shape measured (0.61x a step at B = 16, 0.51x a 16-row prefill of 140 tokens), and
     end to end SpecDec++ with ``threshold="auto"`` ran 1.05x / 1.03x / 1.05x / 1.01x faster at B = 1 / 4 / 16 / 64
-    (``bench/draft_dtype.py --auto``, ``docs/results/draft_dtype_auto.json``)."""
+    (``1bd1639:bench/draft_dtype.py --auto``, ``1bd1639:docs/results/draft_dtype_auto.json``)."""
     return default_target_dtype(device)
 
 
@@ -101,20 +110,31 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
         kw = _tp_kwargs(tp, device_map)
     attn_kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     kw.update(attn_kw)
-    t = AutoModelForCausalLM.from_pretrained(target, dtype=target_dtype, local_files_only=True, **kw).eval()
+    t = _from_pretrained(AutoModelForCausalLM, target, dtype=target_dtype, **kw).eval()
     if tp != 1:
         device = model_device(t)
     elif not device_map:
         t = t.to(device)
     d = None
     if draft is not None:
-        d = AutoModelForCausalLM.from_pretrained(draft, dtype=draft_dtype, local_files_only=True,
-                                                 **attn_kw).to(device).eval()
+        d = _from_pretrained(AutoModelForCausalLM, draft, dtype=draft_dtype, **attn_kw).to(device).eval()
     h = AcceptanceHead.from_pretrained(str(head)).eval() if head is not None else None
     if h is not None and d is not None:
         h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
     tok = AutoTokenizer.from_pretrained(tokenizer or target, local_files_only=True)
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
+
+
+def _from_pretrained(cls, path, **kw):
+    """``cls.from_pretrained(path, local_files_only=True, **kw)``; a directory that fails to load (a truncated or
+    damaged weights file, a config transformers cannot read) raises one ValueError naming it and the cause."""
+    from safetensors import SafetensorError
+
+    try:
+        return cls.from_pretrained(path, local_files_only=True, **kw)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        cause = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"{path}: could not load the model ({type(e).__name__}: {cause})") from e
 
 
 def _tp_kwargs(tp: int, device_map: Optional[str]) -> dict:
@@ -156,7 +176,7 @@ def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: Optional[
     ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
     the CPU has native bf16 matrix instructions); ``draft_dtype`` default: :func:`default_draft_dtype` (the same
     rule; the heads were trained on the float32 draft's hidden states and read the bfloat16 draft's as well: the
-    same accepted tokens, ``bench/draft_dtype.py``). ``tp``: as in
+    same accepted tokens, ``1bd1639:bench/draft_dtype.py``). ``tp``: as in
     :func:`load_models` (a tensor-parallel target under ``torchrun``); ``attn_implementation`` default:
     :func:`default_attn_implementation` (the decode-attention kernel on a CPU).
 
@@ -166,7 +186,8 @@ def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: Optional[
     target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
     draft_dtype = default_draft_dtype(device) if draft_dtype is None else draft_dtype
     attn = default_attn_implementation(device) if attn_implementation is None else attn_implementation
-    pair = load_models(path / "target", path / "draft", None, target_dtype, draft_dtype, device, tp=tp,
+    root = unpacked_pair(path)
+    pair = load_models(root / "target", root / "draft", None, target_dtype, draft_dtype, device, tp=tp,
                        attn_implementation=attn)
     if with_head:
         from ..engine.models import fingerprint, hidden_size

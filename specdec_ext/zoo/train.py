@@ -30,7 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .corpus import build_corpus
+from ..corpus import build_corpus
+from .store import has_unpacked, pack_weights, pair_dir
 
 
 @dataclass
@@ -212,7 +213,7 @@ def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=
         _save(target, work_dir / "tokenizer", out_dir / "target")
         meta_path.write_text(json.dumps(meta, indent=2))
         log(f"[target] {stats}")
-    target = LlamaForCausalLM.from_pretrained(out_dir / "target", dtype=torch.float32).eval()
+    target = LlamaForCausalLM.from_pretrained(pair_dir(out_dir) / "target", dtype=torch.float32).eval()
     for p in target.parameters():
         p.requires_grad_(False)
 
@@ -235,6 +236,8 @@ def train_pair(out_dir: Path, work_dir: Path, cfg: ZooConfig | None = None, log=
             meta_path.write_text(json.dumps(meta, indent=2))
     meta["recipe_wall_minutes_this_run"] = (time.time() - t_start) / 60
     meta_path.write_text(json.dumps(meta, indent=2))
+    if has_unpacked(out_dir):  # the weights as the repository stores them: xz, with their sha256 in zoo_meta.json
+        meta["weights"] = pack_weights(out_dir, log=log)
     return meta
 
 
@@ -255,7 +258,8 @@ def train_pair_head(out_dir: Path, work_dir: Path, name: str, seed: int = 0, num
     from . import load_models
 
     recipe, decoding = HEADS[name]
-    pair = load_models(out_dir / "target", out_dir / "draft")
+    root = pair_dir(out_dir)
+    pair = load_models(root / "target", root / "draft")
     prompts = load_prompts("stdlib-train", limit=num_prompts)
     t0 = time.time()
     report = run_pipeline(pair.target, pair.draft, pair.tokenizer, prompts, out_dir / "heads" / name, recipe=recipe,
