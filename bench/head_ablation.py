@@ -11,7 +11,7 @@ two cost models (flat GPU-like c = 0.1, and this machine's profile of the bundle
 In-domain: a head trained on the even-numbered HumanEval prompts, scored on the odd ones, beside the
 stdlib-trained head on the same odd prompts (what a user with prompts like their own traffic gains);
 the head and the odd prompts are saved for an end-to-end run:
-`specdec bench --dataset docs/results/in_domain_head/humaneval-odd.jsonl --head docs/results/in_domain_head`.
+`specdec bench --dataset bench/results/in_domain_head/humaneval-odd.jsonl --head bench/results/in_domain_head`.
 
     python bench/head_ablation.py --work-dir .zoo_work/heads --out docs/results/head_ablation.json
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,15 +58,15 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("docs/results/head_ablation.json"))
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--rejection-weight", type=float, default=None, help="default: the shipped greedy head's w")
-    ap.add_argument("--in-domain-head", type=Path, default=Path("docs/results/in_domain_head"),
+    ap.add_argument("--in-domain-head", type=Path, default=Path("bench/results/in_domain_head"),
                     help="where the head trained on the even HumanEval prompts is saved (for `specdec bench --head`)")
     args = ap.parse_args()
     t0 = time.time()
     pair = load_pair(target_dtype=torch.float32, with_head=False)
     greedy = AcceptanceHead.from_pretrained(str(PAIR_DIR / "heads" / "greedy"))
-    from specdec_ext.engine.profile import cached_profile
+    from specdec_ext import SpeculativeGenerator
 
-    machine = cached_profile(load_pair(with_head=False).target, pair.draft)  # the bundled pair as benchmarked
+    machine = SpeculativeGenerator(load_pair(with_head=False).target, pair.draft).costs()  # the bundled pair as benchmarked
     costs = {"flat c=0.1": flat_costs(0.1), "this machine": machine}
     train = HeadDataset.load(args.work_dir / "head_data_greedy.safetensors")
     test = HeadDataset.load(args.work_dir / "eval_greedy.safetensors")

@@ -133,9 +133,7 @@ def run_batch_benchmark(pair, prompts: list[str], methods: list[Method], batch_s
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
     encoded = [tok(p)["input_ids"] for p in prompts]
     if costs is None and any(m.policy().needs_costs for m in methods):
-        from .engine.profile import cached_profile
-
-        costs = cached_profile(pair.target, pair.draft)
+        costs = SpeculativeGenerator(pair.target, pair.draft).costs()
     gens = {}
     for m in methods:
         pol = m.policy()

@@ -253,9 +253,7 @@ def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_token
     if any(m.target == "float32" for m in methods):
         targets["float32"] = copy.deepcopy(pair.target).float().eval()
     if costs is None and any(m.policy is not None and m.policy().needs_costs for m in methods if m.kind == "ours"):
-        from .engine.profile import cached_profile
-
-        costs = cached_profile(pair.target, pair.draft)
+        costs = SpeculativeGenerator(pair.target, pair.draft).costs()
     if warmup:  # first calls pay for allocation and lazy initialisation
         for m in methods:
             if m.family != "oracle":
@@ -457,7 +455,7 @@ def setting_switch(owner, name: str, settings: dict) -> Callable:
 def switched_arm_script(doc: str, script: str, arms: tuple, switch: Callable, ratio: str, load: Callable,
                         batch_sizes: str, prompts: int) -> tuple:
     """``(compare, main)`` of a two-arm script whose arms differ by process-wide state that ``switch(arm)`` sets
-    without the pair (e.g. ``bench/kv_cache.py``: the target runner's cache class; ``bench/prefill_chunks.py``: the
+    without the pair (e.g. ``bench/kv_cache.py``: the target runner's cache class; ``1bd1639:bench/prefill_chunks.py``: the
     prefill chunk size; :func:`setting_switch` makes such a switch): ``compare(pair, prompts, batch_size, k,
     max_new_tokens, rows_per_stream)`` is :func:`compare_switched_arms` for these arms, ``main(argv)`` is
     :func:`two_arm_script` with the first line of ``doc`` as its description."""
@@ -475,7 +473,7 @@ def switched_arm_script(doc: str, script: str, arms: tuple, switch: Callable, ra
 def two_arm_script(argv, description: str, script: str, compare: Callable, ratio: str, load: Callable,
                    batch_sizes: str, prompts: int) -> dict:
     """The command line of a script that compares two arms at several batch sizes and K (``bench/kv_cache.py``,
-    ``bench/attention_impl.py``): options ``--batch-sizes`` (default ``batch_sizes``), ``--ks`` (default 0,3; K = 0:
+    ``1bd1639:bench/attention_impl.py``): options ``--batch-sizes`` (default ``batch_sizes``), ``--ks`` (default 0,3; K = 0:
     plain decoding) and :func:`add_stream_arguments`' (``--prompts`` default ``prompts``, one stream of B prompts).
     For each batch size and K, ``compare(pair, prompts, B, K, max_new_tokens, rows_per_stream)`` on the first
     HumanEval prompts with ``pair = load()``, each row printed by :func:`arms_line`. Returns (and writes to

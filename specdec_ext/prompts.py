@@ -24,9 +24,9 @@ def humaneval_prompts() -> list[str]:
 
 def stdlib_prompts(limit: Optional[int] = None, split: str = "held_out") -> list[str]:
     """Function headers (decorators, signature and docstring) of top-level functions in the
-    standard-library files of one split of the bundled pair's corpus (``zoo.corpus``: ``held_out``
+    standard-library files of one split of the bundled pair's corpus (``corpus``: ``held_out``
     for evaluation, ``train`` for training the head), sorted by path."""
-    from .zoo.corpus import read_source, split_files
+    from .corpus import read_source, split_files
 
     out = []
     for path in split_files()[split]:

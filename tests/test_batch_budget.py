@@ -1,4 +1,4 @@
-"""The verification budget across a batch (issue 13): ``threshold="auto"`` at batch size > 1.
+"""The verification budget across a batch: ``threshold="auto"`` at batch size > 1.
 
 Its arithmetic against hand computation, its decisions against the cost table (cheap verification: deep
 rounds; dear verification: rounds of plain decoding), greedy output equal to target-only decoding, the
@@ -380,9 +380,8 @@ def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
 def test_the_heads_calibration_carries_over_only_from_enough_rounds():
     """The head's calibration a (accepted tokens over predicted survival) keeps long-run terms that are a mean over
     their first rounds, then a running mean, and that a plain step reverts the short terms to and a new call starts
-    from only once LONG_SAMPLES rounds measured them. An earlier version weighted the long-run terms by
-    ``long_decay`` from the first round on, so one round that accepted nothing (the bench's warm-up call) held a
-    near 0 for some 50 rounds and every plain step pulled a towards it."""
+    from only once LONG_SAMPLES rounds measured them, so one round that accepted nothing (the bench's warm-up call)
+    cannot hold a near 0 for the rounds after it."""
     b = BatchBudget(TEST_BATCH_COSTS, probe=1000, explore_within=0.5)
     b.reset(4)
     half = torch.full((4, 1), 0.5)  # each row's one verified slot predicted to survive with 0.5: 2.0 tokens
@@ -550,11 +549,12 @@ def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypat
     target, draft = make_pair("llama", noise=0.3)
     real = profile.profile_batches
     monkeypatch.setattr(profile, "profile_batches",
-                        lambda t, d, f, log=None: real(t, d, f, sizes=(1, 3), ks=(0, 1, 3), tokens=4, reps=1, context=8))
-    batch = profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False)
+                        lambda t, d, f, log=None, generator_cls=None: real(t, d, f, sizes=(1, 3), ks=(0, 1, 3), tokens=4,
+                                                                           reps=1, context=8, generator_cls=generator_cls))
+    batch = profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator)
     assert batch.sizes == [1, 3] and [len(r) for r in batch.round_ms] == [4, 4] and len(batch.verify_ms[0]) == 4
     assert all(x > 0 for r in batch.round_ms + batch.verify_ms for x in r)
-    costs = profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False)
+    costs = profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator)
     assert len(costs.verify_ms) == 4 and costs.draft_ms > 0
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
     assert len(files) == 2 and sum(f.endswith("-batch3.json") for f in files) == 1
@@ -564,12 +564,12 @@ def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypat
 
     monkeypatch.setattr(profile, "profile_batches", fail)
     monkeypatch.setattr(profile, "profile_pair", fail)
-    assert profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False).round_ms == batch.round_ms
-    assert profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False).verify_ms == costs.verify_ms
+    assert profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator).round_ms == batch.round_ms
+    assert profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator).verify_ms == costs.verify_ms
     bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch3.json"))
     bad.write_text("{not json")
     with pytest.raises(AssertionError, match="measured again"):
-        profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False)
+        profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator)
 
 
 def test_a_modelled_round_never_falls_below_a_quarter_of_its_own_target_forward():
@@ -823,8 +823,7 @@ def test_headroom_lets_the_one_step_rule_decide_the_slot_past_a_tied_best_depth(
 def test_the_policy_keeps_its_budget_from_call_to_call(monkeypatch):
     """What the budget measured (per-depth cost ratios, the head's calibration, the probe schedule) is the pair's
     and the machine's: the engine configures the policy at every call, and the budget survives it while the cost
-    table and the head stay the same, so a second call at the same batch size does not explore the depths again
-    (an earlier version made a new budget at every call: each call began with rounds of 0, 2, 3, 4 candidates)."""
+    table and the head stay the same, so a second call at the same batch size does not explore the depths again."""
     target, draft = make_pair("llama", noise=0.3)
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
                                threshold="auto", k_max=8, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)

@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "specdec_ext"
 # module (dotted, without the package name) or package prefix -> layer; the longest prefix wins
 LAYERS = {
     "errors": 0, "checks": 0, "reference": 0, "ops": 0, "_C": 0,
-    "zoo.corpus": 0, "prompts": 0,  # prompt sets: a leaf that reads the stdlib corpus
+    "corpus": 0, "prompts": 0,  # the stdlib corpus and the prompt sets read from it: leaves
     "head": 1,
     "policies": 2,
     "engine": 3,
@@ -88,3 +88,83 @@ def test_the_check_catches_an_upward_import():
     found = imports_of(fake, "from ..training.head_data import HeadDataset\nfrom . import runner\n")
     assert found == ["training.head_data", "engine.runner"]
     assert layer(found[0]) > layer(module_name(fake))
+
+
+MODULES = {module_name(p) for p in SOURCES}
+
+
+def resolve(target: str) -> str:
+    """The module an import names: ``engine.runner.CausalLMRunner`` -> ``engine.runner``, ``zoo.load_pair`` -> ``zoo``."""
+    parts = target.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in MODULES:
+            return ".".join(parts[:n])
+    return "__init__"
+
+
+def import_graph(sources=None) -> dict[str, set[str]]:
+    """module -> the modules it imports (at the top or inside a function), self-imports left out;
+    ``sources``: {module: source text} to check instead of the package's files."""
+    if sources is None:
+        sources = {module_name(p): p for p in SOURCES}
+    graph = {}
+    for name, src in sources.items():
+        path = src if isinstance(src, Path) else PKG / (name.replace(".", "/") + ".py")
+        text = None if isinstance(src, Path) else src
+        graph[name] = {resolve(t) for t in imports_of(path, text)} - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` as a list of nodes (first repeated at the end), or [] when there is none."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for mod, targets in graph.items():
+        out.setdefault(package_of(mod), set()).update(package_of(t) for t in targets if package_of(t) != package_of(mod))
+    return out
+
+
+def test_no_import_cycle_between_modules():
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_packages():
+    cycle = find_cycle(package_graph(import_graph()))
+    assert not cycle, "import cycle between packages: " + " -> ".join(cycle)
+
+
+def test_the_cycle_checks_catch_a_cycle():
+    """Negative controls: two engine modules that import each other (one inside a function), and two packages
+    whose modules import across them both ways, are flagged."""
+    graph = import_graph({"engine.generator": "from .profile import cached_profile\n",
+                          "engine.profile": "def f():\n    from .generator import SpeculativeGenerator\n"})
+    assert find_cycle(graph) == ["engine.generator", "engine.profile", "engine.generator"]
+    graph = import_graph({"prompts": "from .zoo.train import x\n", "zoo.train": "from ..prompts import load_prompts\n"})
+    assert find_cycle(graph) == ["prompts", "zoo.train", "prompts"]
+    assert find_cycle(package_graph({"a.x": {"b.y"}, "b.z": {"a.w"}})) == ["a", "b", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []

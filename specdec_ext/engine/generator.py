@@ -150,7 +150,7 @@ class SpeculativeGenerator:
             from .profile import cached_profile
 
             k_max = max(20, getattr(policy, "max_candidates", 20))
-            self._costs = cached_profile(self.target, self.draft, self.fast_draft, k_max)
+            self._costs = cached_profile(self.target, self.draft, self.fast_draft, k_max, generator_cls=type(self))
         return self._costs
 
     def batch_costs(self):
@@ -160,7 +160,7 @@ class SpeculativeGenerator:
         if self._batch_costs is None:
             from .profile import cached_batch_profile
 
-            self._batch_costs = cached_batch_profile(self.target, self.draft, self.fast_draft)
+            self._batch_costs = cached_batch_profile(self.target, self.draft, self.fast_draft, generator_cls=type(self))
         return self._batch_costs
 
     # ------------------------------------------------------------------------------ checks

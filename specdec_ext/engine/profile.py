@@ -84,9 +84,10 @@ def _timed(fn, device) -> float:
 
 @torch.inference_mode()
 def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: int = 7, context: int = 128,
-                 log=None) -> CostModel:
-    """Measure a :class:`~specdec_ext.policies.goodput.CostModel` for this pair (see the module docstring)."""
-    from .generator import SpeculativeGenerator
+                 log=None, generator_cls=None) -> CostModel:
+    """Measure a :class:`~specdec_ext.policies.goodput.CostModel` for this pair (see the module docstring);
+    ``generator_cls``: the engine's :class:`~specdec_ext.engine.generator.SpeculativeGenerator` (passed in by its
+    caller, so that this module does not import the generator that imports it)."""
     from .models import vocab_size
     from .runner import CausalLMRunner
 
@@ -129,7 +130,7 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     verify = isotonic([statistics.median(times[n]) for n in sizes])
     draft_ms = statistics.median(dtimes)
     # per-round and per-candidate work outside the forwards, from short fixed-K generations at K = 1 and 4
-    gen = SpeculativeGenerator(target, draft, policy="fixed", k=1, fast_draft=fast_draft)
+    gen = generator_cls(target, draft, policy="fixed", k=1, fast_draft=fast_draft)
     outside = {}
     for k in (1, 4):
         per_round = []
@@ -153,11 +154,12 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
 
 
 def cached_profile(target, draft, fast_draft: bool = True, k_max: int = 20, refresh: bool = False,
-                   progress: bool = True, directory: Optional[Path] = None) -> CostModel:
+                   progress: bool = True, directory: Optional[Path] = None, *, generator_cls) -> CostModel:
     """The pair's :class:`CostModel`, measured once per pair and setting (:func:`profile_key`) and cached
     as JSON under ``directory`` (default :func:`cache_dir`)``/profiles``."""
     path = (directory or cache_dir()) / "profiles" / f"{profile_key(target, draft, fast_draft, k_max)}.json"
-    return _cached(path, CostModel, lambda log: profile_pair(target, draft, fast_draft, k_max, log=log),
+    return _cached(path, CostModel, lambda log: profile_pair(target, draft, fast_draft, k_max, log=log,
+                                                                  generator_cls=generator_cls),
                    "the pair for threshold='auto' (once per pair, dtype, device and thread count", refresh, progress)
 
 
@@ -195,7 +197,7 @@ ROUND_KS = (0, 1, 2, 3, 4, 6, 8)
 
 @torch.inference_mode()
 def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, ks=ROUND_KS, reps: int = 3,
-                    context: int = 128, tokens: int = 12, wide_context: int = 512, log=None):
+                    context: int = 128, tokens: int = 12, wide_context: int = 512, log=None, generator_cls=None):
     """Measure a :class:`~specdec_ext.policies.goodput.BatchCosts` at each batch size B of ``sizes``:
 
     - whole rounds as the engine runs them: greedy generations of ``tokens`` tokens from B random
@@ -207,12 +209,11 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
       both capped by the target's context length.
     """
     from ..policies.goodput import BatchCosts
-    from .generator import SpeculativeGenerator
     from .models import context_length, vocab_size
 
     V = vocab_size(target)
     g = torch.Generator().manual_seed(0)
-    gens = {k: SpeculativeGenerator(target, draft if k else None, policy="fixed" if k else "autoregressive",
+    gens = {k: generator_cls(target, draft if k else None, policy="fixed" if k else "autoregressive",
                                     fast_draft=fast_draft, **({"k": k} if k else {})) for k in ks}
     n_max = max(ks) + 1
     ctx = context_length(target)
@@ -284,13 +285,14 @@ def _forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g) -> li
 
 
 def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool = False, progress: bool = True,
-                         directory: Optional[Path] = None):
+                         directory: Optional[Path] = None, *, generator_cls):
     """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts`, measured once per pair and setting (the key
     of :func:`profile_key`) and cached as JSON beside the single-row profile."""
     from ..policies.goodput import BatchCosts
 
     key = profile_key(target, draft, fast_draft, max(ROUND_KS))
     path = (directory or cache_dir()) / "profiles" / f"{key}-batch3.json"  # 3: wide-cache forward table, fitted rounds
-    return _cached(path, BatchCosts, lambda log: profile_batches(target, draft, fast_draft, log=log),
+    return _cached(path, BatchCosts, lambda log: profile_batches(target, draft, fast_draft, log=log,
+                                                                     generator_cls=generator_cls),
                    f"batch sizes {list(BATCH_SIZES)} for the verification budget (once per pair and setting",
                    refresh, progress)
