@@ -24,7 +24,7 @@ The report also gives the head's calibration per slot (:func:`slot_calibration`)
 tail's included: the budget scales every slot's survival by one measured factor a (``BatchBudget.head_scale``),
 and this shows how far each slot's own factor is from it.
 
-    python bench/batch_replay.py --batch-size 4 --out docs/results/batch_replay_b4.json
+    python bench/batch_replay.py --batch-size 4 --out docs/results/batch_replay_b4_bf16_epyc.json
 """
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ def _sync(device):
 def time_pair(fns, repeats, device="cpu", balanced=False):
     """Median µs per call of each function, alternating so that drift hits all alike; with ``balanced`` the order
     changes from repeat to repeat (``benchmark.balanced_order``: each function runs directly after each other one
-    equally often; on a GPU a call can find the caches, and the clocks, as the one before left them). An earlier
-    rotation of one order kept each function's predecessor in all but one repeat of n."""
+    equally often; on a GPU a call can find the caches, and the clocks, as the one before left them). A rotation of
+    one order would keep each function's predecessor in all but one repeat of n."""
     times = {name: [] for name in fns}
     names = list(fns)
     for rep in range(repeats):

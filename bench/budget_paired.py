@@ -45,7 +45,6 @@ from specdec_ext import SpeculativeGenerator
 from specdec_ext.benchmark import add_stream_arguments, alternate_streams, machine_description
 from specdec_ext.engine.admission import ADMISSION_MODES, DEFAULT_ADMISSION
 from specdec_ext.policies import make_policy
-from specdec_ext.policies.goodput import BatchBudget
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
@@ -89,21 +88,6 @@ def parse_arm(name: str, head) -> object:
         except json.JSONDecodeError:
             budget[key] = value  # a bare word: a string option (cost_fit=line)
     return make_policy("specdec++", head=head, threshold="auto", budget_options=budget)
-
-
-def swap_budget(policy, cls, **attrs) -> None:
-    """For trial arms (``docs/results/*_trial_b4.py``): the verification budget that ``policy`` (an ``auto`` arm's
-    SpecDecPP) makes on its first ``configure`` becomes a ``cls`` (a :class:`BatchBudget` subclass, its state kept),
-    with ``attrs`` set on it."""
-    configure = policy.configure
-
-    def swapped(*args, **kwargs):
-        configure(*args, **kwargs)
-        if type(policy.budget) is BatchBudget:
-            policy.budget.__class__ = cls
-            for name, value in attrs.items():
-                setattr(policy.budget, name, value)
-    policy.configure = swapped
 
 
 def save_result(path, result: dict) -> None:

@@ -11,7 +11,7 @@ synchronised end (host wall clock: launch overhead counts, as in a drafting step
 variants alternate in a balanced order (``benchmark.balanced_order``), medians of ``--repeats``. Each variant's p_hat
 is checked against the composition's first.
 
-    python bench/head_step.py --device cuda --out docs/results/head_step_cuda.json
+    python bench/head_step.py --device cuda --out docs/results/head_step_cuda_h100.json
 """
 
 from __future__ import annotations

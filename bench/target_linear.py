@@ -8,7 +8,7 @@ function up to rounding, about 1e-5 relative in float32, so a near-tie of the ta
 draft runner packs its own weights in both arms. The packed arm packs a bf16 target even where the runner's default
 would not (a CPU without oneDNN's bf16 path raises there).
 
-    python bench/target_linear.py --out docs/results/target_linear.json   # about 15 minutes
+    python bench/target_linear.py --out docs/results/target_linear_bf16_amx.json   # about 15 minutes
     python bench/target_linear.py --batch-sizes 1,4,16,64 --ks 0,2   # bf16 on an AMX Xeon: target_linear_bf16_amx.json
 """
 

@@ -1,4 +1,4 @@
-"""Time per token of a tensor-parallel target (issue 16), against one process, with the bundled pair.
+"""Time per token of a tensor-parallel target, against one process, with the bundled pair.
 
 Run the same command once per setting, on an otherwise idle machine, and compare the rows of the JSON:
 

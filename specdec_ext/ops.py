@@ -328,7 +328,7 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens: the first index of the maximum along the last dimension, ``torch.argmax(logits, -1)``
     exactly (ties go to the first index, and NaN counts as the maximum, as in torch), without its cost on a CPU:
     torch's CPU argmax walks a row one entry at a time (bfloat16 [4, 8192]: 119 us on a 2-core AMD EPYC), the
-    kernel reduces it in two vectorised passes (8 us; ``bench/argmax.py``, README "Greedy tokens on a CPU"). The
+    kernel reduces it in two vectorised passes (8 us; ``1bd1639:bench/argmax.py``, README "Greedy tokens on a CPU"). The
     engine's greedy draft steps and plain steps use it, and ``chain_verify_greedy`` the same kernel per row.
 
     On other devices this is ``torch.argmax`` (one reduction kernel on a GPU), so there is a CPU kernel only.

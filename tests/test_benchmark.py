@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import torch
 from specdec_ext.benchmark import (Oracle, arms_line, balanced_order, format_table, load_results, run_benchmark,
                                    save_json, standard_methods, summarize)
 from specdec_ext.benchmark_cli import cost_model_replay
-from specdec_ext.engine.fast_llama import FastLlamaRunner, packed_linear_available
 from specdec_ext.zoo import ModelPair
 from models import make_pair
 from support import TEST_COSTS, DigitTokenizer, head_for, spy_draft_reads
@@ -409,32 +407,6 @@ def _two_arm_rows(compare, pair, prompts, arms: tuple, ratio: str, ks=(0, 2)) ->
     return rows
 
 
-def test_draft_dtype_script_compares_the_two_drafts_on_the_same_requests():
-    """bench/draft_dtype.py on a tiny float32 target: both drafts run every request, and with a float32 target
-    greedy speculative decoding gives target-only decoding's tokens whatever the draft, so every request's
-    tokens are the same under both dtypes (share 1.0)."""
-    mod = _bench_script("draft_dtype")
-    pair, prompts = _tiny_stream_pair()
-    _two_arm_rows(mod.compare, pair, prompts, ("bfloat16", "float32"), "bfloat16_over_float32", ks=(2,))
-    assert pair.draft.dtype == torch.float32  # the bfloat16 draft is a copy
-
-
-@pytest.mark.skipif(not packed_linear_available(torch.device("cpu"), torch.float32),
-                    reason="this torch has no oneDNN (mkldnn) packed linear")
-def test_draft_linear_script_compares_the_two_runners_on_the_same_requests():
-    """bench/draft_linear.py on a tiny float32 pair: both runners time the same draft step and run every request;
-    with a float32 target greedy decoding gives the target's tokens whatever the draft's matmuls, so every request's
-    tokens are the same under both; and the class-wide default is back to None after the comparison."""
-    mod = _bench_script("draft_linear")
-    pair, prompts = _tiny_stream_pair()
-    step = mod.step_ms(pair.draft, batch_size=2, context=8, steps=2, blocks=2)
-    assert set(step["step_ms"]) == {"packed", "F.linear"} and min(step["step_ms"].values()) > 0
-    assert step["speedup"] == pytest.approx(step["step_ms"]["F.linear"] / step["step_ms"]["packed"])
-    (row,) = _two_arm_rows(mod.end_to_end, pair, prompts, ("packed", "F.linear"), "packed_over_linear", ks=(2,))
-    assert row["accepted"]["packed"] == row["accepted"]["F.linear"]
-    assert FastLlamaRunner.packed_default is None
-
-
 def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
     """bench/kv_cache.py on a tiny pair: both target caches run every request, with the same tokens (they hold the
     same numbers), for plain decoding and fixed K; and the runner's class-wide cache is back to the default."""
@@ -466,78 +438,6 @@ def test_target_linear_script_compares_packed_and_f_linear_layers_on_the_same_re
     _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("packed", "F.linear"), "packed_over_linear")
     assert made and set(made) == {True}  # only the packed arm packs
     assert runner.CausalLMRunner.packed_default is None
-
-
-def test_prefill_chunks_script_compares_chunked_and_whole_prefills_on_the_same_requests():
-    """bench/prefill_chunks.py on a tiny pair: both prefill settings run every request, with the same tokens, for
-    plain decoding and fixed K; and the module-wide chunk size is back to its default."""
-    from specdec_ext.engine import generator
-
-    default = generator.PREFILL_CHUNK_TOKENS
-    mod = _bench_script("prefill_chunks")
-    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("chunked", "whole"), "chunked_over_whole")
-    assert generator.PREFILL_CHUNK_TOKENS == default is not None
-
-
-def test_row_removal_script_compares_the_two_removal_orders_on_the_same_requests():
-    """bench/row_removal.py on a tiny pair: both orders of removing finished rows run every request, with the same
-    tokens, for plain decoding and fixed K; and the generator's order is back to the default."""
-    from specdec_ext.engine import generator
-    from specdec_ext.engine.kv_cache import compaction
-
-    mod = _bench_script("row_removal")
-    assert mod.sorted_order(5, [3, 1]) == [0, 2, 4]
-    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("in_place", "copy"), "in_place_over_copy")
-    assert generator.compaction is compaction
-
-
-def test_front_padding_script_compares_in_place_and_copied_cache_writes_on_the_same_requests():
-    """bench/front_padding.py on a tiny pair: both ways of writing admitted requests' caches run every request, with
-    the same tokens, for plain decoding and fixed K; and the runner pads in place again afterwards."""
-    from specdec_ext.engine import runner
-    from specdec_ext.engine.kv_cache import GrowingLayer
-
-    mod = _bench_script("front_padding")
-    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("in_place", "copy"), "in_place_over_copy")
-    assert runner.GrowingLayer is GrowingLayer
-
-
-def test_pack_rule_script_compares_the_two_packing_rules_on_the_same_requests():
-    """bench/pack_rule.py on a tiny pair: both packing rules run every request, with the same tokens, for plain
-    decoding and fixed K; and the module-wide share is back to its default."""
-    from specdec_ext.engine import packing
-
-    default = packing.PACK_MAX_REAL_SHARE
-    mod = _bench_script("pack_rule")
-    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("rule", "any_hole"), "rule_over_any_hole")
-    assert packing.PACK_MAX_REAL_SHARE == default < 1.0
-
-
-def test_draft_context_script_compares_windows_on_the_same_requests():
-    """bench/draft_context.py on a tiny pair: every window runs every request with the target's tokens (greedy), each
-    with its own acceptance, read seconds and per-stream ratios, and a bad window is refused, naming it."""
-    mod = _bench_script("draft_context")
-    assert mod.parse_windows("all,64,3") == [None, 64, 3]
-    for bad in ("0", "x", "-2"):
-        with pytest.raises(ValueError, match="--windows"):
-            mod.parse_windows(bad)
-    pair, prompts = _tiny_stream_pair()
-    row = mod.compare(pair, prompts, batch_size=2, k=2, windows=[None, 2], max_new_tokens=6, rows_per_stream=1)
-    assert row["same_tokens"] == 1.0 and set(row["tokens_per_s"]) == {"all", "2"}
-    assert 0 < row["draft_read_seconds"]["2"] and all(0 <= a <= 1 for a in row["acceptance"].values())
-    assert row["over_all_by_stream"]["all"] == [1.0] * 3 and len(row["over_all_by_stream"]["2"]) == 3
-
-
-def test_attention_impl_script_compares_the_two_attentions_on_the_same_requests():
-    """bench/attention_impl.py on a tiny fp32 pair: both attentions run every request (greedy text the same: fp32
-    differences are far below the tiny models' logit margins), for plain decoding and fixed K; and both models are
-    back on the kernel afterwards."""
-    from specdec_ext.engine.fast_llama import FastLlamaRunner
-
-    mod = _bench_script("attention_impl")
-    pair, prompts = _tiny_stream_pair()
-    _two_arm_rows(mod.compare, pair, prompts, ("specdec_decode", "sdpa"), "kernel_over_sdpa")
-    assert pair.target.config._attn_implementation == "specdec_decode" and FastLlamaRunner.attention_kernel
 
 
 def test_budget_paired_script_runs_every_arm_on_the_same_requests():
@@ -613,53 +513,6 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
         mod.long_contexts(prompts, 2, 1)
 
 
-def test_budget_paired_swap_budget_gives_the_budget_a_trial_class_when_the_policy_makes_it():
-    """budget_paired.swap_budget (the trial scripts' arms): after the policy's first configure its budget is an
-    instance of the given BatchBudget subclass, with the given attributes set; a later configure that keeps the
-    budget leaves it so, and a policy without a budget (a batch of one row) is left alone."""
-    from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
-
-    from specdec_ext.policies.goodput import BatchBudget
-
-    mod = _bench_script("budget_paired")
-    head = head_for(make_pair("llama", noise=0.3)[1], kind="proposal")
-
-    class Trial(BatchBudget):
-        pass
-
-    pol = mod.parse_arm("auto", head)
-    mod.swap_budget(pol, Trial, headroom=0.0, probe=3)
-    pol.configure(None, TEST_COSTS)  # one row: no batch table, no budget
-    assert pol.budget is None
-    pol.configure(None, TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
-    budget = pol.budget
-    assert type(budget) is Trial and (budget.headroom, budget.probe) == (0.0, 3)
-    assert budget.batch is TEST_BATCH_COSTS and budget.score_every == BatchBudget(TEST_BATCH_COSTS).score_every
-    pol.configure(None, TEST_COSTS, batch_costs=TEST_BATCH_COSTS)  # the same table and head: the budget is kept
-    assert pol.budget is budget and type(budget) is Trial
-    untouched = mod.parse_arm("auto", head)
-    untouched.configure(None, TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
-    assert type(untouched.budget) is BatchBudget and untouched.budget.headroom == 0.03
-
-
-def test_packed_verify_script_times_the_three_forwards_on_the_same_depths():
-    """bench/packed_verify.py on a tiny model: one row per (width, pattern) with the three forwards timed, the real and
-    padded token counts of its depth pattern, and ratios that are the medians' ratios."""
-    mod = _bench_script("packed_verify")
-    target = make_pair("llama", noise=0.3)[0]
-    target.set_attn_implementation("specdec_decode")
-    rows = mod.measure(target, 4, 8, [2, 3], ["uniform", "half", "spread"], reps=1)
-    assert [(r["tokens_per_row_max"], r["pattern"]) for r in rows] == [
-        (n, p) for n in (2, 3) for p in ("uniform", "half", "spread")]
-    for r in rows:
-        assert set(r["ms"]) == {"padded", "holes", "packed"} and all(v > 0 for v in r["ms"].values())
-        assert r["packed_over_padded"] == pytest.approx(r["ms"]["packed"] / r["ms"]["padded"])
-        n = r["tokens_per_row_max"]
-        assert r["padded_tokens"] == 4 * n
-        want = {"uniform": 4 * n, "half": 2 * n + 2}.get(r["pattern"])
-        assert r["real_tokens"] == want if want else 4 + (n - 1) <= r["real_tokens"] <= 4 * n
-
-
 def test_batch_benchmark_passes_its_admission_to_every_call(run, monkeypatch):
     """``admission`` reaches every ``generate_continuous`` call (grouped admissions keep plain decoding's texts);
     an unknown one, or a grouped one with static batches, is refused, naming it."""
@@ -699,158 +552,3 @@ def test_head_step_script_times_the_op_and_the_composition():
         assert r["max_abs_err"]["op"] < 1e-5
 
 
-def test_argmax_script_times_the_three_variants():
-    """bench/argmax.py: a row per (dtype, V, B) with argmax_tokens, torch.argmax and torch.max timed (the script
-    first checks that their tokens agree)."""
-    mod = _bench_script("argmax")
-    rows = mod.measure([1, 3], [5, 70], ["bfloat16", "float32"], repeats=2)
-    assert [(r["dtype"], r["V"], r["B"]) for r in rows] == [
-        (d, V, B) for d in ("bfloat16", "float32") for V in (5, 70) for B in (1, 3)]
-    for r in rows:
-        assert set(r["us"]) == {"argmax_tokens", "torch.argmax", "torch.max"} and min(r["us"].values()) > 0
-        # the speed-up is taken before the times are rounded to 0.1 us
-        assert r["speedup_over_argmax"] == pytest.approx(r["us"]["torch.argmax"] / r["us"]["argmax_tokens"], rel=0.1)
-
-
-def test_round_segments_script_times_each_arms_rounds_by_depth():
-    """bench/round_segments.py on a tiny pair: every arm's rounds are counted by depth with their segments (which
-    fit inside the engine's own round time), plain decoding has plain steps only, the timing wrappers are gone after
-    the run, and the profiled run reports host time (no device time on a CPU)."""
-    from types import SimpleNamespace
-
-    from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
-
-    mod = _bench_script("round_segments")
-    target, draft = make_pair("llama", noise=0.3)
-    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None),
-                           heads={"greedy": head_for(draft, kind="proposal")})
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
-    real = mod.SpeculativeGenerator
-    gens = []
-
-    def make(t, d, policy):
-        gens.append(real(t, d, policy=policy, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS))
-        return gens[-1]
-
-    mod.SpeculativeGenerator = make
-    try:
-        out = mod.measure(pair, prompts, batch_size=2, arms=["plain", "K2", "auto"], max_new_tokens=6, synced=True,
-                          profile=True)
-    finally:
-        mod.SpeculativeGenerator = real
-    assert set(out) == {"plain", "K2", "auto"}
-    assert out["plain"]["depths"] == {} and out["plain"]["plain_steps"] > 0
-    assert out["K2"]["plain_steps"] == 0 and max(out["K2"]["depths"]) == 2
-    for arm in ("K2", "auto"):
-        for d, seg in out[arm]["depths"].items():
-            assert seg["rounds"] > 0 and seg["draft_ms"] > 0 and seg["verify_ms"] > 0
-            assert seg["draft_ms"] + seg["verify_ms"] <= seg["round_ms"] * 1.5  # medians of parts of the same rounds
-        p = out[arm]["profile"]
-        assert p["rounds"] > 0 and p["host_ms"] > 0 and p["device_ms"] is None and p["top_ops"]
-    for gen in gens:  # the wrappers are removed: the generator's methods are its class's again
-        assert "_verify" not in vars(gen) and "_draft" not in vars(gen)
-    # the budget's state: the table's rounds at B = 2, its calibration (1 at depth 0) and the ratios behind it
-    assert "budget" not in out["plain"] and "budget" not in out["K2"]
-    state, budget = out["auto"]["budget"], gens[2].policy.budget
-    assert state["table_ms"] == [round(budget.batch.round(2, k), 3) for k in range(budget.depth_max + 1)]
-    assert state["calibration"][0] == 1.0 and len(state["calibration"]) == len(state["log_ratio"])
-    assert any(r is not None for r in state["log_ratio"]) and state["head_scale"] > 0
-
-
-def test_budget_trace_script_records_each_round_of_the_traced_call(tmp_path):
-    """bench/budget_trace.py on a tiny pair: one record per round of the traced call (the warm-up's are not kept),
-    each with the measured ms the engine timed for that round and a cap within the budget's depths; plain steps are
-    the rounds of cap 0; the summary counts them; the class's methods are restored; an arm without a budget is
-    refused, naming the arm."""
-    from specdec_ext.policies.goodput import BatchBudget
-
-    from support import TEST_BATCH_COSTS, TEST_COSTS, head_for
-
-    mod = _bench_script("budget_trace")
-    pair, prompts = _tiny_stream_pair()
-    head = head_for(pair.draft, kind="proposal")
-    plan, observe = BatchBudget.plan, BatchBudget.observe
-    out = mod.trace(pair, head, prompts, batch_size=2, arm="auto", max_new_tokens=6, warmup=2, costs=TEST_COSTS,
-                    batch_costs=TEST_BATCH_COSTS)
-    assert BatchBudget.plan is plan and BatchBudget.observe is observe
-    log, summary = out["log"], out["summary"]
-    assert out["tokens"] == 6 * len(prompts) and log and summary["rounds"] == len(log)
-    assert [r["ms"] for r in log] == out["round_ms"]  # each round's own measured time, in order
-    assert all(r["ms"] > 0 and 0 <= r["cap"] <= 8 and r["over_plain"][0] == 1.0 for r in log)
-    assert sum(summary["caps"].values()) == len(log) and summary["tokens_per_s"] > 0
-    # the four requests after the first two join in one to four admissions
-    assert summary["admissions"] == out["admissions"] and 1 <= out["admissions"] <= len(prompts) - 2
-    assert summary["full_rounds"] == sum(r["rows"] == 2 for r in log)
-    for cap, e in summary["by_cap"].items():
-        played = [r["ms"] for r in log if r["rows"] == 2 and r["cap"] == int(cap)]
-        assert e["rounds"] == len(played) and e["median_ms"] == pytest.approx(statistics.median(played), abs=1e-3)
-    with pytest.raises(ValueError, match="'K2' has no batch budget"):
-        mod.trace(pair, head, prompts, batch_size=2, arm="K2", costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
-    # its --out: the JSON written (a new folder made), nothing without a path
-    mod.save_result(tmp_path / "new" / "trace.json", {"summary": summary})
-    assert json.loads((tmp_path / "new" / "trace.json").read_text()) == {"summary": summary}
-    mod.save_result(None, {"summary": summary})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
-
-
-def test_survival_scale_script_scales_what_the_rule_reads():
-    """bench/survival_scale_b1.py on a tiny pair: every arm runs every request with target-only decoding's tokens
-    (greedy: the decisions never change the text); an arm whose rule reads the survivals scaled a millionfold never
-    stops before its cap (K_max, or one below the tokens the request may still emit); the head's calibration
-    sums the survivals of the ``auto`` arm's verified candidates, in its rounds that drafted."""
-    from specdec_ext import SpeculativeGenerator
-
-    mod = _bench_script("survival_scale_b1")
-    pair, prompts = _tiny_stream_pair()
-    head = head_for(pair.draft, kind="proposal")
-    row = mod.compare(pair, head, prompts[:4], [1e6], max_new_tokens=7, costs=TEST_COSTS)
-    arms = {"K3", "h0.8", "auto", "auto*1e+06"}
-    assert set(row["tokens_per_s"]) == arms and min(row["tokens_per_s"].values()) > 0
-    assert row["over_auto"]["auto"] == 1.0
-    plain = SpeculativeGenerator(pair.target, policy="autoregressive")
-    for i, p in enumerate(prompts[:4]):
-        want = len(plain.generate_continuous([p], 1, max_new_tokens=7, temperature=0).new_tokens[0])
-        for a in arms:
-            assert sum(e for _, e in row["rounds"][a][i]) == want
-    k_max = 20  # SpecDecPP's default K_max
-    for request in row["rounds"]["auto*1e+06"]:
-        remaining = 7
-        for candidates, emitted in request:
-            assert candidates == min(k_max, remaining - 1)
-            remaining -= emitted
-    cal = row["head_calibration"]
-    drafting = sum(1 for request in row["rounds"]["auto"] for candidates, _ in request if candidates > 0)
-    assert cal["rounds"] == drafting > 0 and cal["predicted"] > 0
-    assert cal["a"] == pytest.approx(cal["accepted"] / cal["predicted"])
-    lines = mod.report(row).splitlines()
-    assert len(lines) == 1 + len(arms) and lines[0].startswith("head calibration") and "1.000x auto" in lines[3]
-
-
-def test_full_rounds_script_splits_rounds_by_occupancy():
-    """bench/full_rounds.py: rounds split by drafted depth and by whether every row took part, with their mean ms
-    and tokens; on a tiny pair every arm emits every request's tokens, plain decoding's requests of equal length run
-    only full rounds of depth 0 (they finish together), and each full depth is costed against plain's full rounds."""
-    from specdec_ext.engine.stats import RoundStats
-
-    mod = _bench_script("full_rounds")
-    rounds = [RoundStats([1, 1], [1, 0], [2, 1], 0, 0, 10.0, [0, 1]), RoundStats([1, 1], [0, 0], [1, 1], 0, 0, 6.0,
-                                                                                  [0, 1]),
-              RoundStats([1], [1], [2], 0, 0, 4.0, [1]), RoundStats([0, 0], [0, 0], [1, 1], 0, 0, 5.0, [0, 1])]
-    by = mod.summarize(rounds, batch_size=2)
-    assert by["1"]["full"] == {"rounds": 2, "ms": 16.0, "tokens": 5, "mean_ms": 8.0, "mean_tokens": 2.5}
-    assert by["1"]["partial"]["rounds"] == 1 and by["1"]["partial"]["mean_tokens"] == 2
-    assert by["0"]["full"]["mean_ms"] == 5.0 and "partial" not in by["0"]
-    with pytest.raises(ValueError, match="neither K<n> nor auto"):
-        mod.parse_arm("K", None)  # the arms are budget_paired.py's
-    pair, prompts = _tiny_stream_pair()
-    head = head_for(pair.draft, kind="proposal")
-    out = mod.compare(pair, head, prompts, batch_size=2, arms=["plain", "K2", "auto"], sets=3, max_new_tokens=5,
-                      costs=TEST_COSTS)  # sets of two requests: one wave of two rows each
-    assert len(out["sets"]) == 3
-    for s in out["sets"]:
-        assert s["plain"]["tokens"] == s["K2"]["tokens"] == s["auto"]["tokens"] > 0
-        assert set(s["plain"]["by_depth"]) == {"0"} and set(s["plain"]["by_depth"]["0"]) == {"full"}
-        assert s["plain"]["by_depth"]["0"]["full"]["over_plain_step"] == 1.0
-        full = s["K2"]["by_depth"]["2"]["full"]
-        assert full["over_plain_step"] == pytest.approx(full["mean_ms"] / s["plain"]["by_depth"]["0"]["full"]["mean_ms"])

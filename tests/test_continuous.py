@@ -1,4 +1,4 @@
-"""Continuous batching (``SpeculativeGenerator.generate_continuous``, issue 13): finished requests are replaced
+"""Continuous batching (``SpeculativeGenerator.generate_continuous``): finished requests are replaced
 by queued ones mid-generation, whose caches join the batch's.
 
 A request's output equals target-only decoding (greedy) and its own ``generate()`` alone (seeded sampling)

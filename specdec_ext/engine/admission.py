@@ -7,7 +7,7 @@ dominates, as on a GPU running a small model (bundled pair on an H100 in bf16: a
 for one request or sixteen), admitting each round's few finished rows pays the fixed part again and again:
 speculative requests finish at staggered rounds, so at B = 16 fixed K made 34-38 prefill calls per 128
 requests where plain decoding's, finishing in lockstep, made 12, and the prompts' reads took 26-29% of the time against
-9% (``docs/results/bench-batch-cuda-h100-2026-11-24.md``). Waiting instead leaves slots idle, which costs a
+9% (``1bd1639:docs/results/bench-batch-cuda-h100-2026-11-24.md``). Waiting instead leaves slots idle, which costs a
 share of every round where a round's cost does not shrink with its rows.
 
 :class:`AdmissionRule` with ``grouped=True`` decides as in the ski-rental problem: it adds up the throughput the
@@ -28,7 +28,7 @@ the free slots, it admits at once, as ``grouped=False`` (eager, the default of `
 
 Measured on the H100 (``python bench/budget_paired.py --device cuda --batch-size 64 --arms
 plain@eager,plain@grouped,K2@eager,K2@grouped,auto@eager,auto@grouped --passes 3 --rows-per-stream 2``, 128
-HumanEval requests of 48 tokens, greedy; ``docs/results/admission_cuda_b64.json``): over the three passes fixed
+HumanEval requests of 48 tokens, greedy; ``1bd1639:docs/results/admission_cuda_b64.json``): over the three passes fixed
 K = 2 made 10 admissions instead of 45, its prompts' reads fell from 1.99 to 1.14 s, and it ran 1.08x faster
 grouped (3416 against 3171 tokens/s; per pass 1.14, 1.17, 0.92x); plain decoding, already in lockstep, made 3 either way
 (0.95x; per pass 0.88, 0.85, 1.15x: noise); the budget (``threshold="auto"``) ran 0.88x grouped (per pass 0.92,
@@ -44,7 +44,7 @@ forward's cost does grow with its rows, the fixed part is smaller but the small 
 on the bundled pair in bf16 (2-core Intel Xeon with AMX, 128 HumanEval requests of 48 tokens at B = 16) a prefill
 took about 100 us per prompt token in groups of 16 and 110-290 us in the groups of 1-4 that fixed K = 1's staggered
 rows made. Paired runs (``bench/budget_paired.py``, 128 requests of 48 tokens, greedy, arms alternating stream by
-stream; ``docs/results/budget_paired_b*_bf16_ahead*.json``), ahead over eager: fixed K = 1 1.137x at B = 16 (1006.8
+stream; ``1bd1639:docs/results/budget_paired_b*_bf16_ahead*.json``), ahead over eager: fixed K = 1 1.137x at B = 16 (1006.8
 against 885.2 tokens/s, prefills 5.8 s against 8.5 s; level with plain decoding, 0.985x), 1.048x at B = 64; K = 2
 1.009x at B = 4; the budget (``threshold="auto"``) 1.022x at B = 4, 0.944x at B = 16 (where eager's budget took only
 plain steps and ahead's drafted 0.35 candidates per row and round) and 1.117x at B = 64 (0.993x plain decoding).

@@ -14,7 +14,7 @@ serves the call, and through transformers' SDPA function otherwise:
 
 Why: torch's fused CPU attention takes 4-6x as long as matmul-softmax-matmul for one query per row in bfloat16
 (``bench/attention_cpu.py``), and at batch sizes of 16-64 half of a padded cache is padding. Measured end to
-end by ``bench/attention_impl.py``.
+end by ``1bd1639:bench/attention_impl.py``.
 """
 
 from __future__ import annotations

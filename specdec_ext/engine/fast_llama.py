@@ -10,7 +10,7 @@ On a CPU the matmuls go through oneDNN with weights packed once (``torch.ops.mkl
 at the few rows of a draft step, torch's default ``F.linear`` (MKL's sgemm) is far from the hardware's
 speed on some processors. On the AMD EPYC of the benchmarks an fp32 ``[4, 256] x [256, 8192]`` LM-head
 matmul took 0.8-1.2 ms through ``F.linear`` and 0.12 ms packed, and a draft step at batch size 4 went from
-4.8 to 2.1 ms (``bench/draft_linear.py``, ``docs/results/draft_linear.json``). The packed weights are kept
+4.8 to 2.1 ms (``1bd1639:bench/draft_linear.py``, ``1bd1639:docs/results/draft_linear.json``). The packed weights are kept
 per model and rebuilt when a weight tensor changes.
 
 It is used only for the draft: the draft's numbers need not match ``transformers`` bit for bit,

@@ -89,11 +89,11 @@ def packed(plan: PackedRows) -> Iterator[PackedRows]:
 # A packed forward pays for itself only when enough of the padded layout is holes: spreading the queries into the
 # padded layout and gathering them back costs a few percent of the forward in every layer, and the linear layers
 # save only the holes' share. One target forward of the bundled pair, cache of 256 columns, medians of 15
-# (``bench/packed_verify.py``, 2-core AMD EPYC, fp32 target, AVX2; ``docs/results/packed_verify_fp32.json``): with
+# (``1bd1639:bench/packed_verify.py``, 2-core AMD EPYC, fp32 target, AVX2; ``1bd1639:docs/results/packed_verify_fp32.json``): with
 # every row real the packed forward took 0.97-1.05x the padded one at B = 16 and 64; with one row of 16 or 64 a hole
 # (31/32 .. 190/192 real: a fixed K's round in which a request is one token from its end) 1.02-1.07x; with a quarter
 # to a third of the slots holes 0.85-1.02x (0.85-0.92x at B = 64; at B = 16 the gain is within the noise). In bf16
-# on an AVX512-BF16 EPYC (``docs/results/packed_verify.json``): every row real 1.01-1.04x, a quarter holes
+# on an AVX512-BF16 EPYC (``1bd1639:docs/results/packed_verify.json``): every row real 1.01-1.04x, a quarter holes
 # 0.97-0.98x, a third 0.82-0.93x.
 PACK_MAX_REAL_SHARE = 0.85
 

@@ -53,8 +53,8 @@ def usable_device(model, name: str) -> torch.device:
 # The backends torch's scaled_dot_product_attention may pick inside the runners' forwards on a CUDA device. cuDNN's
 # attention is left out: it builds an execution plan per new shape, and decoding makes a new shape every step (the
 # cache grows by one column or by a round's accepted tokens). Measured on an H100 (torch 2.11+cu130, the bundled
-# pair in bf16, 4 HumanEval prompts x 64 tokens, greedy; docs/results/cuda_sdpa_backends.json, the arms of
-# bench/cuda_sdpa_backends.py): fixed K = 4 ran at 11.5 tokens/s on first sight of the shapes and 120 once cuDNN
+# pair in bf16, 4 HumanEval prompts x 64 tokens, greedy; 1bd1639:docs/results/cuda_sdpa_backends.json, the arms of
+# 1bd1639:bench/cuda_sdpa_backends.py): fixed K = 4 ran at 11.5 tokens/s on first sight of the shapes and 120 once cuDNN
 # had cached their plans, against 150 and 141 without cuDNN; transformers' own plain decoding 25 / 115 against
 # 93 / 100.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

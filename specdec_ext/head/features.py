@@ -10,8 +10,8 @@ distribution under sampling) and the candidate token y:
 * ``entropy``: H(q) = -sum_v q(v) log q(v), in nats.
 
 On the bundled pair these predict greedy acceptance better than the paper's head on the hidden
-state alone (ROC AUC 0.75 / 0.79 / 0.69 on HumanEval, against 0.68 for the shipped head before this
-module existed); the head combines them with the hidden state (see ``AcceptanceHead``).
+state alone (ROC AUC 0.75 / 0.79 / 0.69 on HumanEval, against 0.68 for a head on the hidden state
+alone); the head combines them with the hidden state (see ``AcceptanceHead``).
 """
 
 from __future__ import annotations
