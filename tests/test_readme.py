@@ -28,3 +28,42 @@ def test_readme_snippet_runs(index, capsys):
         start -= 1
     for block in BLOCKS[start : index + 1]:
         exec(compile(block, f"README.md python block {index}", "exec"), namespace)
+
+
+BASH = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+
+
+def specdec_lines(blocks: list[str]) -> list[list[str]]:
+    """The ``specdec ...`` command lines of shell blocks (continuations joined, comments cut; a ``torchrun ...
+    specdec`` line from ``specdec`` on) as argument lists without the program name."""
+    import shlex
+
+    out = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if "specdec" in words:
+                out.append(words[words.index("specdec") + 1:])
+    return out
+
+
+def test_every_specdec_line_of_the_readme_parses():
+    """Each documented CLI line is accepted by the real parser (argparse exits on an unknown flag or bad value)."""
+    from specdec_ext.cli import build_parser
+
+    lines = specdec_lines(BASH)
+    assert len(lines) >= 5
+    for argv in lines:
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:
+            raise AssertionError(f"README line `specdec {' '.join(argv)}` does not parse") from e
+
+
+def test_the_parse_check_catches_a_bad_line():
+    """Negative control: a line with a flag the CLI does not have is caught."""
+    from specdec_ext.cli import build_parser
+
+    [argv] = specdec_lines(["specdec generate --prompt x --no-such-flag 3\n"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)

@@ -399,220 +399,45 @@ class DriftFilter:
 
 class BatchBudget:
     """A verification budget across a batch (``threshold="auto"`` at batch size > 1): whether the batch drafts
-    at all this round, how deep it drafts, and how many of the drafted slots it verifies, from the rows'
-    predicted survivals and the profiled cost table, corrected by what the rounds measure.
+    at all this round, how deep it drafts, and how many drafted slots it verifies, from the rows' predicted
+    survivals and the profiled cost table (:class:`BatchCosts`), corrected by what the rounds measure.
+    ``docs/design.md`` ("The batch verification budget") gives each rule with the paired run behind it.
 
-    The target's forward is over ``[B, D + 1]`` tokens, D the deepest row's candidates (rows with fewer are
-    padded), so the verification cost of any set of draft slots is set by its deepest slot, and vLLM's global
-    top-N choice reduces to choosing a depth (:meth:`depth`): every row keeps its slots 1..D. With ``top_n=True``,
-    where the target's runner packs rows (``engine/packing.py``: ``attn_implementation="specdec_decode"`` on a
-    CPU, Llama/Qwen2/Qwen3; the policy's ``packed_verification``), the round verifies the global top-N slots
-    themselves (:meth:`depths`: rank the slots by survival, keep the N that maximise goodput, a prefix per row),
-    and the target computes only those (packed where enough slots are dropped to pay for it,
-    ``engine.packing.worth_packing``; otherwise the dropped slots are masked holes, and :meth:`depths` costs each
-    choice as the engine will run it). It is off by default because on the bundled pair it measured worse: the
-    packed forward saves less than the table's linear cost of the dropped slots says (at B = 64 a quarter fewer
-    tokens took 7% off the forward, not 25%: attention still runs over the padded layout), so the slots it dropped
-    lost more tokens than time (paired runs of ``bench/budget_paired.py`` with arms ``auto`` and
-    ``auto:top_n=false`` while top-N was the default and every such round was packed, 2-core AMD EPYC: one depth
-    per round gave 1.02x / 1.02x / 1.02x the decode tokens/s of top-N at B = 4 / 16 / 64).
+    With S_bk the survival of row b's candidate k (the product of the head's p_hat, SpecDec++ Eq. 1), a round of
+    depth D is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al. 2023, Eq. 1, per slot; a the
+    head's measured calibration) in T_B(D) ms; lambda, the goodput to beat (tokens/ms, Dinkelbach's method), never
+    falls below plain decoding's B / T_B(0). Depth 0 is a plain step: the target decodes one token per row and
+    the draft does not run.
 
-    With S_bk the survival of row b's candidate k (the product of the head's
-    p_hat, SpecDec++ Eq. 1), the round is expected to emit sum_b (1 + a sum_{k<=D} S_bk) tokens (Leviathan et al.
-    2023, Eq. 1, per slot; a the head's measured calibration below) in T_B(D) ms. With lambda the goodput to beat
-    (tokens/ms; Dinkelbach's method, as :class:`GoodputRule`): with ``measure``, the expected goodput of the round's
-    best depth below (an earlier version took the running goodput of the last rounds, whose luck moved the
-    one-step rule's cut by a third from round to round); without, the batch's running goodput:
+    - :meth:`plan`, before the round: the depth cap c*, the depth of best expected goodput
+      B (1 + a sum_{j<=c} g_j) / T_B(c), g_j the running mean survival of slot j over fair samples, T_B the
+      table's round times the ratio rounds of that depth measured (:meth:`observe`: a depth's first
+      ``EARLY_ROUNDS`` rounds set it by their lower median, then a Kalman filter of a drift common to every depth
+      plus each depth's offset, ``cost_drift``; each innovation clipped to ``ratio_clip``). The neighbours
+      c* +- 1 are probed every ``probe`` rounds (interval doubling while they lose); unmeasured depths within
+      ``explore_within`` of the best are explored (:attr:`forced` rounds draft to their cap). The batch moves
+      between plain steps and drafting only for a gain above ``switch_margin``, and while the rows of a
+      continuous batch are in lockstep (:attr:`together`) above ``explore_within`` (``lockstep``). With
+      ``count_overhead`` a depth's cost includes the draft's reads of unread contexts per emitted token.
+    - in the round (``in_round``, default): drafting goes on after depth k < c* while
+      rho_k sum_b S_bk >= lambda (T_B(k + 1) - T_B(k)), rho_k = g_{k+1} / g_k (the one-step look-ahead rule); the
+      cap is c* + 1 where that depth is within ``headroom`` of c*, so the rule decides the extra slot; the head
+      scores the slot at the cap one round in ``score_every`` (:attr:`score_last`), keeping g and a current.
+      With ``in_round=False`` the other rounds are :attr:`blind`: they draft c* with no head step (the scored
+      round drafts to c* + 1 with ``score_deeper``), the setting to measure where a head step reads its stop flag
+      back to the host.
+    - after the round (padded rows): the verified depth is the d <= k that maximises
+      a sum_b sum_{j<=d} S_bj - lambda verify_B(d + 1). With ``top_n`` (off: measured slower on the bundled pair)
+      and a packing target runner, :meth:`depths` keeps the global top-N slots instead of one depth.
+    - between calls (:meth:`reset`): per batch size, the cost ratios, the calibration and the probe schedule
+      carry over; long-run means of each slot's survival (weight ``long_decay``) are where short means return,
+      ``revert`` of the way per round that samples nothing of them.
 
-    - before the round (:meth:`plan`), the depth cap c: the depth whose expected goodput
-      B (1 + a sum_{j<=c} g_j) / T_B(c) is highest, c = 0 being a step of plain decoding by the target alone (the
-      draft does not run; it catches up on the tokens it missed when it next drafts). g_j is the running mean
-      survival of slot j over rows and the rounds in which slot j is a fair sample: slot 1 of every round, every
-      slot of a round that drafted to its cap (a round the rule below carried on to slot 2 is one whose slot-1
-      survivals were high) (prior ``prior_accept ** j``, counted as one round; a slot never drafted continues
-      the ratio of the last one drafted). T_B(c) is the table's round
-      (``BatchCosts.round`` at the target cache's current width) times the time it measured against the table at
-      that depth (below), so the choice is made from tokens expected now and costs measured where the batch runs:
-      the tokens of every depth move together with the text, and a round's time is far less noisy than its
-      tokens (an earlier version compared each cap's measured goodput, a bandit whose arms were measured in
-      different stretches of text; at B = 64 it settled on 4 candidates per row where 1 was best). The
-      neighbours c* - 1 and c* + 1 of the best depth are played again after ``probe`` rounds, the interval
-      doubling each time one is played and still loses, so that a depth the table misjudges gets measured; a
-      neighbour measured and expected more than ``explore_within`` below the best is not probed until it comes
-      within it, once its first ``EARLY_ROUNDS`` rounds have set its cost (before that, one stalled round could
-      rule a depth out for good: :meth:`_measured_cap`): at B = 64 on a 2-core CPU depth 1 measured 10-40% below
-      plain decoding, and every probe of it also made the draft read the contexts of the rows it had not read
-      (``SpeculativeGenerator._catch_up``).
-      While plain decoding is the best depth, a probe of drafting, and the first round of an unmeasured drafting
-      depth, also waits until those reads (:attr:`read_ms`, the engine's ``draft_reads``) are at most
-      ``probe_read_share`` of the plain steps' measured ms since the batch last drafted, or worth at most
-      ``READS_FREE_STEPS`` plain steps (at B = 4 a probe reads a few rows, 2-3 plain steps' worth, and waiting
-      for 2% held the batch in plain steps for 100 rounds after a poor first stretch): at B = 64 on a 2-core AMX
-      Xeon (bf16) a probe read some 60 contexts (about 110 ms, four plain steps) and its accepted tokens ended
-      plain decoding's lockstep, so requests finished in several rounds and were admitted in several groups; on
-      a 2-core AMD EPYC (bf16) the first call at B = 64 explored depths 1 and 2 so and ran 13% slower than the
-      next, which took plain steps only. A batch size's first round counts as plain steps for ``switch_margin``
-      (below): the draft has read nothing yet. From plain steps, the batch drafts at a depth it has not measured
-      only where the table puts it more than ``explore_within`` above plain steps: at B = 16 and 64 there the
-      table put one candidate per row 5-17% above them, and rounds measured it 20-60% dearer than the table did.
-      A neighbour not yet measured is probed (so plain decoding gets measured when the table overrates drafting).
-      Such a round, and each first round of depths 0 .. ``explore``, is :attr:`forced`: it drafts to its cap
-      whatever the survivals say (an earlier version let the rule below stop it short, so the depth it was to
-      measure never was, and every round stayed an exploration round). A depth is explored only while its
-      expected goodput is within ``explore_within`` (a fraction) of the best depth's, costed from the table and
-      the nearest measured depth (at B = 64 on a 2-core CPU the table put rounds of 3 and 4 candidates 16% and
-      21% below plain decoding; each exploration round of them cost 2.5 to 4 plain steps for 2.5 to 3 steps'
-      tokens), and never in a call's first round, which is not measured (:meth:`observe`; an earlier version
-      spent it on the deepest depth and played that depth again next round). With ``in_round``, when depth c* + 1
-      is expected to do within ``headroom`` (a fraction) of c*, the cap of the other rounds is c* + 1 and the
-      one-step rule below decides that slot from the round's own survivals: two depths tie on average (at B = 4 on
-      a 2-core CPU, one and two candidates per row did), and a round whose rows' first slots survive well gains
-      from the second while one whose rows do not saves it (``bench/batch_replay.py``: +0.4% to +1.8% over either
-      depth, in-sample, before the head's cost, where each round at its own best depth in hindsight would gain about
-      5%; see the blind rounds below);
-    - at the best depth, the head does not score the slot at the cap (its p_hat cannot change the round: the
-      batch stops there), but for one round in ``score_every`` (:attr:`score_last`; it drafts to its cap, so
-      its survivals are a fair sample of every slot), which keeps g and a current: with a cap of one candidate
-      (and no headroom) the head then costs nothing in most rounds (its features and forward take 0.2-0.5 ms a
-      step at B = 4-16 on a 2-core CPU, against rounds of 20-50 ms);
-    - drafting goes on after depth k < c while a rho_k sum_b S_bk >= lambda * (T_B(k + 1) - T_B(k)): slot k + 1
-      of row b is expected to add S_bk * p_hat_{b,k+1}, and p_hat_{k+1} is not known before its draft forward,
-      so its expectation rho_k = g_{k+1} / g_k is read from the running mean survivals (the one-step look-ahead
-      rule, optimal while the marginal gains fall);
-    - (padded rows) the verified depth is the d <= k that maximises a sum_b sum_{j<=d} S_bj - lambda * verify_B(d + 1): the
-      draft time is spent, the verification is not, so slots whose survival does not pay for their
-      verification are dropped, down to d = 0 (the target decodes one token per row, as plain decoding).
+    Without ``measure`` the table alone decides and decisions are reproducible. Decisions depend on every row
+    of the batch, so a sampled row's tokens depend on its batch, never their distribution: each verified slot
+    is accepted by the same rejection sampling. Greedy output never depends on the decisions.
 
-    The last two rules, and the headroom slot, decide within a round from the head's p_hat of its slots, so they need
-    the head's step at every slot below the cap (``in_round``, default). With ``in_round=False`` (and ``measure``) a
-    round outside the scored ones is :attr:`blind`: the batch drafts to the planned depth c* with no head step and
-    verifies every slot, and only the scored rounds (one in ``score_every``, and the forced rounds that explore or
-    probe a depth) run the head at each slot, for g and a. On the bundled pair at B = 4 (bf16, 2-core AMD EPYC) the
-    head's step at slot 1, which the one-step rule reads in every round, cost about what the rule gained. Paired
-    (``bench/budget_paired.py --batch-size 4 --passes 6 --prompts 128``; trial arms as replicates of the budget in
-    ``docs/results/pinned_depth_trial_b4.py`` and ``headless_budget_trial_b4.py``):
-
-    - pinned at depth 2 with all of the budget's work, the budget measured 0.974x fixed K = 2 in two runs;
-    - pinned at depth 2 without that step, 1.006x and 0.994x;
-    - with blind rounds at the plan's own depth (a trial equal to ``in_round=False``), 1.000x and 1.016x the
-      budget; ``in_round=False`` itself 0.955x it (0.942x K = 2), with 0.89 candidates per row and round
-      (``budget_paired_b4_blind_rounds_bf16_epyc_2026-11-26.json``).
-
-    Without the one-step rule the depth beside the planned one would be measured only in probes, so a blind budget's
-    scored round drafts one slot past c* (``score_deeper``, default; to c* + 1, where that depth is expected within
-    ``explore_within`` of c*): the slot's survival and the depth's cost stay measured, and the scored rounds' tokens
-    are about what c*'s would be (the two are near a tie). Without it (``score_deeper=False``) a blind budget that
-    settled on depth 1 at B = 4 sampled slot 2 only in probes and could play depth 1 for whole calls (K = 2 decodes
-    some 7% faster there): in ``docs/results/blind_rounds_trace_b4.py`` (four fresh budgets of each kind, seven calls
-    of 16 requests each after a warm-up) two of four such budgets played depth 1 in 56% and 57% of their rounds, up to
-    93% of one call's, and none of the four with ``score_deeper`` more than 10% (at most 40% of one call's; one of
-    them drafted 4 in 35% of its rounds). Paired, without it the budget measured 0.942x K = 2 with 0.89 candidates
-    per row and round (``budget_paired_b4_blind_rounds_bf16_epyc_2026-11-26.json``), and with the deeper scored rounds
-    1.006x and 0.981x / 0.983x (an A/A pair) K = 2, with 1.89-2.08, beside the default's 1.001x and 0.985x
-    (``budget_paired_b4_blind_deeper_run{1,2}_bf16_epyc_2026-11-26.json``): level with the default, not above it.
-    Fresh budgets at B = 4 settled erratically with the rule and without it
-    (``docs/results/blind_rounds_depths_b4.py``, one call of 48 requests each after a warm-up call: of three default
-    budgets, two drafted 2 candidates per row in most rounds and one took plain steps for the whole call, its rows in
-    lockstep; of four blind ones, two drafted 2, one 3, and one took plain steps only; that was before the deeper
-    scored rounds). The default keeps the rule. On a GPU a step of the head also reads its stop decision back to the
-    host, which waits for the draft's forward in every draft step of a round; ``in_round=False`` is the setting to
-    measure there.
-
-    Drafting also costs outside the rounds: the draft reads each request's context once, when the request first
-    drafts. With ``count_overhead`` (default) and ``measure``, the expected goodput of a depth c >= 1 is
-    E / (T_B(c) + E o), E the round's expected tokens and o the engine's measured ms of those reads per emitted
-    token while reads are still to come (:meth:`overhead_per_token`), so the batch drafts only where the rounds
-    gain more than the reads cost; the one-step rule and the verified depth below are decided within a round
-    and leave o out.
-
-    What is measured (:meth:`observe`, with ``measure``): per drafted depth k (0 = a plain step), log(measured /
-    table ms), set by the lower median of the depth's first ``EARLY_ROUNDS`` rounds and then (with
-    ``cost_drift=False``) the running mean of its rounds, each round's value first clipped to within ``ratio_clip``
-    of the mean (a Huber-style running mean: a round that stalls on something besides its depth, such as the KV
-    cache's buffers regrowing, moves the mean by at most ``decay * ratio_clip``; at B = 64 one plain step of 92 ms
-    among steps of 30 ms raised the cost of plain decoding by a quarter and sent the batch to rounds of two
-    candidates that emitted 1.6 tokens/ms where plain steps emitted 2.1). The profiled table is taken once on random
-    prompts and misjudges a batch's real rounds: at B = 64 on a 2-core CPU it put a round of 4 candidates at 2.0
-    plain steps where it took 3.8, and a plain step (one query per row) measured dearer than a round of one
-    candidate. ``cost_fit="depth"`` (default) keeps each depth's own mean, and a depth not yet measured takes the
-    ratio of the nearest measured one;
-    ``cost_fit="line"`` smooths the drafted depths' ratios by a weighted line in k (:meth:`_ratios`), which shares
-    the few rounds most depths are measured in but cannot follow a table that misjudges one depth alone (paired
-    runs on the bundled pair with the in-place target cache: the line 0.97x / 0.94x / 0.92x the best fixed K at
-    B = 4 / 16 / 64, per-depth means 1.02x / 1.00x / 0.89x; B = 64 moves by 10% from pass to pass; a later run
-    of ``bench/budget_paired.py`` at B = 16 gave the line 0.92x and per-depth means 0.91x, so the two are within
-    the noise of a 2-core CPU). With ``cost_drift``, the ratios come instead from a Kalman filter
-    (:class:`DriftFilter`) that reads each round as a drift common to every depth plus the depth's own offset, so
-    that a depth not played lately follows what the played ones measured instead of keeping the cost it had when
-    last played; each round's innovation is clipped to within ``ratio_clip``. A depth's first rounds set its cost
-    by their lower median here too, every other depth's left as it was (``DriftFilter.anchor``): an earlier version
-    fed them to the filter as well, which read a table misjudging the drafted depths' costs mostly as a drift of
-    every depth, so plain steps, not played after their first rounds, looked ever dearer (with a table at 1.6 ms a
-    candidate and rounds at 10, it kept drafting 3-4 candidates where plain decoding was best).
-    The per-depth means above read a stretch of slower rounds as the played depth alone being dearer: at B = 4
-    the batch then played plain decoding and the other depths in turn until each was measured slow too.
-    ``bench/budget_paired.py --batch-size 4 --arms K1,K2,auto,auto:cost_drift=true,... --passes 6 --prompts 128``
-    (2-core AMD EPYC, float32, packed target, ``docs/results/budget_paired_b4_drift.json``): the per-depth means
-    0.955x the best fixed K (K = 2) with 0.99 candidates per row and round, the filter 0.995x (95% interval
-    0.941-1.023x) with 1.73; a replicate (4 passes, ``budget_paired_b4_drift_rep.json``) 0.977x and 0.998x.
-    At B = 16 (3 passes, ``budget_paired_b16_drift.json``) the filter 0.976x and the means 0.996x, the filter
-    playing plain decoding in most rounds (a near tie there: in one diagnostic run plain steps and rounds of one
-    and two candidates gave 0.57, 0.57 and 0.58-0.69 tokens/ms); a replicate (5 passes, with plain decoding,
-    ``budget_paired_b16_drift_rep.json``) read the filter 1.018x and the means 1.003x K = 2, plain decoding
-    1.041x. At B = 64
-    (``budget_paired_b64_drift.json``, every fixed K below plain decoding) both took plain steps in nearly every
-    round: the means 0.988x plain decoding, the filter 1.013x. With the anchor, now the default (arms
-    ``auto:cost_drift=false`` and ``auto`` side by side, ``docs/results/budget_paired_b{4,16,64}_anchor.json``):
-    B = 4 (4 passes) the means 0.950x K = 2, the filter 0.999x (0.975-1.022x); B = 64 (3 passes) the means 0.961x
-    plain decoding, the filter 1.004x (every fixed K below plain); B = 16 (3 passes) the means 0.998x K = 2, the
-    filter 0.947x (0.903-1.012x). Over the seven paired runs the filter led in five.
-    Costs are then counted in the table's plain-step time: the modelled ms of a round of depth k is its table ms
-    times ``calibration(k)`` = exp(ratio_k - ratio_0).
-    The head's calibration a is the ratio of the running means (weight ``accuracy_decay``, default ``decay``) of
-    accepted tokens and of the verified slots' summed survivals (1 until measured, clipped to [1/2, 2]); at B = 4
-    it moved between 0.8 and 1.6 from stretch to stretch of text with weight 0.2, but a longer memory (0.02) did
-    not measure better (0.969x the best fixed K in the run above, against 0.955x). Both carry over to the next
-    call at the same batch size (:meth:`reset`), so only a policy's first call at a batch size spends rounds
-    measuring depths. Beside these short running means the budget keeps long-run means (a mean over their first
-    rounds, then weight ``long_decay``; also carried over) of each slot's survival and of the calibration's two
-    terms. A round that samples no survival of a slot (a plain step: none; a round scored to slot j: none beyond it)
-    moves that slot's short mean, and after a plain step the calibration's terms, ``revert`` of the way back to the
-    long-run ones (:meth:`_revert`), and a call starts from the long-run means (each slot's and the calibration's)
-    measured in at least ``LONG_SAMPLES`` rounds, from the prior otherwise (:meth:`_long_calibration`): plain steps
-    learn nothing of the text, so an estimate that a stretch of poor rounds had lowered used to hold the batch in
-    plain steps until a probe (at B = 4 in bf16 on a 2-core AMD EPYC, up to a fifth of the rounds; paired,
-    ``bench/budget_paired.py --batch-size 4 --arms K1,K2,auto,auto:revert=0 --passes 4``: 0.979x the best fixed K
-    against 0.944x without). And the batch changes between plain steps and drafting only where the best depth's
-    expected goodput beats the current side's by ``switch_margin`` (a fraction): at B = 16 the two were within 3% of
-    each other and the batch flipped between them, each switch to drafting paying the draft's catch-up on the
-    tokens it had missed (paired, ``--batch-size 16 --arms plain,K2,auto,auto:switch_margin=0 --passes 3``: 0.984x
-    and 0.942x K = 2, plain decoding 1.004x).
-
-    Rows in lockstep (``lockstep``, default on; :attr:`together`, which the engine sets before each round of a
-    continuous batch: every live row has as many tokens left) finish in the same round under plain steps, and the
-    queue's next requests join them in one admission. A round that drafts ends that for the rest of the call:
-    rows accept different numbers of tokens, finish in different rounds, and so do the requests that take their
-    places, whatever the batch does next; each admission then writes a few rows into the caches, and the batch
-    runs its last requests' rounds with fewer rows. So while the rows are together, from plain steps (or a call's
-    first round) the batch drafts only where its best depth is expected to beat plain steps by more than
-    ``explore_within``, and it neither explores nor probes drafting depths. On the bundled pair at B = 16 (bf16,
-    2-core AMD EPYC, HumanEval requests of 48 tokens) calls that drafted in a few rounds made 27-101 admissions
-    where plain decoding made 7 (``bench/budget_trace.py``), and in paired runs plain decoding measured
-    1.00-1.07x fixed K = 1; with the rule the budget took plain decoding's steps there (README, "Rows in
-    lockstep").
-
-    Without ``measure`` the table alone decides (a = 1, every ratio 0), and the decisions, and a sampled row's
-    draws, are reproducible run to run: then the batch drafts only if some depth d >= 1 is expected to pay,
-    B * sum_{j<=d} g_j > lambda * (T_B(d) - T_B(0)), uncapped, and after ``probe`` plain steps in a row it drafts
-    once anyway, so g can follow the text, the interval doubling while drafting keeps not paying.
-
-    lambda (the running goodput) starts at plain decoding's goodput B / T_B(0); lambda never falls below it (the
-    goodput the time a slot costs would give as plain steps), so speculation must beat plain decoding to be chosen.
-    Decisions depend on every row of the batch, so a sampled row's tokens depend on its batch (its
-    distribution does not: each verified slot is accepted by the same rejection sampling, and a plain step
-    samples the target's distribution); with measured times (``measure``) they also depend on the machine's
-    timing, so a seeded sampled run's draws vary from run to run. Greedy output never depends on the
-    decisions.
+    Raises ValueError naming the option for an out-of-range option.
     """
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
@@ -1100,11 +925,9 @@ class BatchBudget:
 
     def _long_calibration(self) -> Optional[tuple]:
         """The long-run means of the head's calibration terms (accepted tokens, summed survivals of the verified
-        slots), or None until ``LONG_SAMPLES`` rounds measured them. An earlier version took them as a running mean
-        of weight ``long_decay`` from the first round on, so the first round ruled them for some 50 rounds: after
-        ``specdec bench``'s warm-up call (4 copies of one 16-token prompt, 8 tokens; its first round accepted
-        nothing) they put a at 0.06, every plain step pulled the short means towards it (:meth:`_revert`), and a
-        call at B = 4 (bf16, 2-core AMD EPYC) took plain steps in all but a few of its rounds, at 0.87x fixed K = 2."""
+        slots), or None until ``LONG_SAMPLES`` rounds measured them: a running mean from the first round on would let
+        one unlucky first round (a warm-up call that accepts nothing puts a near 0.06) hold the calibration low for
+        some 50 rounds, every plain step pulling the short means towards it (:meth:`_revert`)."""
         long = self._long
         if long["calibrated"] < LONG_SAMPLES or not long["predicted"]:
             return None
