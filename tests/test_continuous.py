@@ -17,7 +17,7 @@ from support import (PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_margina
                      spy_draft_reads, target_only)
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.generator import _right_aligned
-from specdec_ext.engine.runner import CausalLMRunner
+from specdec_ext.engine.runner import CausalLMRunner, TimedRunner
 from specdec_ext.engine.sampling import SamplingConfig
 from specdec_ext.policies import CandidateLengthPolicy
 
@@ -68,23 +68,25 @@ def test_sliding_window_models_equal_target_only(arch):
         assert out.new_tokens[i] == target_only(target, p, 16), f"{arch}: request {i} differs from target-only decoding"
 
 
-@pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("mistral", False)])
-def test_a_prompt_wider_than_the_cache_widens_it(arch, fast_draft):
+@pytest.mark.parametrize("arch,fast_draft,fast_target", [("llama", True, True), ("llama", False, False),
+                                                         ("mistral", False, True)])
+def test_a_prompt_wider_than_the_cache_widens_it(arch, fast_draft, fast_target):
     target, draft = make_pair(arch)
     V = target.config.vocab_size
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, V, (t,), generator=g) for t in (1, 2, 3, 30, 1, 24, 2)]
     widths = []
-    replace = CausalLMRunner.replace_rows
+    replace = TimedRunner.replace_rows
 
     def spy(self, slots, other, rows=None):
         before = self.length
         replace(self, slots, other, rows)
-        widths.append((before, self.length))
+        if self.name == "target":
+            widths.append((before, self.length))
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(CausalLMRunner, "replace_rows", spy)
-        gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, fast_draft=fast_draft)
+        m.setattr(TimedRunner, "replace_rows", spy)
+        gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, fast_draft=fast_draft, fast_target=fast_target)
         out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=6, temperature=0)
     assert any(after > before for before, after in widths), "no admission widened the cache"
     for i, p in enumerate(prompts):
@@ -189,22 +191,22 @@ def test_replacing_every_row_in_order_takes_the_other_runner_whole(runner):
         torch.testing.assert_close(got, alone[slots], rtol=1e-4, atol=1e-5)
 
 
-def test_plain_decoding_refills_a_whole_batch_by_taking_the_new_runner():
+@pytest.mark.parametrize("fast_target", [True, False], ids=["lean", "transformers"])
+def test_plain_decoding_refills_a_whole_batch_by_taking_the_new_runner(fast_target):
     target, _ = make_pair("llama")
     prompts = queue(target.config.vocab_size, n=6)
     taken = []
-    replace = CausalLMRunner.replace_rows
+    replace = TimedRunner.replace_rows
 
     def spy(self, slots, other, rows=None):
-        cache = other.cache
+        kv = getattr(other, type(other)._state[0])  # the KV storage: the cache, or the lean runner's key buffers
         replace(self, slots, other, rows)
-        taken.append(self.cache is cache)
+        taken.append(getattr(self, type(self)._state[0]) is kv)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(CausalLMRunner, "replace_rows", spy)
-        out = SpeculativeGenerator(target, policy="autoregressive").generate_continuous(prompts, batch_size=2,
-                                                                                        max_new_tokens=5,
-                                                                                        temperature=0)
+        m.setattr(TimedRunner, "replace_rows", spy)
+        gen = SpeculativeGenerator(target, policy="autoregressive", fast_target=fast_target)
+        out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=5, temperature=0)
     assert taken and all(taken), taken  # every refill replaced both rows at once
     for i, p in enumerate(prompts):
         assert out.new_tokens[i] == target_only(target, p, 5), f"request {i} differs from target-only decoding"

@@ -178,3 +178,52 @@ def test_profile_key_tells_the_packed_runner_from_f_linear():
         FastLlamaRunner.packed_default = None
     assert packed != linear and profile_key(target, draft, True, 8) == packed
     assert profile_key(target, draft, False, 8) != packed  # the transformers runner, whose packing is its own
+
+
+def test_the_target_runs_on_the_lean_runner_where_it_is_supported():
+    """SpeculativeGenerator(fast_target=True), the default, runs a Llama target on one device through the lean
+    runner, other architectures and fast_target=False through transformers' forward; the profile keys differ."""
+    from specdec_ext import SpeculativeGenerator
+    from specdec_ext.engine.fast_llama import runner_for
+    from specdec_ext.engine.profile import profile_key
+
+    llama, gpt2 = make_target("llama"), make_target("gpt2")
+    assert SpeculativeGenerator(llama, policy="autoregressive").fast_target
+    assert not SpeculativeGenerator(llama, policy="autoregressive", fast_target=False).fast_target
+    assert not SpeculativeGenerator(gpt2, policy="autoregressive").fast_target
+    assert type(runner_for(llama, "target")) is FastLlamaRunner
+    assert type(runner_for(llama, "target", lean=False)) is CausalLMRunner
+    assert type(runner_for(gpt2, "target")) is CausalLMRunner
+    draft = make_target("llama", seed=1)
+    assert profile_key(llama, draft, True, 8, fast_target=True) != profile_key(llama, draft, True, 8, fast_target=False)
+    with pytest.raises(ValueError, match="cannot pack"):
+        r = FastLlamaRunner(llama, "target")
+        r.start(1)
+        r.forward(torch.tensor([[3, 4]]), packed=True)
+
+
+@pytest.mark.parametrize("arch_kv", [4, 2])
+def test_lean_target_greedy_decoding_equals_transformers_generate(arch_kv):
+    """fp32: plain decoding and speculative decoding with the target on the lean runner give exactly the tokens of
+    transformers' own greedy generate() (batch of 3 with left padding), and the transformers runner agrees."""
+    from specdec_ext import SpeculativeGenerator
+    from models import noisy_copy
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=arch_kv, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+                      pad_token_id=1)
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # sharper outputs: greedy margins well above float32 rounding
+    draft = noisy_copy(target, 0.3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 64, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 1, 0  # left padding
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1,
+                          eos_token_id=None)[:, ids.shape[1]:].tolist()
+    for kw in ({"policy": "autoregressive"}, {"draft": draft, "policy": "fixed", "k": 3},
+               {"draft": draft, "policy": "fixed", "k": 3, "fast_target": False}):
+        out = SpeculativeGenerator(target, **kw).generate(ids, attention_mask=mask, max_new_tokens=20, temperature=0)
+        assert out.new_tokens == ref, kw

@@ -194,7 +194,7 @@ def test_packed_greedy_equals_target_only(monkeypatch, policy, kw):
     # a head whose slot-1 survivals straddle the slot's cost (0.5, test_budget_depths_keep_the_top_slots_...)
     if policy == "specdecpp":
         kw = dict(kw, head=head_for(draft, bias=0.0, kind="proposal"), costs=TEST_COSTS)
-    gen = SpeculativeGenerator(target, draft, policy=policy, **kw)
+    gen = SpeculativeGenerator(target, draft, policy=policy, fast_target=False, **kw)  # transformers' runner packs
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
     assert calls and any(len(set(v.sum(1).tolist())) > 1 for v in calls), \
@@ -217,7 +217,7 @@ def test_packed_budgeted_sampling_is_lossless(monkeypatch):
     calls = _spy_packed(monkeypatch)
     # decisions from the table alone (measured_costs=False): with measured round times the budget's first rounds
     # measure plain steps before they draft, so whether three tokens reach a packed round hung on the machine's timing
-    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
+    gen = SpeculativeGenerator(target, draft, fast_target=False, policy="specdecpp", head=head_for(draft, kind="proposal"),
                                threshold="auto", k_max=6, costs=TEST_COSTS, batch_costs=LINEAR,
                                budget_options={"top_n": True}, measured_costs=False)
     out = gen.generate(prompt.expand(3000, -1), max_new_tokens=3, temperature=1.0, seed=1000)

@@ -1,23 +1,25 @@
-"""A lean forward pass for Llama-architecture *draft* models, with a preallocated KV cache.
+"""A lean forward pass for Llama-architecture models, draft and target, with a preallocated KV cache.
 
-A small draft's step is dominated by per-module Python and dispatcher overhead, not arithmetic
-(on the bundled pair the 2 x 256 draft spends about 1 ms per token in ``transformers``' forward for
-about 0.1 ms of work). This runner computes the same function with a handful of fused matmuls per
-layer (QKV and gate/up concatenated), reading the model's own weights, and keeps the KV cache in
-preallocated buffers where rollback only moves a length.
+A small model's step is dominated by per-module Python and dispatcher overhead, not arithmetic (on the bundled
+pair the 2 x 256 draft spends about 1 ms per token in ``transformers``' forward for about 0.1 ms of work, and the
+8 x 512 target 7-11 ms for about 2 ms of weight reads). This runner computes the same function with a handful of
+fused matmuls per layer (QKV and gate/up concatenated), reading the model's own weights, and keeps the KV cache in
+preallocated buffers ``[B, kv_heads, capacity, head_dim]`` per layer, where roll-back only moves a length.
 
 On a CPU the matmuls go through oneDNN with weights packed once (``torch.ops.mkldnn._linear_pointwise``):
-at the few rows of a draft step, torch's default ``F.linear`` (MKL's sgemm) is far from the hardware's
-speed on some processors. On the AMD EPYC of the benchmarks an fp32 ``[4, 256] x [256, 8192]`` LM-head
-matmul took 0.8-1.2 ms through ``F.linear`` and 0.12 ms packed, and a draft step at batch size 4 went from
-4.8 to 2.1 ms (``1bd1639:bench/draft_linear.py``, ``1bd1639:docs/results/draft_linear.json``). The packed weights are kept
-per model and rebuilt when a weight tensor changes.
+at the few rows of a decoding step, torch's default ``F.linear`` (MKL's sgemm) is far from the hardware's
+speed on some processors. On an AMD EPYC an fp32 ``[4, 256] x [256, 8192]`` LM-head matmul took 0.8-1.2 ms
+through ``F.linear`` and 0.12 ms packed, and a draft step at batch size 4 went from 4.8 to 2.1 ms
+(``1bd1639:docs/results/draft_linear.json``). The packed weights are kept per model and rebuilt when a weight
+tensor changes.
 
-It is used only for the draft: the draft's numbers need not match ``transformers`` bit for bit,
-because the verifier uses exactly the q the draft sampled from (losslessness only needs that), while
-the target always runs ``transformers``' own forward (its linear layers packed for oneDNN likewise on a CPU:
-``engine/onednn_linear.py``). It has the interface of ``CausalLMRunner``
-(rows of a batch keep their own positions; rejected positions become attention-mask holes).
+As the target's runner (:func:`runner_for`, ``SpeculativeGenerator(fast_target=True)``, the default for a Llama
+target on one device) it gives the distribution the model defines, computed in another order of operations
+than ``transformers``' modules: in float32 the greedy tokens equal ``transformers``' ``generate()`` (tested), in
+bfloat16 near-ties may round either way, as between any two kernels. Plain decoding and speculation run the same
+runner, so speculation stays lossless with respect to it. It does not pack rows of different depths
+(:attr:`packs` is False). It has the interface of ``CausalLMRunner`` (rows of a batch keep their own positions;
+rejected positions become attention-mask holes).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from .. import ops
 from . import onednn_linear
 from .attention import kernel_takes
 from .kv_cache import copy_rows, take_rows
-from .runner import TimedRunner, new_column_mask, usable_device
+from .runner import CausalLMRunner, TimedRunner, new_column_mask, usable_device
+from .tensor_parallel import tp_size
 
 # model -> {packed: (fingerprint of its weights, the runner's prepared weights)}: packing costs a few ms, and a
 # runner is made per generation call
@@ -55,9 +58,14 @@ def _fingerprint(model) -> tuple:
 
 
 def supports(model) -> bool:
-    """True for Llama-architecture causal LMs this runner reproduces (no biases, SiLU MLP, static RoPE)."""
+    """True for Llama-architecture causal LMs this runner reproduces (no biases, SiLU MLP, static RoPE), loaded on
+    one device in one process (not spread by ``device_map``, not tensor-parallel)."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) != "llama":
+        return False
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return False
+    if tp_size(model) != 1:
         return False
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
         return False
@@ -67,8 +75,14 @@ def supports(model) -> bool:
     return hasattr(model, "model") and hasattr(model.model, "rotary_emb")
 
 
+def runner_for(model, name: str, lean: bool = True) -> TimedRunner:
+    """The runner of ``model``: a :class:`FastLlamaRunner` where ``lean`` and :func:`supports`, else
+    ``transformers``' forward through :class:`~specdec_ext.engine.runner.CausalLMRunner`."""
+    return FastLlamaRunner(model, name) if lean and supports(model) else CausalLMRunner(model, name)
+
+
 class FastLlamaRunner(TimedRunner):
-    """The draft's runner (module docstring). ``packed``: run the matmuls through oneDNN with packed weights
+    """The lean runner of a Llama model, draft or target (module docstring). ``packed``: run the matmuls through oneDNN with packed weights
     (False: ``F.linear``; None: :attr:`packed_default`, and where that is None wherever
     :func:`packed_linear_available`).
 
@@ -79,6 +93,7 @@ class FastLlamaRunner(TimedRunner):
     packed_default: Optional[bool] = None  # what packed=None means, for every runner (e.g. False to compare)
     attention_kernel: bool = True  # ops.decode_attention where it can serve (uses_attention_kernel); False: SDPA
     _state = ("k", "v", "mask", "next_pos")
+    packs = False  # rows of different depths are verified padded (engine/packing.py packs transformers' forward)
 
     @classmethod
     def uses_attention_kernel(cls, device, queries: int) -> bool:
@@ -176,10 +191,14 @@ class FastLlamaRunner(TimedRunner):
 
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
-                hidden: bool = False, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                hidden: bool = False, rows: Optional[torch.Tensor] = None,
+                packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Feed ``tokens`` ``[B, n]`` (``valid`` ``[B, n]`` bool marks real tokens). With ``rows`` (``[b]`` int64,
         increasing), only those rows of the batch are computed: ``tokens`` is ``[b, n]``, the other rows get holes
-        in the new columns, and the results are the b rows' (``[b, keep, V]`` logits, ``[b, keep, H]`` hidden)."""
+        in the new columns, and the results are the b rows' (``[b, keep, V]`` logits, ``[b, keep, H]`` hidden).
+        ``packed=True`` is refused (ValueError): this runner does not pack rows (:attr:`packs`)."""
+        if packed:
+            raise ValueError(f"the {self.name} runner cannot pack this forward (FastLlamaRunner.packs is False)")
         tokens = tokens.to(self.device)
         B, n = tokens.shape
         valid = torch.ones(B, n, dtype=torch.bool, device=self.device) if valid is None else valid.to(self.device).bool()

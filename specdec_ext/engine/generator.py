@@ -31,7 +31,7 @@ from .admission import DEFAULT_ADMISSION, AdmissionRule, check_admission
 from .kv_cache import compaction
 from .models import context_length, fingerprint, hidden_size, param_count, vocab_size
 from .packing import worth_packing
-from .runner import CausalLMRunner, TimedRunner, pad_front, sliding_layout
+from .runner import TimedRunner, pad_front, sliding_layout
 from .tensor_parallel import check_same_output, tp_size
 from .sampling import SamplingConfig, process_logits, sample_with_uniforms
 from .stats import GenerationStats, RoundStats
@@ -81,7 +81,9 @@ class SpeculativeGenerator:
         head: the :class:`~specdec_ext.head.AcceptanceHead` for ``specdecpp``.
         fast_draft: run a Llama-architecture draft with the lean runner of ``engine/fast_llama.py``
             (same function, a fraction of ``transformers``' per-step overhead); other drafts, or
-            ``False``, use ``transformers``' forward. The target always uses ``transformers``' forward.
+            ``False``, use ``transformers``' forward.
+        fast_target: likewise for the target (a Llama target on one device, in one process); ``False`` runs it
+            through ``transformers``' forward (which can pack rows of different depths, ``engine/packing.py``).
         costs: the pair's :class:`~specdec_ext.policies.goodput.CostModel` for cost-aware policies
             (``threshold="auto"``); default: profiled on first use and cached (see :meth:`costs`).
         allow_other_draft: accept (with a warning) a head whose recorded draft fingerprint is not this draft's.
@@ -104,7 +106,7 @@ class SpeculativeGenerator:
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
                  allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
-                 **policy_kwargs):
+                 fast_target: bool = True, **policy_kwargs):
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
                                           or draft_context < 1):
             raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
@@ -119,6 +121,7 @@ class SpeculativeGenerator:
             if m is not None:
                 sliding_layout(m)
         self.fast_draft = fast_draft and draft is not None and fast_llama.supports(draft)
+        self.fast_target = bool(fast_target) and fast_llama.supports(target)
         self.catch_up_ms = 0.0  # the draft's reads of rows' contexts (_catch_up) over this generator's calls: ms,
         self.catch_up_rows = 0  # and rows read (_draft_overhead's measured mean ms per request)
         self.admission_points: list = []  # continuous batching's admissions (rows, prompt tokens, ms): AdmissionRule
@@ -150,7 +153,8 @@ class SpeculativeGenerator:
             from .profile import cached_profile
 
             k_max = max(20, getattr(policy, "max_candidates", 20))
-            self._costs = cached_profile(self.target, self.draft, self.fast_draft, k_max, generator_cls=type(self))
+            self._costs = cached_profile(self.target, self.draft, self.fast_draft, k_max, generator_cls=type(self),
+                                         fast_target=self.fast_target)
         return self._costs
 
     def batch_costs(self):
@@ -160,7 +164,8 @@ class SpeculativeGenerator:
         if self._batch_costs is None:
             from .profile import cached_batch_profile
 
-            self._batch_costs = cached_batch_profile(self.target, self.draft, self.fast_draft, generator_cls=type(self))
+            self._batch_costs = cached_batch_profile(self.target, self.draft, self.fast_draft, generator_cls=type(self),
+                                                     fast_target=self.fast_target)
         return self._batch_costs
 
     # ------------------------------------------------------------------------------ checks
@@ -531,10 +536,10 @@ class SpeculativeGenerator:
         B = input_ids.shape[0] if rows is None else rows
         t = d = None
         if draft and pol.speculative:
-            d = fast_llama.FastLlamaRunner(self.draft) if self.fast_draft else CausalLMRunner(self.draft, "draft")
+            d = fast_llama.runner_for(self.draft, "draft", self.fast_draft)
             d.start(B)
         if target:
-            t = CausalLMRunner(self.target, "target")
+            t = fast_llama.runner_for(self.target, "target", self.fast_target)
             pol.packed_verification = t.packs
             pol.pack_rule = worth_packing if t.packs else None
             t.start(B)

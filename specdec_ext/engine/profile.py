@@ -51,7 +51,7 @@ def _model_key(model) -> dict:
     return {"config": cfg, "dtype": str(p.dtype), "device": str(p.device)}
 
 
-def profile_key(target, draft, fast_draft: bool, k_max: int) -> str:
+def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool = True) -> str:
     p = next(draft.parameters())  # the lean runner's matmuls (packed oneDNN weights or F.linear) change its costs
     from .runner import CausalLMRunner
 
@@ -60,7 +60,7 @@ def profile_key(target, draft, fast_draft: bool, k_max: int) -> str:
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
             "target_linear": "onednn-packed" if onednn_linear.wanted(target, CausalLMRunner.packed_default) else "torch",
-            "target_cache": "growing",  # the target runner's KV cache appends in place (engine/kv_cache.py)
+            "target_runner": "lean" if fast_target and fast_llama.supports(target) else "transformers",
             "target_attention": getattr(target.config, "_attn_implementation", None),
             "draft_attention": "decode_attention" if fast_llama.FastLlamaRunner.uses_attention_kernel(p.device, 1)
             else "sdpa",
@@ -84,19 +84,18 @@ def _timed(fn, device) -> float:
 
 @torch.inference_mode()
 def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: int = 7, context: int = 128,
-                 log=None, generator_cls=None) -> CostModel:
+                 log=None, generator_cls=None, fast_target: bool = True) -> CostModel:
     """Measure a :class:`~specdec_ext.policies.goodput.CostModel` for this pair (see the module docstring);
     ``generator_cls``: the engine's :class:`~specdec_ext.engine.generator.SpeculativeGenerator` (passed in by its
     caller, so that this module does not import the generator that imports it)."""
     from .models import vocab_size
-    from .runner import CausalLMRunner
 
     V = vocab_size(target)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (1, context), generator=g)
     use_fast = fast_draft and fast_llama.supports(draft)
-    t_run = CausalLMRunner(target, "target")
-    d_run = fast_llama.FastLlamaRunner(draft) if use_fast else CausalLMRunner(draft, "draft")
+    t_run = fast_llama.runner_for(target, "target", fast_target)
+    d_run = fast_llama.runner_for(draft, "draft", use_fast)
     for r in (t_run, d_run):
         r.start(1)
         r.forward(prompt)
@@ -130,7 +129,7 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     verify = isotonic([statistics.median(times[n]) for n in sizes])
     draft_ms = statistics.median(dtimes)
     # per-round and per-candidate work outside the forwards, from short fixed-K generations at K = 1 and 4
-    gen = generator_cls(target, draft, policy="fixed", k=1, fast_draft=fast_draft)
+    gen = generator_cls(target, draft, policy="fixed", k=1, fast_draft=fast_draft, fast_target=fast_target)
     outside = {}
     for k in (1, 4):
         per_round = []
@@ -154,12 +153,13 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
 
 
 def cached_profile(target, draft, fast_draft: bool = True, k_max: int = 20, refresh: bool = False,
-                   progress: bool = True, directory: Optional[Path] = None, *, generator_cls) -> CostModel:
+                   progress: bool = True, directory: Optional[Path] = None, *, generator_cls,
+                   fast_target: bool = True) -> CostModel:
     """The pair's :class:`CostModel`, measured once per pair and setting (:func:`profile_key`) and cached
     as JSON under ``directory`` (default :func:`cache_dir`)``/profiles``."""
-    path = (directory or cache_dir()) / "profiles" / f"{profile_key(target, draft, fast_draft, k_max)}.json"
+    path = (directory or cache_dir()) / "profiles" / f"{profile_key(target, draft, fast_draft, k_max, fast_target)}.json"
     return _cached(path, CostModel, lambda log: profile_pair(target, draft, fast_draft, k_max, log=log,
-                                                                  generator_cls=generator_cls),
+                                                                  generator_cls=generator_cls, fast_target=fast_target),
                    "the pair for threshold='auto' (once per pair, dtype, device and thread count", refresh, progress)
 
 
