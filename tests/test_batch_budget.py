@@ -543,33 +543,75 @@ def test_budgeted_sampling_is_lossless(batch):
 
 def test_profiles_are_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     """The single-row and the batch profiles of a tiny pair: positive, of the documented shapes, cached as JSON
-    and read back (not measured again); a damaged cache file is measured again."""
+    and read back (not measured again); the batch table measures only the sizes a call needs and adds a larger
+    call's sizes to the cached ones; a damaged cache file is measured again."""
     from specdec_ext.engine import profile
 
     target, draft = make_pair("llama", noise=0.3)
     real = profile.profile_batches
-    monkeypatch.setattr(profile, "profile_batches",
-                        lambda t, d, f, log=None, generator_cls=None: real(t, d, f, sizes=(1, 3), ks=(0, 1, 3), tokens=4,
-                                                                           reps=1, context=8, generator_cls=generator_cls))
-    batch = profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator)
-    assert batch.sizes == [1, 3] and [len(r) for r in batch.round_ms] == [4, 4] and len(batch.verify_ms[0]) == 4
+    measured_sizes = []
+
+    def small(t, d, f, sizes, log=None, generator_cls=None, fast_target=True):
+        measured_sizes.append(list(sizes))
+        return real(t, d, f, sizes=sizes, ks=(0, 1, 3), tokens=4, reps=1, context=8, generator_cls=generator_cls,
+                    fast_target=fast_target)
+
+    monkeypatch.setattr(profile, "profile_batches", small)
+    kw = dict(directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator)
+    assert profile.sizes_for(1) == [1] and profile.sizes_for(3) == [1, 2, 4] and profile.sizes_for(100) == \
+        [1, 2, 4, 8, 16, 32, 64, 100]
+    batch = profile.cached_batch_profile(target, draft, sizes=profile.sizes_for(2), **kw)
+    assert batch.sizes == [1, 2] and [len(r) for r in batch.round_ms] == [4, 4] and len(batch.verify_ms[0]) == 4
     assert all(x > 0 for r in batch.round_ms + batch.verify_ms for x in r)
-    costs = profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator)
+    wider = profile.cached_batch_profile(target, draft, sizes=profile.sizes_for(3), **kw)
+    assert measured_sizes == [[1, 2], [4]] and wider.sizes == [1, 2, 4]
+    assert wider.round_ms[:2] == batch.round_ms and wider.verify_ms[:2] == batch.verify_ms
+    costs = profile.cached_profile(target, draft, k_max=3, **kw)
     assert len(costs.verify_ms) == 4 and costs.draft_ms > 0
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
-    assert len(files) == 2 and sum(f.endswith("-batch3.json") for f in files) == 1
+    assert len(files) == 2 and sum(f.endswith("-batch4.json") for f in files) == 1
 
     def fail(*a, **k):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(profile, "profile_batches", fail)
     monkeypatch.setattr(profile, "profile_pair", fail)
-    assert profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator).round_ms == batch.round_ms
-    assert profile.cached_profile(target, draft, k_max=3, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator).verify_ms == costs.verify_ms
-    bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch3.json"))
+    assert profile.cached_batch_profile(target, draft, sizes=[1, 4], **kw).round_ms == wider.round_ms
+    assert profile.cached_profile(target, draft, k_max=3, **kw).verify_ms == costs.verify_ms
+    with pytest.raises(AssertionError, match="measured again"):  # a size the cache lacks
+        profile.cached_batch_profile(target, draft, sizes=[8], **kw)
+    bad = next(p for p in (tmp_path / "profiles").iterdir() if p.name.endswith("-batch4.json"))
     bad.write_text("{not json")
     with pytest.raises(AssertionError, match="measured again"):
-        profile.cached_batch_profile(target, draft, directory=tmp_path, progress=False, generator_cls=SpeculativeGenerator)
+        profile.cached_batch_profile(target, draft, sizes=[1], **kw)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        profile.sizes_for(0)
+
+
+def test_prepare_measures_what_the_policy_needs_before_the_first_call(tmp_path, monkeypatch):
+    """SpeculativeGenerator.prepare(B): the single-row table, and the batch table at the sizes a call of B rows
+    needs, for threshold="auto"; nothing for a policy without costs; a bad batch size is named."""
+    from specdec_ext.engine import profile
+
+    target, draft = make_pair("llama", noise=0.3)
+    calls = []
+    monkeypatch.setattr(profile, "cached_profile", lambda *a, **k: calls.append("pair") or TEST_COSTS)
+    def table(*a, sizes, **k):
+        calls.append(tuple(sizes))
+        n = len(sizes)
+        return BatchCosts(list(sizes), [TEST_BATCH_COSTS.round_ms[0]] * n, [TEST_BATCH_COSTS.verify_ms[0]] * n)
+
+    monkeypatch.setattr(profile, "cached_batch_profile", table)
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=constant_head(draft, 0.8), threshold="auto")
+    assert gen.prepare(3) >= 0 and calls == ["pair", (1, 2, 4)]
+    first = gen.batch_costs(3)
+    assert gen.batch_costs(2) is first and calls == ["pair", (1, 2, 4)]  # covered: the same table, not measured again
+    assert gen.batch_costs(5).sizes == [1, 2, 4, 8] and calls[-1] == (1, 2, 4, 8)
+    calls.clear()
+    SpeculativeGenerator(target, draft, policy="fixed", k=2).prepare(4)
+    assert calls == []
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        gen.prepare(0)
 
 
 def test_a_modelled_round_never_falls_below_a_quarter_of_its_own_target_forward():

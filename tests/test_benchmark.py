@@ -440,6 +440,31 @@ def test_target_linear_script_compares_packed_and_f_linear_layers_on_the_same_re
     assert runner.CausalLMRunner.packed_default is None
 
 
+def test_target_runner_script_compares_the_lean_and_transformers_runners_on_the_same_requests(monkeypatch):
+    """bench/target_runner.py on a tiny float32 pair: the lean arm's target runs on FastLlamaRunner and the other arm's
+    on transformers' runner, both run every request with the same tokens (fp32), the process-wide switch is back to
+    the lean default, and the forward timings are positive."""
+    from specdec_ext.engine import fast_llama
+
+    made = []
+    real = fast_llama.runner_for
+
+    def counted(model, name, lean=True):
+        r = real(model, name, lean)
+        if name == "target":
+            made.append(type(r).__name__)
+        return r
+
+    monkeypatch.setattr(fast_llama, "runner_for", counted)
+    mod = _bench_script("target_runner")
+    pair = _tiny_stream_pair()
+    _two_arm_rows(mod.compare, *pair, ("lean", "transformers"), "lean_over_transformers")
+    assert set(made) == {"FastLlamaRunner", "CausalLMRunner"}
+    assert fast_llama.FastLlamaRunner.targets is True
+    f = mod.forwards(pair[0])
+    assert f["lean_ms"] > 0 and f["transformers_ms"] > 0 and f["weight_read_ms"] > 0
+
+
 def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     """bench/budget_paired.py on a tiny pair: arm names become policies (fixed K, the budget with its options), every
     arm runs every pass, the pooled ratios are over the best fixed K, and a bad arm name is refused, naming it."""

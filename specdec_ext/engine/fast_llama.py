@@ -76,9 +76,11 @@ def supports(model) -> bool:
 
 
 def runner_for(model, name: str, lean: bool = True) -> TimedRunner:
-    """The runner of ``model``: a :class:`FastLlamaRunner` where ``lean`` and :func:`supports`, else
-    ``transformers``' forward through :class:`~specdec_ext.engine.runner.CausalLMRunner`."""
-    return FastLlamaRunner(model, name) if lean and supports(model) else CausalLMRunner(model, name)
+    """The runner of ``model``: a :class:`FastLlamaRunner` where ``lean`` and :func:`supports` (and, for ``name``
+    ``"target"``, :attr:`FastLlamaRunner.targets`), else ``transformers``' forward through
+    :class:`~specdec_ext.engine.runner.CausalLMRunner`."""
+    lean = lean and supports(model) and (name != "target" or FastLlamaRunner.targets)
+    return FastLlamaRunner(model, name) if lean else CausalLMRunner(model, name)
 
 
 class FastLlamaRunner(TimedRunner):
@@ -94,6 +96,7 @@ class FastLlamaRunner(TimedRunner):
     attention_kernel: bool = True  # ops.decode_attention where it can serve (uses_attention_kernel); False: SDPA
     _state = ("k", "v", "mask", "next_pos")
     packs = False  # rows of different depths are verified padded (engine/packing.py packs transformers' forward)
+    targets = True  # False: every target runs through transformers' forward (process-wide; bench/target_runner.py)
 
     @classmethod
     def uses_attention_kernel(cls, device, queries: int) -> bool:

@@ -112,7 +112,7 @@ class SpeculativeGenerator:
             raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
         self.draft_context = draft_context
         self.target = target
-        self._batch_costs = batch_costs
+        self._batch_costs = self._given_batch_costs = batch_costs
         self.draft = draft
         self.head = head
         self._costs = costs
@@ -157,16 +157,41 @@ class SpeculativeGenerator:
                                          fast_target=self.fast_target)
         return self._costs
 
-    def batch_costs(self):
+    def batch_costs(self, batch_size: int = 64):
         """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` (whole-round ms by batch size and K, target
-        forward ms by batch size and tokens) for the batch verification budget: the one given to the constructor, or measured once
-        where the pair runs and cached on disk (``engine/profile.py``)."""
-        if self._batch_costs is None:
-            from .profile import cached_batch_profile
+        forward ms by batch size and tokens) for the batch verification budget, covering calls of up to
+        ``batch_size`` rows: the one given to the constructor, or measured where the pair runs at the batch sizes
+        such a call needs (``engine/profile.sizes_for``) and cached on disk (``engine/profile.py``; a progress
+        line on stderr while it runs). The same object is returned while it covers the calls."""
+        if self._given_batch_costs is not None:
+            return self._given_batch_costs
+        from .profile import cached_batch_profile, sizes_for
 
+        need = sizes_for(batch_size)
+        if self._batch_costs is None or not set(need) <= set(self._batch_costs.sizes):
             self._batch_costs = cached_batch_profile(self.target, self.draft, self.fast_draft, generator_cls=type(self),
-                                                     fast_target=self.fast_target)
+                                                     fast_target=self.fast_target, sizes=need)
         return self._batch_costs
+
+    def prepare(self, batch_size: int = 1, policy: Optional[CandidateLengthPolicy] = None) -> float:
+        """Measure, or read from the cache, the cost tables that ``policy`` (default: the generator's) needs for calls
+        of up to ``batch_size`` rows, and warm the runners up (weights packed, kernels' first shapes met), so that the
+        first call's speed is the decoding's own; returns the seconds it took. Raises ValueError for a ``batch_size`` below 1."""
+        pol = self.policy if policy is None else policy
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1 (rows), got {batch_size!r}")
+        t0 = time.perf_counter()
+        if pol.needs_costs:
+            self.costs(pol)
+        if batch_size > 1 and getattr(pol, "needs_batch_costs", False):
+            self.batch_costs(batch_size)
+        # a short call of a throwaway generator: packs the lean runners' weights and meets the kernels' shapes once
+        warm = type(self)(self.target, self.draft if pol.speculative else None,
+                          policy="fixed" if pol.speculative else "autoregressive", fast_draft=self.fast_draft,
+                          fast_target=self.fast_target, **({"k": 2} if pol.speculative else {}))
+        ids = torch.randint(0, vocab_size(self.target), (batch_size, 16), generator=torch.Generator().manual_seed(0))
+        warm.generate(ids, max_new_tokens=16, temperature=0)
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ checks
     def _check_inputs(self, input_ids, attention_mask, max_new_tokens, policy):
@@ -466,7 +491,7 @@ class SpeculativeGenerator:
         """Give the policy the call's decoding settings and, when it needs them, the pair's cost tables."""
         costs = self.costs(pol) if pol.needs_costs else None
         if getattr(pol, "needs_batch_costs", False):
-            pol.configure(cfg, costs, batch_costs=self.batch_costs() if batch_size > 1 else None)
+            pol.configure(cfg, costs, batch_costs=self.batch_costs(batch_size) if batch_size > 1 else None)
         else:  # user policies written for the two-argument configure keep working
             pol.configure(cfg, costs)
 

@@ -82,8 +82,25 @@ def _timed(fn, device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+# the verification sizes the single-row profile measures (ms between them are linear): a target's forward over n
+# tokens moves little from n to n + 1 past a few tokens, and a first call waits for the profile
+PAIR_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 21)
+
+
+def _interpolate(measured: dict, n_max: int) -> list[float]:
+    """ms for n = 1 .. n_max from ``measured`` {n: ms} (sorted keys, 1 among them), linear between measured n."""
+    ns = sorted(measured)
+    out = []
+    for n in range(1, n_max + 1):
+        hi = next((m for m in ns if m >= n), ns[-1])
+        lo = max((m for m in ns if m <= n), default=ns[0])
+        w = 0.0 if hi == lo else (n - lo) / (hi - lo)
+        out.append((1 - w) * measured[lo] + w * measured[hi])
+    return out
+
+
 @torch.inference_mode()
-def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: int = 7, context: int = 128,
+def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: int = 5, context: int = 128,
                  log=None, generator_cls=None, fast_target: bool = True) -> CostModel:
     """Measure a :class:`~specdec_ext.policies.goodput.CostModel` for this pair (see the module docstring);
     ``generator_cls``: the engine's :class:`~specdec_ext.engine.generator.SpeculativeGenerator` (passed in by its
@@ -99,7 +116,7 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     for r in (t_run, d_run):
         r.start(1)
         r.forward(prompt)
-    sizes = list(range(1, k_max + 2))
+    sizes = [n for n in PAIR_SIZES if n <= k_max + 1] + ([k_max + 1] if k_max + 1 not in PAIR_SIZES else [])
     times: dict[int, list[float]] = {n: [] for n in sizes}
     dtimes: list[float] = []
     tokens = {n: torch.randint(0, V, (1, n), generator=g) for n in sizes}
@@ -126,7 +143,7 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
             log(f"\r[specdec] profiling the pair for threshold='auto': {rep + 1}/{reps}")
     for r in (t_run, d_run):
         r.close()
-    verify = isotonic([statistics.median(times[n]) for n in sizes])
+    verify = isotonic(_interpolate({n: statistics.median(times[n]) for n in sizes}, k_max + 1))
     draft_ms = statistics.median(dtimes)
     # per-round and per-candidate work outside the forwards, from short fixed-K generations at K = 1 and 4
     gen = generator_cls(target, draft, policy="fixed", k=1, fast_draft=fast_draft, fast_target=fast_target)
@@ -192,12 +209,13 @@ def _read(path: Path, parse=CostModel.from_json) -> Optional[str]:
 
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-ROUND_KS = (0, 1, 2, 3, 4, 6, 8)
+ROUND_KS = (0, 1, 2, 4)  # k >= 1 lie on a fitted line (_round_row), continued past 4 by its slope
 
 
 @torch.inference_mode()
 def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, ks=ROUND_KS, reps: int = 3,
-                    context: int = 128, tokens: int = 12, wide_context: int = 512, log=None, generator_cls=None):
+                    context: int = 128, tokens: int = 8, wide_context: int = 512, log=None, generator_cls=None,
+                    fast_target: bool = True):
     """Measure a :class:`~specdec_ext.policies.goodput.BatchCosts` at each batch size B of ``sizes``:
 
     - whole rounds as the engine runs them: greedy generations of ``tokens`` tokens from B random
@@ -214,7 +232,7 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
     V = vocab_size(target)
     g = torch.Generator().manual_seed(0)
     gens = {k: generator_cls(target, draft if k else None, policy="fixed" if k else "autoregressive",
-                                    fast_draft=fast_draft, **({"k": k} if k else {})) for k in ks}
+                             fast_draft=fast_draft, fast_target=fast_target, **({"k": k} if k else {})) for k in ks}
     n_max = max(ks) + 1
     ctx = context_length(target)
     wide = min(wide_context, ctx - n_max - 1) if ctx is not None else wide_context
@@ -229,10 +247,10 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
             measured[k] = statistics.median(full)
         raw[B] = measured
         rounds.append(_round_row(measured, max(ks)))
-        verify.append(_forward_times(target, prompt, n_max, reps, g))
+        verify.append(_forward_times(target, prompt, n_max, reps, g, fast_target))
         if wide > context:
             wide_prompt = torch.cat([torch.randint(0, V, (B, wide - context), generator=g), prompt], 1)
-            verify_wide.append(_forward_times(target, wide_prompt, n_max, reps, g))
+            verify_wide.append(_forward_times(target, wide_prompt, n_max, reps, g, fast_target))
         if log is not None:
             log(f"\r[specdec] profiling batch sizes for the verification budget: {i + 1}/{len(sizes)}")
     if log is not None:
@@ -260,13 +278,12 @@ def _round_row(measured: dict, k_max: int) -> list[float]:
     return [measured[0]] + [mm + slope * (k - mk) for k in range(1, k_max + 1)]
 
 
-def _forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g) -> list[float]:
+def _forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g, fast_target: bool = True) -> list[float]:
     """Median ms of the target's forward over ``[B, n]`` new tokens, n = 1 .. n_max, after reading ``prompt``."""
     from .models import vocab_size
-    from .runner import CausalLMRunner
 
     B = prompt.shape[0]
-    t_run = CausalLMRunner(target, "target")
+    t_run = fast_llama.runner_for(target, "target", fast_target)
     t_run.start(B)
     t_run.forward(prompt)
     times: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
@@ -284,15 +301,63 @@ def _forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g) -> li
     return [statistics.median(times[n]) for n in times]
 
 
-def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool = False, progress: bool = True,
-                         directory: Optional[Path] = None, *, generator_cls):
-    """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts`, measured once per pair and setting (the key
-    of :func:`profile_key`) and cached as JSON beside the single-row profile."""
+def sizes_for(batch_size: int) -> list[int]:
+    """The batch sizes of :data:`BATCH_SIZES` a call of ``batch_size`` rows needs in its cost table: those below it
+    and the first at or above it (rows only leave a call, so its live rows stay within that range; the table is
+    linear between measured sizes)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1 (rows), got {batch_size!r}")
+    below = [s for s in BATCH_SIZES if s < batch_size]
+    above = [s for s in BATCH_SIZES if s >= batch_size]
+    return below + [above[0] if above else batch_size]
+
+
+def merge_batch_costs(old, new):
+    """One :class:`~specdec_ext.policies.goodput.BatchCosts` with the sizes of both (``new``'s rows where both have
+    a size); ``old`` None, or measured at other cache widths: ``new``."""
     from ..policies.goodput import BatchCosts
 
-    key = profile_key(target, draft, fast_draft, max(ROUND_KS))
-    path = (directory or cache_dir()) / "profiles" / f"{key}-batch3.json"  # 3: wide-cache forward table, fitted rounds
-    return _cached(path, BatchCosts, lambda log: profile_batches(target, draft, fast_draft, log=log,
-                                                                     generator_cls=generator_cls),
-                   f"batch sizes {list(BATCH_SIZES)} for the verification budget (once per pair and setting",
-                   refresh, progress)
+    if old is None or (old.context, old.wide_context) != (new.context, new.wide_context) \
+            or bool(old.verify_wide_ms) != bool(new.verify_wide_ms):
+        return new
+    rows = {}
+    for t in (old, new):
+        for i, B in enumerate(t.sizes):
+            rows[B] = (t.round_ms[i], t.verify_ms[i], t.verify_wide_ms[i] if t.verify_wide_ms else None)
+    sizes = sorted(rows)
+    meta = dict(new.meta)
+    meta["round_measured"] = {**old.meta.get("round_measured", {}), **new.meta.get("round_measured", {})}
+    return BatchCosts(sizes, [rows[B][0] for B in sizes], [rows[B][1] for B in sizes], meta, new.context,
+                      new.wide_context, [rows[B][2] for B in sizes] if new.verify_wide_ms else ())
+
+
+def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool = False, progress: bool = True,
+                         directory: Optional[Path] = None, *, generator_cls, fast_target: bool = True,
+                         sizes=BATCH_SIZES):
+    """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` at (at least) the batch sizes ``sizes``, cached
+    as JSON beside the single-row profile (the key of :func:`profile_key`): sizes the cache lacks are measured and
+    added, so a first call measures only the sizes it can use (:func:`sizes_for`; about 1-2 s a size for the
+    bundled pair on a 2-core CPU) and a later, larger call adds its own. A tensor-parallel target: the ranks
+    measure together and all use rank 0's table."""
+    from ..policies.goodput import BatchCosts
+
+    key = profile_key(target, draft, fast_draft, max(ROUND_KS), fast_target)
+    path = (directory or cache_dir()) / "profiles" / f"{key}-batch4.json"  # 4: sizes measured on demand
+    text = _read(path, BatchCosts.from_json) if not refresh and is_main_process() else None
+    stored = BatchCosts.from_json(text) if text is not None else None
+    missing = [B for B in sizes if stored is None or B not in stored.sizes]
+    if not from_rank0(bool(missing)):
+        return BatchCosts.from_json(from_rank0(text))
+    log = (lambda m: print(m, end="", file=sys.stderr, flush=True)) if progress and is_main_process() else None
+    if log is not None:
+        log(f"[specdec] profiling batch sizes {missing} for the verification budget (once per pair and setting; "
+            f"cached in {path})\n")
+    measured = profile_batches(target, draft, fast_draft, sizes=missing, log=log, generator_cls=generator_cls,
+                               fast_target=fast_target)
+    merged = from_rank0(merge_batch_costs(stored, measured).to_json())
+    if is_main_process():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(merged)
+        tmp.replace(path)
+    return BatchCosts.from_json(merged)
