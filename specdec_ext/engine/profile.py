@@ -186,16 +186,26 @@ def _cached(path: Path, cls, measure, what: str, refresh: bool, progress: bool):
     cached = from_rank0(_read(path, cls.from_json) if not refresh and is_main_process() else None)
     if cached is not None:
         return cls.from_json(cached)
-    log = (lambda s: print(s, end="", file=sys.stderr, flush=True)) if progress and is_main_process() else None
+    log = _progress_log(progress)
     if log is not None:
         log(f"[specdec] profiling {what}; cached in {path})\n")
     text = from_rank0(measure(log).to_json())
+    _save(path, text)
+    return cls.from_json(text)
+
+
+def _progress_log(progress: bool):
+    """Where progress lines go: stderr, on rank 0 only, or nowhere (None)."""
+    return (lambda s: print(s, end="", file=sys.stderr, flush=True)) if progress and is_main_process() else None
+
+
+def _save(path: Path, text: str) -> None:
+    """Write a profile's JSON atomically (rank 0 only)."""
     if is_main_process():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.replace(path)
-    return cls.from_json(text)
 
 
 def _read(path: Path, parse=CostModel.from_json) -> Optional[str]:
@@ -348,16 +358,12 @@ def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool =
     missing = [B for B in sizes if stored is None or B not in stored.sizes]
     if not from_rank0(bool(missing)):
         return BatchCosts.from_json(from_rank0(text))
-    log = (lambda m: print(m, end="", file=sys.stderr, flush=True)) if progress and is_main_process() else None
+    log = _progress_log(progress)
     if log is not None:
         log(f"[specdec] profiling batch sizes {missing} for the verification budget (once per pair and setting; "
             f"cached in {path})\n")
     measured = profile_batches(target, draft, fast_draft, sizes=missing, log=log, generator_cls=generator_cls,
                                fast_target=fast_target)
     merged = from_rank0(merge_batch_costs(stored, measured).to_json())
-    if is_main_process():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(merged)
-        tmp.replace(path)
+    _save(path, merged)
     return BatchCosts.from_json(merged)
