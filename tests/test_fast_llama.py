@@ -15,13 +15,33 @@ PACKED = packed_linear_available(torch.device("cpu"), torch.float32)
 needs_packed = pytest.mark.skipif(not PACKED, reason="this torch has no oneDNN (mkldnn) packed linear")
 
 
+def lean_model(arch: str, kv_heads: int):
+    """A tiny Llama, Qwen2 (biases on q, k, v) or Qwen3 (per-head q / k norms) with random weights (norms and biases
+    too, so that a runner that skipped one would differ)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=kv_heads, max_position_embeddings=512)
+    if arch == "qwen2":
+        m = Qwen2ForCausalLM(Qwen2Config(**kw))
+    elif arch == "qwen3":
+        m = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw))
+    else:
+        m = LlamaForCausalLM(LlamaConfig(**kw))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
+    return m.eval()
+
+
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_packed), False])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_fast_runner_matches_transformers(kv_heads, packed):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=kv_heads, max_position_embeddings=512)
-    m = LlamaForCausalLM(cfg).eval()
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fast_runner_matches_transformers(arch, kv_heads, packed):
+    m = lean_model(arch, kv_heads)
+    assert supports(m)
     a, b = CausalLMRunner(m, "hf"), FastLlamaRunner(m, packed=packed)
     assert b.packed == packed
     B = 3
@@ -54,6 +74,8 @@ def test_fast_runner_matches_transformers(kv_heads, packed):
 def test_supports():
     assert supports(make_target("llama"))
     assert not supports(make_target("gpt2"))
+    assert not supports(make_target("mistral"))  # sliding-window layers: transformers' runner
+    assert not supports(make_target("qwen2"))  # use_sliding_window: likewise
     with pytest.raises(ValueError, match="not a supported Llama"):
         FastLlamaRunner(make_target("gpt2"))
 
@@ -202,23 +224,21 @@ def test_the_target_runs_on_the_lean_runner_where_it_is_supported():
         r.forward(torch.tensor([[3, 4]]), packed=True)
 
 
-@pytest.mark.parametrize("arch_kv", [4, 2])
-def test_lean_target_greedy_decoding_equals_transformers_generate(arch_kv):
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 4), ("llama", 2), ("qwen2", 2), ("qwen3", 2)])
+def test_lean_target_greedy_decoding_equals_transformers_generate(arch, kv_heads):
     """fp32: plain decoding and speculative decoding with the target on the lean runner give exactly the tokens of
     transformers' own greedy generate() (batch of 3 with left padding), and the transformers runner agrees."""
     from specdec_ext import SpeculativeGenerator
     from models import noisy_copy
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=arch_kv, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
-                      pad_token_id=1)
-    target = LlamaForCausalLM(cfg).eval()
+    target = lean_model(arch, kv_heads)
+    assert SpeculativeGenerator(target, policy="autoregressive").fast_target  # the lean runner serves it
+    target.config.pad_token_id, target.config.eos_token_id = 1, None
     with torch.no_grad():
         target.lm_head.weight.mul_(8.0)  # sharper outputs: greedy margins well above float32 rounding
     draft = noisy_copy(target, 0.3)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 64, (3, 9), generator=g)
+    ids = torch.randint(2, 300, (3, 9), generator=g)
     mask = torch.ones_like(ids)
     ids[0, :3], mask[0, :3] = 1, 0  # left padding
     ref = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1,

@@ -1,4 +1,4 @@
-"""A lean forward pass for Llama-architecture models, draft and target, with a preallocated KV cache.
+"""A lean forward pass for Llama, Qwen2 and Qwen3 models, draft and target, with a preallocated KV cache.
 
 A small model's step is dominated by per-module Python and dispatcher overhead, not arithmetic (on the bundled
 pair the 2 x 256 draft spends about 1 ms per token in ``transformers``' forward for about 0.1 ms of work, and the
@@ -13,7 +13,7 @@ through ``F.linear`` and 0.12 ms packed, and a draft step at batch size 4 went f
 (``1bd1639:docs/results/draft_linear.json``). The packed weights are kept per model and rebuilt when a weight
 tensor changes.
 
-As the target's runner (:func:`runner_for`, ``SpeculativeGenerator(fast_target=True)``, the default for a Llama
+As the target's runner (:func:`runner_for`, ``SpeculativeGenerator(fast_target=True)``, the default for such a
 target on one device) it gives the distribution the model defines, computed in another order of operations
 than ``transformers``' modules: in float32 the greedy tokens equal ``transformers``' ``generate()`` (tested), in
 bfloat16 near-ties may round either way, as between any two kernels. Plain decoding and speculation run the same
@@ -25,7 +25,7 @@ rejected positions become attention-mask holes).
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from .. import ops
 from . import onednn_linear
 from .attention import kernel_takes
 from .kv_cache import copy_rows, take_rows
-from .runner import CausalLMRunner, TimedRunner, new_column_mask, usable_device
+from .runner import CausalLMRunner, TimedRunner, new_column_mask, sliding_layout, usable_device
 from .tensor_parallel import tp_size
 
 # model -> {packed: (fingerprint of its weights, the runner's prepared weights)}: packing costs a few ms, and a
@@ -57,17 +57,28 @@ def _fingerprint(model) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
 
+MODEL_TYPES = ("llama", "qwen2", "qwen3")  # Qwen2: biases on q, k, v; Qwen3: RMSNorm of each head's q and k
+
+
 def supports(model) -> bool:
-    """True for Llama-architecture causal LMs this runner reproduces (no biases, SiLU MLP, static RoPE), loaded on
-    one device in one process (not spread by ``device_map``, not tensor-parallel)."""
+    """True for the causal LMs this runner reproduces: Llama, Qwen2 and Qwen3 (SiLU MLP without biases, an output
+    projection without bias, static RoPE, no sliding-window layers), loaded on one device in one process (not
+    spread by ``device_map``, not tensor-parallel)."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) != "llama":
+    if cfg is None or getattr(cfg, "model_type", None) not in MODEL_TYPES:
         return False
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return False
     if tp_size(model) != 1:
         return False
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+    if getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+        return False
+    if cfg.model_type == "llama" and getattr(cfg, "attention_bias", False):
+        return False
+    try:
+        if sliding_layout(model) is not None:
+            return False
+    except ValueError:
         return False
     rope = getattr(cfg, "rope_parameters", None) or {}
     if "dynamic" in str(rope.get("rope_type", "default")):
@@ -83,8 +94,23 @@ def runner_for(model, name: str, lean: bool = True) -> TimedRunner:
     return FastLlamaRunner(model, name) if lean else CausalLMRunner(model, name)
 
 
+class Layer(NamedTuple):
+    """One decoder layer's weights as the lean runner reads them (QKV and gate/up concatenated; packed for oneDNN
+    where the runner packs): ``qkv_bias`` (Qwen2) and ``q_norm`` / ``k_norm`` (Qwen3) are None where absent."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 class FastLlamaRunner(TimedRunner):
-    """The lean runner of a Llama model, draft or target (module docstring). ``packed``: run the matmuls through oneDNN with packed weights
+    """The lean runner of a Llama, Qwen2 or Qwen3 model, draft or target (module docstring). ``packed``: run the matmuls through oneDNN with packed weights
     (False: ``F.linear``; None: :attr:`packed_default`, and where that is None wherever
     :func:`packed_linear_available`).
 
@@ -106,7 +132,8 @@ class FastLlamaRunner(TimedRunner):
 
     def __init__(self, model, name: str = "draft", packed: Optional[bool] = None):
         if not supports(model):
-            raise ValueError(f"FastLlamaRunner: {type(model).__name__} is not a supported Llama model")
+            raise ValueError(f"FastLlamaRunner: {type(model).__name__} is not a supported Llama, Qwen2 or Qwen3 model "
+                             "(one device, no sliding-window layers)")
         cfg = model.config
         self.model, self.name = model, name
         base = model.model
@@ -145,9 +172,13 @@ class FastLlamaRunner(TimedRunner):
             layers = []
             for layer in base.layers:
                 a, m = layer.self_attn, layer.mlp
-                layers.append((
+                biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+                layers.append(Layer(
                     layer.input_layernorm.weight,
                     pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()),
+                    torch.cat(biases, 0) if all(b is not None for b in biases) else None,
+                    a.q_norm.weight if hasattr(a, "q_norm") else None,
+                    a.k_norm.weight if hasattr(a, "k_norm") else None,
                     pack(a.o_proj.weight),
                     layer.post_attention_layernorm.weight,
                     pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous()),
@@ -192,6 +223,28 @@ class FastLlamaRunner(TimedRunner):
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
+    def qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """A layer's queries, keys and values ``[B, heads, n, d]`` from its input ``x`` ``[B, n, H]``: input norm,
+        the fused projection (and its bias), each head's q / k norm where the model has them, RoPE."""
+        B, n, _ = x.shape
+        hq, hk, d = self.n_heads, self.n_kv, self.head_dim
+        y = self._linear(self._rms(x, layer.input_norm), layer.qkv)
+        if layer.qkv_bias is not None:
+            y = y + layer.qkv_bias
+        y = y.view(B, n, hq + 2 * hk, d).transpose(1, 2)
+        q, k, v = y[:, :hq], y[:, hq: hq + hk], y[:, hq + hk:]
+        if layer.q_norm is not None:
+            q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def block_out(self, layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``x`` ``[B, n, H]`` and attention output ``attn`` ``[B, n, heads, d]``:
+        the output projection's residual, then the SiLU MLP's."""
+        B, n, _ = x.shape
+        x = x + self._linear(attn.reshape(B, n, self.n_heads * self.head_dim), layer.o)
+        g, u = self._linear(self._rms(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return x + self._linear(F.silu(g) * u, layer.down)
+
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
                 hidden: bool = False, rows: Optional[torch.Tensor] = None,
@@ -224,11 +277,8 @@ class FastLlamaRunner(TimedRunner):
         x = F.embedding(tokens, self.embed)
         hq, hk, d = self.n_heads, self.n_kv, self.head_dim
         kernel = self.uses_attention_kernel(self.device, n)
-        for li, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(self.layers):
-            h = self._rms(x, w_in)
-            qkv = self._linear(h, w_qkv).view(B, n, hq + 2 * hk, d).transpose(1, 2)
-            q, k, v = qkv[:, :hq], qkv[:, hq : hq + hk], qkv[:, hq + hk :]
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.qkv(layer, x, cos, sin)
             if sub:  # rows sitting out get zeros, not the buffer's uninitialised bits (0 * NaN would leak into attention)
                 self.k[li][:, :, C0:C1] = 0
                 self.v[li][:, :, C0:C1] = 0
@@ -243,10 +293,7 @@ class FastLlamaRunner(TimedRunner):
                 o = ops.decode_attention(q, keys, values, attn_mask, d ** -0.5)
             else:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, enable_gqa=hq != hk).transpose(1, 2)
-            x = x + self._linear(o.reshape(B, n, hq * d), w_o)
-            h = self._rms(x, w_post)
-            g, u = self._linear(h, w_gu).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, w_down)
+            x = self.block_out(layer, x, o)
         hn = self._rms(x[:, -keep:], self.final_norm)
         logits = self._linear(hn, self.lm_head).float()
         if sub:

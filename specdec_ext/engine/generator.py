@@ -82,7 +82,7 @@ class SpeculativeGenerator:
         fast_draft: run a Llama-architecture draft with the lean runner of ``engine/fast_llama.py``
             (same function, a fraction of ``transformers``' per-step overhead); other drafts, or
             ``False``, use ``transformers``' forward.
-        fast_target: likewise for the target (a Llama target on one device, in one process); ``False`` runs it
+        fast_target: likewise for the target (Llama, Qwen2, Qwen3 on one device, in one process); ``False`` runs it
             through ``transformers``' forward (which can pack rows of different depths, ``engine/packing.py``).
         costs: the pair's :class:`~specdec_ext.policies.goodput.CostModel` for cost-aware policies
             (``threshold="auto"``); default: profiled on first use and cached (see :meth:`costs`).

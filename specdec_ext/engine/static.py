@@ -9,7 +9,7 @@ eagerly, and ``torch.compile(fullgraph=True)`` compiles each without a graph bre
   row's length ``[B]`` int64 on the device. Row b's tokens occupy columns 0 .. lengths[b] - 1 (positions equal
   columns: no holes); a forward writes its n tokens at lengths[b] .. lengths[b] + n - 1 and advances the
   lengths; roll-back subtracts from them, in place.
-- :func:`forward_static`: a Llama model's forward over ``[B, n]`` tokens (the lean runner's fused weights,
+- :func:`forward_static`: the lean runner's model's forward over ``[B, n]`` tokens (the lean runner's fused weights,
   ``engine/fast_llama.py``) with attention over the whole buffer under a per-row causal mask.
 - :func:`draft_steps`: the round's K candidates and one more forward (so the draft's cache holds every
   candidate however many are accepted), each step with the draft's confidence features and, for SpecDec++, the
@@ -19,7 +19,8 @@ eagerly, and ``torch.compile(fullgraph=True)`` compiles each without a graph bre
   ragged candidate counts, and the roll-back of both caches to the committed prefix.
 
 :class:`StaticSpeculator` runs these rounds; it reads back to the host once per round (the emitted tokens), and
-is the loop that CUDA graphs replay on a GPU (``docs/gpu.md``). It serves Llama pairs on one device with prompts
+is the loop that CUDA graphs replay on a GPU (``docs/gpu.md``). It serves the pairs the lean runner serves
+(Llama, Qwen2, Qwen3) on one device with prompts
 of one length (a batch's prefill is eager); the general engine (:class:`~specdec_ext.engine.SpeculativeGenerator`:
 ragged prompts, continuous batching, the batch budget) runs on the dynamic runners.
 """
@@ -84,19 +85,13 @@ def forward_static(runner: FastLlamaRunner, cache: StaticCache, tokens: torch.Te
     mask = (cols.view(1, 1, M) <= pos.unsqueeze(2)).unsqueeze(1)  # [B, 1, n, M]: causal, per row
     rows = torch.arange(B, device=tokens.device).unsqueeze(1).expand(B, n)
     x = F.embedding(tokens, runner.embed)
-    hq, hk, d = runner.n_heads, runner.n_kv, runner.head_dim
-    for li, (w_in, w_qkv, w_o, w_post, w_gu, w_down) in enumerate(runner.layers):
-        h = runner._rms(x, w_in)
-        qkv = runner._linear(h, w_qkv).view(B, n, hq + 2 * hk, d).transpose(1, 2)
-        q, k, v = qkv[:, :hq], qkv[:, hq: hq + hk], qkv[:, hq + hk:]
-        q, k = runner._rope(q, cos, sin), runner._rope(k, cos, sin)
+    for li, layer in enumerate(runner.layers):
+        q, k, v = runner.qkv(layer, x, cos, sin)
         cache.k[li][rows, :, pos] = k.transpose(1, 2)  # [B, n, hk, d] into columns pos of each row
         cache.v[li][rows, :, pos] = v.transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, cache.k[li], cache.v[li], attn_mask=mask, enable_gqa=hq != hk)
-        x = x + runner._linear(o.transpose(1, 2).reshape(B, n, hq * d), w_o)
-        h = runner._rms(x, w_post)
-        g, u = runner._linear(h, w_gu).chunk(2, dim=-1)
-        x = x + runner._linear(F.silu(g) * u, w_down)
+        o = F.scaled_dot_product_attention(q, cache.k[li], cache.v[li], attn_mask=mask,
+                                           enable_gqa=runner.n_heads != runner.n_kv)
+        x = runner.block_out(layer, x, o.transpose(1, 2))
     hn = runner._rms(x, runner.final_norm)
     cache.lengths.add_(n)
     return runner._linear(hn, runner.lm_head).float(), hn
@@ -200,7 +195,7 @@ def verify_step(target: FastLlamaRunner, target_cache: StaticCache, draft_cache:
 
 
 class StaticSpeculator:
-    """Speculative decoding of a Llama target/draft pair over static caches (module docstring).
+    """Speculative decoding of a target/draft pair the lean runner serves, over static caches (module docstring).
 
     ``k``: the candidates drafted per round (SpecDec++: the cap K_max of the round); ``head``, ``threshold``,
     ``k_min``: SpecDec++'s stop rule (None: fixed K). ``packed``: the lean runners' oneDNN-packed weights on a CPU
