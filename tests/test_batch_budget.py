@@ -122,7 +122,7 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     its two neighbours again at doubling intervals."""
     # the table says every candidate costs 1.6 ms (drafting 8 pays); the rounds say 10 ms per candidate
     # explore_within=0.5: depth 1 (measured 10-30% below plain) is still probed
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line", explore_within=0.5)
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2, explore_within=0.5)
     dear_slots = lambda c: 10.0 + 10.0 * c
     # goodput by depth at survival 0.8: (1 + 0.8 + ... ) / (10 + 10 c): c = 1: 0.09, c = 2: 0.08, c = 0: 0.1 per row
     # per ms, so plain steps are best; with survival 0.95 and 4 ms per candidate, c = 4..5 are best
@@ -135,12 +135,7 @@ def test_measured_costs_steer_the_depth_and_its_neighbours_are_probed():
     probes = [i for i, c in enumerate(caps) if c == 1 and i > 6]
     gaps = [j - i for i, j in zip(probes, probes[1:])]
     assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0], caps
-    # the drafted depths' ratios lie on a line fitted to them all (cost_fit="line"): near depth 1's own ratio, the
-    # table's and the rounds' ms not being exactly proportional
-    assert b.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0), rel=0.03)
-    per_depth = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth", explore_within=0.5)
-    assert _play(per_depth, 4, dear_slots, 40)[:6] == caps[:6]
-    assert per_depth.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0))  # its own rounds' ratio exactly
+    assert b.calibration(1) == pytest.approx(20.0 / 11.6 / (10.0 / 10.0))  # depth 1's own rounds' ratio
 
     b = BatchBudget(TEST_BATCH_COSTS, probe=2)
     caps = _play(b, 4, lambda c: 10.0 + 4.0 * c, 40, survival=0.95)
@@ -164,7 +159,7 @@ def test_a_neighbour_far_below_the_best_is_not_probed_once_its_first_rounds_set_
     one-step rule's extra slot measured depth 2 once, at about half its goodput, and never played it again)."""
     very_dear = lambda c: 10.0 + 25.0 * c  # depth 1 at survival 0.8: 1.8 / 35 per row and ms, 49% below plain's 0.1
     for within, probed in ((0.15, False), (0.6, True)):
-        b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth", explore_within=within)
+        b = BatchBudget(TEST_BATCH_COSTS, probe=2, explore_within=within)
         caps = _play(b, 4, very_dear, 60)
         explored = caps.index(1)  # depth 1's first round (an exploration), then plain steps are best
         assert caps[explored + 1] == 0 and max(caps[explored + 1 :]) == 1, caps
@@ -185,7 +180,7 @@ def test_probes_of_drafting_from_plain_decoding_wait_until_the_reads_they_need_a
     dear = lambda c: 10.0 + 10.0 * c  # plain steps best at survival 0.8 (test above)
 
     def probes(read_ms, share=0.02):
-        b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="depth", explore_within=0.5, probe_read_share=share)
+        b = BatchBudget(TEST_BATCH_COSTS, probe=2, explore_within=0.5, probe_read_share=share)
         caps = []
         for _ in range(160):
             b.read_ms = read_ms
@@ -312,37 +307,17 @@ def test_rows_in_lockstep_leave_plain_steps_only_for_a_clear_gain():
     assert cap(0.44, together=True, measured=False) == (0, False)
 
 
-def test_the_line_fit_shares_the_depths_measurements():
-    """cost_fit="line": the drafted depths' log ratios are the weighted least-squares line through their running
-    means (weights: rounds measured, at most 1 / decay); depth 0 keeps its own. A depth measured once, far off the
-    line its well-measured neighbours set, does not make a false step in the modelled costs that moves the best
-    depth, as it does with each depth's own mean (cost_fit="depth")."""
-    numpy = pytest.importorskip("numpy")
+def test_an_unmeasured_depth_takes_the_nearest_measured_ratio():
+    """Each depth's cost ratio is its own estimate; a depth not measured takes the nearest measured depth's (the lower
+    on a tie), and with nothing measured every ratio is 0 (the table as it is)."""
     costs = BatchCosts([1, 64], [[10.0 + 4.0 * k for k in range(9)]] * 2, [[10.0 + 2.0 * (n - 1) for n in range(1, 10)]] * 2)
-    line, own = BatchBudget(costs, cost_fit="line"), BatchBudget(costs, cost_fit="depth")
-    ratios = [0.1, 0.2, 0.22, 0.24, -0.3, None, None, None, None]  # depth 4: one round, 0.55 below the line
-    weights = [5, 5, 5, 5, 1, 0, 0, 0, 0]
-    for b in (line, own):
-        b.reset(4)
-        b._weight, b.log_ratio = list(weights), list(ratios)
-    k = numpy.array([1, 2, 3, 4])
-    v, u = numpy.polyfit(k, numpy.array(ratios[1:5]), 1, w=numpy.sqrt([5, 5, 5, 1]))
-    for j in range(1, 9):
-        assert math.log(line.calibration(j)) == pytest.approx(u + v * j - 0.1, abs=1e-9), j
-    assert line.calibration(0) == own.calibration(0) == 1.0
-    assert own.calibration(4) == pytest.approx(math.exp(-0.4)) and own.calibration(6) == pytest.approx(math.exp(-0.4))
-    # survivals of 0.7 per slot: by the table and the line, depth 2 is best, by depth 4's one cheap round, depth 4
-    for b in (line, own):
-        b.gain = [0.7, 0.49, 0.343, 0.24, 0.17, 0.12, 0.08, 0.06]
-    best = lambda b: max(range(9), key=lambda c: b.expected_goodput(4, c))
-    assert best(line) < 4 == best(own)
-    # one drafted depth measured: nothing to fit, every depth takes the nearest measured ratio
-    one = BatchBudget(costs, cost_fit="line")
-    one.reset(4)
-    one.log_ratio = [0.0, None, 0.5, None, None, None, None, None, None]
-    assert one.calibration(3) == one.calibration(7) == pytest.approx(math.exp(0.5)) and one.calibration(1) == 1.0
-    with pytest.raises(ValueError, match="cost_fit"):
-        BatchBudget(costs, cost_fit="per-depth")
+    b = BatchBudget(costs)
+    b.reset(4)
+    assert all(b.calibration(j) == 1.0 for j in range(9))
+    b.log_ratio = [0.0, None, 0.5, None, None, None, None, None, -0.2]
+    b._measured()
+    assert b.calibration(3) == b.calibration(4) == pytest.approx(math.exp(0.5)) and b.calibration(1) == 1.0
+    assert b.calibration(5) == pytest.approx(math.exp(0.5)) and b.calibration(6) == pytest.approx(math.exp(-0.2))
 
 
 def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
@@ -350,7 +325,7 @@ def test_measured_costs_carry_over_to_the_next_call_at_the_same_batch_size():
     same batch size starts from them (no depth is measured again first); a call at another batch size does not.
     The running survivals start from the prior until a slot has been sampled in LONG_SAMPLES rounds (then from its
     long-run mean: the test after this one)."""
-    b = BatchBudget(TEST_BATCH_COSTS, probe=2, cost_fit="line", explore_within=0.5)
+    b = BatchBudget(TEST_BATCH_COSTS, probe=2, explore_within=0.5)
     b.reset(4)                                # a call of 4 rows
     first = _play(b, 4, lambda c: 10.0 + 10.0 * c, 12)
     assert sorted(first[1:6]) == [0, 1, 2, 3, 4]
@@ -906,20 +881,20 @@ def test_budget_options_reach_the_budget_and_bad_ones_are_refused():
 
     target, draft = make_pair("llama", noise=0.3)
     head = head_for(draft, kind="proposal")
-    pol = SpecDecPP(head, threshold="auto", k_max=4, budget_options={"cost_fit": "line", "headroom": 0.0})
+    pol = SpecDecPP(head, threshold="auto", k_max=4, budget_options={"switch_margin": 0.05, "headroom": 0.0})
     gen = SpeculativeGenerator(target, draft, policy=pol, costs=TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
     ids = torch.randint(2, target.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
     out = gen.generate(ids, max_new_tokens=6, temperature=0)
     assert out.stats.new_tokens == 18 and pol.use_budget
-    assert pol.budget.cost_fit == "line" and pol.budget.headroom == 0.0
+    assert pol.budget.switch_margin == 0.05 and pol.budget.headroom == 0.0
     assert SpecDecPP(head, threshold="auto").budget_options == {}
     with pytest.raises(TypeError, match=r"BatchBudget takes no \['cost_model'\]"):
         SpecDecPP(head, threshold="auto", budget_options={"cost_model": "line"})
-    with pytest.raises(ValueError, match="cost_fit must be"):
-        SpecDecPP(head, threshold="auto", budget_options={"cost_fit": "per-depth"})
+    with pytest.raises(ValueError, match="switch_margin must be"):
+        SpecDecPP(head, threshold="auto", budget_options={"switch_margin": -1.0})
     for kw in (dict(threshold=0.7), dict(threshold="auto", batch_budget=False)):
         with pytest.raises(ValueError, match="budget_options"):
-            SpecDecPP(head, budget_options={"cost_fit": "line"}, **kw)
+            SpecDecPP(head, budget_options={"headroom": 0.0}, **kw)
 
 
 def _plain_steps(cost_drift=False):

@@ -475,12 +475,12 @@ def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     mod = _bench_script("budget_paired")
     target, draft = make_pair("llama", noise=0.3)
     head = head_for(draft, kind="proposal")
-    pol = mod.parse_arm("auto:cost_fit=line:headroom=0.0", head)
-    assert pol.budget_options == {"cost_fit": "line", "headroom": 0.0}
+    pol = mod.parse_arm("auto:lockstep=false:headroom=0.0", head)
+    assert pol.budget_options == {"lockstep": False, "headroom": 0.0}
     assert mod.parse_arm("K3", head).k == 3
     from specdec_ext import Autoregressive
     assert isinstance(mod.parse_arm("plain", head), Autoregressive)
-    for bad in ("K", "fixed3", "auto:cost_fit", "K2@lazy", "K2#", "#b"):
+    for bad in ("K", "fixed3", "auto:lockstep", "K2@lazy", "K2#", "#b"):
         with pytest.raises(ValueError, match="--arms"):
             mod.parse_arm(bad, head)
     assert mod.parse_arm("K2@grouped", head).k == 2 and mod.parse_arm("K2@grouped#b", head).k == 2

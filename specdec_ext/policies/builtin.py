@@ -143,7 +143,7 @@ class SpecDecPP(CandidateLengthPolicy):
             :class:`~specdec_ext.policies.goodput.BatchBudget`); ``False`` decides from the profiled table alone, so
             the decisions, and a sampled row's draws, are reproducible run to run.
         budget_options: keyword arguments of the budget (:class:`~specdec_ext.policies.goodput.BatchBudget`, e.g.
-            ``{"cost_fit": "line", "headroom": 0.0}``); only with ``threshold="auto"`` and ``batch_budget``.
+            ``{"switch_margin": 0.05, "headroom": 0.0}``); only with ``threshold="auto"`` and ``batch_budget``.
             Raises TypeError for a name the budget does not take, ValueError without the budget.
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a

@@ -442,7 +442,7 @@ class BatchBudget:
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
-                 headroom: float = 0.03, cost_fit: str = "depth", top_n: bool = False, explore_within: float = 0.15,
+                 headroom: float = 0.03, top_n: bool = False, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
                  accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02, long_decay: float = 0.02,
                  revert: float = 0.2, switch_margin: float = 0.03, lockstep: bool = True, in_round: bool = True,
@@ -478,9 +478,6 @@ class BatchBudget:
         if not ratio_clip > 0.0:
             raise ValueError(f"ratio_clip must be > 0 (a log ratio), got {ratio_clip!r}")
         self.explore_within, self.ratio_clip = float(explore_within), float(ratio_clip)
-        if cost_fit not in ("line", "depth"):
-            raise ValueError(f"cost_fit must be 'line' or 'depth', got {cost_fit!r}")
-        self.cost_fit = cost_fit
         if isinstance(score_every, bool) or not isinstance(score_every, int) or score_every < 1:
             raise ValueError(f"score_every must be an integer >= 1, got {score_every!r}")
         if not 0.0 <= headroom < 1.0:
@@ -582,46 +579,20 @@ class BatchBudget:
     def calibration(self, k: int) -> float:
         """How much dearer, relative to the table, a round drafting k candidates measured than a plain step:
         exp(ratio_k - ratio_0), clipped to [1/4, 4] (1 for k = 0, and while nothing is measured); ratio_k is read
-        from the running means log(measured / table ms) per drafted depth (at most ``depth_max``) as
-        :meth:`_ratios` says (``cost_fit``)."""
+        from the estimates of log(measured / table ms) per drafted depth (at most ``depth_max``) as :meth:`_ratios`
+        says."""
         if self._calibrations is None:  # recomputed after each measurement: the budget reads this many times a round
             ratio, bound = self._ratios(), math.log(4.0)
             self._calibrations = [1.0] + [math.exp(min(max(x - ratio[0], -bound), bound)) for x in ratio[1:]]
         return self._calibrations[min(k, self.depth_max)]
 
     def _ratios(self) -> list[float]:
-        """The log(measured / table ms) that :meth:`calibration` uses at each depth 0 .. ``depth_max``.
-
-        ``cost_fit="depth"`` (default): each depth's own running mean, or the nearest measured depth's (the lower one
-        on a tie), 0 when nothing has been measured. ``cost_fit="line"``, once two drafted depths (k >= 1)
-        are measured: the drafted depths follow the weighted least-squares line u + v k through their running
-        means, each weighted by its measured rounds (at most 1 / ``decay``, what the running mean remembers), and
-        depth 0 keeps its own (the line's value at 0 until measured). A depth played once or twice (an
-        exploration round, a neighbour's probe) then moves the line a little instead of setting its own cost. On
-        the bundled pair at B = 4 (2-core CPU), the per-depth means put a round of one candidate at 0.85 of the
-        table's cost relative to a plain step, where the medians of many rounds gave 0.95; such a false step between
-        neighbouring depths moves the best depth. But when the table itself misjudges one depth (at B = 16 with the
-        in-place target cache, the table put rounds of two and three candidates 19% and 39% above a round of one where
-        the rounds' medians were 39% and 67% above), the line spreads the correction over all depths; per-depth means
-        keep it (paired runs: the class docstring). Computed once per measurement (:meth:`_measured`)."""
+        """The log(measured / table ms) that :meth:`calibration` uses at each depth 0 .. ``depth_max``: each depth's
+        own estimate (the drift filter's, or the running mean), or the nearest measured depth's (the lower one on a
+        tie), 0 when nothing has been measured. Computed once per measurement (:meth:`_measured`)."""
         if self._ratio_list is None:
-            self._ratio_list = self._fit_ratios()
+            self._ratio_list = _nearest_measured(self.log_ratio)
         return self._ratio_list
-
-    def _fit_ratios(self) -> list[float]:
-        r = self.log_ratio
-        near = [i for i in range(len(r)) if r[i] is not None]
-        drafted = [i for i in near if i >= 1]
-        if self.cost_fit == "depth" or len(drafted) < 2:
-            return _nearest_measured(r)
-        w = [max(self._weight[i], 1) for i in drafted]  # a ratio set without a measured round counts as one
-        total = sum(w)
-        mean_k = sum(wi * i for wi, i in zip(w, drafted)) / total
-        mean_r = sum(wi * r[i] for wi, i in zip(w, drafted)) / total
-        slope = (sum(wi * (i - mean_k) * (r[i] - mean_r) for wi, i in zip(w, drafted))
-                 / sum(wi * (i - mean_k) ** 2 for wi, i in zip(w, drafted)))
-        line = [mean_r + slope * (j - mean_k) for j in range(len(r))]
-        return [r[0] if r[0] is not None else line[0]] + line[1:]
 
     def _round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """Modelled ms of a round drafting k and verifying ``verified`` (default k) candidates per row, at the
