@@ -12,12 +12,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from models import make_pair, make_target
 from stats import assert_follows
-from support import TEST_COSTS, exact_marginals, head_for
+from support import exact_marginals, head_for
 from specdec_ext import SpeculativeGenerator, ops
 from specdec_ext.engine import packing
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
-from specdec_ext.policies.goodput import BatchBudget, BatchCosts
+from specdec_ext.policies.goodput import BatchCosts
 
 needs_ext = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
 # verification cost linear in tokens per row (as on a CPU at large batch sizes): dropping slots pays
@@ -108,62 +108,6 @@ def test_the_runner_packs_only_where_it_can():
         r.forward(torch.tensor([[3, 4], [5, 6]]), packed=True)
 
 
-def test_budget_depths_keep_the_top_slots_by_the_goodput_rule():
-    b = BatchBudget(LINEAR, measure=False)
-    b.reset(2)
-    b.packs = packing.worth_packing  # as the policy sets it where the target packs
-    lam = 2 / 10.0  # plain decoding's goodput; a slot costs 5 ms / 2 rows = 2.5 ms of packed verification
-    assert b._lambda(2) == pytest.approx(lam)
-    S = torch.tensor([[0.9, 0.6, 0.3], [0.45, 0.2, 0.0]])
-    # ranked 0.9, 0.6, 0.45, 0.3, 0.2: a slot pays when S > lambda * 2.5 = 0.5
-    assert b.depths(S).tolist() == [2, 0]
-    assert b.depths(torch.full((2, 3), 0.4)).tolist() == [0, 0]  # nothing pays: plain decoding
-    assert b.depths(torch.full((2, 3), 0.99)).tolist() == [3, 3]
-    # ties keep a prefix of each row: of five tied slots the top four (row 0's three, row 1's first) are kept; the
-    # fifth would leave 7 of the 8 padded slots real, too few holes to pack, so it would cost the padded forward
-    d = b.depths(torch.tensor([[0.7, 0.7, 0.7], [0.7, 0.7, 0.0]]))
-    assert d.tolist() == [3, 1]
-    # the padded budget at the same survivals: one depth for every row
-    assert b.depth(S) == 1
-    # per-row depths in the running statistics: the round's cost by the mean depth, the head's calibration from the
-    # kept prefix of each row
-    budget = BatchBudget(LINEAR)
-    budget.reset(2)
-    budget.packs = packing.worth_packing
-    budget.update(2, drafted=3, depth=torch.tensor([2, 0]), emitted=4, survivals=S)
-    assert budget._predicted == pytest.approx(0.9 + 0.6) and budget._accepted == pytest.approx(2.0)
-    assert budget._last == (3, LINEAR.round(2, 3, None, 1.0))
-
-
-def test_budget_depths_cost_an_unpacked_verification_as_the_padded_forward():
-    """Where the kept slots leave too few holes for the engine to pack them (``worth_packing``), the verification
-    runs padded to the deepest kept slot: the top-N choice and the round's recorded cost read that forward's cost,
-    not the packed tokens' linear share."""
-    b = BatchBudget(LINEAR, measure=False)
-    b.reset(2)
-    b.packs = packing.worth_packing
-    # a packed slot costs 2.5 ms and pays above S = 0.5: the linear cost keeps the five slots of 0.9 ([3, 2]), but
-    # they fill 7 of the 8 padded slots, so the forward is padded (verify over 4 tokens per row) and row 1's
-    # third slot, a hole in it, costs nothing more: it is kept too
-    S = torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.9, 0.3]])
-    assert b.depths(S).tolist() == [3, 3]
-    assert b.verified_per_row(torch.tensor([3, 2])) == 3.0  # padded: the deepest row's depth
-    assert b.verified_per_row(torch.tensor([2, 0])) == 1.0  # packed (4 of 6 real): the mean
-    assert b.verified_per_row(torch.tensor([], dtype=torch.int64)) == 0.0
-    # without a packing rule (a target that never packs) a verification costs the padded forward to its deepest
-    # slot, and the best choice is the padded budget's one depth for every row
-    b.packs = None
-    assert b.verified_per_row(torch.tensor([2, 0])) == 2.0
-    S2 = torch.tensor([[0.9, 0.6, 0.3], [0.45, 0.2, 0.0]])
-    assert b.depths(S2).tolist() == [b.depth(S2)] * 2 == [1, 1]
-    budget = BatchBudget(LINEAR)
-    budget.reset(2)
-    budget.packs = packing.worth_packing
-    budget.update(2, drafted=3, depth=torch.tensor([3, 2]), emitted=5, survivals=S)
-    assert budget._last == (3, LINEAR.round(2, 3, None, 3.0))
-    assert LINEAR.round(2, 3, None, 3.0) > LINEAR.round(2, 3, None, 2.5)  # the packed cost would have been lower
-
-
 def test_fractional_verification_is_linear_between_whole_depths():
     assert LINEAR.verify(4, 1.5) == pytest.approx((LINEAR.verify(4, 1) + LINEAR.verify(4, 2)) / 2)
     assert LINEAR.round(4, 3, None, 0.5) == pytest.approx(LINEAR.round(4, 3) - (LINEAR.verify(4, 4) - LINEAR.verify(4, 1.5)))
@@ -182,18 +126,16 @@ def _spy_packed(monkeypatch):
 
 
 @needs_ext
-@pytest.mark.parametrize("policy,kw", [("specdecpp", {"threshold": "auto", "batch_costs": LINEAR, "k_max": 8,
-                                                     "budget_options": {"top_n": True}}),
-                                       ("confidence", {"threshold": 0.5, "max_k": 8})], ids=["budget", "per-row-stops"])
+@pytest.mark.parametrize("policy,kw", [("specdecpp", {"threshold": 0.5, "k_max": 8}),
+                                       ("confidence", {"threshold": 0.5, "max_k": 8})], ids=["head", "per-row-stops"])
 def test_packed_greedy_equals_target_only(monkeypatch, policy, kw):
     target, draft = make_pair("llama", noise=0.3)
     target.set_attn_implementation("specdec_decode")
     ids = torch.randint(2, target.config.vocab_size, (6, 6), generator=torch.Generator().manual_seed(0))
     plain = SpeculativeGenerator(target, policy="autoregressive").generate(ids, max_new_tokens=24, temperature=0)
     calls = _spy_packed(monkeypatch)
-    # a head whose slot-1 survivals straddle the slot's cost (0.5, test_budget_depths_keep_the_top_slots_...)
-    if policy == "specdecpp":
-        kw = dict(kw, head=head_for(draft, bias=0.0, kind="proposal"), costs=TEST_COSTS)
+    if policy == "specdecpp":  # a head whose survivals straddle the threshold: rows stop at different depths
+        kw = dict(kw, head=head_for(draft, bias=0.0, kind="proposal"))
     gen = SpeculativeGenerator(target, draft, policy=policy, fast_target=False, **kw)  # transformers' runner packs
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
@@ -201,28 +143,24 @@ def test_packed_greedy_equals_target_only(monkeypatch, policy, kw):
         "no round verified rows of different depths packed"
     for v in calls:  # packed only where enough of the padded layout was holes (worth_packing)
         assert packing.worth_packing(int(v.sum()), v.numel()), v
-    if policy == "specdecpp":  # the budget's per-row depths: some round verifies rows to different depths
-        assert any(len({c for c in r.candidates}) > 1 for r in out.stats.rounds)
-        assert gen.policy.budget.packs is packing.worth_packing  # it costs them by the engine's packing rule
+    assert any(len({c for c in r.candidates}) > 1 for r in out.stats.rounds)  # rows verified different depths
 
 
 @pytest.mark.slow
 @needs_ext
-def test_packed_budgeted_sampling_is_lossless(monkeypatch):
+def test_packed_sampling_is_lossless(monkeypatch):
     target, draft = make_pair("llama", vocab=12, noise=0.5)
     target.set_attn_implementation("specdec_decode")
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     cfg = SamplingConfig(1.0)
     marg = exact_marginals(target, prompt, cfg, 3)
     calls = _spy_packed(monkeypatch)
-    # decisions from the table alone (measured_costs=False): with measured round times the budget's first rounds
-    # measure plain steps before they draft, so whether three tokens reach a packed round hung on the machine's timing
-    gen = SpeculativeGenerator(target, draft, fast_target=False, policy="specdecpp", head=head_for(draft, kind="proposal"),
-                               threshold="auto", k_max=6, costs=TEST_COSTS, batch_costs=LINEAR,
-                               budget_options={"top_n": True}, measured_costs=False)
+    # SpecDec++ at a fixed threshold: each row stops where its own head says, so rows verify different depths, packed
+    gen = SpeculativeGenerator(target, draft, fast_target=False, policy="specdecpp",
+                               head=head_for(draft, bias=0.0, kind="proposal"), threshold=0.5, k_max=6)
     out = gen.generate(prompt.expand(3000, -1), max_new_tokens=3, temperature=1.0, seed=1000)
     toks = torch.tensor(out.new_tokens)
     for i in range(3):
-        assert_follows(toks[:, i], marg[i], f"packed budget, position {i + 1}")
+        assert_follows(toks[:, i], marg[i], f"packed verification, position {i + 1}")
     assert calls and out.stats.accepted > 0 and out.stats.discarded > 0
     assert any(len(set(r.candidates)) > 1 for r in out.stats.rounds), "no round verified rows to different depths"

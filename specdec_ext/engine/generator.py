@@ -566,7 +566,6 @@ class SpeculativeGenerator:
         if target:
             t = fast_llama.runner_for(self.target, "target", self.fast_target)
             pol.packed_verification = t.packs
-            pol.pack_rule = worth_packing if t.packs else None
             t.start(B)
             _prefill(t, input_ids, attention_mask, lengths)
         return t, d

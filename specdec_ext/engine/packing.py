@@ -1,7 +1,7 @@
-"""Packed verification: the target scores only the draft slots a verification budget keeps, with no padding.
+"""Packed verification: the target scores only the rows' own draft slots, with no padding.
 
 A batch's verification forward over ``[B, D + 1]`` tokens pads every row to the deepest row's D: with per-row
-depths d_b (the budget keeps the top-N slots across the batch, a prefix per row), the padding costs as much as
+depths d_b (rows whose policy stopped drafting at different steps), the padding costs as much as
 real tokens in the target's linear layers, which are most of a batched forward's time on a CPU. A packed forward
 feeds the N = sum_b (d_b + 1) real tokens as one sequence ``[1, N]`` with each token's own position id, so the
 linear layers see N rows instead of B (D + 1); only attention, which mixes tokens, needs to know each token's row:

@@ -62,9 +62,6 @@ class CandidateLengthPolicy:
     # set by the engine before each reset(): True when the target verifies rows of different depths without padding
     # (engine/packing.py), so a row's unverified slots save their cost; False: a round costs its deepest row's depth
     packed_verification = False
-    # set with it: pack_rule(real, padded) says whether a verification of ``real`` real tokens in a padded layout of
-    # ``padded`` slots runs packed (engine.packing.worth_packing); None where the target never packs
-    pack_rule = None
 
     def configure(self, sampling, costs=None) -> None:
         """Called once per generation call before ``reset``: the decoding settings

@@ -125,9 +125,7 @@ class SpecDecPP(CandidateLengthPolicy):
             budget across the batch from a profiled cost table by batch size
             (:class:`~specdec_ext.policies.goodput.BatchBudget`): whether the batch drafts at all this round (if
             not, a step of plain decoding without a draft forward), how deep it drafts, and how many of the
-            drafted slots it verifies (possibly none): one depth for every row, or, with
-            ``budget_options={"top_n": True}`` where the target packs rows (``packed_verification``,
-            ``engine/packing.py``), each row its own top slots. The last two decisions are made within a round from
+            drafted slots it verifies (possibly none), one depth for every row. The last two decisions are made within a round from
             the head's step at each slot below the depth planned; with ``budget_options={"in_round": False}`` a
             round drafts and verifies the planned depth, and the head runs only in the budget's scored rounds (one
             in four, which draft one slot past that depth, and those that explore or probe a depth), for its running
@@ -242,7 +240,6 @@ class SpecDecPP(CandidateLengthPolicy):
         self._plain = False
         if self.use_budget:
             self.budget.reset(batch_size)
-            self.budget.packs = self.pack_rule  # the engine's packing rule (None: its target never packs)
 
     def draft_overhead(self, ms_per_token):
         if self.use_budget:
@@ -329,9 +326,6 @@ class SpecDecPP(CandidateLengthPolicy):
             return num_drafted
         if S is None:
             return num_drafted
-        if self.packed_verification and self.budget.top_n:  # rows verify their own top slots (BatchBudget.depths)
-            self._drafted, self._depth = S.shape[1], self.budget.depths(S)
-            return torch.minimum(num_drafted, self._depth)
         self._drafted, self._depth = S.shape[1], self.budget.depth(S)
         return num_drafted.clamp(max=self._depth)
 

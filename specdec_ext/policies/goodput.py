@@ -24,7 +24,7 @@ import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -427,8 +427,7 @@ class BatchBudget:
       round drafts to c* + 1 with ``score_deeper``), the setting to measure where a head step reads its stop flag
       back to the host.
     - after the round (padded rows): the verified depth is the d <= k that maximises
-      a sum_b sum_{j<=d} S_bj - lambda verify_B(d + 1). With ``top_n`` (off: measured slower on the bundled pair)
-      and a packing target runner, :meth:`depths` keeps the global top-N slots instead of one depth.
+      a sum_b sum_{j<=d} S_bj - lambda verify_B(d + 1): one depth for every row, as the padded forward costs.
     - between calls (:meth:`reset`): per batch size, the cost ratios, the calibration and the probe schedule
       carry over; long-run means of each slot's survival (weight ``long_decay``) are where short means return,
       ``revert`` of the way per round that samples nothing of them.
@@ -442,12 +441,11 @@ class BatchBudget:
 
     def __init__(self, batch: BatchCosts, decay: float = 0.2, prior_ms: float = 50.0, prior_accept: float = 0.7,
                  depth_max: int = 8, probe: int = 8, measure: bool = True, explore: int = 4, score_every: int = 4,
-                 headroom: float = 0.03, top_n: bool = False, explore_within: float = 0.15,
+                 headroom: float = 0.03, explore_within: float = 0.15,
                  ratio_clip: float = 0.25, count_overhead: bool = True, cost_drift: bool = True,
                  accuracy_decay: Optional[float] = None, probe_read_share: float = 0.02, long_decay: float = 0.02,
                  revert: float = 0.2, switch_margin: float = 0.03, lockstep: bool = True, in_round: bool = True,
                  score_deeper: bool = True):
-        self.top_n = bool(top_n)
         self.in_round = bool(in_round)
         self.score_deeper = bool(score_deeper)
         self.lockstep = bool(lockstep)
@@ -488,10 +486,6 @@ class BatchBudget:
         self.prior_accept, self.depth_max, self.probe, self.measure = prior_accept, depth_max, probe, measure
         self.tokens = self.time = 0.0
         self.width: Optional[int] = None
-        # the engine's packing rule, packs(real, padded): whether a verification of ``real`` real tokens in a padded
-        # layout of ``padded`` slots runs packed (``engine.packing.worth_packing``; the policy sets it from its
-        # ``pack_rule``); None: verifications run padded (:meth:`depths`, :meth:`verified_per_row`)
-        self.packs: Optional[Callable[[int, int], bool]] = None
         self.gain: list[float] = []
         self._kept: dict = {}  # batch size -> what earlier calls measured (reset)
         self._size: Optional[int] = None
@@ -780,61 +774,13 @@ class BatchBudget:
         values = [a * g - lam * v for g, v in zip(gain, self.batch.verify_row(B, k + 1, self.width))]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
-    def depths(self, survivals: torch.Tensor) -> torch.Tensor:
-        """Per-row verified depths ``[B]`` int64 for a packed verification (``engine/packing.py``), given survivals
-        ``[B, k]`` (S_bj, 0 beyond a row's own candidates): vLLM's global top-N. The drafted slots are ranked by
-        survival and the N kept maximise a sum_{kept} S_bj - lambda * V(N), V(N) the verification the engine will
-        run for them: where it packs them (:attr:`packs` of B + N real tokens in the padded layout of B rows times
-        the deepest kept slot D + 1), a forward of B + N tokens costing what a padded one of as many tokens costs
-        (:meth:`BatchCosts.verify`, linear between whole tokens per row); otherwise the padded forward
-        ``verify_B(D + 1)``, in which the slots not kept are holes that cost as much as real ones (so a slot above
-        its row's depth but within D is kept whenever its survival is positive: it is free). A row's survivals do
-        not increase along its slots (products of p_hat <= 1), and ties go to the earlier slot, so the kept slots
-        of each row are a prefix of its candidates. Without :attr:`packs` (the target never packs) every
-        verification is padded, and the best choice is one depth for every row (:meth:`depth`)."""
-        B, k = survivals.shape
-        if self.packs is None:
-            return torch.full((B,), self.depth(survivals), dtype=torch.int64)
-        flat = survivals.double().reshape(-1)
-        values, order = torch.sort(flat, descending=True, stable=True)  # ties: row-major, so a row's earlier slot
-        m = int((values > 0).sum())
-        gain = [0.0, *itertools.accumulate(values[:m].tolist())]
-        deepest = [0, *itertools.accumulate(((order[:m] % max(k, 1)) + 1).tolist(), max)]  # D of the top n slots
-        verify = self.batch.verify_row(B, k + 1, self.width)  # at 1 .. k + 1 tokens per row
-        lam, a = self._lambda(B) * self.calibration(k), self.head_scale
-
-        def cost(n: int) -> float:  # the verification of the top n slots, packed or padded as the engine runs it
-            if not self._packed(B, n, deepest[n]):
-                return verify[deepest[n]]
-            lo, f = divmod(n, B)
-            return verify[lo] if f == 0 else verify[lo] + (f / B) * (verify[lo + 1] - verify[lo])
-
-        best = max(range(m + 1), key=lambda n: (a * gain[n] - lam * cost(n), n))
-        return torch.bincount(order[:best] // k, minlength=B) if k else torch.zeros(B, dtype=torch.int64)
-
-    def verified_per_row(self, depths: torch.Tensor) -> float:
-        """The candidates per row at which a verification of per-row ``depths`` (``[B]`` int64, from :meth:`depths`)
-        is costed: their mean where the engine packs the rows (:attr:`packs`), else the deepest row's (a padded
-        forward, the other rows' slots beyond their depths masked holes)."""
-        if not depths.numel():
-            return 0.0
-        B, n, deepest = depths.numel(), int(depths.sum()), int(depths.max())
-        return n / B if self._packed(B, n, deepest) else float(deepest)
-
-    def _packed(self, B: int, n: int, deepest: int) -> bool:
-        """Whether the engine packs a verification of n candidates over B rows, the deepest row's ``deepest``: B + n
-        real tokens in the padded layout of B (deepest + 1) slots, by :attr:`packs` (never without it)."""
-        return self.packs is not None and self.packs(B + n, B * (deepest + 1))
-
-    def update(self, batch_size: int, drafted: int, depth, emitted: int,
+    def update(self, batch_size: int, drafted: int, depth: int, emitted: int,
                survivals: Optional[torch.Tensor] = None) -> None:
-        """After the round: ``drafted`` draft steps, ``depth`` verified (an int, or per row ``[B]`` int64 after
-        :meth:`depths`), ``emitted`` tokens over the batch, and the survivals ``[B, j]`` (S_bj, 0 where a row did
+        """After the round: ``drafted`` draft steps, ``depth`` verified, ``emitted`` tokens over the batch, and the survivals ``[B, j]`` (S_bj, 0 where a row did
         not draft the slot) of the first j drafted slots the head scored (for the running mean survival per slot;
         when they cover the verified slots, also for the head's calibration). j < ``drafted`` when the round did
         not score its last slot (:attr:`score_last`). A plain step is ``drafted = depth = 0``."""
-        per_row = isinstance(depth, torch.Tensor)
-        verified = self.verified_per_row(depth) if per_row else depth  # candidates per row the round's cost is read at
+        verified = depth  # candidates per row the round's cost is read at
         table = self._table_round(batch_size, drafted, verified)
         self._last = (drafted, table)
         ms = table * self.calibration(drafted)  # _round, from the table ms just read
@@ -866,11 +812,8 @@ class BatchBudget:
                 long = self._long
                 long["samples"][j] += 1
                 long["gain"][j] = self._average(long["gain"][j], mean, self._long_weight(long["samples"][j]))
-        depths = depth.tolist() if per_row else None  # verified slots per row (None: ``depth`` for every row)
-        deepest = max(depths) if per_row else depth
-        if self.measure and 0 < deepest <= len(columns):  # the summed survivals of each row's verified prefix
-            predicted = (sum(sum(col) for col in columns[:deepest]) if not per_row else
-                         sum(v for j, col in enumerate(columns[:deepest]) for v, d in zip(col, depths) if j < d))
+        if self.measure and 0 < depth <= len(columns):  # the summed survivals of the rows' verified slots
+            predicted = sum(sum(col) for col in columns[:depth])
             if predicted > 0:
                 w = self.accuracy_decay
                 self._accepted = self._average(self._accepted, float(emitted - batch_size), w)
