@@ -217,7 +217,8 @@ def main():
     gen.generate_continuous(prompts[: args.batch_size], args.batch_size, **dict(kw, max_new_tokens=8))  # warm-up
     t0 = time.perf_counter()
     times = round_times(gen, prompts, args.batch_size, range(args.depth + 1), **kw)
-    policy.budget = _EveryRoundAtDepth(gen.batch_costs(args.batch_size), args.depth)  # kept by configure (same table and head)
+    # kept by configure (same table and head)
+    policy.budget = _EveryRoundAtDepth(gen.batch_costs(args.batch_size), args.depth)
     policy.recorded.clear()
     gen.generate_continuous(prompts, args.batch_size, **kw)
     report = dict(command="python bench/batch_replay.py " + " ".join(sys.argv[1:]), batch_size=args.batch_size,

@@ -79,9 +79,9 @@ class SpeculativeGenerator:
         policy: a :class:`~specdec_ext.policies.CandidateLengthPolicy` or a name: ``"autoregressive"``,
             ``"fixed"`` (``k=``), ``"heuristic"``, ``"confidence"``, ``"adaedl"``, ``"specdecpp"`` (needs ``head``).
         head: the :class:`~specdec_ext.head.AcceptanceHead` for ``specdecpp``.
-        fast_draft: run a Llama-architecture draft with the lean runner of ``engine/fast_llama.py``
-            (same function, a fraction of ``transformers``' per-step overhead); other drafts, or
-            ``False``, use ``transformers``' forward.
+        fast_draft: run a Llama, Qwen2 or Qwen3 draft with the lean runner of ``engine/fast_llama.py`` (same
+            function, a fraction of ``transformers``' per-step overhead); other drafts, or ``False``, use
+            ``transformers``' forward.
         fast_target: likewise for the target (Llama, Qwen2, Qwen3 on one device, in one process); ``False`` runs it
             through ``transformers``' forward (which can pack rows of different depths, ``engine/packing.py``).
         costs: the pair's :class:`~specdec_ext.policies.goodput.CostModel` for cost-aware policies
@@ -176,7 +176,9 @@ class SpeculativeGenerator:
     def prepare(self, batch_size: int = 1, policy: Optional[CandidateLengthPolicy] = None) -> float:
         """Measure, or read from the cache, the cost tables that ``policy`` (default: the generator's) needs for calls
         of up to ``batch_size`` rows, and warm the runners up (weights packed, kernels' first shapes met), so that the
-        first call's speed is the decoding's own; returns the seconds it took. Raises ValueError for a ``batch_size`` below 1."""
+        first call's speed is the decoding's own; returns the seconds it took.
+
+        Raises ValueError for a ``batch_size`` below 1."""
         pol = self.policy if policy is None else policy
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1 (rows), got {batch_size!r}")

@@ -60,7 +60,7 @@ def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool =
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
             "target_linear": "onednn-packed" if onednn_linear.wanted(target, CausalLMRunner.packed_default) else "torch",
-            "target_runner": "lean" if fast_target and fast_llama.supports(target) else "transformers",
+            "target_runner": type(fast_llama.runner_for(target, "target", fast_target)).__name__,
             "target_attention": getattr(target.config, "_attn_implementation", None),
             "draft_attention": "decode_attention" if fast_llama.FastLlamaRunner.uses_attention_kernel(p.device, 1)
             else "sdpa",
