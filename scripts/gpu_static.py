@@ -43,8 +43,9 @@ def main(argv=None) -> dict:
 
     engine_plain = SpeculativeGenerator(pair.target, None, policy="autoregressive")
     engine_k = SpeculativeGenerator(pair.target, pair.draft, policy="fixed", k=args.k)
-    static = StaticSpeculator(pair.target, pair.draft, k=args.k)
-    compiled = StaticSpeculator(pair.target, pair.draft, k=args.k, packed=False)
+    max_len = max(p.shape[1] for p in prompts) + args.max_new_tokens + args.k + 2  # one cache shape for every prompt
+    static = StaticSpeculator(pair.target, pair.draft, k=args.k, max_len=max_len)
+    compiled = StaticSpeculator(pair.target, pair.draft, k=args.k, packed=False, max_len=max_len)
     mode = "reduce-overhead" if cuda else "default"
     compiled.draft_steps = torch.compile(draft_steps, mode=mode, fullgraph=True)
     compiled.verify_step = torch.compile(verify_step, mode=mode, fullgraph=True)

@@ -149,7 +149,12 @@ def test_each_step_compiles_without_a_graph_break():
     spec.draft_steps = torch.compile(draft_steps, fullgraph=True, backend="aot_eager")
     spec.verify_step = torch.compile(verify_step, fullgraph=True, backend="aot_eager")
     assert spec.generate(ids, max_new_tokens=10, temperature=0) == want
-    sampled = [spec.generate(ids, max_new_tokens=6, temperature=1.0, seed=s) for s in (1, 1)]
+    # later calls meet the same shapes, strides and tensors (the caches and `last` are kept): no recompilation, as
+    # CUDA-graph replay needs
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        other = torch.randint(2, 48, (2, 5), generator=torch.Generator().manual_seed(7))
+        spec.generate(other, max_new_tokens=10, temperature=0)
+        sampled = [spec.generate(ids, max_new_tokens=6, temperature=1.0, seed=s) for s in (1, 1)]
     assert sampled[0] == sampled[1]  # the same Philox (seed, offset) tensors give the same draws
 
 
@@ -162,3 +167,5 @@ def test_bad_input_is_named():
         spec.generate(torch.zeros(2, 0, dtype=torch.long), max_new_tokens=3)
     with pytest.raises(ValueError, match="max_len must be in"):
         StaticCache.allocate(spec.target, 1, 10_000)
+    with pytest.raises(ValueError, match="max_len 16: this call needs 25 cache columns"):
+        StaticSpeculator(target, draft, k=2, max_len=16).generate(torch.ones(1, 5, dtype=torch.long), max_new_tokens=16)

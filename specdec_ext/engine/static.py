@@ -199,14 +199,17 @@ class StaticSpeculator:
 
     ``k``: the candidates drafted per round (SpecDec++: the cap K_max of the round); ``head``, ``threshold``,
     ``k_min``: SpecDec++'s stop rule (None: fixed K). ``packed``: the lean runners' oneDNN-packed weights on a CPU
-    (None: their default; False for ``torch.compile``).
+    (None: their default; False for ``torch.compile``). ``max_len``: the caches' columns; None: what a call needs,
+    rounded up to a multiple of 256, so that compiled or captured steps meet few shapes (a fixed ``max_len``: one).
 
-    Raises ValueError for models the lean runner does not serve, k < 1, or a head it cannot score."""
+    Raises ValueError for models the lean runner does not serve, k < 1, a head it cannot score, or a call that
+    needs more than ``max_len`` columns."""
 
     def __init__(self, target, draft, k: int = 4, head=None, threshold: float = 0.7, k_min: int = 1,
-                 packed: Optional[bool] = None):
+                 packed: Optional[bool] = None, max_len: Optional[int] = None):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an integer >= 1 (candidates per round), got {k!r}")
+        self.max_len = max_len
         self.target = FastLlamaRunner(target, "target", packed=packed)
         self.draft = FastLlamaRunner(draft, "draft", packed=packed)
         self.k = k
@@ -214,6 +217,18 @@ class StaticSpeculator:
         self.use_hidden = head is None or bool(head.use_hidden)
         self.draft_steps = draft_steps
         self.verify_step = verify_step
+        self._kept: dict = {}  # (rows, max_len) -> the two caches, reused from call to call
+
+    def _caches(self, batch_size: int, max_len: int) -> tuple[StaticCache, StaticCache]:
+        """The target's and the draft's caches of this shape, emptied (lengths 0): allocated on the first call of a
+        shape and reused after, so compiled or captured steps see the same tensors at every call."""
+        key = (batch_size, max_len)
+        if key not in self._kept:
+            self._kept[key] = (StaticCache.allocate(self.target, batch_size, max_len),
+                               StaticCache.allocate(self.draft, batch_size, max_len))
+        for cache in self._kept[key]:
+            cache.lengths.zero_()
+        return self._kept[key]
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
@@ -229,14 +244,20 @@ class StaticSpeculator:
         dev = self.target.device
         ids = input_ids.to(dev)
         B, T = ids.shape
-        max_len = T + max_new_tokens + self.k + 2
-        tc, dc = StaticCache.allocate(self.target, B, max_len), StaticCache.allocate(self.draft, B, max_len)
+        need = T + max_new_tokens + self.k + 2
+        if self.max_len is not None and need > self.max_len:
+            raise ValueError(f"max_len {self.max_len}: this call needs {need} cache columns (prompt, new tokens, k + 2)")
+        max_len = self.max_len or min(-(-need // 256) * 256, self.target.max_pos, self.draft.max_pos)
+        if need > max_len:
+            raise ValueError(f"input_ids and max_new_tokens need {need} positions, beyond the models' {max_len}")
+        tc, dc = self._caches(B, max_len)
         if T > 1:  # prefill (eager): the prompt but its last token, which is the first round's `last`
             forward_static(self.target, tc, ids[:, :-1])
             forward_static(self.draft, dc, ids[:, :-1])
         temp = torch.full((B,), float(temperature), dtype=torch.float32, device=dev)
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        last = ids[:, -1]
+        last = torch.empty(B, dtype=torch.int64, device=dev)  # one tensor for every round: steady shapes and strides
+        last.copy_(ids[:, -1])
         out: list[list[int]] = [[] for _ in range(B)]
         while min(len(o) for o in out) < max_new_tokens:
             so = torch.randint(0, 2**62, (self.k + 1, 2), dtype=torch.int64, generator=gen).to(dev)
@@ -248,5 +269,5 @@ class StaticSpeculator:
                 raise ValueError("verification failed on the device (a NaN or +Inf logit, or a fully masked row)")
             for b in range(B):
                 out[b].extend(toks[b, : int(acc[b]) + 1].tolist())
-            last = toks.gather(1, acc.view(B, 1)).view(B).to(dev)
+            last.copy_(toks.gather(1, acc.view(B, 1)).view(B))
         return [o[:max_new_tokens] for o in out]
