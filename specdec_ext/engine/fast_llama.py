@@ -86,12 +86,16 @@ def supports(model) -> bool:
     return hasattr(model, "model") and hasattr(model.model, "rotary_emb")
 
 
+def uses_lean(model, name: str, lean: bool = True) -> bool:
+    """Whether :func:`runner_for` gives ``model`` (the ``name`` role) a :class:`FastLlamaRunner`: where ``lean`` and
+    :func:`supports`, and for the ``"target"`` while :attr:`FastLlamaRunner.targets`."""
+    return bool(lean) and supports(model) and (name != "target" or FastLlamaRunner.targets)
+
+
 def runner_for(model, name: str, lean: bool = True) -> TimedRunner:
-    """The runner of ``model``: a :class:`FastLlamaRunner` where ``lean`` and :func:`supports` (and, for ``name``
-    ``"target"``, :attr:`FastLlamaRunner.targets`), else ``transformers``' forward through
-    :class:`~specdec_ext.engine.runner.CausalLMRunner`."""
-    lean = lean and supports(model) and (name != "target" or FastLlamaRunner.targets)
-    return FastLlamaRunner(model, name) if lean else CausalLMRunner(model, name)
+    """The runner of ``model``: a :class:`FastLlamaRunner` where :func:`uses_lean`, else ``transformers``' forward
+    through :class:`~specdec_ext.engine.runner.CausalLMRunner`."""
+    return FastLlamaRunner(model, name) if uses_lean(model, name, lean) else CausalLMRunner(model, name)
 
 
 class Layer(NamedTuple):

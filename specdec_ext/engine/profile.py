@@ -60,7 +60,7 @@ def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool =
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
             "target_linear": "onednn-packed" if onednn_linear.wanted(target, CausalLMRunner.packed_default) else "torch",
-            "target_runner": type(fast_llama.runner_for(target, "target", fast_target)).__name__,
+            "target_runner": "lean" if fast_llama.uses_lean(target, "target", fast_target) else "transformers",
             "target_attention": getattr(target.config, "_attn_implementation", None),
             "draft_attention": "decode_attention" if fast_llama.FastLlamaRunner.uses_attention_kernel(p.device, 1)
             else "sdpa",
@@ -355,8 +355,8 @@ def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool =
     path = (directory or cache_dir()) / "profiles" / f"{key}-batch4.json"  # 4: sizes measured on demand
     text = _read(path, BatchCosts.from_json) if not refresh and is_main_process() else None
     stored = BatchCosts.from_json(text) if text is not None else None
-    missing = [B for B in sizes if stored is None or B not in stored.sizes]
-    if not from_rank0(bool(missing)):
+    missing = from_rank0([B for B in sizes if stored is None or B not in stored.sizes])  # rank 0 read the cache
+    if not missing:
         return BatchCosts.from_json(from_rank0(text))
     log = _progress_log(progress)
     if log is not None:
