@@ -453,7 +453,7 @@ def setting_switch(owner, name: str, settings: dict) -> Callable:
 
 
 def switched_arm_script(doc: str, script: str, arms: tuple, switch: Callable, ratio: str, load: Callable,
-                        batch_sizes: str, prompts: int) -> tuple:
+                        batch_sizes: str, prompts: int, extra: Optional[Callable] = None) -> tuple:
     """``(compare, main)`` of a two-arm script whose arms differ by process-wide state that ``switch(arm)`` sets
     without the pair (e.g. ``bench/kv_cache.py``: the target runner's cache class; ``1bd1639:bench/prefill_chunks.py``: the
     prefill chunk size; :func:`setting_switch` makes such a switch): ``compare(pair, prompts, batch_size, k,
@@ -465,19 +465,19 @@ def switched_arm_script(doc: str, script: str, arms: tuple, switch: Callable, ra
                                      ratio)
 
     def main(argv=None) -> dict:
-        return two_arm_script(argv, doc.split("\n")[0], script, compare, ratio, load, batch_sizes, prompts)
+        return two_arm_script(argv, doc.split("\n")[0], script, compare, ratio, load, batch_sizes, prompts, extra)
 
     return compare, main
 
 
 def two_arm_script(argv, description: str, script: str, compare: Callable, ratio: str, load: Callable,
-                   batch_sizes: str, prompts: int) -> dict:
+                   batch_sizes: str, prompts: int, extra: Optional[Callable] = None) -> dict:
     """The command line of a script that compares two arms at several batch sizes and K (``bench/kv_cache.py``,
-    ``1bd1639:bench/attention_impl.py``): options ``--batch-sizes`` (default ``batch_sizes``), ``--ks`` (default 0,3; K = 0:
+    ``bench/target_runner.py``): options ``--batch-sizes`` (default ``batch_sizes``), ``--ks`` (default 0,3; K = 0:
     plain decoding) and :func:`add_stream_arguments`' (``--prompts`` default ``prompts``, one stream of B prompts).
     For each batch size and K, ``compare(pair, prompts, B, K, max_new_tokens, rows_per_stream)`` on the first
     HumanEval prompts with ``pair = load()``, each row printed by :func:`arms_line`. Returns (and writes to
-    ``--out`` when given) ``{"machine", "seconds", "command", "rows"}``."""
+    ``--out`` when given) ``{"machine", "seconds", "command", "rows"}`` and what ``extra(pair)`` adds (a dict)."""
     import argparse
 
     from .prompts import load_prompts
@@ -499,6 +499,8 @@ def two_arm_script(argv, description: str, script: str, compare: Callable, ratio
             print(arms_line(rows[-1], ratio), flush=True)
     result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
               "command": f"python bench/{script}.py " + " ".join(argv if argv is not None else []), "rows": rows}
+    if extra is not None:  # the script's own figures beside the rows, measured on the same pair
+        result.update(extra(pair))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result

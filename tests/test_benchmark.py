@@ -461,8 +461,10 @@ def test_target_runner_script_compares_the_lean_and_transformers_runners_on_the_
     _two_arm_rows(mod.compare, *pair, ("lean", "transformers"), "lean_over_transformers")
     assert set(made) == {"FastLlamaRunner", "CausalLMRunner"}
     assert fast_llama.FastLlamaRunner.targets is True
-    f = mod.forwards(pair[0])
+    made.clear()
+    f = mod.forwards(pair[0], context=8, reps=2)["forward"]
     assert f["lean_ms"] > 0 and f["transformers_ms"] > 0 and f["weight_read_ms"] > 0
+    assert made == ["FastLlamaRunner", "CausalLMRunner"]  # each runner timed once
 
 
 def test_budget_paired_script_runs_every_arm_on_the_same_requests():

@@ -114,9 +114,9 @@ class Layer(NamedTuple):
 
 
 class FastLlamaRunner(TimedRunner):
-    """The lean runner of a Llama, Qwen2 or Qwen3 model, draft or target (module docstring). ``packed``: run the matmuls through oneDNN with packed weights
-    (False: ``F.linear``; None: :attr:`packed_default`, and where that is None wherever
-    :func:`packed_linear_available`).
+    """The lean runner of a Llama, Qwen2 or Qwen3 model, draft or target (module docstring). ``packed``: run the
+    matmuls through oneDNN with packed weights (False: ``F.linear``; None: :attr:`packed_default`, and where that is
+    None wherever :func:`packed_linear_available`).
 
     Raises:
         ValueError: a model this runner does not reproduce (:func:`supports`), or ``packed=True`` where packed

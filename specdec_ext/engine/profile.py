@@ -257,10 +257,10 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
             measured[k] = statistics.median(full)
         raw[B] = measured
         rounds.append(_round_row(measured, max(ks)))
-        verify.append(_forward_times(target, prompt, n_max, reps, g, fast_target))
+        verify.append(forward_times(target, prompt, n_max, reps, g, fast_target))
         if wide > context:
             wide_prompt = torch.cat([torch.randint(0, V, (B, wide - context), generator=g), prompt], 1)
-            verify_wide.append(_forward_times(target, wide_prompt, n_max, reps, g, fast_target))
+            verify_wide.append(forward_times(target, wide_prompt, n_max, reps, g, fast_target))
         if log is not None:
             log(f"\r[specdec] profiling batch sizes for the verification budget: {i + 1}/{len(sizes)}")
     if log is not None:
@@ -288,8 +288,9 @@ def _round_row(measured: dict, k_max: int) -> list[float]:
     return [measured[0]] + [mm + slope * (k - mk) for k in range(1, k_max + 1)]
 
 
-def _forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g, fast_target: bool = True) -> list[float]:
-    """Median ms of the target's forward over ``[B, n]`` new tokens, n = 1 .. n_max, after reading ``prompt``."""
+def forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g, fast_target: bool = True) -> list[float]:
+    """Median ms of the target's forward over ``[B, n]`` new tokens, n = 1 .. n_max, after reading ``prompt``
+    (each forward rolled back), through the runner :func:`~specdec_ext.engine.fast_llama.runner_for` gives it."""
     from .models import vocab_size
 
     B = prompt.shape[0]

@@ -103,12 +103,12 @@ def _processed(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return logits / t.unsqueeze(1)
 
 
-def _pick(logits: torch.Tensor, temperature: torch.Tensor, philox_seed_offset: torch.Tensor) -> torch.Tensor:
-    """A token per row ``[B]``: the argmax where ``temperature`` is 0, else a draw from p = softmax(logits / T), from
-    ``philox_seed_offset`` on the device (the residual op given p as both distributions: the residual max(0, p - p)
-    is empty, and the op then draws from p itself, by inverse CDF)."""
-    greedy = logits.argmax(-1)
-    probs = _processed(logits, temperature).softmax(-1)
+def _pick(processed: torch.Tensor, temperature: torch.Tensor, philox_seed_offset: torch.Tensor) -> torch.Tensor:
+    """A token per row ``[B]`` from ``processed`` logits (:func:`_processed`): the argmax where ``temperature`` is 0,
+    else a draw from p = softmax(processed), from ``philox_seed_offset`` on the device (the residual op given p as
+    both distributions: the residual max(0, p - p) is empty, and the op then draws from p itself, by inverse CDF)."""
+    greedy = processed.argmax(-1)
+    probs = processed.softmax(-1)
     drawn = ops.residual_sample(probs, probs, philox_seed_offset=philox_seed_offset)
     return torch.where(temperature > 0, drawn, greedy)
 
@@ -160,8 +160,8 @@ def draft_steps(draft: FastLlamaRunner, cache: StaticCache, last: torch.Tensor, 
     for step in range(1, k + 1):
         logits, hidden = forward_static(draft, cache, token)
         logits = logits[:, -1]
-        cand = _pick(logits, temperature, philox_seed_offsets[step - 1])
         processed = _processed(logits, temperature)
+        cand = _pick(processed, temperature, philox_seed_offsets[step - 1])
         if head is not None:
             feats = ops.confidence_features(processed, cand, logits=True)
             feats = feats[:, head.columns] if head.columns is not None else None
