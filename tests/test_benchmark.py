@@ -467,6 +467,33 @@ def test_target_runner_script_compares_the_lean_and_transformers_runners_on_the_
     assert made == ["FastLlamaRunner", "CausalLMRunner"]  # each runner timed once
 
 
+def test_head_cost_bound_script_replays_auto_rounds_without_the_head(monkeypatch):
+    """bench/head_cost_bound.py on a tiny pair: every arm runs every prompt, the free-head arm drafts auto's recorded
+    candidate lengths round by round with the same tokens, and the summary's totals and per-step cost follow from the
+    runs by hand. A replay of other lengths is caught (the negative control)."""
+    mod = _bench_script("head_cost_bound")
+    target, draft = make_pair("llama", noise=0.3)
+    head = head_for(draft, bias=1.0, kind="proposal")
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(2, target.config.vocab_size, (1, n), generator=g) for n in (5, 9, 7)]
+    res = mod.compare(target, draft, head, ids, 24, (2, 3), k_max=8, costs=TEST_COSTS)
+    runs, lengths = res["runs"], res["lengths"]
+    assert set(runs) == {"auto", "free-head", "K=2", "K=3"} and all(set(r) == {0, 1, 2} for r in runs.values())
+    assert all(n == 24 for r in runs.values() for n, _ in r.values())
+    assert len({k for ks in lengths for k in ks}) >= 2  # auto chose among lengths: the replay has something to repeat
+    out = mod.summary(runs, lengths)
+    total = {m: 72 / sum(s for _, s in r.values()) for m, r in runs.items()}
+    assert out["best_fixed"] == max(("K=2", "K=3"), key=total.get)
+    assert out["arms"]["auto"]["total_vs_best_fixed"] == pytest.approx(total["auto"] / total[out["best_fixed"]])
+    assert out["head_steps"] == sum(map(sum, lengths))
+    assert out["head_us_per_step"] == pytest.approx((72 / total["auto"] - 72 / total["free-head"]) / out["head_steps"] * 1e6)
+
+    real = mod.ReplayedLengths.should_stop
+    monkeypatch.setattr(mod.ReplayedLengths, "should_stop", lambda self, info: real(self, info) | (info.step >= 1))
+    with pytest.raises(RuntimeError, match="free-head did not repeat the recorded rounds"):
+        mod.compare(target, draft, head, ids, 24, (2,), k_max=8, costs=TEST_COSTS)
+
+
 def test_budget_paired_script_runs_every_arm_on_the_same_requests():
     """bench/budget_paired.py on a tiny pair: arm names become policies (fixed K, the budget with its options), every
     arm runs every pass, the pooled ratios are over the best fixed K, and a bad arm name is refused, naming it."""
