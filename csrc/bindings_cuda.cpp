@@ -83,6 +83,13 @@ std::tuple<at::Tensor, at::Tensor> confidence_features_cuda(const at::Tensor& di
   return {t.out, t.code};
 }
 
+at::Tensor philox_uniforms_cuda(const at::Tensor& seed_offsets, int64_t slots, int64_t first_slot) {
+  const c10::cuda::CUDAGuard guard(seed_offsets.device());
+  PhiloxTensors t = prepare_philox(seed_offsets, slots, first_slot);
+  check_launch(cuda::philox_uniforms(t.args, at::cuda::getCurrentCUDAStream()), "philox_uniforms");
+  return t.out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
@@ -92,6 +99,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
   m.impl("residual_sample", &residual_sample_cuda);
   m.impl("acceptance_head_step", &acceptance_head_step_cuda);
   m.impl("confidence_features", &confidence_features_cuda);
+  m.impl("philox_uniforms", &philox_uniforms_cuda);
 }
 
 }  // namespace specdec

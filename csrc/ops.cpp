@@ -75,6 +75,12 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key, 
   return t.out;
 }
 
+at::Tensor philox_uniforms_cpu(const at::Tensor& seed_offsets, int64_t slots, int64_t first_slot) {
+  PhiloxTensors t = prepare_philox(seed_offsets, slots, first_slot);
+  cpu::philox_uniforms(t.args);
+  return t.out;
+}
+
 TORCH_LIBRARY(specdec_ext, m) {
   m.def(
       "chain_verify(Tensor draft_token_ids, Tensor draft_probs, Tensor target_probs, Tensor? num_draft_tokens=None, "
@@ -98,6 +104,7 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("confidence_features(Tensor dist, Tensor tokens, bool logits) -> (Tensor features, Tensor code)");
   m.def("argmax_tokens(Tensor logits) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
+  m.def("philox_uniforms(Tensor seed_offsets, int slots, int first_slot=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
@@ -109,6 +116,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("confidence_features", &confidence_features_cpu);
   m.impl("argmax_tokens", &argmax_tokens_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("philox_uniforms", &philox_uniforms_cpu);
 }
 
 }  // namespace specdec

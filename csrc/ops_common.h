@@ -237,6 +237,28 @@ inline ArgmaxTensors prepare_argmax(const at::Tensor& logits) {
   return t;
 }
 
+struct PhiloxTensors {
+  at::Tensor seed_offsets, out;
+  PhiloxArgs args;
+};
+
+// philox_uniforms: seed_offsets [B, 2] int64 -> [B, slots] float32 from counter slots first_slot .. first_slot + slots - 1.
+inline PhiloxTensors prepare_philox(const at::Tensor& seed_offsets, int64_t slots, int64_t first_slot) {
+  const char* op = "philox_uniforms";
+  SPECDEC_CHK_TYPE(seed_offsets.scalar_type() == at::kLong, op, ": seed_offsets must be int64, got ",
+                   seed_offsets.scalar_type());
+  SPECDEC_CHK_VALUE(seed_offsets.dim() == 2 && seed_offsets.size(1) == 2, op,
+                    ": seed_offsets must be [B, 2] (a seed and an offset per row), got shape ", seed_offsets.sizes());
+  SPECDEC_CHK_VALUE(slots >= 0 && first_slot >= 0 && first_slot + slots <= (int64_t(1) << 32), op,
+                    ": slots and first_slot must be >= 0 with first_slot + slots <= 2**32 (Philox counter slots), got ",
+                    slots, " and ", first_slot);
+  PhiloxTensors t;
+  t.seed_offsets = seed_offsets.contiguous();
+  t.out = at::empty({seed_offsets.size(0), slots}, seed_offsets.options().dtype(at::kFloat));
+  t.args = PhiloxArgs{seed_offsets.size(0), slots, first_slot, t.seed_offsets.data_ptr<int64_t>(), t.out.data_ptr<float>()};
+  return t;
+}
+
 struct ConfidenceTensors {
   at::Tensor dist, tokens, out, code;
   ConfidenceArgs args;

@@ -249,3 +249,20 @@ def attention_shapes(query, key, value, mask) -> tuple[int, int, int, int]:
 
 def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or type(t).__name__ == "FakeTensor"
+
+
+def philox_shapes(seed_offsets, slots: int, first_slot: int) -> int:
+    """Checks of ``philox_uniforms``; returns B."""
+    op = "philox_uniforms"
+    if not isinstance(seed_offsets, torch.Tensor):
+        raise TypeError(f"{op}: seed_offsets must be a torch.Tensor, got {type(seed_offsets).__name__}")
+    if seed_offsets.dtype != torch.int64:
+        raise TypeError(f"{op}: seed_offsets must be int64, got {seed_offsets.dtype}")
+    if seed_offsets.dim() != 2 or seed_offsets.shape[1] != 2:
+        raise ValueError(f"{op}: seed_offsets must be [B, 2] (a seed and an offset per row), got shape "
+                         f"{list(seed_offsets.shape)}")
+    if not (isinstance(slots, int) and isinstance(first_slot, int) and slots >= 0 and first_slot >= 0
+            and first_slot + slots <= 2**32):
+        raise ValueError(f"{op}: slots and first_slot must be >= 0 with first_slot + slots <= 2**32 (Philox counter "
+                         f"slots), got {slots} and {first_slot}")
+    return seed_offsets.shape[0]

@@ -62,6 +62,7 @@ __all__ = [
     "argmax_tokens",
     "decode_attention",
     "draw_philox_seed_offset",
+    "philox_uniforms",
 ]
 
 def draw_philox_seed_offset(device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -69,6 +70,30 @@ def draw_philox_seed_offset(device: torch.device, generator: Optional[torch.Gene
     gen_device = generator.device if generator is not None else torch.device(device)
     so = torch.randint(0, 2**62, (2,), dtype=torch.int64, generator=generator, device=gen_device)
     return so.to(device, non_blocking=True)
+
+
+def philox_uniforms(seed_offsets: torch.Tensor, slots: int, first_slot: int = 0) -> torch.Tensor:
+    """Uniforms from per-row Philox streams: row b's draws depend on its own (seed, offset) alone, so a sampled row
+    draws the same numbers in any batch and at any place in it (the engine's per-request randomness).
+
+    Args:
+        seed_offsets: ``[B, 2]`` int64 on the device of the result, row b's (seed, offset); a device tensor updated
+            between replays keeps the op capturable in a CUDA graph.
+        slots: n >= 0 uniforms per row; first_slot: the Philox counter slot of the first (>= 0).
+
+    Returns:
+        ``[B, n]`` float32 in (0, 1]: uniform ``[b, j]`` is Philox4x32-10 at counter (slot ``first_slot + j``, row 0,
+        offset_b) with key seed_b, the same number on CPU and CUDA as the other ops draw (module docstring), and as
+        ``reference.philox_row_uniforms``.
+
+    Raises:
+        ValueError: seed_offsets not ``[B, 2]``, slots or first_slot below 0 or past 2**32 counter slots.
+        TypeError: seed_offsets not int64.
+    """
+    if not HAS_EXTENSION:
+        return reference.philox_row_uniforms(seed_offsets, slots, first_slot)
+    checks.philox_shapes(seed_offsets, slots, first_slot)
+    return torch.ops.specdec_ext.philox_uniforms(seed_offsets, slots, first_slot)
 
 
 def _randomness(device, uniforms, philox_seed_offset, generator):
@@ -389,6 +414,11 @@ if HAS_EXTENSION:
     def _confidence_features_fake(dist, tokens, logits):
         B, _ = checks.confidence_shapes(dist, tokens, logits)
         return dist.new_empty((B, 3), dtype=torch.float32), dist.new_empty((B,), dtype=torch.int64)
+
+    @torch.library.register_fake("specdec_ext::philox_uniforms")
+    def _philox_uniforms_fake(seed_offsets, slots, first_slot=0):
+        B = checks.philox_shapes(seed_offsets, slots, first_slot)
+        return seed_offsets.new_empty((B, slots), dtype=torch.float32)
 
     @torch.library.register_fake("specdec_ext::argmax_tokens")
     def _argmax_tokens_fake(logits):

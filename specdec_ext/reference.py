@@ -34,26 +34,44 @@ def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t & _MASK, (t >> 32) + (p_hi >> 16)
 
 
-def philox_uniforms(seed: int, offset: int, batch: int, slots: int) -> torch.Tensor:
-    """Uniforms in (0, 1] from Philox4x32-10, float32 ``[batch, slots]``, equal to the kernels' draws.
+def _philox(slot: torch.Tensor, row: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Philox4x32-10 uniforms in (0, 1], float32, elementwise over int64 tensors (broadcast) of counter slot, row,
+    and 64-bit seed and offset (as unsigned values in int64, or Python ints below 2**64).
 
     Counter = (slot, row, offset_lo, offset_hi), key = (seed_lo, seed_hi); the first output word's
     top 24 bits give ``(x + 1) / 2**24``.
     """
-    seed &= (1 << 64) - 1
-    offset &= (1 << 64) - 1
-    rows = torch.arange(batch, dtype=torch.int64).view(-1, 1).expand(batch, slots)
-    cols = torch.arange(slots, dtype=torch.int64).view(1, -1).expand(batch, slots)
-    c0, c1 = cols.clone(), rows.clone()
-    c2 = torch.full_like(c0, offset & _MASK)
-    c3 = torch.full_like(c0, offset >> 32)
-    k0, k1 = seed & _MASK, seed >> 32
+    c0, c1 = torch.broadcast_tensors(slot, row)
+    c0, c1 = c0.clone(), c1.clone()
+    c2, c3 = offset & _MASK, (offset >> 32) & _MASK
+    k0, k1 = seed & _MASK, (seed >> 32) & _MASK
     for _ in range(10):
         lo0, hi0 = _mulhilo(_M0, c0)
         lo1, hi1 = _mulhilo(_M1, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
     return ((c0 >> 8) + 1).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def philox_uniforms(seed: int, offset: int, batch: int, slots: int) -> torch.Tensor:
+    """Uniforms in (0, 1] from Philox4x32-10, float32 ``[batch, slots]``, equal to the kernels' draws from one
+    (seed, offset): uniform ``[b, j]`` is counter (slot j, row b)."""
+    seed &= (1 << 64) - 1
+    offset &= (1 << 64) - 1
+    rows = torch.arange(batch, dtype=torch.int64).view(-1, 1)
+    cols = torch.arange(slots, dtype=torch.int64).view(1, -1)
+    wide = lambda v: torch.tensor(v - (1 << 64) if v >= 1 << 63 else v, dtype=torch.int64)  # noqa: E731
+    return _philox(cols, rows, wide(seed), wide(offset)).expand(batch, slots).contiguous()
+
+
+def philox_row_uniforms(seed_offsets: torch.Tensor, slots: int, first_slot: int = 0) -> torch.Tensor:
+    """Reference of ``ops.philox_uniforms``: ``[B, slots]`` float32, uniform ``[b, j]`` from row b's own stream,
+    counter (slot ``first_slot + j``, row 0) under (seed, offset) = ``seed_offsets[b]`` (``[B, 2]`` int64)."""
+    B = checks.philox_shapes(seed_offsets, slots, first_slot)
+    so = seed_offsets.detach().cpu()
+    cols = torch.arange(first_slot, first_slot + slots, dtype=torch.int64).view(1, -1)
+    out = _philox(cols, torch.zeros(1, 1, dtype=torch.int64), so[:, :1], so[:, 1:])
+    return out.expand(B, slots).contiguous().to(seed_offsets.device)
 
 
 def _uniforms(uniforms, philox_seed_offset, batch: int, slots: int) -> torch.Tensor:

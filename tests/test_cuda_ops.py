@@ -202,3 +202,15 @@ def test_argmax_tokens_cuda_equals_the_cpu_kernel(dtype):
     assert got.device.type == "cuda" and torch.equal(got.cpu(), ops.argmax_tokens(x))
     with pytest.raises(ValueError, match="V >= 1"):
         ops.argmax_tokens(torch.zeros(3, 0, device="cuda"))
+
+
+def test_philox_uniforms_cuda_equals_the_cpu_kernel():
+    so = torch.tensor([[5, 0], [5, 1], [2**62, 2**33 + 7]], dtype=torch.int64)
+    got = ops.philox_uniforms(so.cuda(), 300, first_slot=4096)
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), ops.philox_uniforms(so, 300, first_slot=4096))
+    graph, buf = torch.cuda.CUDAGraph(), so.cuda()
+    with torch.cuda.graph(graph):  # the streams are read from device memory: a replay follows the buffer
+        out = ops.philox_uniforms(buf, 8)
+    buf[:, 1] += 1
+    graph.replay()
+    assert torch.equal(out.cpu(), ops.philox_uniforms(buf.cpu(), 8))

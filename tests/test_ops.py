@@ -62,6 +62,38 @@ def test_philox_reference_known_properties():
     assert not torch.equal(reference.philox_uniforms(1, 2, 1, 8), reference.philox_uniforms(1, 3, 1, 8))
 
 
+def test_philox_row_streams_match_the_reference_and_do_not_depend_on_the_batch():
+    """Per-row streams: each row's uniforms equal the reference's, and a row's draws are the same alone, at another
+    place in a batch, or beside other rows; the kernels' one-(seed, offset) draws are that stream's counter (slot,
+    row), so row 0 of a call drawing from (seed, offset) matches slot for slot."""
+    so = torch.tensor([[7, 0], [7, 1], [2**63 + 5 - 2**64, 2**40 + 3], [11, 4]], dtype=torch.int64)
+    got = ops.philox_uniforms(so, 9, first_slot=5)
+    assert got.shape == (4, 9) and got.dtype == torch.float32
+    assert torch.equal(got, reference.philox_row_uniforms(so, 9, 5))
+    assert bool((got > 0).all()) and bool((got <= 1).all())
+    for b in range(4):
+        assert torch.equal(ops.philox_uniforms(so[b : b + 1], 9, 5)[0], got[b])
+        assert torch.equal(ops.philox_uniforms(so.flip(0), 9, 5)[3 - b], got[b])
+    assert torch.equal(ops.philox_uniforms(so, 14)[:, 5:], got)  # slots are counters: a wider draw extends it
+    assert torch.equal(got[0], reference.philox_uniforms(7, 0, 1, 14)[0, 5:])
+    assert not torch.equal(got[0], got[1]) and abs(float(ops.philox_uniforms(so, 4000).mean()) - 0.5) < 0.02
+    assert ops.philox_uniforms(so, 0).shape == (4, 0)
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (torch.zeros(3, dtype=torch.int64), ValueError, r"seed_offsets must be \[B, 2\]"),
+    (torch.zeros(3, 2, dtype=torch.int32), TypeError, "seed_offsets must be int64"),
+])
+def test_philox_uniforms_refuses_bad_seed_offsets(bad, err, match):
+    for fn in (ops.philox_uniforms, reference.philox_row_uniforms):
+        with pytest.raises(err, match=match):
+            fn(bad, 4)
+    with pytest.raises(ValueError, match="first_slot"):
+        ops.philox_uniforms(torch.zeros(2, 2, dtype=torch.int64), 4, first_slot=2**32 - 2)
+    with pytest.raises(ValueError, match="first_slot"):
+        torch.ops.specdec_ext.philox_uniforms(torch.zeros(2, 2, dtype=torch.int64), -1, 0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,K,V", [(8, 1, 5), (12, 4, 257), (16, 8, 32000)])
 def test_chain_verify_logits_matches_reference(dtype, B, K, V):
@@ -196,6 +228,7 @@ def test_opcheck_every_op():
                               (*head_args(B=3, F=F), torch.ones(3), 2, 2, 20, 0.5))
     features_only = (None, *head_args(B=3, F=3)[1:])
     torch.library.opcheck(torch.ops.specdec_ext.acceptance_head_step.default, (*features_only, torch.ones(3), 2, 2, 20, 0.5))
+    torch.library.opcheck(torch.ops.specdec_ext.philox_uniforms.default, (torch.tensor([[1, 2], [3, 4]]), 5, 7))
 
 
 def test_ops_under_torch_compile():
@@ -208,6 +241,9 @@ def test_ops_under_torch_compile():
     out, num = f(ids, q, p, n, u)
     want = reference.chain_verify(ids, q, p, n, u)
     assert torch.equal(out, want[0]) and torch.equal(num, want[1])
+    so = torch.tensor([[3, 1], [3, 2]])
+    drawn = torch.compile(lambda t: ops.philox_uniforms(t, 6, 2), fullgraph=True, backend="aot_eager")(so)
+    assert torch.equal(drawn, reference.philox_row_uniforms(so, 6, 2))
 
 
 # ------------------------------------------------------------------------------- bad input

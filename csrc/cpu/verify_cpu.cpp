@@ -542,6 +542,15 @@ static void argmax_tokens_impl(const ArgmaxArgs& a) {
 }
 
 void argmax_tokens(const ArgmaxArgs& a) { SPECDEC_DISPATCH(a.dtype, argmax_tokens_impl, a); }
+
+void philox_uniforms(const PhiloxArgs& a) {
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const uint64_t seed = static_cast<uint64_t>(a.seed_offsets[2 * b]);
+    const uint64_t offset = static_cast<uint64_t>(a.seed_offsets[2 * b + 1]);
+    for (int64_t j = 0; j < a.slots; ++j)
+      a.out[b * a.slots + j] = philox_uniform(seed, offset, 0u, static_cast<uint32_t>(a.first_slot + j));
+  }
+}
 void residual_sample(const ResidualArgs& a) { SPECDEC_DISPATCH(a.dtype, residual_sample_impl, a); }
 
 // The acceptance head runs layer by layer over the whole batch, the threads splitting each weight matrix's

@@ -11,5 +11,6 @@ void argmax_tokens(const ArgmaxArgs& a);
 void residual_sample(const ResidualArgs& a);
 void acceptance_head_step(const HeadArgs& a);
 void confidence_features(const ConfidenceArgs& a);
+void philox_uniforms(const PhiloxArgs& a);
 }  // namespace cpu
 }  // namespace specdec

@@ -23,5 +23,6 @@ cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t stream);
 int64_t acceptance_head_workspace(int64_t batch, int64_t hidden_size, int64_t num_layers);
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t stream);
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t stream);
+cudaError_t philox_uniforms(const PhiloxArgs& a, cudaStream_t stream);
 }  // namespace cuda
 }  // namespace specdec

@@ -610,6 +610,15 @@ __global__ void __launch_bounds__(kThreads) confidence_kernel(ConfidenceArgs a) 
   }
 }
 
+// One thread per uniform: out[b, j] from row b's own (seed, offset), read from device memory (capturable).
+__global__ void philox_uniforms_kernel(PhiloxArgs a) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= a.batch * a.slots) return;
+  const int64_t b = i / a.slots, j = i % a.slots;
+  a.out[i] = philox_uniform(static_cast<uint64_t>(a.seed_offsets[2 * b]), static_cast<uint64_t>(a.seed_offsets[2 * b + 1]),
+                            0u, static_cast<uint32_t>(a.first_slot + j));
+}
+
 template <template <typename> class Kernel, typename Args>
 cudaError_t launch(const Args& a, DType dtype, size_t smem, cudaStream_t stream) {
   if (a.batch == 0) return cudaSuccess;
@@ -644,6 +653,12 @@ cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t s) { return la
 cudaError_t chain_verify_greedy(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyGreedyK>(a, a.dtype, 0, s); }
 cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t s) { return launch<ResidualK>(a, a.dtype, 0, s); }
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t s) { return launch<ConfidenceK>(a, a.dtype, 0, s); }
+cudaError_t philox_uniforms(const PhiloxArgs& a, cudaStream_t s) {
+  const int64_t n = a.batch * a.slots;
+  if (n == 0) return cudaSuccess;
+  philox_uniforms_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
 int64_t acceptance_head_workspace(int64_t batch, int64_t hidden_size, int64_t num_layers) {
   const char* force = std::getenv("SPECDEC_HEAD_KERNEL");
   bool split = num_layers > 0 && hidden_size >= kHeadSplitWidth;

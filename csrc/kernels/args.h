@@ -30,6 +30,14 @@ struct VerifyArgs {
   bool validate;                // check every row the op may read (0..n_b), not only those it does read
 };
 
+// philox_uniforms: per-row Philox streams, out[b, j] = philox_uniform(seed_b, offset_b, 0, first_slot + j), so a row's
+// draws depend on its own (seed, offset) alone, never on its place in the batch.
+struct PhiloxArgs {
+  int64_t batch, slots, first_slot;  // B, n, the first counter slot
+  const int64_t* seed_offsets;       // [B, 2]: (seed, offset) of each row
+  float* out;                        // [B, n] uniforms in (0, 1]
+};
+
 // argmax_tokens: the first index of each row's maximum (NaN counts as the maximum, as in torch.argmax).
 struct ArgmaxArgs {
   DType dtype;                  // of logits
