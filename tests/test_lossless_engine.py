@@ -10,7 +10,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.engine.sampling import SamplingConfig, process_logits
+from specdec_ext.engine.sampling import SamplingConfig, process_logits, sample_with_uniforms
 from models import make_pair
 from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen
@@ -72,3 +72,34 @@ def test_chi_square_tells_draft_from_target(pair_and_marginals):
         stat, df, thr = chi_square(toks[:, i], marg[SamplingConfig(1.0)][i])
         failures += stat > thr
     assert failures >= 1, "the chi-square test cannot tell the draft's distribution from the target's"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_row_masks_equal_the_call_wide_processing(seed):
+    """Rows of one batch with their own temperature, top-k and top-p: each row's processed distribution equals
+    process_logits at its own settings (greedy rows: softmax at temperature 1, unmasked), and draws with given
+    uniforms equal the call-wide sampler's."""
+    from specdec_ext.engine.sampling import RowSampling, draw_tokens, mask_logits, row_probs
+
+    g = torch.Generator().manual_seed(seed)
+    V = 50
+    logits = torch.randn(5, V, generator=g) * 3
+    logits[1, :10] = float("-inf")  # masked tokens in a row stay masked
+    configs = [SamplingConfig(0.7, 5, None), SamplingConfig(1.0, None, 0.8), SamplingConfig(0.0, 3, 0.5),
+               SamplingConfig(1.3, 7, 0.9), SamplingConfig(1.0, None, None)]
+    rows = RowSampling.of(configs, V, "cpu")
+    assert rows.masks and not rows.greedy
+    masked = mask_logits(logits, rows)
+    q = row_probs(masked, rows)
+    u = torch.rand(5, generator=g).clamp_min(1e-6)
+    got = draw_tokens(masked, rows, u)
+    for b, cfg in enumerate(configs):
+        want = torch.softmax(logits[b], -1) if cfg.greedy else process_logits(logits[b : b + 1], cfg)[0]
+        torch.testing.assert_close(q[b], want, rtol=1e-5, atol=1e-7)
+        wanted = int(logits[b].argmax()) if cfg.greedy else int(sample_with_uniforms(want.view(1, -1), u[b : b + 1]))
+        assert int(got[b]) == wanted
+    plain = RowSampling.of([SamplingConfig(0.0)] * 2, V, "cpu")
+    assert plain.greedy and not plain.masks and torch.equal(mask_logits(logits[:2], plain), logits[:2])
+    assert torch.equal(draw_tokens(logits[:2], plain, u[:2]), logits[:2].argmax(-1))
+    three = mask_logits(logits.unsqueeze(1).expand(5, 3, V), rows)  # [B, n, V]: each position as the row's
+    assert torch.equal(three, masked.unsqueeze(1).expand(5, 3, V))

@@ -64,3 +64,70 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     thr = (u.double().to(probs.device) * cum[:, -1]).unsqueeze(-1)
     idx = torch.searchsorted(cum, thr).squeeze(-1)
     return idx.clamp_max(probs.shape[-1] - 1)
+
+
+@dataclass
+class RowSampling:
+    """Each row's sampling settings as device tensors, for batches whose rows decode differently (requests of a
+    continuous batch): ``temperature`` ``[B]`` float32 (0: greedy), ``top_k`` ``[B]`` int64 (V: off) and ``top_p``
+    ``[B]`` float32 (1: off); greedy rows have neither. ``greedy`` (every row greedy) and ``masks`` (some row has
+    top-k or top-p) are known on the host when the batch is formed, so the steps skip what no row needs."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: bool
+    masks: bool
+
+    @classmethod
+    def of(cls, configs: list, vocab: int, device) -> "RowSampling":
+        """The rows' :class:`SamplingConfig` s as tensors on ``device``."""
+        t = [c.temperature for c in configs]
+        k = [vocab if c.greedy or c.top_k is None else min(c.top_k, vocab) for c in configs]
+        p = [1.0 if c.greedy or c.top_p is None else c.top_p for c in configs]
+        return cls(torch.tensor(t, dtype=torch.float32, device=device), torch.tensor(k, dtype=torch.int64, device=device),
+                   torch.tensor(p, dtype=torch.float32, device=device), all(c.greedy for c in configs),
+                   any(kk < vocab for kk in k) or any(pp < 1.0 for pp in p))
+
+
+def mask_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """``logits`` ``[B, V]`` or ``[B, n, V]`` with ``-inf`` outside each row's top-k, then top-p, set (HF's order, at
+    the row's temperature, as :func:`process_logits`), float32; ``softmax(masked / T_b)`` is then row b's processed
+    distribution. Rows without top-k and top-p, and every row when no row has them, keep their logits. Fixed shapes,
+    no host synchronisation (capturable)."""
+    x = logits.float()
+    if not rows.masks:
+        return x
+    lead = (-1,) + (1,) * (x.dim() - 1)
+    t = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature)).view(lead)
+    z = (x - x.amax(-1, keepdim=True)) / t
+    V = x.shape[-1]
+    sz, order = torch.sort(z, dim=-1)  # ascending
+    kth = sz.gather(-1, (V - rows.top_k).view(lead).expand(*z.shape[:-1], 1))
+    sz = sz.masked_fill(sz < kth, float("-inf"))
+    cum = torch.softmax(sz, -1).cumsum(-1)
+    remove_sorted = cum <= (1.0 - rows.top_p).view(lead)
+    remove_sorted[..., -1] = False  # keep at least the most likely token
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return x.masked_fill((z < kth) | remove, float("-inf"))
+
+
+def row_probs(masked: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """Each row's processed distribution ``[B, V]`` float32 from :func:`mask_logits`' output: softmax at the row's
+    temperature (temperature 1 for greedy rows, the distribution their confidence features read)."""
+    t = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
+    return torch.softmax(masked / t.unsqueeze(-1), -1)
+
+
+def draw_tokens(masked: torch.Tensor, rows: RowSampling, u: torch.Tensor,
+                probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A token per row ``[B]`` int64 from :func:`mask_logits`' output ``[B, V]``: the argmax (``ops.argmax_tokens``)
+    for greedy rows, an inverse-CDF draw with uniform ``u[b]`` in (0, 1] from the row's processed distribution
+    (``probs``, or :func:`row_probs`) for the others."""
+    from .. import ops
+
+    greedy = ops.argmax_tokens(masked)
+    if rows.greedy:
+        return greedy
+    drawn = sample_with_uniforms(row_probs(masked, rows) if probs is None else probs, u)
+    return torch.where(rows.temperature > 0, drawn, greedy)

@@ -1,0 +1,255 @@
+"""The lean model: a Llama, Qwen2 or Qwen3 causal LM's weights prepared once, and one forward over a static KV cache.
+
+A small model's step is dominated by per-module Python and dispatcher overhead, not arithmetic (on the bundled
+pair the 2 x 256 draft spends about 1 ms per token in ``transformers``' forward for about 0.1 ms of work, and the
+8 x 512 target 7-11 ms for about 2 ms of weight reads). :class:`LeanModel` computes the same function with a handful
+of fused matmuls per layer (QKV and gate/up concatenated at load, as gpt-fast's ``model.py``), reading the model's
+own weights, over a :class:`~specdec_ext.engine.cache.StaticCache`. Its forward has what CUDA-graph capture needs:
+no host synchronisation, no shape that depends on data, writes into preallocated buffers at positions computed on
+the device.
+
+On a CPU the matmuls go through oneDNN with weights packed once (``torch.ops.mkldnn._linear_pointwise``): at the
+few rows of a decoding step, torch's default ``F.linear`` (MKL's sgemm) is far from the hardware's speed on some
+processors (an fp32 ``[4, 256] x [256, 8192]`` LM-head matmul: 0.8-1.2 ms through ``F.linear``, 0.12 ms packed, on a
+2-core AMD EPYC; ``1bd1639:docs/results/draft_linear.json``), and attention runs through ``ops.decode_attention``
+for decode steps and verifications. The prepared weights are kept per model and rebuilt when a weight changes.
+
+It computes the distribution the model defines in another order of operations than ``transformers``' modules: in
+float32 the greedy tokens equal ``transformers``' ``generate()`` (tested), in bfloat16 near-ties may round either
+way, as between any two kernels. Plain decoding and speculation run the same forward, so speculation is lossless
+with respect to it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from . import onednn_linear
+from .attention import kernel_takes
+from .cache import StaticCache
+from .runner import sliding_layout, usable_device
+from .tensor_parallel import tp_size
+
+# model -> {packed: (fingerprint of its weights, the prepared weights)}: packing costs a few ms
+_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")  # Qwen2: biases on q, k, v; Qwen3: RMSNorm of each head's q and k
+
+Rows = Union[None, slice, torch.Tensor]
+
+
+def supports(model) -> bool:
+    """True for the causal LMs the lean model reproduces: Llama, Qwen2 and Qwen3 (SiLU MLP without biases, an output
+    projection without bias, static RoPE, no sliding-window layers), loaded on one device in one process (not
+    spread by ``device_map``, not tensor-parallel)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in MODEL_TYPES:
+        return False
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return False
+    if tp_size(model) != 1:
+        return False
+    if getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+        return False
+    if cfg.model_type == "llama" and getattr(cfg, "attention_bias", False):
+        return False
+    try:
+        if sliding_layout(model) is not None:
+            return False
+    except ValueError:
+        return False
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if "dynamic" in str(rope.get("rope_type", "default")):
+        return False
+    return hasattr(model, "model") and hasattr(model.model, "rotary_emb")
+
+
+packed_linear_available = onednn_linear.available
+
+
+def uses_packed(device: torch.device, dtype: torch.dtype, packed: Optional[bool] = None) -> bool:
+    """Whether a :class:`LeanModel` made with ``packed`` for a model of ``dtype`` on ``device`` uses packed weights
+    (the profile's cache key records it: the two cost differently)."""
+    if packed is None:
+        packed = LeanModel.packed_default
+    return packed_linear_available(device, dtype) if packed is None else bool(packed)
+
+
+def _fingerprint(model) -> tuple:
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+
+
+class Layer(NamedTuple):
+    """One decoder layer's weights as the lean model reads them (QKV and gate/up concatenated; packed for oneDNN
+    where it packs): ``qkv_bias`` (Qwen2) and ``q_norm`` / ``k_norm`` (Qwen3) are None where absent."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LeanModel:
+    """A Llama, Qwen2 or Qwen3 model's prepared weights and its forward over a static cache (module docstring).
+    ``packed``: run the matmuls through oneDNN with packed weights (False: ``F.linear``; None: :attr:`packed_default`,
+    and where that is None wherever oneDNN has a packed path for the model's dtype).
+
+    Raises:
+        ValueError: a model it does not reproduce (:func:`supports`), a model on the meta device, or ``packed=True``
+            where packed weights are not available."""
+
+    packed_default: Optional[bool] = None  # what packed=None means, for every lean model (e.g. False to compare)
+    attention_kernel: bool = True  # ops.decode_attention where it can serve; False: SDPA
+
+    def __init__(self, model, name: str = "draft", packed: Optional[bool] = None):
+        if not supports(model):
+            raise ValueError(f"the {name} model ({type(model).__name__}) is not a Llama, Qwen2 or Qwen3 model the lean "
+                             "forward reproduces (one device, no sliding-window layers)")
+        cfg = model.config
+        self.model, self.name = model, name
+        base = model.model
+        self.device = usable_device(model, name)
+        self.dtype = base.embed_tokens.weight.dtype
+        if packed and not packed_linear_available(self.device, self.dtype):
+            raise ValueError(f"LeanModel: packed=True needs a CPU float32/bfloat16 model and a torch with oneDNN "
+                             f"(bfloat16: a CPU with oneDNN's bf16 path) (got {self.dtype} on {self.device}, oneDNN "
+                             f"available: {torch.backends.mkldnn.is_available()})")
+        self.packed = uses_packed(self.device, self.dtype, packed)
+        self._linear: Callable = onednn_linear.linear if self.packed else F.linear
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_pos = cfg.max_position_embeddings
+        self.embed = base.embed_tokens.weight
+        self.final_norm = base.norm.weight
+        self.layers, self.lm_head, self.cos, self.sin = self._prepare(model)
+
+    def _prepare(self, model) -> tuple:
+        """The per-layer weights (QKV and gate/up concatenated, packed when ``packed``), the LM head and the RoPE
+        tables, kept per model while its weights stay the same tensors at the same version."""
+        kept = _PREPARED.setdefault(model, {})  # packed -> (fingerprint, prepared): both kinds, for side-by-side runs
+        key = _fingerprint(model)
+        hit = kept.get(self.packed)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        pack = onednn_linear.pack if self.packed else (lambda w: w)
+        base = model.model
+        with torch.no_grad():
+            layers = []
+            for layer in base.layers:
+                a, m = layer.self_attn, layer.mlp
+                biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+                layers.append(Layer(
+                    layer.input_layernorm.weight,
+                    pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()),
+                    torch.cat(biases, 0) if all(b is not None for b in biases) else None,
+                    a.q_norm.weight if hasattr(a, "q_norm") else None,
+                    a.k_norm.weight if hasattr(a, "k_norm") else None,
+                    pack(a.o_proj.weight),
+                    layer.post_attention_layernorm.weight,
+                    pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous()),
+                    pack(m.down_proj.weight),
+                ))
+            lm_head = pack(model.get_output_embeddings().weight)
+            pos = torch.arange(self.max_pos, device=self.device).unsqueeze(0)
+            cos, sin = base.rotary_emb(self.embed[:1].unsqueeze(0), pos)
+            prepared = (layers, lm_head, cos[0].to(self.dtype), sin[0].to(self.dtype))  # cos/sin [max_pos, head_dim]
+        kept[self.packed] = (key, prepared)
+        return prepared
+
+    def cache(self, slots: int, max_len: int) -> StaticCache:
+        """An empty :class:`StaticCache` of ``slots`` rows and ``max_len`` columns for this model.
+
+        Raises ValueError for a ``max_len`` beyond the model's positions."""
+        if max_len > self.max_pos:
+            raise ValueError(f"max_len must be at most the {self.name} model's {self.max_pos} positions, got {max_len}")
+        return StaticCache(len(self.layers), slots, self.n_kv, max_len, self.head_dim, self.dtype, self.device)
+
+    def _rms(self, x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    @staticmethod
+    def _rope(x, cos, sin):  # x [B, h, n, d]; cos/sin [B, 1, n, d]
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """A layer's queries, keys and values ``[B, heads, n, d]`` from its input ``x`` ``[B, n, H]``: input norm,
+        the fused projection (and its bias), each head's q / k norm where the model has them, RoPE."""
+        B, n, _ = x.shape
+        hq, hk, d = self.n_heads, self.n_kv, self.head_dim
+        y = self._linear(self._rms(x, layer.input_norm), layer.qkv)
+        if layer.qkv_bias is not None:
+            y = y + layer.qkv_bias
+        y = y.view(B, n, hq + 2 * hk, d).transpose(1, 2)
+        q, k, v = y[:, :hq], y[:, hq: hq + hk], y[:, hq + hk:]
+        if layer.q_norm is not None:
+            q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def block_out(self, layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``x`` ``[B, n, H]`` and attention output ``attn`` ``[B, n, heads, d]``:
+        the output projection's residual, then the SiLU MLP's."""
+        B, n, _ = x.shape
+        x = x + self._linear(attn.reshape(B, n, self.n_heads * self.head_dim), layer.o)
+        g, u = self._linear(self._rms(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return x + self._linear(F.silu(g) * u, layer.down)
+
+    def forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows = None, keep: int = 1,
+                width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over ``tokens`` ``[b, n]`` int64, row i's at positions ``lengths[s_i] .. lengths[s_i] + n - 1`` of
+        its slot s_i: the slots ``0 .. b - 1`` (``rows`` None), a ``slice`` of them, or an index tensor ``[b]``.
+
+        Writes the tokens' keys and values into ``cache`` and advances those slots' lengths by n. ``width``: the
+        columns attention reads, at least every row's length after the forward (None: the whole cache, which compiled
+        and captured steps use; eager calls pass the widest row's, known on the host). A row that would pass the
+        cache's end writes its last column again (the engine sizes the cache; such rows are dead).
+
+        Returns float32 logits ``[b, keep, V]`` of the last ``keep`` positions and the final norm's output there
+        ``[b, keep, H]`` (the LM head's input, which acceptance heads read)."""
+        b, n = tokens.shape
+        M = cache.max_len
+        W = M if width is None else width
+        index = rows if isinstance(rows, torch.Tensor) else None
+        span = slice(0, b) if rows is None else rows
+        lengths = cache.lengths[index] if index is not None else cache.lengths[span]
+        pos = (lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)).clamp_max(M - 1)  # [b, n]
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [b, 1, n, d]
+        cols = torch.arange(W, device=tokens.device)
+        mask = (cols.view(1, 1, W) <= pos.unsqueeze(2)).unsqueeze(1)  # [b, 1, n, W]: causal, per row
+        slot = (index if index is not None else torch.arange(span.start, span.start + b, device=tokens.device))
+        slot = slot.view(b, 1).expand(b, n)
+        kernel = self.attention_kernel and kernel_takes(tokens.device, n)
+        x = F.embedding(tokens, self.embed)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.qkv(layer, x, cos, sin)
+            kc, vc = cache.k[li], cache.v[li]
+            kc[slot, :, pos] = k.transpose(1, 2)  # [b, n, kv, d] into columns pos of each row's slot
+            vc[slot, :, pos] = v.transpose(1, 2)
+            keys = (kc[index] if index is not None else kc[span])[:, :, :W]
+            values = (vc[index] if index is not None else vc[span])[:, :, :W]
+            if kernel:  # [b, n, hq, d]
+                o = ops.decode_attention(q, keys, values, mask, self.head_dim ** -0.5)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                   enable_gqa=self.n_heads != self.n_kv).transpose(1, 2)
+            x = self.block_out(layer, x, o)
+        hn = self._rms(x[:, -keep:], self.final_norm)
+        if index is not None:
+            cache.lengths.index_add_(0, index, torch.full_like(index, n))
+        else:
+            cache.lengths[span] += n
+        return self._linear(hn, self.lm_head).float(), hn
