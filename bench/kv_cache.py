@@ -14,20 +14,20 @@ from __future__ import annotations
 from transformers import DynamicCache
 
 from specdec_ext.benchmark import setting_switch, switched_arm_script
-from specdec_ext.engine.fast_llama import FastLlamaRunner
+from specdec_ext.engine.backends import LeanBackend
 from specdec_ext.engine.kv_cache import GrowingCache
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.zoo import load_pair
 
 CACHES = {"in-place": GrowingCache, "cat": DynamicCache}
-_cache = setting_switch(CausalLMRunner, "cache_class", CACHES)  # the generator makes its target runner per call
+_cache = setting_switch(CausalLMRunner, "cache_class", CACHES)  # read when a call starts its target runner
 
 
 def use(arm) -> None:
     """The arm's cache class for the transformers target runners made from now on; both arms run the target through
-    transformers' forward (the lean runner has its own buffers). None: the defaults again."""
+    transformers' forward (the lean model has its static cache). None: the defaults again."""
     _cache(arm)
-    FastLlamaRunner.targets = arm is None
+    LeanBackend.targets = arm is None
 
 # compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)
 compare, main = switched_arm_script(

@@ -5,8 +5,8 @@ For the bundled pair in one process, greedy, continuous batching of HumanEval pr
 stream by stream (``benchmark.alternate_streams``), for plain decoding and fixed K at each batch size: aggregate
 tokens/s, the ratio packed / F.linear, and the share of requests with the same tokens (the two compute the same
 function up to rounding, about 1e-5 relative in float32, so a near-tie of the target could flip a token). The lean
-draft runner packs its own weights in both arms; the target runs through transformers' forward in both
-(``FastLlamaRunner.targets = False``). The packed arm packs a bf16 target even where the runner's default
+draft packs its own weights in both arms; the target runs through transformers' forward in both
+(``LeanBackend.targets = False``). The packed arm packs a bf16 target even where the runner's default
 would not (a CPU without oneDNN's bf16 path raises there).
 
     python bench/target_linear.py --out docs/results/target_linear_bf16_amx.json   # about 15 minutes
@@ -16,7 +16,7 @@ would not (a CPU without oneDNN's bf16 path raises there).
 from __future__ import annotations
 
 from specdec_ext.benchmark import switched_arm_script
-from specdec_ext.engine.fast_llama import FastLlamaRunner
+from specdec_ext.engine.backends import LeanBackend
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.zoo import load_pair
 
@@ -24,10 +24,9 @@ RUNNERS = {"packed": True, "F.linear": False}  # True also where the default wou
 
 
 def use(arm) -> None:
-    """The arm's packing for the target runners made from now on (the generator makes one per call); None: the
-    runner's own default again."""
+    """The arm's packing for the target runners made from now on; None: the runner's own default again."""
     CausalLMRunner.packed_default = None if arm is None else RUNNERS[arm]
-    FastLlamaRunner.targets = arm is None  # both arms run the target through transformers' forward
+    LeanBackend.targets = arm is None  # both arms run the target through transformers' forward
 
 
 # compare(pair, prompts, batch_size, k, max_new_tokens, rows_per_stream): tokens/s of both arms; main(argv)

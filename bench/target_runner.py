@@ -1,6 +1,6 @@
-"""The target's runner: the lean Llama runner (``engine/fast_llama.py``: fused weights, preallocated KV cache) against
-transformers' forward (``engine/runner.CausalLMRunner``, its linear layers oneDNN-packed on a CPU and its cache
-appending in place), end to end.
+"""The target's backend: the lean model over a static KV cache (``engine/model.py``: fused weights, a slot per row)
+against transformers' forward (``engine/runner.CausalLMRunner``, its linear layers oneDNN-packed on a CPU and its
+cache appending in place), end to end.
 
 For the bundled pair in one process, greedy, continuous batching of HumanEval prompts, the two arms alternating
 stream by stream (``benchmark.alternate_streams``), for plain decoding and fixed K at each batch size: aggregate
@@ -20,7 +20,7 @@ import time
 import torch
 
 from specdec_ext.benchmark import switched_arm_script
-from specdec_ext.engine.fast_llama import FastLlamaRunner
+from specdec_ext.engine.backends import LeanBackend
 from specdec_ext.engine.profile import forward_times
 from specdec_ext.zoo import load_pair
 
@@ -28,8 +28,8 @@ ARMS = ("lean", "transformers")
 
 
 def use(arm) -> None:
-    """The arm's target runner for the generator's calls from now on; None: the default (lean) again."""
-    FastLlamaRunner.targets = arm != "transformers"
+    """The arm's target backend for the backends made from now on; None: the default (lean) again."""
+    LeanBackend.targets = arm != "transformers"
 
 
 def weight_read_ms(model, reps: int = 20) -> float:
@@ -47,7 +47,7 @@ def weight_read_ms(model, reps: int = 20) -> float:
 
 
 def forwards(pair, context: int = 128, reps: int = 50) -> dict:
-    """The target's one-token forward through each runner after a ``context``-token prompt, batch size 1 (medians of
+    """The target's one-token forward through each backend after a ``context``-token prompt, batch size 1 (medians of
     ``reps``, the profiler's timing), and its weight-read time (ms)."""
     prompt = torch.randint(0, pair.target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     lean, hf = (forward_times(pair.target, prompt, 1, reps, torch.Generator().manual_seed(1), fast_target)[0]

@@ -1,10 +1,11 @@
-"""The static decode path against the engine and transformers' static-cache generate(), one request at a time.
+"""The engine's steps eager and compiled against transformers' static-cache generate(), one request at a time.
 
-Greedy, the bundled pair, the first N HumanEval prompts: the engine's plain decoding and fixed K, the static
-speculator (``engine/static.py``) eager and with its steps compiled (on CUDA ``mode="reduce-overhead"``: CUDA
-graphs, as gpt-fast captures decoding), and transformers' ``generate(cache_implementation="static")``; tokens/s
-over all prompts, and each method's share of prompts with plain decoding's text. Part of ``scripts/gpu_check.sh``;
-runs on a CPU too (the compiled arm then uses inductor's CPU code).
+Greedy, the bundled pair, the first N HumanEval prompts: the engine's plain decoding and fixed K with eager steps,
+fixed K with its steps compiled over padded batch buckets (``engine/round.StepRunner``; on CUDA
+``mode="reduce-overhead"``: CUDA graphs, as gpt-fast captures decoding), and transformers'
+``generate(cache_implementation="static")``; tokens/s over all prompts, and each method's share of prompts with
+plain decoding's text. Part of ``scripts/gpu_check.sh``; runs on a CPU too (the compiled arm then uses inductor's
+CPU code).
 
     python scripts/gpu_static.py --device cuda --prompts 16 --max-new-tokens 64 --out gpu_check/static.json
 """
@@ -22,7 +23,8 @@ import torch
 def main(argv=None) -> dict:
     from specdec_ext import SpeculativeGenerator
     from specdec_ext.benchmark import machine_description
-    from specdec_ext.engine.static import StaticSpeculator, draft_steps, verify_step
+    from specdec_ext.engine.model import LeanModel
+    from specdec_ext.engine.round import StepRunner
     from specdec_ext.prompts import load_prompts
     from specdec_ext.zoo import load_pair
 
@@ -43,12 +45,13 @@ def main(argv=None) -> dict:
 
     engine_plain = SpeculativeGenerator(pair.target, None, policy="autoregressive")
     engine_k = SpeculativeGenerator(pair.target, pair.draft, policy="fixed", k=args.k)
-    max_len = max(p.shape[1] for p in prompts) + args.max_new_tokens + args.k + 2  # one cache shape for every prompt
-    static = StaticSpeculator(pair.target, pair.draft, k=args.k, max_len=max_len)
-    compiled = StaticSpeculator(pair.target, pair.draft, k=args.k, packed=False, max_len=max_len)
     mode = "reduce-overhead" if cuda else "default"
-    compiled.draft_steps = torch.compile(draft_steps, mode=mode, fullgraph=True)
-    compiled.verify_step = torch.compile(verify_step, mode=mode, fullgraph=True)
+    compiled = SpeculativeGenerator(pair.target, pair.draft, policy="fixed", k=args.k, early_exit=False)
+    compiled.steps = StepRunner((1,), compile=True, mode=mode)
+    packed, LeanModel.packed_default = LeanModel.packed_default, False  # inductor traces F.linear, not oneDNN's packs
+    longest = max(prompts, key=lambda p: p.shape[1])  # its caches sized once, for the longest request: no recompiling
+    compiled.generate(longest, max_new_tokens=args.max_new_tokens, temperature=0)  # backends made now: F.linear
+    LeanModel.packed_default = packed
     n = args.max_new_tokens
 
     def hf_static(ids):
@@ -59,8 +62,8 @@ def main(argv=None) -> dict:
     methods = {
         "engine plain": lambda ids: engine_plain.generate(ids, max_new_tokens=n, temperature=0).new_tokens[0],
         f"engine fixed K={args.k}": lambda ids: engine_k.generate(ids, max_new_tokens=n, temperature=0).new_tokens[0],
-        f"static K={args.k}": lambda ids: static.generate(ids, max_new_tokens=n)[0],
-        f"static K={args.k}, compiled ({mode})": lambda ids: compiled.generate(ids, max_new_tokens=n)[0],
+        f"engine fixed K={args.k}, steps compiled ({mode})":
+            lambda ids: compiled.generate(ids, max_new_tokens=n, temperature=0).new_tokens[0],
         "transformers generate, static cache": hf_static,
     }
     warm = {}

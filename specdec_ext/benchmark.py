@@ -416,19 +416,20 @@ def compare_switched_arms(pair, prompts: list, batch_size: int, k: int, max_new_
                           arms: tuple, switch: Callable, ratio: str) -> dict:
     """Two arms that differ by process-wide state (a runner's class attribute, a model's attention), greedy, fixed
     K = ``k`` (0: plain decoding) at ``batch_size``, the arms alternating stream by stream (:func:`alternate_streams`).
-    ``switch(arm)`` sets an arm's state before each of its calls (the generator makes its runners per call);
-    ``switch(None)`` restores the default afterwards, also on an error.
+    ``switch(arm)`` sets an arm's state before each of its calls (each arm has a generator of its own, whose first
+    call makes its backends under that state); ``switch(None)`` restores the default afterwards, also on an error.
 
     Returns: ``batch_size``, ``k``, ``tokens_per_s`` and ``accepted`` per arm, ``ratio``: tokens/s of ``arms[0]`` over
     ``arms[1]``, ``ratio + "_by_stream"``: the same ratio in each stream (its spread is the noise of one stream's
     comparison on the machine), and ``same_tokens`` (the share of requests with the same tokens under both)."""
-    policy = make_policy("fixed", k=k) if k else make_policy("autoregressive")
-    gen = SpeculativeGenerator(pair.target, pair.draft, policy=policy)
+    gens = {arm: SpeculativeGenerator(pair.target, pair.draft,
+                                      policy=make_policy("fixed", k=k) if k else make_policy("autoregressive"))
+            for arm in arms}  # one per arm: a generator keeps the backends its first call made
     eos = pair.tokenizer.eos_token_id
 
     def generate(arm, stream, n):
         switch(arm)
-        return gen.generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
+        return gens[arm].generate_continuous(stream, batch_size, max_new_tokens=n, temperature=0, eos_token_id=eos)
 
     try:
         r = alternate_streams(generate, arms, prompts, batch_size, rows_per_stream, max_new_tokens)

@@ -185,19 +185,18 @@ def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: in
 
 
 def spy_draft_reads(monkeypatch) -> list:
-    """The longest context (tokens, its last pending token included) of each read the draft makes from now on
-    (``generator._prefill`` on the draft's runner), appended to the returned list."""
-    from specdec_ext.engine import generator
+    """The longest context the draft sees at its first read of a request from now on: the tokens it reads (a
+    backend's ``append`` into an empty draft row) and the two each round feeds, appended to the returned list."""
+    from specdec_ext.engine import backends
 
     widths = []
-    real = generator._prefill
+    for cls in (backends.LeanBackend, backends.HFBackend):
+        def spy(self, slots, seqs, starts, real=cls.append):
+            if self.name == "draft" and any(s == 0 for s in starts):
+                widths.append(max(len(q) for q, s in zip(seqs, starts) if s == 0) + 2)
+            return real(self, slots, seqs, starts)
 
-    def spy(runner, input_ids, attention_mask, lengths=None, slots=None):
-        if runner.name == "draft":
-            widths.append(int(attention_mask.sum(1).max()))
-        return real(runner, input_ids, attention_mask, lengths, slots)
-
-    monkeypatch.setattr(generator, "_prefill", spy)
+        monkeypatch.setattr(cls, "append", spy)
     return widths
 
 

@@ -462,8 +462,8 @@ def test_budget_greedy_equals_target_only_and_follows_the_costs(batch):
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=8,
                                costs=TEST_COSTS, batch_costs=batch, measured_costs=False)  # decisions from the table
     seen = []
-    observe = gen.policy.round_time
-    gen.policy.round_time = lambda ms: (seen.append(ms), observe(ms))
+    observe = gen.policy.observe
+    gen.policy.observe = lambda result: (seen.append(result.ms), observe(result))
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
     assert seen == [r.total_ms for r in out.stats.rounds]  # the engine reports every round's measured time
@@ -662,6 +662,27 @@ def test_steady_rounds_score_the_capped_slot_one_round_in_score_every():
         BatchBudget(TEST_BATCH_COSTS, score_every=0)
 
 
+def play_round(pol, infos: list, accepted: list, ms: float = 0.0):
+    """One round of policy ``pol`` as the engine plays it on 3 rows: ``plan``, its rule over the draft steps ``infos``
+    (DraftStep, on the CPU), the rule's depth, its read-back as host lists, ``observe`` (with ``ms`` 0 the budget
+    keeps the round's table cost, ``_last``, as a measured time would consume it). Returns the rule's stop flags per
+    step (whether every row stopped), each row's verified count and the plan."""
+    from specdec_ext.policies.base import RoundContext, RoundResult
+
+    plan = pol.plan(RoundContext(3, 64, [8, 8, 8]))
+    steps = min(len(infos), plan.cap)
+    drafted = torch.full((3,), steps, dtype=torch.int64)
+    stops, n, readback = [], drafted, []
+    if plan.rule is not None:
+        plan.rule.begin(3, torch.device("cpu"))
+        stops = [bool(plan.rule.step(info).all()) for info in infos[:steps]]
+        n = plan.rule.depth(drafted, steps)
+        n = drafted if n is None else n
+        readback = [t.tolist() for t in plan.rule.readback()]
+    pol.observe(RoundResult(n.tolist(), accepted, steps, int(n.max()), readback, ms))
+    return stops, n.tolist(), plan
+
+
 def test_the_policy_skips_the_head_on_an_unscored_capped_slot(monkeypatch):
     """SpecDecPP under the budget: a round capped at one candidate whose slot goes unscored does not run the
     acceptance head (nor its features), verifies the slot, and still reports the round (tokens, time); a scored
@@ -687,26 +708,22 @@ def test_the_policy_skips_the_head_on_an_unscored_capped_slot(monkeypatch):
             budget.cap, budget.forced, budget.score_last, budget.width = 1, False, score, width
             return True
         monkeypatch.setattr(budget, "plan", plan)
-        assert pol.draft_round(64)
-        pol.begin_round()
-        stop = pol.should_stop(info)
-        n = pol.verify_depth(torch.ones(3, dtype=torch.int64))
-        pol.end_round(n, torch.tensor([1, 0, 1]))
-        return stop, n
+        stops, n, _ = play_round(pol, [info], [1, 0, 1])
+        return stops, n
 
     tokens, g1 = budget.tokens, budget.gain[0]
     stop, n = one_round(score=False)
-    assert not calls and bool(stop.all()) and n.tolist() == [1, 1, 1]
+    assert not calls and stop == [True] and n == [1, 1, 1]
     assert budget.tokens != tokens and budget.gain[0] == g1 and budget._last[0] == 1
     stop, n = one_round(score=True)
-    assert len(calls) == 1 and bool(stop.all()) and budget.gain[0] != g1
+    assert len(calls) == 1 and stop == [True] and budget.gain[0] != g1
 
 
 def test_without_in_round_rounds_outside_the_scored_ones_draft_to_the_cap_without_the_head(monkeypatch):
-    """in_round=False: outside the scored rounds the policy drafts to the budget's cap with no head
-    step below it (no features, head, one-step rule or verified depth), verifies every drafted slot and reports the
-    round at the depth drafted; rows that lack the room stop on their own caps; a scored round runs the head at
-    every slot; with in_round=True the head runs below the cap (the one-step rule's slot)."""
+    """in_round=False: outside the scored rounds the policy plans the budget's cap with no stop rule (no features,
+    head, one-step rule or verified depth): the round drafts to the cap, verifies every drafted slot and is
+    reported at the depth drafted (fewer where the rows lack the room); a scored round runs the head at every slot;
+    with in_round=True the head runs below the cap (the one-step rule's slot)."""
     from specdec_ext import ops
     from specdec_ext.policies import SpecDecPP
     from specdec_ext.policies.base import DraftStep
@@ -724,34 +741,33 @@ def test_without_in_round_rounds_outside_the_scored_ones_draft_to_the_cap_withou
             budget.cap, budget.forced, budget.score_last, budget.width = cap, score, score, width
             return True
         monkeypatch.setattr(budget, "plan", plan)
-        assert pol.draft_round(64)
-        pol.begin_round()
-        stops = []
-        for k in range(1, steps + 1):
-            info = DraftStep(k, 3, hidden=torch.randn(3, H), tokens=torch.tensor([1, 2, 3]), logits=torch.randn(3, V),
-                             drafting=torch.ones(3, dtype=torch.bool), room=torch.ones(3, dtype=torch.bool))
-            stops.append(bool(pol.should_stop(info).all()))
-        drafted = torch.full((3,), steps, dtype=torch.int64)
-        n = pol.verify_depth(drafted)
-        pol.end_round(n, torch.tensor([1, 0, 2]))
-        return stops, n.tolist(), budget._last[0]
+        infos = [DraftStep(k, 3, hidden=torch.randn(3, H), tokens=torch.tensor([1, 2, 3]), logits=torch.randn(3, V),
+                           drafting=torch.ones(3, dtype=torch.bool), room=torch.ones(3, dtype=torch.bool))
+                 for k in range(1, steps + 1)]
+        stops, n, played = play_round(pol, infos, [1, 0, 2])
+        return stops, n, budget._last[0], played
 
     pol = SpecDecPP(head_for(draft, kind="proposal"), threshold="auto", k_max=8, budget_options={"in_round": False})
     pol.configure(SamplingConfig(0.0), TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
     pol.reset(3, torch.device("cpu"))
     assert not pol.budget.in_round
     g = list(pol.budget.gain)
-    assert one_round(pol, score=False) == ([False, False, True], [3, 3, 3], 3) and not calls
+    stops, n, last, played = one_round(pol, score=False)
+    assert played.rule is None and played.cap == 3 and (n, last) == ([3, 3, 3], 3) and not calls
     assert pol.budget.gain == g  # no survival sampled (and no long-run means yet to revert to)
-    assert one_round(pol, score=False, steps=2) == ([False, False], [2, 2, 2], 2) and not calls  # rows out of room
-    assert one_round(pol, score=True)[1:] == ([3, 3, 3], 3) and calls == [1, 2, 3]  # scored: every slot
+    stops, n, last, _ = one_round(pol, score=False, steps=2)  # rows out of room: two steps
+    assert (n, last) == ([2, 2, 2], 2) and not calls
+    stops, n, last, _ = one_round(pol, score=True)
+    assert (n, last) == ([3, 3, 3], 3) and calls == [1, 2, 3] and stops == [False, False, True]  # scored: every slot
     assert pol.budget.gain[0] != g[0]
     calls.clear()
     in_round = SpecDecPP(head_for(draft, kind="proposal"), threshold="auto", k_max=8)  # the default
     in_round.configure(SamplingConfig(0.0), TEST_COSTS, batch_costs=TEST_BATCH_COSTS)
     in_round.reset(3, torch.device("cpu"))
     assert in_round.budget.in_round
-    monkeypatch.setattr(in_round.budget, "go_on", lambda k, s: True)
+    below = in_round.budget.go_threshold
+    monkeypatch.setattr(in_round.budget, "go_threshold", lambda B, k: -math.inf if k < in_round.budget.cap
+                        else below(B, k))  # the one-step rule always goes on below the cap
     assert one_round(in_round, score=False)[0] == [False, False, True] and calls == [1, 2]  # not the slot at the cap
 
 
@@ -1105,12 +1121,20 @@ def test_budget_with_blind_rounds_greedy_equals_target_only(monkeypatch):
     decoding, and each drafting round ran the head at none of its slots (blind) or at every one it drafted (scored),
     never below its cap alone as the one-step rule does; some rounds were blind."""
     from specdec_ext import ops
+    from specdec_ext.policies.base import RoundPlan
 
     gen, ids, plain = _budget_and_target_only({"in_round": False})
     calls = []  # per drafting round, the slots the head scored
-    real, begin = ops.acceptance_head_step, gen.policy.begin_round
+    real, plan = ops.acceptance_head_step, gen.policy.plan
+
+    def planned(ctx):
+        p = plan(ctx)
+        if p.cap:
+            calls.append([])
+        return p
+
     monkeypatch.setattr(ops, "acceptance_head_step", lambda *a: (calls[-1].append(a[9]), real(*a))[1])
-    monkeypatch.setattr(gen.policy, "begin_round", lambda: (calls.append([]), begin())[1])
+    monkeypatch.setattr(gen.policy, "plan", planned)
     out = gen.generate(ids, max_new_tokens=24, temperature=0)
     assert out.new_tokens == plain.new_tokens
     depths = [max(r.candidates) for r in out.stats.rounds if r.draft_ms > 0]  # the drafting rounds (not plain steps)

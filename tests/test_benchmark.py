@@ -440,31 +440,34 @@ def test_target_linear_script_compares_packed_and_f_linear_layers_on_the_same_re
     assert runner.CausalLMRunner.packed_default is None
 
 
-def test_target_runner_script_compares_the_lean_and_transformers_runners_on_the_same_requests(monkeypatch):
-    """bench/target_runner.py on a tiny float32 pair: the lean arm's target runs on FastLlamaRunner and the other arm's
-    on transformers' runner, both run every request with the same tokens (fp32), the process-wide switch is back to
-    the lean default, and the forward timings are positive."""
-    from specdec_ext.engine import fast_llama
+def test_target_runner_script_compares_the_lean_and_transformers_backends_on_the_same_requests(monkeypatch):
+    """bench/target_runner.py on a tiny float32 pair: the lean arm's target runs as the lean model and the other arm's
+    through transformers' forward, both run every request with the same tokens (fp32), the process-wide switch is
+    back to the lean default, and the forward timings are positive."""
+    from specdec_ext.engine import backends
 
     made = []
-    real = fast_llama.runner_for
+    real = backends.backend_for
 
     def counted(model, name, lean=True):
-        r = real(model, name, lean)
+        b = real(model, name, lean)
         if name == "target":
-            made.append(type(r).__name__)
-        return r
+            made.append(type(b).__name__)
+        return b
 
-    monkeypatch.setattr(fast_llama, "runner_for", counted)
+    monkeypatch.setattr(backends, "backend_for", counted)
+    from specdec_ext.engine import generator, profile
+    monkeypatch.setattr(generator, "backend_for", counted)
+    monkeypatch.setattr(profile, "backend_for", counted)
     mod = _bench_script("target_runner")
     pair = _tiny_stream_pair()
     _two_arm_rows(mod.compare, *pair, ("lean", "transformers"), "lean_over_transformers")
-    assert set(made) == {"FastLlamaRunner", "CausalLMRunner"}
-    assert fast_llama.FastLlamaRunner.targets is True
+    assert set(made) == {"LeanBackend", "HFBackend"}
+    assert backends.LeanBackend.targets is True
     made.clear()
     f = mod.forwards(pair[0], context=8, reps=2)["forward"]
     assert f["lean_ms"] > 0 and f["transformers_ms"] > 0 and f["weight_read_ms"] > 0
-    assert made == ["FastLlamaRunner", "CausalLMRunner"]  # each runner timed once
+    assert made == ["LeanBackend", "HFBackend"]  # each backend timed once
 
 
 def test_head_cost_bound_script_replays_auto_rounds_without_the_head(monkeypatch):

@@ -12,8 +12,7 @@ from models import make_pair
 from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
 from specdec_ext import ops
-from specdec_ext.engine.fast_llama import FastLlamaRunner
-from specdec_ext.engine.generator import _right_aligned
+from specdec_ext.engine.backends import LeanBackend, _right_aligned
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
@@ -45,7 +44,7 @@ def test_greedy_equals_target_only_on_cuda(cuda_pair, name, kw, fast_draft):
     want = [target_only(target, p, 12) for p in ps]
     one = gen.generate(ps[0].view(1, -1).cuda(), max_new_tokens=12, temperature=0.0)
     assert one.new_tokens[0] == want[0]
-    ids, mask = _right_aligned(ps)  # left padding
+    ids, mask = _right_aligned([p.tolist() for p in ps], max(len(p) for p in ps))  # left padding
     batch = gen.generate(ids.cuda(), attention_mask=mask.long().cuda(), max_new_tokens=12, temperature=0.0)
     assert batch.new_tokens == want
     cont = gen.generate_continuous([p.cuda() for p in ps], batch_size=2, max_new_tokens=12, temperature=0.0)
@@ -81,16 +80,19 @@ def test_engine_sampling_on_cuda_is_lossless(name, kw):
 
 
 def test_forwards_on_cuda_run_without_cudnn_attention(cuda_pair, monkeypatch):
-    """Both runners' forwards on CUDA leave cuDNN's attention out (engine/runner.py: it builds a plan per new
+    """Both backends' forwards on CUDA leave cuDNN's attention out (engine/runner.py: it builds a plan per new
     shape, and decoding makes one every step), and torch's global choice is as it was afterwards."""
     target, draft = cuda_pair
     before = torch.backends.cuda.cudnn_sdp_enabled()
     seen = []
-    for runner in (CausalLMRunner(target, "target"), FastLlamaRunner(draft)):
-        inner = runner._forward
-        monkeypatch.setattr(runner, "_forward", lambda *a, _f=inner, **k: (
+    runner, lean = CausalLMRunner(target, "target"), LeanBackend(draft, "draft")
+    for obj, name in ((runner, "_forward"), (lean.lean_model, "forward")):
+        inner = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, _f=inner, **k: (
             seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())), _f(*a, **k))[1])
-        runner.start(1)
-        runner.forward(torch.tensor([[3, 4, 5]], device="cuda"), keep=1)
+    runner.start(1)
+    runner.forward(torch.tensor([[3, 4, 5]], device="cuda"), keep=1)
+    lean.start(1, 16)
+    lean.forward(torch.tensor([[3, 4, 5]], device="cuda"), 1, 3)
     assert seen == [(False, True), (False, True)]
     assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from models import make_pair, make_target
 from specdec_ext import SpeculativeGenerator, make_policy, ops, reference
-from specdec_ext.engine import attention, fast_llama
+from specdec_ext.engine import attention
+from specdec_ext.engine.model import LeanModel
 from specdec_ext.engine.runner import CausalLMRunner
 
 needs_ext = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
@@ -179,25 +180,27 @@ def test_greedy_speculative_equals_target_only(arch):
 
 
 @needs_ext
-def test_fast_draft_runner_kernel_matches_sdpa(monkeypatch):
-    """The lean draft runner's attention through the kernel gives the logits of its SDPA path."""
-    _, draft = make_pair("llama")
+@torch.inference_mode()
+def test_lean_model_kernel_matches_sdpa(monkeypatch):
+    """The lean model's attention through the kernel gives the logits of its SDPA path, over ragged rows of a static
+    cache and the whole cache's width as well as a narrow one."""
+    with torch.inference_mode(False):
+        _, draft = make_pair("llama")
     g = torch.Generator().manual_seed(5)
     tokens = [torch.randint(2, 48, (2, n), generator=g) for n in (9, 1, 3)]
-    valid = [torch.rand(2, t.shape[1], generator=g) < 0.8 for t in tokens]
-    for v in valid:
-        v[:, -1] = True
     out = {}
     for use in (True, False):
-        monkeypatch.setattr(fast_llama.FastLlamaRunner, "attention_kernel", use)
-        r = fast_llama.FastLlamaRunner(draft, "draft")
-        r.start(2)
-        out[use] = [r.forward(t, m, keep=t.shape[1])[0] for t, m in zip(tokens, valid)]
+        monkeypatch.setattr(LeanModel, "attention_kernel", use)
+        lean = LeanModel(draft, "draft")
+        cache = lean.cache(2, 32)
+        got = [lean.forward(cache, tokens[0], keep=9)[0]]
+        cache.rollback(torch.tensor([0, 3]), 2)  # rows of different lengths
+        got += [lean.forward(cache, t, keep=t.shape[1], width=w)[0] for t, w in zip(tokens[1:], (10, None))]
+        out[use] = got
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert attention.kernel_takes(torch.device("cpu"), attention.MAX_QUERIES) == ops.HAS_EXTENSION
     assert not attention.kernel_takes(torch.device("cpu"), attention.MAX_QUERIES + 1)
-    assert fast_llama.FastLlamaRunner.uses_attention_kernel("cpu", 1) is (use and ops.HAS_EXTENSION)
 
 
 def test_default_attn_implementation():

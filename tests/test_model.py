@@ -124,3 +124,121 @@ def test_supports_and_bad_sizes():
     assert columns_for(1, 4096) == 256 and columns_for(257, 4096) == 512 and columns_for(300, 300) == 300
     with pytest.raises(ValueError, match="needs 301 cache columns"):
         columns_for(301, 300)
+
+
+def _logits(model, ids, packed=None):
+    """The lean model's logits over ``ids`` ``[B, T]`` (a fresh cache)."""
+    lean = LeanModel(model, packed=packed)
+    return lean.forward(lean.cache(ids.shape[0], 64), ids, keep=ids.shape[1])[0]
+
+
+@needs_packed
+def test_packed_weights_are_kept_per_model_and_follow_a_change_of_the_weights():
+    """The packed weights are prepared once per model (a lean model is made per backend) and prepared again when a
+    weight changes in place or is replaced, so the forward always computes the model's current function."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def hf():
+        with torch.no_grad():
+            return m(ids).logits.float()
+
+    first, second = LeanModel(m), LeanModel(m)
+    assert first.packed and second.layers is first.layers and second.lm_head is first.lm_head  # reused, not repacked
+    with torch.inference_mode():
+        torch.testing.assert_close(_logits(m, ids), hf(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        m.model.layers[0].mlp.down_proj.weight.mul_(3.0)  # in place: the tensor's version moves
+    assert LeanModel(m).layers is not first.layers
+    with torch.inference_mode():
+        torch.testing.assert_close(_logits(m, ids), hf(), rtol=1e-5, atol=1e-5)
+    m.lm_head.weight = torch.nn.Parameter(torch.randn(64, 32))  # replaced
+    with torch.inference_mode():
+        torch.testing.assert_close(_logits(m, ids), hf(), rtol=1e-5, atol=1e-5)
+    assert not LeanModel(m, packed=False).packed
+
+
+def test_packed_linear_needs_a_cpu_model_of_float32_or_bfloat16():
+    m = make_target("llama").to(torch.float16)
+    assert not packed_linear_available(torch.device("cpu"), torch.float16)
+    assert not LeanModel(m).packed  # None: packed where available, F.linear elsewhere
+    with pytest.raises(ValueError, match="packed=True needs a CPU float32/bfloat16 model"):
+        LeanModel(m, packed=True)
+
+
+@torch.inference_mode()
+def test_a_bfloat16_model_packs_only_where_onednn_has_a_bf16_path():
+    """On a CPU without oneDNN's bf16 path (AVX2 only, e.g. AMD Zen 3), packing a bf16 weight raises inside oneDNN:
+    the default lean model then uses F.linear, and computes what transformers' forward computes."""
+    with torch.inference_mode(False):
+        m = make_target("llama").to(torch.bfloat16)
+    assert LeanModel(m).packed == (PACKED and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    ids = torch.randint(2, 48, (2, 6), generator=torch.Generator().manual_seed(0))
+    got, want = _logits(m, ids), m(ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)  # bf16 rounding in different operation orders
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_packed
+def test_profile_key_tells_the_packed_lean_model_from_f_linear():
+    """The two cost differently, so a cost profile cached for one is not read for the other."""
+    from specdec_ext.engine.profile import profile_key
+
+    target, draft = make_target("llama"), make_target("llama")
+    packed = profile_key(target, draft, True, 8)
+    try:
+        LeanModel.packed_default = False
+        linear = profile_key(target, draft, True, 8)
+    finally:
+        LeanModel.packed_default = None
+    assert packed != linear and profile_key(target, draft, True, 8) == packed
+    assert profile_key(target, draft, False, 8) != packed  # transformers' runner, whose packing is its own
+
+
+def test_the_target_runs_as_the_lean_model_where_it_is_supported():
+    """SpeculativeGenerator(fast_target=True), the default, runs a Llama target on one device as the lean model
+    over a static cache, other architectures and fast_target=False through transformers' forward; the profile keys
+    differ."""
+    from specdec_ext import SpeculativeGenerator
+    from specdec_ext.engine.backends import HFBackend, LeanBackend, backend_for
+    from specdec_ext.engine.profile import profile_key
+
+    llama, gpt2 = make_target("llama"), make_target("gpt2")
+    assert SpeculativeGenerator(llama, policy="autoregressive").fast_target
+    assert not SpeculativeGenerator(llama, policy="autoregressive", fast_target=False).fast_target
+    assert not SpeculativeGenerator(gpt2, policy="autoregressive").fast_target
+    assert type(backend_for(llama, "target")) is LeanBackend
+    assert type(backend_for(llama, "target", lean=False)) is HFBackend
+    assert type(backend_for(gpt2, "target")) is HFBackend
+    draft = make_target("llama", seed=1)
+    assert profile_key(llama, draft, True, 8, fast_target=True) != profile_key(llama, draft, True, 8, fast_target=False)
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 4), ("llama", 2), ("qwen2", 2), ("qwen3", 2)])
+def test_lean_target_greedy_decoding_equals_transformers_generate(arch, kv_heads):
+    """fp32: plain decoding and speculative decoding with the target as the lean model give exactly the tokens of
+    transformers' own greedy generate() (batch of 3 with left padding), and transformers' forward agrees."""
+    from specdec_ext import SpeculativeGenerator
+    from models import noisy_copy
+
+    target = lean_model(arch, kv_heads)
+    assert SpeculativeGenerator(target, policy="autoregressive").fast_target  # the lean model serves it
+    target.config.pad_token_id, target.config.eos_token_id = 1, None
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # sharper outputs: greedy margins well above float32 rounding
+    draft = noisy_copy(target, 0.3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 300, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 1, 0  # left padding
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1,
+                          eos_token_id=None)[:, ids.shape[1]:].tolist()
+    for kw in ({"policy": "autoregressive"}, {"draft": draft, "policy": "fixed", "k": 3},
+               {"draft": draft, "policy": "fixed", "k": 3, "fast_target": False}):
+        out = SpeculativeGenerator(target, **kw).generate(ids, attention_mask=mask, max_new_tokens=20, temperature=0)
+        assert out.new_tokens == ref, kw

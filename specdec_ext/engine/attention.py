@@ -25,7 +25,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
-from . import packing
 
 NAME = "specdec_decode"
 # Queries per row the kernel takes (decode steps, verification of K + 1 positions); longer prefills go to SDPA's
@@ -55,15 +54,7 @@ def kernel_serves(query: torch.Tensor, attention_mask, dropout: float, training:
 def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention-function signature: query ``[B, Hq, n, D]``, key and value ``[B, Hkv, C, D]``,
-    mask ``[B, 1, n, C']`` bool (C' >= C); returns ``(attn_output [B, n, Hq, D], None)``.
-
-    In a packed forward (:mod:`~specdec_ext.engine.packing`) query is ``[1, Hq, N, D]`` and the mask is that of the
-    padded layout ``[B, 1, width, C']``: the queries are spread to ``[B, Hq, width, D]``, attend as above, and the
-    output is gathered back to ``[1, N, Hq, D]``."""
-    plan = packing.current()
-    if plan is not None:
-        out, _ = _attend(module, plan.spread(query, 2), key, value, attention_mask, dropout, scaling, kwargs)
-        return plan.gather(out, 1), None
+    mask ``[B, 1, n, C']`` bool (C' >= C); returns ``(attn_output [B, n, Hq, D], None)``."""
     return _attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 

@@ -1,10 +1,12 @@
 """The static KV cache of the lean models: a slot per row, per-row lengths on the device, roll-back by subtraction.
 
-Per layer, keys and values ``[S, kv_heads, max_len, head_dim]`` are allocated once for S slots. Slot s holds a
-request's tokens in columns 0 .. lengths[s] - 1, positions equal to columns: no padding inside the cache and no
+Per layer, keys and values ``[S, kv_heads, max_len + 1, head_dim]`` are allocated once for S slots. Slot s holds
+a request's tokens in columns 0 .. lengths[s] - 1, positions equal to columns: no padding inside the cache and no
 holes. A forward of n tokens writes them at lengths[s] .. lengths[s] + n - 1 and advances the lengths; roll-back
 subtracts from them, and the next forward overwrites what was dropped (a query at position p reads columns 0 .. p
-only, all written by then). The live rows of a batch are the slots 0 .. B - 1: a finished row's slot takes the
+only, all written by then). A round computes every live row to the round's depth, so a row with less room writes
+a few positions past what it will keep; those past ``max_len`` all go to the last column, a scratch column that no
+real query reads (one past every real position). The live rows of a batch are the slots 0 .. B - 1: a finished row's slot takes the
 last live row's cache (:meth:`StaticCache.move`), so a round computes no dead rows. The engine keeps each slot's
 length on the host as well (it learns every accepted count from the round's one read-back), and reads nothing back
 from here.
@@ -32,8 +34,8 @@ def columns_for(need: int, limit: int) -> int:
 
 class StaticCache:
     """A model's KV cache for ``slots`` rows of ``max_len`` columns (module docstring). ``k`` and ``v``: one
-    ``[slots, kv_heads, max_len, head_dim]`` tensor per layer, in the model's dtype; ``lengths``: ``[slots]`` int64,
-    the columns each slot holds.
+    ``[slots, kv_heads, max_len + 1, head_dim]`` tensor per layer (the last column: scratch), in the model's dtype;
+    ``lengths``: ``[slots]`` int64, the columns each slot holds.
 
     Raises ValueError for fewer than one slot or column."""
 
@@ -41,7 +43,7 @@ class StaticCache:
                  device: torch.device):
         if slots < 1 or max_len < 1:
             raise ValueError(f"StaticCache needs slots >= 1 and max_len >= 1, got {slots} and {max_len}")
-        shape = (slots, kv_heads, max_len, head_dim)
+        shape = (slots, kv_heads, max_len + 1, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.lengths = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -52,7 +54,8 @@ class StaticCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        """The columns a row can hold (the scratch column aside)."""
+        return self.k[0].shape[2] - 1
 
     def rollback(self, n_remove: torch.Tensor, rows: int) -> None:
         """Drop the last ``n_remove[b]`` columns of slot b < ``rows`` (``[rows]`` int64 on the cache's device), in

@@ -16,9 +16,7 @@ buffer, where appends go on. A row selection that only drops rows (finished requ
 copies the kept rows with their spare columns (one copy, as transformers' layer makes). The runner's front padding
 goes into the buffer's spare columns before the view where it has them (:meth:`GrowingLayer.pad_front`), and a
 runner's first requests into buffers with spare columns (:meth:`GrowingLayer.place_rows`); anything else that
-replaces ``keys`` / ``values`` is copied into a new buffer at the next append. In a packed forward
-(:mod:`~specdec_ext.engine.packing`) each token's key and value go to its own row and column, and the padded slots
-get zeros. Each operation leaves the same keys and values as :class:`~transformers.DynamicLayer`
+replaces ``keys`` / ``values`` is copied into a new buffer at the next append. Each operation leaves the same keys and values as :class:`~transformers.DynamicLayer`
 (``tests/test_kv_cache.py``).
 """
 
@@ -28,7 +26,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from . import packing
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -121,9 +118,6 @@ class GrowingLayer(DynamicLayer):
         return offset if offset + length <= kb.shape[2] else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        plan = packing.current()
-        if plan is not None:  # a packed forward ([1, H, N, D]): each token to its row's column, zeros at the holes
-            key_states, value_states = plan.spread(key_states, 2), plan.spread(value_states, 2)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         old = self.keys.shape[-2] if self.keys.dim() == 4 else 0

@@ -215,19 +215,21 @@ class LeanModel:
 
         Writes the tokens' keys and values into ``cache`` and advances those slots' lengths by n. ``width``: the
         columns attention reads, at least every row's length after the forward (None: the whole cache, which compiled
-        and captured steps use; eager calls pass the widest row's, known on the host). A row that would pass the
-        cache's end writes its last column again (the engine sizes the cache; such rows are dead).
+        and captured steps use; eager calls pass the widest row's, known on the host). Positions past the cache's
+        ``max_len`` write its scratch column (rows computed beyond what they keep; ``engine/cache.py``).
 
         Returns float32 logits ``[b, keep, V]`` of the last ``keep`` positions and the final norm's output there
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read)."""
         b, n = tokens.shape
         M = cache.max_len
-        W = M if width is None else width
+        W = M + 1 if width is None else width
         index = rows if isinstance(rows, torch.Tensor) else None
         span = slice(0, b) if rows is None else rows
         lengths = cache.lengths[index] if index is not None else cache.lengths[span]
-        pos = (lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)).clamp_max(M - 1)  # [b, n]
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [b, 1, n, d]
+        pos = lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)  # [b, n]
+        at = pos.clamp_max(M)  # the columns written: positions past max_len into the scratch column
+        rot = pos.clamp_max(self.max_pos - 1)
+        cos, sin = self.cos[rot].unsqueeze(1), self.sin[rot].unsqueeze(1)  # [b, 1, n, d]
         cols = torch.arange(W, device=tokens.device)
         mask = (cols.view(1, 1, W) <= pos.unsqueeze(2)).unsqueeze(1)  # [b, 1, n, W]: causal, per row
         slot = (index if index is not None else torch.arange(span.start, span.start + b, device=tokens.device))
@@ -237,8 +239,8 @@ class LeanModel:
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv(layer, x, cos, sin)
             kc, vc = cache.k[li], cache.v[li]
-            kc[slot, :, pos] = k.transpose(1, 2)  # [b, n, kv, d] into columns pos of each row's slot
-            vc[slot, :, pos] = v.transpose(1, 2)
+            kc[slot, :, at] = k.transpose(1, 2)  # [b, n, kv, d] into columns pos of each row's slot
+            vc[slot, :, at] = v.transpose(1, 2)
             keys = (kc[index] if index is not None else kc[span])[:, :, :W]
             values = (vc[index] if index is not None else vc[span])[:, :, :W]
             if kernel:  # [b, n, hq, d]

@@ -23,7 +23,9 @@ from typing import Optional
 import torch
 
 from ..policies.goodput import CostModel, isotonic
-from . import fast_llama, onednn_linear
+from . import onednn_linear
+from .backends import backend_for, uses_lean
+from .model import LeanModel, supports, uses_packed
 from .tensor_parallel import from_rank0, is_main_process, tp_size
 
 
@@ -55,15 +57,15 @@ def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool =
     p = next(draft.parameters())  # the lean runner's matmuls (packed oneDNN weights or F.linear) change its costs
     from .runner import CausalLMRunner
 
-    lean = bool(fast_draft) and fast_llama.supports(draft)
-    packed = fast_llama.uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, CausalLMRunner.packed_default)
+    lean = bool(fast_draft) and supports(draft)
+    packed = uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, CausalLMRunner.packed_default)
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
             "target_linear": "onednn-packed" if onednn_linear.wanted(target, CausalLMRunner.packed_default) else "torch",
-            "target_runner": "lean" if fast_llama.uses_lean(target, "target", fast_target) else "transformers",
+            "target_runner": "lean" if uses_lean(target, "target", fast_target) else "transformers",
             "target_attention": getattr(target.config, "_attn_implementation", None),
-            "draft_attention": "decode_attention" if fast_llama.FastLlamaRunner.uses_attention_kernel(p.device, 1)
-            else "sdpa",
+            "draft_attention": "decode_attention" if LeanModel.attention_kernel and p.device.type == "cpu" else "sdpa",
+            "engine": "static",
             "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tp": tp_size(target)}
     return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -110,12 +112,12 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     V = vocab_size(target)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (1, context), generator=g)
-    use_fast = fast_draft and fast_llama.supports(draft)
-    t_run = fast_llama.runner_for(target, "target", fast_target)
-    d_run = fast_llama.runner_for(draft, "draft", use_fast)
+    use_fast = fast_draft and supports(draft)
+    t_run = backend_for(target, "target", fast_target)
+    d_run = backend_for(draft, "draft", use_fast)
     for r in (t_run, d_run):
-        r.start(1)
-        r.forward(prompt)
+        r.start(1, context + k_max + 8)
+        r.append([0], [prompt[0].tolist()], [0])
     sizes = [n for n in PAIR_SIZES if n <= k_max + 1] + ([k_max + 1] if k_max + 1 not in PAIR_SIZES else [])
     times: dict[int, list[float]] = {n: [] for n in sizes}
     dtimes: list[float] = []
@@ -123,12 +125,12 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     one = tokens[1]
 
     def tstep(n):
-        t_run.forward(tokens[n], keep=n)
-        t_run.rollback(torch.tensor([n]))
+        t_run.forward(tokens[n].to(t_run.device), n, context + n)
+        t_run.rollback(torch.tensor([n], device=t_run.device))
 
     def dstep():
-        d_run.forward(one, keep=1, hidden=True)
-        d_run.rollback(torch.tensor([1]))
+        d_run.forward(one.to(d_run.device), 1, context + 1)
+        d_run.rollback(torch.tensor([1], device=d_run.device))
 
     for n in sizes[:3]:  # warm-up
         tstep(n)
@@ -290,19 +292,19 @@ def _round_row(measured: dict, k_max: int) -> list[float]:
 
 def forward_times(target, prompt: torch.Tensor, n_max: int, reps: int, g, fast_target: bool = True) -> list[float]:
     """Median ms of the target's forward over ``[B, n]`` new tokens, n = 1 .. n_max, after reading ``prompt``
-    (each forward rolled back), through the runner :func:`~specdec_ext.engine.fast_llama.runner_for` gives it."""
+    (each forward rolled back), through the backend :func:`~specdec_ext.engine.backends.backend_for` gives it."""
     from .models import vocab_size
 
-    B = prompt.shape[0]
-    t_run = fast_llama.runner_for(target, "target", fast_target)
-    t_run.start(B)
-    t_run.forward(prompt)
+    B, C = prompt.shape
+    t_run = backend_for(target, "target", fast_target)
+    t_run.start(B, C + n_max + 1)
+    t_run.append(list(range(B)), prompt.tolist(), [0] * B)
     times: dict[int, list[float]] = {n: [] for n in range(1, n_max + 1)}
-    toks = {n: torch.randint(0, vocab_size(target), (B, n), generator=g) for n in times}
+    toks = {n: torch.randint(0, vocab_size(target), (B, n), generator=g).to(t_run.device) for n in times}
 
     def tstep(n):
-        t_run.forward(toks[n], keep=n)
-        t_run.rollback(torch.full((B,), n))
+        t_run.forward(toks[n], n, C + n)
+        t_run.rollback(torch.full((B,), n, device=t_run.device))
 
     tstep(1)
     for _ in range(reps):

@@ -32,8 +32,6 @@ from . import onednn_linear
 from .attention import NAME as ATTENTION_NAME
 from .kv_cache import GrowingCache, GrowingLayer, copy_rows
 from .onednn_linear import PackedLinears
-from .packing import PACKABLE_MODEL_TYPES, PackedRows
-from .packing import packed as packed_forward
 from .tensor_parallel import tp_size
 
 
@@ -305,26 +303,13 @@ class CausalLMRunner(TimedRunner):
             self._hook.remove()
             self._hook = None
 
-    @property
-    def packs(self) -> bool:
-        """Whether :meth:`forward` can pack its rows (``packed=True``, :mod:`~specdec_ext.engine.packing`): a model
-        type of :data:`~specdec_ext.engine.packing.PACKABLE_MODEL_TYPES` without sliding-window layers, loaded with
-        ``attn_implementation="specdec_decode"``, on one device, with the in-place cache."""
-        cfg = self.model.config
-        return (self.layout is None and getattr(cfg, "model_type", None) in PACKABLE_MODEL_TYPES
-                and getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME
-                and issubclass(self.cache_class, GrowingCache) and not getattr(self.model, "hf_device_map", None)
-                and tp_size(self.model) == 1)
-
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
-                hidden: bool = False, packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Feed ``tokens`` ``[B, n]`` (``valid`` ``[B, n]`` bool marks real tokens; others become holes).
 
         Returns float32 logits of the last ``keep`` positions ``[B, keep, V]`` and, if ``hidden``, the
-        input of the LM head at those positions ``[B, keep, H]``. With ``packed`` (only where :attr:`packs`),
-        the model computes the real tokens alone, as one packed sequence (:mod:`~specdec_ext.engine.packing`);
-        the logits at holes are then zeros, and ``hidden`` is not available.
+        input of the LM head at those positions ``[B, keep, H]``.
         """
         tokens = tokens.to(self.device)
         B, n = tokens.shape
@@ -334,40 +319,23 @@ class CausalLMRunner(TimedRunner):
         steps = valid.long().cumsum(-1)
         position_ids = self.next_pos.unsqueeze(1) + (steps - 1).clamp_min(0)
         self.mask = torch.cat([self.mask, valid.long()], dim=1)
-        if packed:
-            if hidden or not self.packs:
-                raise ValueError(f"the {self.name} runner cannot pack this forward (hidden={hidden}, packs={self.packs})")
-            logits = self._packed_forward(tokens, valid, position_ids)
-        else:
-            attention = self.mask
-            if self.layout:
-                self.col_pos = torch.cat([self.col_pos, position_ids], dim=1)
-                attention = self._sliding_masks(n)
-            if hidden and self._hook is None:
-                self._hook = self.model.get_output_embeddings().register_forward_pre_hook(self._capture)
-            self._hidden = None
-            with self._linears():
-                out = self.model(input_ids=tokens, attention_mask=attention, position_ids=position_ids,
-                                 past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
-            logits = out.logits
+        attention = self.mask
+        if self.layout:
+            self.col_pos = torch.cat([self.col_pos, position_ids], dim=1)
+            attention = self._sliding_masks(n)
+        if hidden and self._hook is None:
+            self._hook = self.model.get_output_embeddings().register_forward_pre_hook(self._capture)
+        self._hidden = None
+        with self._linears():
+            out = self.model(input_ids=tokens, attention_mask=attention, position_ids=position_ids,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+        logits = out.logits
         self.calls += 1
         self.next_pos = self.next_pos + steps[:, -1]
         h = None
         if hidden:
             h = self._hidden[:, -keep:]
         return logits[:, -keep:].float(), h
-
-    def _packed_forward(self, tokens: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The model over the real tokens of ``tokens`` ``[B, n]`` packed into ``[1, N]``; logits ``[B, n, V]``
-        (zeros at the holes). The mask is the padded layout's ``[B, 1, n, C]``: query i of row b (column C - n + i)
-        sees the row's valid columns up to its own."""
-        plan = PackedRows.from_valid(valid)
-        mask = new_column_mask(self.mask, tokens.shape[1])
-        with packed_forward(plan), self._linears():
-            out = self.model(input_ids=tokens[valid].view(1, -1), attention_mask=mask,
-                             position_ids=position_ids[valid].view(1, -1), past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=0)
-        return plan.spread(out.logits, 1)
 
     @property
     def packed(self) -> bool:

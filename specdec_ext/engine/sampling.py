@@ -70,14 +70,16 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class RowSampling:
     """Each row's sampling settings as device tensors, for batches whose rows decode differently (requests of a
     continuous batch): ``temperature`` ``[B]`` float32 (0: greedy), ``top_k`` ``[B]`` int64 (V: off) and ``top_p``
-    ``[B]`` float32 (1: off); greedy rows have neither. ``greedy`` (every row greedy) and ``masks`` (some row has
-    top-k or top-p) are known on the host when the batch is formed, so the steps skip what no row needs."""
+    ``[B]`` float32 (1: off); greedy rows have neither. ``greedy`` (every row greedy), ``masks`` (some row has
+    top-k or top-p) and ``vocab`` (V) are known on the host when the batch is formed, so the steps skip what no row
+    needs."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     greedy: bool
     masks: bool
+    vocab: int
 
     @classmethod
     def of(cls, configs: list, vocab: int, device) -> "RowSampling":
@@ -87,7 +89,7 @@ class RowSampling:
         p = [1.0 if c.greedy or c.top_p is None else c.top_p for c in configs]
         return cls(torch.tensor(t, dtype=torch.float32, device=device), torch.tensor(k, dtype=torch.int64, device=device),
                    torch.tensor(p, dtype=torch.float32, device=device), all(c.greedy for c in configs),
-                   any(kk < vocab for kk in k) or any(pp < 1.0 for pp in p))
+                   any(kk < vocab for kk in k) or any(pp < 1.0 for pp in p), vocab)
 
 
 def mask_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -119,11 +121,11 @@ def row_probs(masked: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     return torch.softmax(masked / t.unsqueeze(-1), -1)
 
 
-def draw_tokens(masked: torch.Tensor, rows: RowSampling, u: torch.Tensor,
+def draw_tokens(masked: torch.Tensor, rows: RowSampling, u: Optional[torch.Tensor],
                 probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A token per row ``[B]`` int64 from :func:`mask_logits`' output ``[B, V]``: the argmax (``ops.argmax_tokens``)
     for greedy rows, an inverse-CDF draw with uniform ``u[b]`` in (0, 1] from the row's processed distribution
-    (``probs``, or :func:`row_probs`) for the others."""
+    (``probs``, or :func:`row_probs`) for the others (``u`` may be None when every row is greedy)."""
     from .. import ops
 
     greedy = ops.argmax_tokens(masked)

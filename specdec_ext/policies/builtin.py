@@ -12,7 +12,7 @@ import torch
 from .. import ops
 from ..head import AcceptanceHead
 from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
-from .base import CandidateLengthPolicy, DraftStep, _check_k
+from .base import CandidateLengthPolicy, DraftStep, RoundPlan, StopRule, _check_k
 from .goodput import BatchBudget, BatchCosts, CostModel, GoodputRule
 
 
@@ -23,6 +23,9 @@ class Autoregressive(CandidateLengthPolicy):
     speculative = False
     max_candidates = 0
 
+    def plan(self, ctx):
+        return RoundPlan(0)
+
 
 class FixedK(CandidateLengthPolicy):
     """Speculative decoding with a fixed candidate length K (Leviathan et al. 2023; Chen et al. 2023)."""
@@ -32,6 +35,9 @@ class FixedK(CandidateLengthPolicy):
         self.max_candidates = self.k
         self.name = f"fixed-{k}"
 
+    def plan(self, ctx):
+        return RoundPlan(self.k)
+
     def should_stop(self, info: DraftStep) -> torch.Tensor:
         return torch.full((info.batch_size,), info.step >= self.k, dtype=torch.bool)
 
@@ -39,7 +45,7 @@ class FixedK(CandidateLengthPolicy):
 class Heuristic(CandidateLengthPolicy):
     """Hugging Face's heuristic schedule: K += 2 after a fully accepted round, else K = max(1, K - 1).
 
-    Args: initial_k (HF's historical default 5), max_k (cap, 20). State is per row.
+    Args: initial_k (HF's historical default 5), max_k (cap, 20). State is per row (each row's K is its cap).
     """
 
     name = "heuristic"
@@ -49,30 +55,40 @@ class Heuristic(CandidateLengthPolicy):
         self.max_candidates = _check_k("max_k", max_k)
         if initial_k > max_k:
             raise ValueError(f"initial_k ({initial_k}) must be <= max_k ({max_k})")
-        self.k: Optional[torch.Tensor] = None
+        self.k: list[int] = []
 
     def reset(self, batch_size, device):
-        self.k = torch.full((batch_size,), self.initial_k, dtype=torch.int64)
+        self.k = [self.initial_k] * batch_size
 
-    def should_stop(self, info):
-        return info.step >= self.k
+    def plan(self, ctx):
+        return RoundPlan(max(self.k), row_caps=self.k)
 
-    def end_round(self, num_drafted, num_accepted):
-        full = (num_accepted.cpu() >= num_drafted.cpu())
-        self.k = torch.where(full, self.k + 2, (self.k - 1).clamp_min(1)).clamp_max(self.max_candidates)
+    def observe(self, result):
+        self.k = [min(k + 2, self.max_candidates) if a >= n else max(1, k - 1)
+                  for k, n, a in zip(self.k, result.drafted, result.accepted)]
 
     def select_rows(self, index):
-        self.k = self.k[index.cpu()]
+        self.k = [self.k[i] for i in index.tolist()]
 
     def add_rows(self, n):
-        self.k = torch.cat([self.k, torch.full((n,), self.initial_k, dtype=torch.int64)])
+        self.k = self.k + [self.initial_k] * n
+
+
+class _ThresholdRule(StopRule):
+    """A per-row stop rule on the draft's own distribution (device): ``stop(info)`` of the policy."""
+
+    needs_probs = True
+
+    def __init__(self, stop):
+        self._stop = stop
+
+    def step(self, info):
+        return self._stop(info)
 
 
 class Confidence(CandidateLengthPolicy):
     """Stop when the draft's probability of its own candidate falls below ``threshold``
     (Hugging Face's ``assistant_confidence_threshold``, default 0.4), or at ``max_k``."""
-
-    needs_probs = True
 
     def __init__(self, threshold: float = 0.4, max_k: int = 20):
         if not 0.0 <= threshold <= 1.0:
@@ -81,15 +97,13 @@ class Confidence(CandidateLengthPolicy):
         self.max_candidates = _check_k("max_k", max_k)
         self.name = f"confidence-{threshold:g}"
 
-    def should_stop(self, info):
-        return ((info.token_prob < self.threshold) | (info.step >= self.max_candidates)).cpu()
+    def plan(self, ctx):
+        return RoundPlan(self.max_candidates, _ThresholdRule(lambda info: info.token_prob < self.threshold))
 
 
 class AdaEDL(CandidateLengthPolicy):
     """AdaEDL (Agrawal et al. 2024): stop when the entropy-based lower bound on the acceptance
     probability, 1 - sqrt(gamma * H(q)) with H in nats, falls below ``lam``, or at ``max_k``."""
-
-    needs_probs = True
 
     def __init__(self, gamma: float = 0.2, lam: float = 0.4, max_k: int = 20):
         if gamma <= 0 or not math.isfinite(gamma):
@@ -100,11 +114,13 @@ class AdaEDL(CandidateLengthPolicy):
         self.max_candidates = _check_k("max_k", max_k)
         self.name = f"adaedl-{lam:g}"
 
-    def should_stop(self, info):
+    def plan(self, ctx):
+        return RoundPlan(self.max_candidates, _ThresholdRule(self._stop))
+
+    def _stop(self, info):
         q = info.probs
         entropy = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
-        bound = 1.0 - torch.sqrt(self.gamma * entropy)
-        return ((bound < self.lam) | (info.step >= self.max_candidates)).cpu()
+        return (1.0 - torch.sqrt(self.gamma * entropy)) < self.lam
 
 
 class SpecDecPP(CandidateLengthPolicy):
@@ -186,22 +202,17 @@ class SpecDecPP(CandidateLengthPolicy):
         self.budget: Optional[BatchBudget] = None
         self._budget_head = None  # the head the budget measured (its calibration is that head's)
         self.use_budget = False
-        self._survivals: list = []
-        self._unscored = False
         self.name = f"specdec++-{threshold if self.auto else format(threshold, 'g')}"
         self.costs: Optional[CostModel] = None
         self.rule: Optional[GoodputRule] = None
         self._weights = None
-        self.cum_accept: Optional[torch.Tensor] = None
         self.history: Optional[torch.Tensor] = None
-        self._prev_features = None
+        self._round = None
+        self._plain = False
 
-    # the engine reads these after configure()
     @property
     def needs_hidden(self) -> bool:
         return self.head.use_hidden
-
-    needs_probs = False  # greedy: the features come from DraftStep.logits by the fused op
 
     def configure(self, sampling, costs=None, batch_costs=None):
         mode = "greedy" if sampling is None or sampling.greedy else "sample"
@@ -226,138 +237,180 @@ class SpecDecPP(CandidateLengthPolicy):
 
     def reset(self, batch_size, device):
         self._weights = self.head.fused_weights(device)
-        feats = self.head.features
-        self._conf_only = tuple(feats) == CONFIDENCE_FEATURES  # the op's output is the feature matrix as it is
-        self._columns = [(n, CONFIDENCE_FEATURES.index(n) if n in CONFIDENCE_FEATURES else None) for n in feats]
-        self._uses_history = any(i is None for _, i in self._columns)  # recent_accept
-        self.cum_accept = torch.ones(batch_size, dtype=torch.float32, device=device)
-        self.history = torch.full((batch_size,), HISTORY_PRIOR, dtype=torch.float32, device=device)
-        self._prev_features = None
+        self._device = device
+        self.history = torch.full((batch_size,), HISTORY_PRIOR, dtype=torch.float32)
         if self.rule is not None:
             self.rule.reset(batch_size)
         # a batch of several rows under threshold="auto": the verification budget decides for the batch
         self.use_budget = self.budget is not None and batch_size > 1 and self.head.input_position == "proposal"
-        self._plain = False
         if self.use_budget:
             self.budget.reset(batch_size)
+        self._round: Optional[_HeadRule] = None
+        self._plain = False
 
-    def draft_overhead(self, ms_per_token):
+    def plan(self, ctx):
+        B = ctx.batch_size
+        self._plain = False
+        budget = None
+        cap, skip_from = self.max_candidates, None
         if self.use_budget:
-            self.budget.overhead = ms_per_token
+            b = self.budget
+            b.overhead, b.read_ms, b.together = ctx.draft_overhead, ctx.draft_reads, bool(ctx.together)
+            if not b.plan(B, ctx.width):
+                self._plain = True
+                self._round = None
+                return RoundPlan(0)
+            cap = b.cap
+            if b.blind:  # no head below the cap: the round drafts and verifies the planned depth (BatchBudget.blind)
+                self._round = None
+                return RoundPlan(cap)
+            budget = [b.go_threshold(B, k) for k in range(1, cap + 1)]
+            if not b.score_last:  # the budget stops the batch at its cap whatever the head says: that slot unscored
+                skip_from = max(self.k_min, cap)
+        rows = None
+        if self.auto and not self.use_budget:  # the per-row goodput rule: S_k < lambda_b marginal(k)
+            rows = torch.stack([self.rule.threshold(k) if self.k_min <= k < self.max_candidates
+                                else torch.full((B,), -math.inf, dtype=torch.float64)
+                                for k in range(1, cap + 1)], 1)
+        self._round = _HeadRule(self, budget, rows, skip_from)
+        return RoundPlan(cap, self._round)
 
-    def draft_reads(self, ms):
-        if self.use_budget:
-            self.budget.read_ms = ms
-
-    def rows_together(self, together):
-        if self.use_budget:
-            self.budget.together = bool(together)
-
-    def draft_round(self, width):
-        self._plain = self.use_budget and not self.budget.plan(int(self.cum_accept.shape[0]), width)
-        return not self._plain
-
-    def begin_round(self):
-        self.cum_accept.fill_(1.0)
-        self._prev_features = None
-        self._survivals = []
-        self._unscored = False  # the round's last slot went unscored (BatchBudget.score_last)
-        self._steps = 0  # draft steps this round (should_stop's last k)
-
-    def _features(self, info) -> Optional[torch.Tensor]:
-        """The head's input features of the candidates just drafted, ``[B, F]`` (None without features)."""
-        if not self._columns:
-            return None
-        dist, is_logits = (info.probs, False) if info.probs is not None else (info.logits, True)
-        conf = ops.confidence_features(dist, info.tokens, is_logits)
-        if self._conf_only:
-            return conf
-        cols = []
-        for name, i in self._columns:
-            if i is not None:
-                cols.append(conf[:, i])
-            else:  # recent_accept: candidate k is scored assuming candidates 1..k-1 accepted
-                cols.append(history_after_accepts(self.history, info.step - 1).to(conf.device))
-        return torch.stack(cols, -1)
-
-    def should_stop(self, info):
-        head, k = self.head, info.step
-        self._steps = k
-        capped = self.use_budget and k >= max(self.k_min, self.budget.cap)
-        if self.use_budget and not self.budget.score_last and (self.budget.blind or capped):
-            # the budget stops the batch at its cap whatever the head says, and a blind round (BatchBudget.blind) does
-            # not ask below it: the head's features and forward are skipped (one round in ``score_every`` at the
-            # budget's best depth still scores every slot, for its statistics)
-            self._unscored = True
-            return torch.full((info.batch_size,), capped, dtype=torch.bool)
-        dev = self._weights[-1].device
-        features = self._features(info)
-        if features is not None:
-            features = features.to(dev)
-        if head.input_position == "candidate":  # score candidate k - 1 from the state at it
-            scored_features, self._prev_features = self._prev_features, features
-            if k == 1:
-                return torch.full((info.batch_size,), k >= self.max_candidates, dtype=torch.bool)
-            features = scored_features
-        hidden = info.hidden.to(dev) if head.use_hidden else None
-        h = 1.0 if self.auto else float(self.threshold)  # the auto rule keeps only the op's bounds
-        _, stop = ops.acceptance_head_step(hidden, features, *self._weights, self.cum_accept, k, self.k_min,
-                                           self.max_candidates, h)
-        stop = stop.cpu()
-        if self.use_budget:  # rows stop together, when the batch's next slots do not pay (BatchBudget)
-            S = self.cum_accept.detach().double().cpu()
-            if info.drafting is not None:  # a row that stopped has no slot here, one without room no next slot
-                S = S * info.drafting.double()
-            self._survivals.append(S)
-            room = S * info.room.double() if info.room is not None else S
-            if k >= self.k_min and not self.budget.go_on(k, room):
-                stop = torch.ones_like(stop)
-        elif self.auto and self.k_min <= k < self.max_candidates:
-            stop = stop | self.rule.stop(k, self.cum_accept)
-        return stop
-
-    def verify_depth(self, num_drafted):
-        if not self.use_budget:
-            return num_drafted
-        # [B, k]: S_bj, 0 past a row's own candidates (DraftStep.drafting)
-        self._S = S = torch.stack(self._survivals, 1) if self._survivals else None
-        if self._unscored:  # the slot at the cap has no survival: the planned depth is verified whole
-            self._drafted = self._depth = self._steps
-            return num_drafted
-        if S is None:
-            return num_drafted
-        self._drafted, self._depth = S.shape[1], self.budget.depth(S)
-        return num_drafted.clamp(max=self._depth)
-
-    def end_round(self, num_drafted, num_accepted):
+    def observe(self, result):
+        drafted = torch.tensor(result.drafted, dtype=torch.int64)
+        accepted = torch.tensor(result.accepted, dtype=torch.int64)
         if self._uses_history:
-            self.history = history_update(self.history, num_drafted, num_accepted)
+            self.history = history_update(self.history, drafted, accepted)
         if self.rule is not None and not self.use_budget:  # the per-row rule sits out a budgeted call
-            self.rule.update(num_drafted, num_accepted)
-        if self.use_budget and self._plain:
-            self.budget.update(num_drafted.shape[0], 0, 0, num_drafted.shape[0])
-        elif self.use_budget and (self._survivals or self._unscored):
-            self.budget.update(num_drafted.shape[0], self._drafted, self._depth, int((num_accepted + 1).sum()),
-                               self._S)
+            self.rule.update(drafted, accepted)
+        if not self.use_budget:
+            return
+        b, B = self.budget, len(result.drafted)
+        if self._plain:
+            b.update(B, 0, 0, B)
+        else:
+            S, depth = None, result.steps  # blind: the planned depth, drafted and verified whole
+            if self._round is not None and result.readback:
+                S = torch.tensor(result.readback[0], dtype=torch.float64).view(B, -1)
+                if not self._round.unscored:
+                    depth = int(result.readback[1][0])
+            b.update(B, result.steps, depth, int((accepted + 1).sum()), S)
+        b.observe(result.ms)
 
-    def round_time(self, ms):
-        if self.use_budget:
-            self.budget.observe(ms)
+    @property
+    def _uses_history(self) -> bool:
+        return any(n not in CONFIDENCE_FEATURES for n in self.head.features)
 
     def select_rows(self, index):
-        self.cum_accept = self.cum_accept[index.to(self.cum_accept.device)]
-        self.history = self.history[index.to(self.history.device)]
+        self.history = self.history[index.cpu()]
         if self.rule is not None and not self.use_budget:
             self.rule.select(index)
 
     def add_rows(self, n):
-        self.cum_accept = torch.cat([self.cum_accept, self.cum_accept.new_ones(n)])
         self.history = torch.cat([self.history, self.history.new_full((n,), HISTORY_PRIOR)])
         if self.rule is not None and not self.use_budget:
             self.rule.add_rows(n)
 
     def describe(self):
         return f"{self.name} ({self.head.describe()})"
+
+
+class _HeadRule(StopRule):
+    """SpecDec++'s stop rule for one round, on the device: the acceptance head's fused step per candidate
+    (``ops.acceptance_head_step``: p_hat, the running product S_k, the bounds and the threshold h), and
+
+    - ``threshold="auto"`` at one row, or per-row: stop once S_k < lambda_b marginal(k) (``rows``: ``[B, cap]`` the
+      right side, fixed before the round from each row's running goodput, :class:`GoodputRule`);
+    - the batch verification budget: the batch stops once the summed survivals of the rows with room fall below
+      ``budget[k - 1]`` (:meth:`BatchBudget.go_threshold`), the head skipped from slot ``skip_from`` on (an
+      unscored capped slot), and after drafting one depth for every row (:meth:`BatchBudget.depth`, computed on the
+      device); the survivals and that depth come back with the round's tokens.
+
+    Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a ``"proposal"`` head
+    scores candidate k at step k; the paper's ``"candidate"`` head reads the hidden state at candidate k - 1, so a
+    stop at step k ends the round with one candidate beyond those scored, and its smallest K is 2."""
+
+    def __init__(self, policy: SpecDecPP, budget: Optional[list], rows: Optional[torch.Tensor],
+                 skip_from: Optional[int]):
+        head = policy.head
+        self.head, self.weights = head, policy._weights
+        self.k_min, self.k_max = policy.k_min, policy.max_candidates
+        self.h = 1.0 if policy.auto else float(policy.threshold)  # the auto rules keep only the op's bounds
+        self.columns = [CONFIDENCE_FEATURES.index(n) if n in CONFIDENCE_FEATURES else None for n in head.features]
+        self.conf_only = tuple(head.features) == CONFIDENCE_FEATURES
+        self.history = policy.history
+        self.budget, self.rows, self.skip_from = budget, rows, skip_from
+        self.policy = policy
+        self.needs_hidden = bool(head.use_hidden)
+        self.unscored = False
+
+    def begin(self, batch_size, device):
+        dev = self.weights[-1].device
+        self.cum = torch.ones(batch_size, dtype=torch.float32, device=dev)
+        self.prev = None
+        self.survivals: list = []
+        self.unscored = False
+        self.depth_value = None
+        pad = batch_size - self.history.shape[0]  # rows padded to a batch bucket: never drafting, decisions unread
+        if self.rows is not None:
+            self.rows = torch.cat([self.rows, self.rows.new_full((pad, self.rows.shape[1]), -math.inf)]).to(dev)
+        if any(c is None for c in self.columns):
+            self.history = torch.cat([self.history, self.history.new_full((pad,), HISTORY_PRIOR)]).to(dev)
+
+    def _features(self, info) -> Optional[torch.Tensor]:
+        """The head's input features of the candidates just drafted, ``[B, F]`` (None without features)."""
+        if not self.columns:
+            return None
+        dist, is_logits = (info.probs, False) if info.probs is not None else (info.logits, True)
+        conf = ops.confidence_features(dist, info.tokens, is_logits)
+        if self.conf_only:
+            return conf
+        cols = [conf[:, i] if i is not None else history_after_accepts(self.history, info.step - 1)  # recent_accept:
+                for i in self.columns]  # candidate k is scored assuming candidates 1..k-1 accepted
+        return torch.stack(cols, -1)
+
+    def step(self, info):
+        k, B = info.step, info.batch_size
+        dev = self.cum.device
+        if self.skip_from is not None and k >= self.skip_from:  # the budget's cap: stop, the head not asked
+            self.unscored = True
+            return torch.ones(B, dtype=torch.bool, device=info.tokens.device)
+        features = self._features(info)
+        if features is not None:
+            features = features.to(dev)
+        if self.head.input_position == "candidate":  # score candidate k - 1 from the state at it
+            scored, self.prev = self.prev, features
+            if k == 1:
+                return torch.full((B,), k >= self.k_max, dtype=torch.bool, device=info.tokens.device)
+            features = scored
+        hidden = info.hidden.to(dev) if self.head.use_hidden else None
+        _, stop = ops.acceptance_head_step(hidden, features, *self.weights, self.cum, k, self.k_min, self.k_max,
+                                           self.h)
+        if self.rows is not None and k <= self.rows.shape[1]:
+            stop = stop | (self.cum.double() < self.rows[:, k - 1])
+        if self.budget is not None:  # rows stop together, when the batch's next slots do not pay (BatchBudget)
+            S = self.cum * info.drafting.to(dev)  # a row that stopped has no slot here
+            self.survivals.append(S)
+            if k >= self.k_min:
+                room = (S * info.room.to(dev)).double().sum()  # one without room no next slot
+                stop = stop | (room < self.budget[k - 1])
+        return stop.to(info.tokens.device)
+
+    def depth(self, drafted, steps):
+        if self.budget is None or self.unscored or not self.survivals:
+            return None
+        S = torch.stack(self.survivals, 1)  # [B, j]: S_bj, 0 past a row's own candidates
+        b = self.policy.budget
+        gain = torch.cat([S.new_zeros(1, dtype=torch.float64), S.double().sum(0).cumsum(0)])
+        values = b.head_scale * gain - torch.tensor(b.depth_costs(S.shape[0], S.shape[1]), dtype=torch.float64,
+                                                    device=S.device)
+        self.depth_value = S.shape[1] - torch.argmax(values.flip(0))  # the deepest of equal values
+        return torch.minimum(drafted, self.depth_value.to(drafted.device))
+
+    def readback(self):
+        if self.budget is None or not self.survivals:
+            return []
+        S = torch.stack(self.survivals, 1)
+        return [S] if self.depth_value is None else [S, self.depth_value.view(1)]
 
 
 def make_policy(name: str, head: Optional[AcceptanceHead] = None, **kwargs) -> CandidateLengthPolicy:

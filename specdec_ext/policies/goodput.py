@@ -243,10 +243,10 @@ class BatchCosts:
             hit = self._memo[key] = self._at(B, [self._extend(v, i) for v in getattr(self, name)])
         return hit
 
-    def round(self, B: int, k: int, width: Optional[int] = None, verified: Optional[float] = None) -> float:
+    def round(self, B: int, k: int, width: Optional[int] = None, verified: Optional[int] = None) -> float:
         """A round that drafts k candidates per row at batch size B (ms) and verifies ``verified`` of them (None: all
-        k; fractional: a packed verification of ``verified`` candidates per row on average), with a target cache
-        of ``width`` columns (None: the profiled width); beyond the table, the last step's slope continues. The width moves the round's cost by what it moves the verification's, and slots drafted
+        k), with a target cache of ``width`` columns (None: the profiled width); beyond the table, the last step's
+        slope continues. The width moves the round's cost by what it moves the verification's, and slots drafted
         but not verified take their share of the verification off. Never below a quarter of the round's own target
         forward over ``verified + 1`` tokens (as :meth:`verify` is never below a quarter of its narrow figure):
         whole rounds and forwards are profiled apart, so on small, noisy timings the differences could otherwise
@@ -260,14 +260,9 @@ class BatchCosts:
             ms -= self.verify(B, k + 1, width) - self.verify(B, v + 1, width)
         return max(ms, 0.25 * self.verify(B, v + 1, width))
 
-    def verify(self, B: int, n: float, width: Optional[int] = None) -> float:
+    def verify(self, B: int, n: int, width: Optional[int] = None) -> float:
         """The target's forward over ``[B, n]`` tokens (ms) with a cache of ``width`` columns (None: ``context``):
-        linear in the width through the two measured widths (never below a quarter of the narrow figure). A
-        fractional n is a packed forward of B n tokens (``engine/packing.py``), costed linearly between the
-        neighbouring whole n: it feeds the linear layers as many tokens as the padded forward would."""
-        if n != int(n):
-            lo, f = int(n), n - int(n)
-            return (1 - f) * self.verify(B, lo, width) + f * self.verify(B, lo + 1, width)
+        linear in the width through the two measured widths (never below a quarter of the narrow figure)."""
         n = int(n)
         base = self._table("verify_ms", B, n - 1)
         if width is None or not self.verify_wide_ms or width == self.context:
@@ -604,7 +599,7 @@ class BatchBudget:
             self._costs_at = (key, [ms * self.calibration(k) for k, ms in enumerate(table)])
         return self._costs_at[1]
 
-    def _table_round(self, B: int, k: int, verified: Optional[float] = None) -> float:
+    def _table_round(self, B: int, k: int, verified: Optional[int] = None) -> float:
         """The table's ms of that round (uncalibrated)."""
         return self.batch.round(B, k, self.width, verified)
 
@@ -754,24 +749,38 @@ class BatchBudget:
         scored rounds): no survivals are read below the cap, so neither :meth:`go_on` nor :meth:`depth` is asked."""
         return self.measure and not self.in_round and not self.score_last
 
+    def go_threshold(self, B: int, k: int) -> float:
+        """The live rows' summed survival sum_b S_bk at or above which the batch drafts candidate k + 1 (the one-step
+        rule: a sum_b S_bk rho_k >= lambda (T_B(k + 1) - T_B(k))): +inf at or past the cap, -inf while the round
+        measures its depth (:attr:`forced`). The values of one round are fixed before it drafts, so the rule is a
+        comparison on the device (``policies/builtin.py``)."""
+        if k >= self.cap:
+            return math.inf
+        if self.forced:  # measuring this depth's cost: the round must reach it
+            return -math.inf
+        need = self._lambda(B) * (self._round(B, k + 1) - self._round(B, k))
+        scale = self.head_scale * self._next_ratio(k)
+        if scale <= 0:
+            return math.inf if need > 0 else -math.inf
+        return need / scale
+
     def go_on(self, k: int, survival: torch.Tensor) -> bool:
         """Whether the batch drafts candidate k + 1, given the live rows' survivals S_bk ``[B]`` (0 for rows
-        that cannot draft further)."""
-        if k >= self.cap:
-            return False
-        if self.forced:  # measuring this depth's cost: the round must reach it
-            return True
-        B = survival.shape[0]
-        marginal = self._round(B, k + 1) - self._round(B, k)
-        return self.head_scale * float(survival.sum()) * self._next_ratio(k) >= self._lambda(B) * marginal
+        that cannot draft further): :meth:`go_threshold`."""
+        return float(survival.double().sum()) >= self.go_threshold(survival.shape[0], k)
+
+    def depth_costs(self, B: int, k: int) -> list[float]:
+        """lambda_k verify_B(d + 1) for d = 0 .. k (what verifying d slots per row costs, in expected tokens, after k
+        were drafted): :meth:`depth` keeps the d that maximises a sum_b sum_{j<=d} S_bj minus it."""
+        lam = self._lambda(B) * self.calibration(k)
+        return [lam * v for v in self.batch.verify_row(B, k + 1, self.width)]
 
     def depth(self, survivals: torch.Tensor) -> int:
         """The depth d in 0..k to verify, given survivals ``[B, k]`` (S_bj, 0 beyond a row's own candidates)."""
         B, k = survivals.shape
         gain = [0.0, *itertools.accumulate(survivals.double().sum(0).tolist())]  # a few floats: lists beat tensors
-        lam = self._lambda(B) * self.calibration(k)
         a = self.head_scale
-        values = [a * g - lam * v for g, v in zip(gain, self.batch.verify_row(B, k + 1, self.width))]
+        values = [a * g - c for g, c in zip(gain, self.depth_costs(B, k))]
         return max(range(k + 1), key=lambda d: (values[d], d))
 
     def update(self, batch_size: int, drafted: int, depth: int, emitted: int,

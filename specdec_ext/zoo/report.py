@@ -18,20 +18,21 @@ import torch
 from . import PAIR_DIR, load_pair
 
 
-def decode_ms(runner_factory, context: int = 256, vocab: int = 8192, repeats: int = 60) -> float:
-    """Median ms of one single-token forward with a ``context``-token KV cache."""
-    r = runner_factory()
-    r.start(1)
-    r.forward(torch.randint(0, vocab, (1, context)))
-    one = torch.tensor([1])
+def decode_ms(backend_factory, context: int = 256, vocab: int = 8192, repeats: int = 60) -> float:
+    """Median ms of one single-token forward with a ``context``-token KV cache, through the backend
+    ``backend_factory()`` makes (``engine/backends.py``)."""
+    b = backend_factory()
+    b.start(1, context + 1)
+    b.append([0], [torch.randint(0, vocab, (context,)).tolist()], [0])
+    one = torch.tensor([1], device=b.device)
     ts = []
     for _ in range(repeats):
-        x = torch.randint(0, vocab, (1, 1))
+        x = torch.randint(0, vocab, (1, 1), device=b.device)
         t0 = time.perf_counter()
-        r.forward(x)
+        b.forward(x, 1, context + 1)
         ts.append(time.perf_counter() - t0)
-        r.rollback(one)
-    r.close()
+        b.rollback(one)
+    b.close()
     return 1e3 * statistics.median(ts)
 
 
@@ -58,15 +59,14 @@ def greedy_agreement(pair, prompts: list[str], new_tokens: int = 64) -> dict:
 
 def pair_report(num_prompts: int = 40, path: Path = PAIR_DIR) -> dict:
     from ..prompts import load_prompts
-    from ..engine.fast_llama import FastLlamaRunner
-    from ..engine.runner import CausalLMRunner
+    from ..engine.backends import HFBackend, LeanBackend
 
     pair = load_pair(target_dtype=torch.float32, path=path)
     meta = json.loads((path / "zoo_meta.json").read_text()) if (path / "zoo_meta.json").exists() else {}
     V = pair.target.config.vocab_size
-    t_ms = decode_ms(lambda: CausalLMRunner(pair.target, "target"), vocab=V)
-    d_ms = decode_ms(lambda: CausalLMRunner(pair.draft, "draft"), vocab=V)
-    f_ms = decode_ms(lambda: FastLlamaRunner(pair.draft), vocab=V)
+    t_ms = decode_ms(lambda: HFBackend(pair.target, "target"), vocab=V)
+    d_ms = decode_ms(lambda: HFBackend(pair.draft, "draft"), vocab=V)
+    f_ms = decode_ms(lambda: LeanBackend(pair.draft, "draft"), vocab=V)
     out = {
         "target_params": sum(p.numel() for p in pair.target.parameters()),
         "draft_params": sum(p.numel() for p in pair.draft.parameters()),
@@ -97,10 +97,10 @@ def format_report(r: dict) -> str:
         f"| training time | {t.get('train_minutes', 0):.0f} min | {d.get('train_minutes', 0):.0f} min |",
         f"| held-out loss (nats/token) | {t.get('held_out_loss', float('nan')):.3f} | {d.get('held_out_loss', float('nan')):.3f} |",
         f"| single-token decode, 256-token cache (ms) | {r['decode_ms_target']:.2f} | "
-        f"{r['decode_ms_draft_transformers']:.2f} (transformers), {r['decode_ms_draft_fast']:.2f} (lean runner) |",
+        f"{r['decode_ms_draft_transformers']:.2f} (transformers), {r['decode_ms_draft_fast']:.2f} (lean model) |",
         "",
         f"- decode-time ratio target/draft: {r['decode_ratio_transformers']:.1f}× with transformers' forward for both, "
-        f"{r['decode_ratio_fast']:.1f}× with the lean draft runner",
+        f"{r['decode_ratio_fast']:.1f}× with the lean draft model",
         f"- draft's greedy agreement with the target on {he['prompts']} HumanEval prompts ({he['positions']} positions): "
         f"{he['greedy_agreement']:.3f} per token; expected acceptance Σ min(p, q) at T = 1: {he['expected_acceptance_T1']:.3f}",
         f"- shipped size: {r['shipped_megabytes']:.1f} MB",

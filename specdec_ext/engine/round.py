@@ -1,0 +1,301 @@
+"""One round of speculative decoding as fixed-shape steps, with one read-back to the host.
+
+A round (Leviathan et al. 2023, Alg. 1; SpecDec++ Alg. 1) of the live rows ``0 .. B - 1``:
+
+1. **draft steps** (:func:`draft_step`, up to the plan's cap K): the draft's forward (the first feeds each row's last
+   two tokens, ``prev`` and ``last``; each later one the candidate just drafted), each row's processed distribution
+   (temperature, top-k, top-p: ``sampling.mask_logits``), its candidate (argmax, or an inverse-CDF draw from its own
+   Philox stream), and the policy's stop rule; a row's candidate count is where its stop flag first rose, decided
+   on the device;
+2. **the verify step** (:func:`verify_step`): the target over ``[last, c_1 .. c_K]`` in one forward, the fused
+   verification (``ops.chain_verify_logits``: acceptance with min(1, p/q), the residual distribution at the first
+   rejection, the bonus token; ``ops.chain_verify_greedy`` when every row is greedy), and both caches' roll-back by
+   subtraction: the target keeps ``last`` and the accepted candidates, the draft the same context but its last
+   token (the next round feeds that token again beside the new one, so every round's first draft forward takes two
+   tokens whatever was accepted);
+3. **one read-back**: the emitted tokens, accepted and drafted counts (and what the stop rule asked to read) in one
+   tensor, read once.
+
+With ``early_exit`` (the default) the round also reads, after each draft step of a rule that can stop rows, whether
+any row still drafts, and ends the drafting when none does; the budget's verified depth is read to trim the
+verification. Without it the draft runs to the cap and the round reads back once: the form a CUDA graph replays.
+A plain step (cap 0) is a target forward over ``last`` and a draw, read back the same way.
+
+Randomness is per row: row b's uniforms come from its own Philox stream (``ops.philox_uniforms``, seed and offset
+``seeds[b]``: the request's seed and its round count), draft step k from counter slot k - 1 and the verification
+from slots :data:`VERIFY_SLOT` + i, so a row's draws do not depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .. import errors, ops
+from ..policies.base import DraftStep, RoundPlan
+from .sampling import RowSampling, draw_tokens, mask_logits, row_probs
+
+VERIFY_SLOT = 1 << 30  # the Philox counter slot of a round's first verification uniform (draft steps use 0, 1, ...)
+
+
+@dataclass
+class RoundInputs:
+    """A round's per-row inputs (the scheduler builds them from its host state each round).
+
+    last: ``[B]`` int64, each row's last token (the target has read everything before it), on the target's device;
+    prev: ``[B]`` int64, the token before it (the draft has read everything before that), on the draft's device;
+    room: ``[B]`` int64, the most candidates each row may draft (its own cap, its tokens left minus one; 0 for a
+    row whose context is one token); extra: ``[B]`` int64 or None, positions the draft drops beyond a round's (1 for
+    rows whose first draft feed was a placeholder); sampling: the rows' :class:`RowSampling` on the target's device
+    (``draft_sampling`` on the draft's); seeds: ``[B, 2]`` int64, each row's Philox seed and offset; target_width /
+    draft_width: the longest live row of each cache, in columns (host ints); processor: the call's host logits
+    processor hooks, or None."""
+
+    last: torch.Tensor
+    prev: torch.Tensor
+    room: torch.Tensor
+    extra: Optional[torch.Tensor]
+    sampling: RowSampling
+    draft_sampling: RowSampling
+    seeds: torch.Tensor
+    target_width: int
+    draft_width: int
+    processor: Optional[object] = None
+
+
+@dataclass
+class RoundOutput:
+    """What a round returns to the host: per row the tokens it emitted (accepted candidates, then the residual or
+    bonus token), the candidates it verified and accepted; steps: draft forwards run; verified: the verification's
+    width; readback: the stop rule's values; the ms of the draft phase and of the verification (host clock)."""
+
+    tokens: list
+    drafted: list
+    accepted: list
+    steps: int
+    verified: int
+    readback: list
+    draft_ms: float
+    verify_ms: float
+
+
+def draft_step(forward: Callable, tokens: torch.Tensor, seeds: torch.Tensor, k: int, sampling: RowSampling, rule,
+               drafting: torch.Tensor, room: torch.Tensor, n: torch.Tensor, processor=None, cands: Optional[list] = None):
+    """Draft step ``k`` (1-based): the draft's forward over ``tokens`` ``[B, t]`` (``forward(tokens)`` -> logits,
+    hidden), each row's candidate from its processed distribution (a uniform from its Philox stream ``seeds[b]``,
+    counter slot k - 1), and the stop ``rule``'s decision. ``drafting`` ``[B]`` bool: rows still drafting; ``room``
+    ``[B]``: each row's cap; ``n`` ``[B]`` int64: candidates each row has drafted. Returns ``(candidate [B],
+    processed logits [B, V] float32, n, drafting)`` after this step. Fixed shapes, no host synchronisation (a device
+    ``rule``; a ``processor`` is host work)."""
+    logits, hidden = forward(tokens)
+    last = logits[:, -1]
+    if processor is not None:
+        last = processor.draft(last, cands)
+    masked = mask_logits(last, sampling)
+    need_probs = not sampling.greedy or (rule is not None and rule.needs_probs)
+    probs = row_probs(masked, sampling) if need_probs else None
+    u = ops.philox_uniforms(seeds, 1, k - 1)[:, 0] if not sampling.greedy else None
+    cand = draw_tokens(masked, sampling, u, probs)
+    n = torch.where(drafting, torch.full_like(n, k), n)
+    stop = room <= k
+    if rule is not None:
+        info = DraftStep(k, cand.shape[0], probs.gather(-1, cand.view(-1, 1)).squeeze(-1) if probs is not None else None,
+                         probs, hidden[:, -1] if hidden is not None and rule.needs_hidden else None, cand, masked,
+                         drafting, drafting & ~stop)
+        stop = stop | rule.step(info)
+    return cand, masked, n, drafting & ~stop
+
+
+def verify_step(forward: Callable, last: torch.Tensor, cands: torch.Tensor, draft_logits: Optional[torch.Tensor],
+                sampling: RowSampling, n: torch.Tensor, seeds: torch.Tensor, roll_target: Optional[Callable],
+                roll_draft: Optional[Callable], steps: int, extra: Optional[torch.Tensor], processor=None):
+    """The target scores ``[last, cands]`` ``[B, K + 1]`` (``forward(tokens, keep)`` -> logits), one fused op accepts a
+    prefix of each row's ``n[b]`` candidates and emits the residual or bonus token (uniforms from each row's Philox
+    stream ``seeds[b]``, counter slots :data:`VERIFY_SLOT` + i); K = 0 is a plain step (a draw from the target's
+    distribution). Then both caches roll back: the target keeps ``last`` and the accepted candidates
+    (``roll_target(K - accepted)``), the draft, which ran ``steps`` steps, the same context but its last token
+    (``roll_draft(steps - accepted + extra)``). Returns ``(out [B, K + 1] int64, num_accepted [B] int64)``; a
+    negative count is a kernel's error code for that row. Fixed shapes, no host synchronisation (a ``processor`` is
+    host work)."""
+    B, K = cands.shape
+    logits = forward(torch.cat([last.view(B, 1), cands], 1), K + 1)
+    if processor is not None:
+        logits = processor.target(logits, cands)
+    u = ops.philox_uniforms(seeds, K + 1, VERIFY_SLOT) if not sampling.greedy else None
+    if K == 0:
+        out = draw_tokens(mask_logits(logits[:, 0], sampling), sampling, u[:, 0] if u is not None else None)
+        out, acc = out.view(B, 1), torch.zeros_like(n)
+    elif sampling.greedy:
+        out, acc = ops.chain_verify_greedy(cands, logits, n)
+    else:
+        out, acc = ops.chain_verify_logits(cands, draft_logits, mask_logits(logits, sampling), sampling.temperature, n,
+                                           uniforms=u)
+    kept = acc.clamp_min(0)
+    if K:
+        roll_target(K - kept)
+    if steps:
+        back = steps - kept
+        roll_draft(back if extra is None else back + extra.to(back.device))
+    return out, acc
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch buckets of compiled or captured steps (rows padded to the bucket)
+GRAPHS = 4096  # compiled steps' graphs kept: one per bucket, step, candidate count and sampling mode
+
+
+class StepRunner:
+    """Runs rounds of the step functions (module docstring) for the scheduler.
+
+    Eagerly (the default, ``buckets=None``): the live rows as they are, each forward reading the columns the widest
+    row needs. With ``buckets`` (``BUCKETS``; every model lean): rows padded to the smallest bucket that holds them
+    (padding rows: room 0, greedy, empty caches), each forward reading the whole cache, so each step has one shape
+    per (bucket, step) and a graph can be replayed for it: ``compile=True`` compiles each step with
+    ``torch.compile(fullgraph=True)`` (``backend`` and ``mode`` its own; ``mode="reduce-overhead"`` on CUDA replays
+    CUDA graphs), the CPU's proxy for CUDA-graph capture. The compiled steps are kept from round to round and call to
+    call.
+
+    Raises ValueError for a batch larger than the largest bucket."""
+
+    def __init__(self, buckets: Optional[tuple] = None, compile: bool = False, backend: str = "inductor",
+                 mode: Optional[str] = None):
+        self.buckets = tuple(sorted(buckets)) if buckets else None
+        self.compile, self.backend, self.mode = bool(compile), backend, mode
+        self._steps: dict = {}
+
+    def bucket(self, B: int) -> int:
+        """The rows a round of B live rows runs: B, or the smallest bucket that holds them."""
+        if self.buckets is None:
+            return B
+        for size in self.buckets:
+            if size >= B:
+                return size
+        raise ValueError(f"batch_size: {B} rows are more than the largest batch bucket {self.buckets[-1]}")
+
+    def _step(self, fn: Callable) -> Callable:
+        """``fn`` as the round calls it: itself, or compiled with one graph per shape (``dynamic=False``: a graph per
+        bucket and step, as captured graphs are; the recompile limit raised to hold them all)."""
+        if not self.compile:
+            return fn
+        if fn not in self._steps:
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend, mode=self.mode)
+
+            def call(*args, **kwargs):
+                with torch._dynamo.config.patch(recompile_limit=GRAPHS, accumulated_recompile_limit=GRAPHS):
+                    return compiled(*args, **kwargs)
+
+            self._steps[fn] = call
+        return self._steps[fn]
+
+    def run(self, draft, target, inp: RoundInputs, plan: RoundPlan, early_exit: bool) -> RoundOutput:
+        """One round of the live rows (module docstring) by backends ``draft`` (None for a plain step) and
+        ``target``; the draft runs at most ``plan.cap`` steps (0: a plain step).
+
+        Raises ValueError when the verification reports an invalid row (a NaN or +Inf logit, or a fully masked row)."""
+        B = inp.last.shape[0]
+        P = self.bucket(B)
+        if P > B:
+            inp = _padded(inp, P)
+            for b in (draft, target):
+                if b is not None:
+                    b.cache.lengths[B:P] = 0
+        wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
+        cap = plan.cap
+        t0 = time.perf_counter()
+        tdev = inp.last.device
+        cands = torch.zeros(P, 0, dtype=torch.int64, device=tdev)
+        n = torch.zeros(P, dtype=torch.int64, device=tdev)
+        draft_logits, steps, rule, verified = None, 0, plan.rule, None
+        nd = n
+        if cap > 0:
+            ddev = inp.prev.device
+            room = inp.room if plan.row_caps is None else torch.minimum(
+                inp.room, _pad_rows(torch.tensor(list(plan.row_caps), dtype=torch.int64), P).to(ddev))
+            seeds = inp.seeds.to(ddev)
+            tokens = torch.stack([inp.prev, inp.last.to(ddev)], 1)
+            drafting = room > 0
+            nd = torch.zeros(P, dtype=torch.int64, device=ddev)
+            if rule is not None:
+                rule.begin(P, ddev)
+            out_c, out_l = [], []
+            step = self._step(draft_step)
+            forward = draft.step if self.compile else draft.forward
+            for k in range(1, cap + 1):
+                width = None if wide else inp.draft_width + 1 + k
+                t_step = time.perf_counter()
+                cand, masked, nd, drafting = step(lambda t, w=width: forward(t, 1, w), tokens, seeds, k,
+                                                  inp.draft_sampling, rule, drafting, room, nd, inp.processor, out_c)
+                if self.compile:  # the compiled step's forward is counted here
+                    draft.calls += 1
+                    draft.seconds += time.perf_counter() - t_step
+                out_c.append(cand)
+                out_l.append(masked)
+                steps = k
+                if k == cap or (early_exit and rule is not None and not bool(drafting.any())):
+                    break
+                tokens = cand.view(P, 1)
+            n = nd.to(tdev)
+            cands = torch.stack(out_c, 1).to(tdev)
+            if not inp.sampling.greedy:
+                draft_logits = torch.stack(out_l, 1).to(tdev)
+            if rule is not None:
+                trimmed = rule.depth(nd, steps)
+                if trimmed is not None:
+                    n = trimmed.to(tdev)
+                    if early_exit:  # the budget verifies fewer slots than were drafted: a narrower forward
+                        verified = int(n.max())
+                        cands = cands[:, :verified]
+                        draft_logits = draft_logits[:, :verified] if draft_logits is not None else None
+        verified = steps if verified is None else verified
+        t1 = time.perf_counter()
+        width = None if wide else inp.target_width + verified + 1
+        forward = target.step if self.compile else target.forward
+        out, acc = self._step(verify_step)(
+            lambda t, keep: forward(t, keep, width)[0], inp.last, cands, draft_logits, inp.sampling, n,
+            inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra, inp.processor)
+        if self.compile:
+            target.calls += 1
+            target.seconds += time.perf_counter() - t1
+        asked = rule.readback() if (rule is not None and steps) else []
+        pieces = [out[:B].flatten().double(), acc[:B].double(), n[:B].double()]
+        flat = torch.cat(pieces + [t[:B].flatten().double().to(tdev) if t.dim() > 1 else t.double().to(tdev)
+                                   for t in asked]).tolist()  # the round's one read-back
+        t2 = time.perf_counter()
+        W = verified + 1
+        toks = [[int(x) for x in flat[b * W: (b + 1) * W]] for b in range(B)]
+        accepted = [int(x) for x in flat[B * W: B * W + B]]
+        drafted = [int(x) for x in flat[B * W + B: B * W + 2 * B]]
+        at, readback = B * W + 2 * B, []
+        for t in asked:
+            cols = t.shape[-1] if t.dim() > 1 else 0
+            size = B * cols if cols else t.numel()
+            vals = flat[at: at + size]
+            at += size
+            readback.append([vals[i * cols: (i + 1) * cols] for i in range(B)] if cols else vals)
+        bad = min(accepted)
+        if bad < 0:
+            raise ValueError(f"verification: {errors.message(bad, True)}")
+        emitted = [toks[b][: accepted[b] + 1] for b in range(B)]
+        return RoundOutput(emitted, drafted, accepted, steps, verified, readback, (t1 - t0) * 1e3 if steps else 0.0,
+                           (t2 - t1) * 1e3)
+
+
+def _pad_rows(t: torch.Tensor, P: int, value=0) -> torch.Tensor:
+    """``t`` (rows first) with rows of ``value`` appended up to ``P`` rows."""
+    if t.shape[0] >= P:
+        return t
+    return torch.cat([t, t.new_full((P - t.shape[0],) + tuple(t.shape[1:]), value)])
+
+
+def _padded(inp: RoundInputs, P: int) -> RoundInputs:
+    """``inp`` with padding rows up to ``P``: token 0, room 0 (they never draft), greedy, stream 0."""
+    def rows(s: RowSampling) -> RowSampling:
+        return RowSampling(_pad_rows(s.temperature, P), _pad_rows(s.top_k, P, s.vocab), _pad_rows(s.top_p, P, 1.0),
+                           s.greedy, s.masks, s.vocab)
+
+    return RoundInputs(_pad_rows(inp.last, P), _pad_rows(inp.prev, P), _pad_rows(inp.room, P),
+                       _pad_rows(inp.extra, P) if inp.extra is not None else None, rows(inp.sampling),
+                       rows(inp.draft_sampling), _pad_rows(inp.seeds, P), inp.target_width, inp.draft_width,
+                       inp.processor)

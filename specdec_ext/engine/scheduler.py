@@ -1,0 +1,412 @@
+"""The scheduler: requests in slots, their prefills, and the rounds that serve them.
+
+Each live request has a slot in both models' caches (:mod:`~specdec_ext.engine.backends`), the live rows being slots
+``0 .. B - 1``; the host keeps each row's context (prompt and generated tokens), how much of it each cache holds,
+its limit and its round count. Before a round the policy plans it (:meth:`~specdec_ext.policies.CandidateLengthPolicy.plan`);
+the round runs as fixed-shape steps with one read-back (:class:`~specdec_ext.engine.round.StepRunner`); the host then
+appends each row's emitted tokens, cut at its ``max_new_tokens`` and at EOS, streams them, and lets finished rows
+go: the last live rows take their slots (the caches move only those rows), and queued requests take the free slots
+after them (continuous batching), their prompts prefilled into those slots by the target.
+
+The draft reads a request's context when the request first drafts (a request served by plain steps alone, as under
+the verification budget where speculation does not pay, never costs a draft read), and after plain steps the tokens
+they committed, both before the round and outside its time. Its cache holds a row's context but its last token,
+which each round feeds again beside the new one.
+
+Admission (``admission=``): ``"eager"`` admits queued requests after every round that freed a slot; ``"grouped"``
+waits until the throughput the free slots lost reaches the measured fixed cost of an admission
+(:class:`~specdec_ext.engine.admission.AdmissionRule`); ``"ahead"`` (the default) admits as eagerly, but prefills the
+queue's next ``min(batch_size, AHEAD_ROWS)`` requests in one go into a staging cache whenever none is staged, and the
+draft reads them with it while the batch drafts, so prefills are as large as a lockstep refill's
+(:mod:`~specdec_ext.engine.admission` has the measurements).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..policies.base import RoundContext, RoundPlan, RoundResult
+from .admission import AdmissionRule
+from .kv_cache import compaction
+from .round import RoundInputs
+from .sampling import RowSampling, SamplingConfig
+from .stats import GenerationStats, RoundStats
+from .tensor_parallel import tp_size
+
+# admission="ahead": the most requests the target prefills together ahead of their admission. On the bundled pair
+# in bf16 (2-core Intel Xeon with AMX, HumanEval prompts) a prefill's cost per prompt token was lowest in groups of
+# 8-16 (100-130 us) and higher in groups of 1-2 (130-160 us) and 32-64 (130-180 us).
+AHEAD_ROWS = 16
+
+
+@dataclass
+class Request:
+    """A request: ``prompt`` token ids, at most ``limit`` new tokens, Philox ``seed``, ``sampling`` settings;
+    ``base``: the prefix a logits processor sees before the generated tokens (the prompt as given, padding
+    included, as transformers gives it), None without a processor."""
+
+    prompt: list
+    limit: int
+    seed: int
+    sampling: SamplingConfig
+    base: Optional[list] = None
+
+
+@dataclass
+class Row:
+    """A live request's host state: ``ctx`` its context (prompt, then generated tokens); ``rounds`` the rounds it
+    took part in (its Philox offset); the draft holds ``ctx[draft_from:draft_to]`` (``draft_from`` None: unread)."""
+
+    req: int
+    ctx: list
+    prompt_len: int
+    rounds: int = 0
+    draft_from: Optional[int] = None
+    draft_to: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.ctx) - self.prompt_len
+
+
+@dataclass
+class Served:
+    """What a scheduler run returns: each request's generated tokens, ms from the call's start to its admission and
+    to the end of its last round, and the call's statistics."""
+
+    tokens: list
+    admitted_ms: list
+    finished_ms: list
+    stats: GenerationStats
+
+
+@dataclass
+class Settings:
+    """A run's settings: the end-of-sequence ids, the streamer (one request), the logits processor, the admission
+    mode and its rule, ``early_exit`` (:class:`~specdec_ext.engine.round.StepRunner`), the draft's context window."""
+
+    eos: set
+    streamer: object = None
+    processor: Optional[Callable] = None
+    admission: str = "eager"
+    rule: Optional[AdmissionRule] = None
+    early_exit: bool = True
+    draft_context: Optional[int] = None
+    continuous: bool = False
+
+
+class Scheduler:
+    """Serves ``requests`` with at most ``batch_size`` live, through backends ``target`` and ``draft`` (None for plain
+    decoding) and ``policy`` (module docstring). ``gen`` is the :class:`~specdec_ext.engine.generator.SpeculativeGenerator`,
+    whose measured draft reads and admissions it updates (they carry over from call to call)."""
+
+    def __init__(self, gen, policy, target, draft, requests: list, batch_size: int, settings: Settings, stats,
+                 staging: Optional[tuple] = None):
+        self.gen, self.pol, self.target, self.draft = gen, policy, target, draft
+        self.requests, self.batch_size, self.set, self.stats = requests, batch_size, settings, stats
+        self.queue = list(range(len(requests)))
+        self.live: list[Row] = []
+        self.tokens: list = [[] for _ in requests]
+        self.admitted_ms = [0.0] * len(requests)
+        self.finished_ms = [0.0] * len(requests)
+        self.staging = staging  # (target, draft) backends of admission="ahead", or None
+        self.staged: list = []  # [(request, staging row, draft read?)] prefilled ahead, in order
+        self._sampling = None
+        self.t_start = time.perf_counter()
+
+    # ------------------------------------------------------------------------ the run
+    def run(self) -> Served:
+        n = min(self.batch_size, len(self.queue))
+        columns = max(len(r.prompt) + r.limit for r in self.requests)
+        for b in (self.target, self.draft):
+            if b is not None:
+                b.start(self.gen.steps.bucket(self.batch_size), columns)
+        for b in self.staging or ():
+            if b is not None:
+                b.start(min(self.batch_size, AHEAD_ROWS), columns)
+        self.pol.reset(n, self.draft.device if self.draft is not None else self.target.device)
+        self._admit(n, first=True)
+        while self.live:
+            done = self._round()
+            now = (time.perf_counter() - self.t_start) * 1e3
+            for i in done:
+                self.finished_ms[self.live[i].req] = now
+            free = self.batch_size - (len(self.live) - len(done))
+            waiting = len(self.queue) + len(self.staged)
+            take = min(free, waiting)
+            if take and (self.set.rule is None or self.set.rule.ready(
+                    self.batch_size - len(self.live), waiting, len(self.live) - len(done), self.batch_size,
+                    self.stats.rounds[-1].total_ms)):
+                self._leave(done)
+                self._admit(take)
+            elif done:
+                self._leave(done)
+        self.stats.wall_ms = (time.perf_counter() - self.t_start) * 1e3
+        for b in (self.target, self.draft):
+            if b is not None:
+                b.close()
+        return Served(self.tokens, self.admitted_ms, self.finished_ms, self.stats)
+
+    # ------------------------------------------------------------------------ rows
+    def _leave(self, done: list) -> None:
+        """Rows ``done`` (positions) leave: the last live rows take their slots."""
+        if not done:
+            return
+        order = compaction(len(self.live), done)
+        self.live = [self.live[i] for i in order]
+        self.target.select(order, [len(r.ctx) - 1 for r in self.live])
+        if self.draft is not None:
+            self.draft.select(order, [self._draft_columns(r) for r in self.live])
+        self.pol.select_rows(torch.tensor(order, dtype=torch.int64))
+
+    @staticmethod
+    def _draft_columns(row: Row) -> int:
+        return 0 if row.draft_from is None else row.draft_to - row.draft_from
+
+    def _admit(self, count: int, first: bool = False) -> None:
+        """The queue's next ``count`` requests join the batch in the slots after the live rows: prefilled by the
+        target there (the longest first, so each group of similar length fills consecutive slots), or taken from
+        the staging caches (admission="ahead", after the first fill)."""
+        t0 = time.perf_counter()
+        self._reserve(len(self.live) + count)
+        if self.staging is None or first:
+            ids = sorted(self.queue[:count], key=lambda r: -len(self.requests[r].prompt))
+            del self.queue[:count]
+            rows = [Row(r, list(self.requests[r].prompt), len(self.requests[r].prompt)) for r in ids]
+            slots = list(range(len(self.live), len(self.live) + len(rows)))
+            self.target.append(slots, [r.ctx[:-1] for r in rows], [0] * len(rows))
+            self.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+            self._observe_admission(ids, t0)
+        else:
+            rows = self._from_staging(count)
+        for r in rows:
+            self.admitted_ms[r.req] = (t0 - self.t_start) * 1e3
+        self.live += rows
+        if not first:
+            self.pol.add_rows(len(rows))
+            self.stats.admissions += 1
+
+    def _reserve(self, slots: int) -> None:
+        """Room in both caches for ``slots`` rows of every live and queued request's length."""
+        cols = max(len(self.requests[r].prompt) + self.requests[r].limit for r in
+                   [row.req for row in self.live] + self.queue + [s[0] for s in self.staged])
+        for b in (self.target, self.draft):
+            if b is not None:
+                b.reserve(slots, cols, len(self.live))
+
+    def _from_staging(self, count: int) -> list:
+        """admission="ahead": ``count`` requests from the staging caches, the next group staged when they run dry."""
+        st_target, st_draft = self.staging
+        rows, at = [], len(self.live)
+        while len(rows) < count:
+            if not self.staged:
+                self._stage(count - len(rows))
+            k = min(count - len(rows), len(self.staged))
+            part, self.staged = self.staged[:k], self.staged[k:]
+            slots = list(range(at + len(rows), at + len(rows) + k))
+            self.target.take(slots, st_target, [s for _, s, _ in part],
+                             [len(self.requests[r].prompt) - 1 for r, _, _ in part])
+            read = [(slot, s, d) for slot, (_, s, d) in zip(slots, part) if d is not None]
+            if read and self.draft is not None:
+                self.draft.take([x for x, _, _ in read], st_draft, [s for _, s, _ in read],
+                                [d[1] - d[0] for _, _, d in read])
+            for r, _, d in part:
+                row = Row(r, list(self.requests[r].prompt), len(self.requests[r].prompt))
+                if d is not None:
+                    row.draft_from, row.draft_to = d
+                rows.append(row)
+        return rows
+
+    def _stage(self, need: int) -> None:
+        """Prefill the queue's next ``max(need, min(batch_size, AHEAD_ROWS))`` requests into the staging caches (the
+        draft's too while the batch drafts), the longest first."""
+        st_target, st_draft = self.staging
+        take = max(need, min(self.batch_size, AHEAD_ROWS))
+        fifo = self.queue[:take]
+        group = sorted(fifo, key=lambda r: -len(self.requests[r].prompt))  # staging slots: the longest first
+        del self.queue[:take]
+        t0 = time.perf_counter()
+        prompts = [self.requests[r].prompt for r in group]
+        columns = max(len(p) + self.requests[r].limit for p, r in zip(prompts, group))
+        for b in self.staging:
+            if b is not None:
+                b.start(len(group), columns)
+        st_target.append(list(range(len(group))), [p[:-1] for p in prompts], [0] * len(group))
+        self.stats.prefill_ms += (time.perf_counter() - t0) * 1e3
+        self._observe_admission(group, t0)
+        reads = [None] * len(group)
+        if st_draft is not None and self.draft is not None and _drafting(self.stats.rounds):
+            t1 = time.perf_counter()
+            spans = [self._window(len(p)) for p in prompts]
+            st_draft.append(list(range(len(group))), [p[a:b] for p, (a, b) in zip(prompts, spans)], [0] * len(group))
+            self._count_read(t1, len(group))
+            reads = spans
+        slot = {r: i for i, r in enumerate(group)}
+        self.staged = [(r, slot[r], reads[slot[r]]) for r in fifo]  # they join in the queue's order
+
+    def _observe_admission(self, ids: list, t0: float) -> None:
+        """Record a continuous batch's admission of requests ``ids`` that began at ``t0`` (its rows, prompt tokens and
+        ms): the admission rule's fit, and the engine's estimate of a draft read before one is measured."""
+        if not self.set.continuous:
+            return
+        ms = (time.perf_counter() - t0) * 1e3
+        point = (len(ids), sum(len(self.requests[r].prompt) for r in ids), ms)
+        self.gen.admission_points.append(point)
+        del self.gen.admission_points[:-64]
+        if self.set.rule is not None:
+            self.set.rule.observe(*point)
+
+    def _window(self, length: int) -> tuple:
+        """The span ``(from, to)`` of a context of ``length`` tokens the draft reads first: all of it but the last two
+        tokens (each round feeds those), or with ``draft_context`` W what of them lies in the context's last W
+        tokens (the draft then sees at most max(W, 2) tokens of it)."""
+        to = max(0, length - 2)
+        w = self.set.draft_context
+        return (0 if w is None else min(to, max(0, length - w)), to)
+
+    def _count_read(self, t0: float, requests: int) -> float:
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.prefill_ms += ms
+        self.stats.draft_prefill_ms += ms
+        if requests:
+            self.gen.catch_up_ms += ms
+            self.gen.catch_up_rows += requests
+        return ms
+
+    def _catch_up(self) -> None:
+        """Before a round that drafts: the draft reads each unread row's context and the tokens plain steps
+        committed since it last drafted (all but each context's last two tokens)."""
+        unread = [i for i, r in enumerate(self.live) if r.draft_from is None]
+        if unread:
+            t0 = time.perf_counter()
+            spans = [self._window(len(self.live[i].ctx)) for i in unread]
+            self.draft.append(unread, [self.live[i].ctx[a:b] for i, (a, b) in zip(unread, spans)], [0] * len(unread))
+            for i, (a, b) in zip(unread, spans):
+                self.live[i].draft_from, self.live[i].draft_to = a, b
+            self._count_read(t0, len(unread))
+        behind = [i for i, r in enumerate(self.live) if r.draft_to < len(r.ctx) - 2]
+        if behind:
+            t0 = time.perf_counter()
+            rows = [self.live[i] for i in behind]
+            self.draft.append(behind, [r.ctx[r.draft_to: len(r.ctx) - 2] for r in rows],
+                              [self._draft_columns(r) for r in rows])
+            for r in rows:
+                r.draft_to = len(r.ctx) - 2
+            self.stats.draft_deferred_ms += self._count_read(t0, 0)
+
+    # ------------------------------------------------------------------------ a round
+    def _room(self, row: Row) -> int:
+        return 0 if len(row.ctx) < 2 else self.requests[row.req].limit - row.generated - 1
+
+    def _round(self) -> list:
+        """Plan, catch the draft up, run the round, append what it emitted; returns the positions of rows that
+        finished."""
+        live = self.live
+        B = len(live)
+        room = [self._room(r) for r in live]
+        left = [self.requests[r.req].limit - r.generated for r in live]
+        ctx = RoundContext(B, max(len(r.ctx) for r in live) - 1, room,
+                           self.gen._draft_overhead(self, live) if self.pol.speculative else 0.0,
+                           self.gen._draft_reads(live) if self.pol.speculative else 0.0,
+                           self.set.continuous and B > 1 and len(set(left)) == 1, self.set.early_exit)
+        plan = self.pol.plan(ctx) if self.pol.speculative else RoundPlan(0)
+        caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
+        cap = min(plan.cap, max(caps)) if self.draft is not None else 0
+        if cap > 0:
+            self._catch_up()
+        t0 = time.perf_counter()
+        inp = self._inputs(cap > 0, room)
+        out = self.gen.steps.run(self.draft if cap > 0 else None, self.target, inp,
+                        RoundPlan(cap, plan.rule, plan.row_caps), self.set.early_exit)
+        ms = (time.perf_counter() - t0) * 1e3  # the round's time: its steps and read-back (what the budget measures)
+        if self.pol.speculative:
+            self.pol.observe(RoundResult(out.drafted, out.accepted, out.steps, out.verified, out.readback,
+                                         0.0 if tp_size(self.gen.target) > 1 else ms))  # ranks must decide alike
+        rs = RoundStats(out.drafted, out.accepted, [0] * B, out.draft_ms, out.verify_ms, ms, [r.req for r in live])
+        self.stats.rounds.append(rs)
+        done = []
+        for b, row in enumerate(live):
+            req = self.requests[row.req]
+            toks = out.tokens[b][: req.limit - row.generated]
+            for j, t in enumerate(toks):
+                if t in self.set.eos:
+                    toks = toks[: j + 1]
+                    break
+            row.ctx += toks
+            row.rounds += 1
+            if cap > 0:
+                row.draft_to = len(row.ctx) - 2
+                if row.draft_from is None:
+                    row.draft_from = 0
+            self.tokens[row.req] += toks
+            rs.emitted[b] = len(toks)
+            self.stats.new_tokens += len(toks)
+            if self.set.streamer is not None and toks:
+                self.set.streamer.put(torch.tensor(toks))
+            if row.generated >= req.limit or (toks and toks[-1] in self.set.eos):
+                done.append(b)
+        return done
+
+    def _inputs(self, drafting: bool, room: list) -> RoundInputs:
+        live = self.live
+        tdev = self.target.device
+        ddev = self.draft.device if self.draft is not None else tdev
+        B = len(live)
+        cfgs = tuple(self.requests[r.req].sampling for r in live)
+        if self._sampling is None or self._sampling[0] != cfgs:
+            V = self.gen.vocab
+            self._sampling = (cfgs, RowSampling.of(list(cfgs), V, tdev), RowSampling.of(list(cfgs), V, ddev))
+        last = torch.tensor([r.ctx[-1] for r in live], dtype=torch.int64, device=tdev)
+        prev = torch.tensor([r.ctx[-2] if len(r.ctx) > 1 else r.ctx[-1] for r in live], dtype=torch.int64, device=ddev)
+        single = [len(r.ctx) < 2 for r in live]
+        extra = torch.tensor(single, dtype=torch.int64, device=ddev) if drafting and any(single) else None
+        seeds = torch.tensor([[self.requests[r.req].seed, r.rounds] for r in live], dtype=torch.int64, device=tdev)
+        processor = None
+        if self.set.processor is not None:
+            bases = [self.requests[r.req].base + r.ctx[r.prompt_len:] for r in live]
+            processor = HostProcessor(self.set.processor, bases)
+        return RoundInputs(last, prev, torch.tensor(room, dtype=torch.int64, device=ddev), extra,
+                           self._sampling[1], self._sampling[2], seeds,
+                           max(len(r.ctx) for r in live) - 1,
+                           max(self._draft_columns(r) for r in live) if drafting else 0, processor)
+
+
+class HostProcessor:
+    """A logits processor ``(input_ids [1, t] int64, scores [1, V] float32) -> scores`` applied row by row, each row
+    and position with its own prefix (the row's ``bases`` entry, then the candidates before the position): the
+    host path of a round (the candidates are read to build the prefixes)."""
+
+    def __init__(self, fn: Callable, bases: list):
+        self.fn, self.bases = fn, bases
+
+    def _rows(self, logits: torch.Tensor, cands: Optional[list]) -> torch.Tensor:
+        out = []
+        for i, base in enumerate(self.bases):
+            prefix = list(base) + ([int(c) for c in cands[i]] if cands is not None else [])
+            ids = torch.tensor([prefix], dtype=torch.int64, device=logits.device)
+            out.append(self.fn(ids, logits[i: i + 1].float().clone())[0])
+        return torch.stack(out)
+
+    def draft(self, logits: torch.Tensor, cands: list) -> torch.Tensor:
+        """The draft's logits ``[B, V]`` after the candidates ``cands`` (a list of ``[B]`` tensors) so far."""
+        so_far = torch.stack(cands, 1).tolist() if cands else None
+        return self._rows(logits, so_far)
+
+    def target(self, logits: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
+        """The target's logits ``[B, K + 1, V]``, position i after the first i candidates of ``cands`` ``[B, K]``."""
+        c = cands.tolist()
+        return torch.stack([self._rows(logits[:, i], [row[:i] for row in c]) for i in range(logits.shape[1])], 1)
+
+
+def _drafting(rounds: list, recent: int = 4) -> bool:
+    """Whether a batch is drafting, for reading new requests ahead: at least three in four of its last ``recent``
+    rounds drafted (all of them while it has had fewer). One drafting round among plain steps is a verification
+    budget's probe (``BatchBudget``), after which it mostly goes back to plain steps: reading ahead on the last round
+    alone, the budget at B = 16 read 0.92 s of contexts where it read 0.30 s lazily (bundled pair, 128 HumanEval
+    requests, bf16 on a 2-core AMD EPYC)."""
+    last = rounds[-recent:]
+    return bool(last) and sum(any(r.candidates) for r in last) * 4 >= 3 * len(last)

@@ -1,0 +1,172 @@
+"""The round as fixed-shape steps (``engine/round.py``): one read-back to the host per round through the public
+API, the steps compiled with ``torch.compile(fullgraph=True)`` at every batch bucket without recompiling across
+rounds and calls (the CPU's proxy for CUDA-graph capture: no graph break, no host sync), and a negative control of
+the losslessness checks at the engine level."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from models import make_pair, noisy_copy
+from stats import assert_follows
+from support import PIDS, POLICIES, exact_marginals, head_for, make_gen, target_only
+from specdec_ext import SpeculativeGenerator
+from specdec_ext.engine import round as round_module
+from specdec_ext.engine.round import BUCKETS, StepRunner
+from specdec_ext.engine.sampling import SamplingConfig
+
+READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+         torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+class CountReads(TorchFunctionMode):
+    """Counts the tensor methods that read a value back to the host (item, tolist, bool, int, float, index, cpu,
+    numpy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def reads_per_round(gen, call) -> tuple:
+    """Runs ``call()`` (a public generate call of ``gen``) and returns the host reads and draft steps of each of
+    its rounds (``StepRunner.run``, from its first step to its read-back), and what the call returned."""
+    counts = []
+    run = gen.steps.run
+
+    def counted(*a, **k):
+        with CountReads() as mode:
+            out = run(*a, **k)
+        counts.append((mode.reads, out.steps))
+        return out
+
+    gen.steps.run = counted
+    try:
+        out = call()
+    finally:
+        del gen.steps.run
+    return counts, out
+
+
+@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_round_reads_back_once(name, kw, temperature):
+    """Without early exit every policy's round reads back once (its tokens and counts); with it, policies whose
+    rounds are planned whole still do, and those that stop rows within a round read one flag after each draft step
+    short of the cap (and the verification budget its depth)."""
+    target, draft = make_pair("llama")
+    ids = torch.randint(2, 48, (3, 6), generator=torch.Generator().manual_seed(0))
+    for early_exit in (False, True):
+        gen = make_gen(target, draft, name, kw, early_exit=early_exit)
+        counts, out = reads_per_round(gen, lambda: gen.generate(ids, max_new_tokens=20, temperature=temperature))
+        assert counts and len(counts) == len(out.stats.rounds)
+        planned = name in ("autoregressive", "fixed", "heuristic")
+        for reads, steps in counts:
+            if not early_exit or planned:
+                assert reads == 1, (early_exit, reads, steps)
+            else:
+                budget = kw.get("threshold") == "auto"
+                assert 1 <= reads <= steps + 1 + budget, (reads, steps)
+        if not early_exit and name != "autoregressive":
+            assert any(steps >= 1 for _, steps in counts)  # the rounds drafted
+
+
+def test_the_count_sees_a_read():
+    """Negative control: a round that reads one more value back is counted."""
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    step = round_module.verify_step
+
+    def reading(*a, **k):
+        out, acc = step(*a, **k)
+        int(acc.sum())
+        return out, acc
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(round_module, "verify_step", reading)
+        counts, _ = reads_per_round(gen, lambda: gen.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=8,
+                                                              temperature=0))
+    assert counts and all(reads == 2 for reads, _ in counts)
+
+
+@pytest.mark.parametrize("name,kw", [("fixed", {"k": 2}),
+                                     ("specdecpp", {"threshold": 0.6, "k_max": 3, "_head": "proposal"})],
+                         ids=["fixed", "specdecpp"])
+def test_the_steps_compile_at_every_bucket_without_recompiling(name, kw):
+    """StepRunner(BUCKETS, compile=True): each draft and verify step compiles with fullgraph=True at every batch
+    bucket (rows padded to it) and gives the eager steps' tokens (greedy and seeded sampling, fp32); the calls again
+    compile nothing more: every round and call meets the same shapes and tensors (one graph per bucket, step,
+    candidate count and sampling mode, as CUDA graphs would be captured), once the caches have grown to the largest
+    batch and request met."""
+    from torch._dynamo.utils import counters
+
+    target, draft = make_pair("llama")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(2)
+    gen = make_gen(target, draft, name, kw, early_exit=False)
+    eager = make_gen(target, draft, name, kw, early_exit=False)
+    gen.steps = StepRunner(BUCKETS, compile=True, backend="aot_eager")
+    # the caches grow to the largest batch and request met: a call of the largest bucket first sizes them for good
+    gen.generate(torch.randint(2, 48, (BUCKETS[-1], 5), generator=g), max_new_tokens=7, temperature=0)
+    calls = []
+    for size in BUCKETS:
+        rows = size - 1 if size > 2 else size  # padded to the bucket where it is not a full one
+        ids = torch.randint(2, 48, (rows, 5), generator=g)
+        for temperature in (0.0, 1.0):
+            want = eager.generate(ids, max_new_tokens=7, temperature=temperature, seed=3).new_tokens
+            assert gen.generate(ids, max_new_tokens=7, temperature=temperature, seed=3).new_tokens == want, size
+            calls.append((ids, temperature))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2 * len(BUCKETS)
+    for ids, temperature in calls:
+        gen.generate(ids, max_new_tokens=7, temperature=temperature, seed=3)
+    assert counters["stats"]["unique_graphs"] == graphs, "a second call recompiled"
+    assert gen.steps.bucket(64) == 64 and gen.steps.bucket(3) == 4
+    with pytest.raises(ValueError, match="batch_size: 65 rows are more than the largest batch bucket 64"):
+        gen.generate(torch.randint(2, 48, (65, 4), generator=g), max_new_tokens=2, temperature=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_a_verifier_that_ignores_rejections_fails_the_engines_check(monkeypatch):
+    """Negative control: an engine whose verification accepts every candidate (the draft's distribution, not the
+    target's) fails the chi-square check of test_lossless_engine against the target's exact marginals; the same
+    engine with the real verification passes it."""
+    target, draft = make_pair("llama", vocab=12, noise=0.3)
+    draft = noisy_copy(target, 3.0)  # far from the target, so accepting blindly shows
+    prompt = torch.tensor([[3, 7, 5]])
+    marg = exact_marginals(target, prompt, SamplingConfig(temperature=1.0), 1)[0]
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3)
+    real = gen.generate(prompt.expand(3000, -1), max_new_tokens=1, temperature=1.0, seed=5).new_tokens
+    assert_follows(torch.tensor(real)[:, 0], marg, "the real verification")
+    ops = round_module.ops
+
+    def accept_all(cands, draft_logits, target_logits, temperature, n, uniforms=None):
+        B, K = cands.shape
+        return torch.cat([cands, cands[:, -1:]], 1), n.clone()
+
+    monkeypatch.setattr(ops, "chain_verify_logits", accept_all)
+    blind = gen.generate(prompt.expand(3000, -1), max_new_tokens=2, temperature=1.0, seed=5).new_tokens
+    with pytest.raises(AssertionError):
+        assert_follows(torch.tensor(blind)[:, 0], marg, "blind acceptance")
+
+
+def test_a_request_longer_than_the_models_positions_is_refused_up_front():
+    target, draft = make_pair("llama", ctx=40)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3)
+    with pytest.raises(ValueError, match=r"prompt \(30 tokens\) \+ max_new_tokens \(11\) exceeds the target model's "
+                                         r"context of 40 tokens"):
+        gen.generate(torch.randint(2, 48, (1, 30)), max_new_tokens=11)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt \(30 tokens\)"):
+        gen.generate_continuous([[3, 4], list(range(2, 32))], batch_size=2, max_new_tokens=11)
+    # a request that fills the context exactly: the round's candidates past it go to the scratch column
+    ids = torch.randint(2, 48, (2, 30), generator=torch.Generator().manual_seed(1))
+    out = gen.generate(ids, max_new_tokens=10, temperature=0)
+    assert out.new_tokens == [target_only(target, ids[b], 10) for b in range(2)]
