@@ -169,17 +169,21 @@ def _case(name, K, V, seed):
 
 
 @torch.inference_mode()
-def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: int) -> list[torch.Tensor]:
-    """Marginal distribution of generated positions 1..n_pos under target-only sampling."""
+def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: int, eos=None) -> list[torch.Tensor]:
+    """Marginal distribution of generated positions 1..n_pos under target-only sampling; with ``eos`` (a token id),
+    position i's distribution over the sequences that have not ended (emitted ``eos``) before it."""
     V = target.config.vocab_size
     prefixes = torch.zeros(1, 0, dtype=torch.long)
     weights = torch.ones(1, dtype=torch.float64)
     marginals = []
     for _ in range(n_pos):
+        if eos is not None:  # sequences that emitted EOS end: they have no next position
+            weights = weights * (prefixes != eos).all(1).double()
         ids = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], 1)
         probs = process_logits(target(ids).logits[:, -1], cfg).double()
-        marginals.append((weights.unsqueeze(1) * probs).sum(0))
-        weights = (weights.unsqueeze(1) * probs).reshape(-1)
+        joint = (weights.unsqueeze(1) * probs)
+        marginals.append(joint.sum(0) / weights.sum())
+        weights = joint.reshape(-1)
         prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(prefixes.shape[0]).unsqueeze(1)], 1)
     return marginals
 

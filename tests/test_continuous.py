@@ -289,6 +289,30 @@ def test_budgeted_continuous_sampling_is_lossless(in_round):
     assert out.stats.accepted > 0 and out.stats.discarded > 0
 
 
+@pytest.mark.slow
+def test_continuous_sampling_with_eos_is_lossless():
+    """Requests that end at EOS leave their slots to queued ones: each generated position follows target-only
+    sampling over the requests still running there (chi-square per position; EOS a likely token, so rows end and
+    new ones join at every round), for fixed K and SpecDec++ with its per-row rule."""
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([0, 5, 7, 3, 9])
+    cfg = SamplingConfig(1.0)
+    first = exact_marginals(target, prompt.view(1, -1), cfg, 1)[0]
+    eos = int(first.argmax())  # the likeliest first token: about a third of the requests end there
+    marg = exact_marginals(target, prompt.view(1, -1), cfg, N_POS, eos=eos)
+    for name, kw in (("fixed", {"k": 3}), ("specdecpp", {"threshold": "auto", "k_max": 6, "batch_budget": False,
+                                                          "_head": "proposal"})):
+        gen = make_gen(target, draft, name, kw)
+        out = gen.generate_continuous([prompt] * N_ROWS, batch_size=16, max_new_tokens=N_POS, temperature=1.0,
+                                      seed=13, eos_token_id=eos)
+        ended = sum(t[-1] == eos and len(t) < N_POS for t in out.new_tokens)
+        assert ended > N_ROWS // 10 and out.stats.admissions > 50, (ended, out.stats.admissions)
+        for i in range(N_POS):
+            toks = torch.tensor([t[i] for t in out.new_tokens if len(t) > i])
+            assert_follows(toks, marg[i], f"{name}: continuous batching with EOS, position {i + 1}")
+        assert out.stats.accepted > 0 and out.stats.discarded > 0
+
+
 @pytest.mark.parametrize("fast_draft", [True, False], ids=["lean", "transformers"])
 def test_a_draft_that_reads_a_recent_window_keeps_the_target_output(monkeypatch, fast_draft):
     """draft_context=W: the draft reads at most the last W tokens of a request's context (its prefill feeds W - 1 of

@@ -69,6 +69,26 @@ def test_batch_equals_rows_alone(name, kw, fast_draft):
         assert out.new_tokens[b] == alone.new_tokens[0], f"row {b} differs between batch and alone"
 
 
+@pytest.mark.parametrize("name,kw", [("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.6, "_head": "proposal"}),
+                                     ("heuristic", {})], ids=["fixed", "specdecpp", "heuristic"])
+def test_a_seeded_row_alone_in_a_batch_of_8_and_in_continuous_batching_gives_identical_tokens(name, kw):
+    """Each row draws from its own Philox stream: its sampled tokens (T = 1, top-k and top-p too) are the same alone,
+    at any place in a left-padded batch of 8, and as a request of a continuous batch beside other requests."""
+    target, draft = make_pair("llama")
+    V = target.config.vocab_size
+    ids, mask = prompts(8, V, seed=7)
+    gen = make_gen(target, draft, name, kw)
+    for sampling in ({"temperature": 1.0}, {"temperature": 0.8, "top_k": 5, "top_p": 0.9}):
+        batch = gen.generate(ids, attention_mask=mask, max_new_tokens=16, seed=40, **sampling).new_tokens
+        rows = [ids[b, mask[b].bool()] for b in range(8)]
+        cont = gen.generate_continuous(rows[::-1], batch_size=3, max_new_tokens=16,
+                                       seed=[40 + b for b in range(8)][::-1], **sampling).new_tokens[::-1]
+        for b in range(8):
+            alone = gen.generate(rows[b].view(1, -1), max_new_tokens=16, seed=40 + b, **sampling).new_tokens[0]
+            assert batch[b] == alone == cont[b], (sampling, b)
+        assert len({tuple(t) for t in batch}) > 1  # the rows sampled, differently
+
+
 def test_eos_and_max_new_tokens_end_where_target_only_does():
     target, draft = make_pair("llama", noise=0.1)
     V = target.config.vocab_size

@@ -242,3 +242,23 @@ def test_lean_target_greedy_decoding_equals_transformers_generate(arch, kv_heads
                {"draft": draft, "policy": "fixed", "k": 3, "fast_target": False}):
         out = SpeculativeGenerator(target, **kw).generate(ids, attention_mask=mask, max_new_tokens=20, temperature=0)
         assert out.new_tokens == ref, kw
+
+
+@torch.inference_mode()
+def test_rows_of_one_length_take_the_slice_path_to_the_same_result():
+    """``start`` (every row's length, known on the host) gives the logits, hidden states and cache of the per-row
+    path; past the cache's end it falls back to the per-row path (the scratch column)."""
+    m = lean_model("qwen2", 2)
+    lean = LeanModel(m, packed=False)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 300, (3, 6), generator=g)
+    caches = [lean.cache(3, 16), lean.cache(3, 16)]
+    for step in (ids, torch.randint(0, 300, (3, 2), generator=g), torch.randint(0, 300, (3, 9), generator=g)):
+        length = int(caches[0].lengths[0])
+        got = [lean.forward(c, step, keep=step.shape[1], width=length + step.shape[1], start=s)
+               for c, s in zip(caches, (None, length))]
+        torch.testing.assert_close(got[0][0], got[1][0])
+        torch.testing.assert_close(got[0][1], got[1][1])
+        assert torch.equal(caches[0].lengths, caches[1].lengths)
+        for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+            torch.testing.assert_close(a[:, :, :16], b[:, :, :16])

@@ -103,16 +103,18 @@ class LeanBackend(_Timed):
         if self.cache.slots < slots or self.cache.max_len < cols:
             self.cache = self.cache.resized(max(slots, self.cache.slots), max(cols, self.cache.max_len), live)
 
-    def forward(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None, rows=None):
-        """:meth:`LeanModel.forward` of the live rows ``0 .. B - 1`` (or ``rows``): ``(logits [B, keep, V] float32,
-        hidden [B, keep, H])``."""
-        with sdpa_backends(self.device):
-            return self._timed(self.lean_model.forward, self.cache, tokens, rows, keep, width)
+    def forward(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None, rows=None,
+                start: Optional[int] = None):
+        """:meth:`LeanModel.forward` of the live rows ``0 .. B - 1`` (or ``rows``), under inference mode: ``(logits
+        [B, keep, V] float32, hidden [B, keep, H])``."""
+        with sdpa_backends(self.device), torch.inference_mode():
+            return self._timed(self.lean_model.forward, self.cache, tokens, rows, keep, width, start)
 
-    def step(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None):
+    def step(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None, rows=None,
+             start: Optional[int] = None):
         """:meth:`forward` neither timed nor counted: the form compiled and captured steps call (the step runner
         counts them)."""
-        return self.lean_model.forward(self.cache, tokens, None, keep, width)
+        return self.lean_model.forward(self.cache, tokens, rows, keep, width, start)
 
     def rollback(self, n_remove: torch.Tensor) -> None:
         """Drop the last ``n_remove[b]`` positions of live row b (``[B]`` int64)."""
@@ -135,10 +137,11 @@ class LeanBackend(_Timed):
                 toks[j, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.int64)
             toks = toks.to(self.device)
             top = max(starts[i] for i in group)
+            same = ordered and all(starts[i] == top for i in group)  # one length: the forward's slice path
             step = chunk_columns(len(group), w)
             for c in range(0, w, step):
                 end = min(w, c + step)
-                self.forward(toks[:, c:end], width=top + end, rows=index)
+                self.forward(toks[:, c:end], width=top + end, rows=index, start=top + c if same else None)
             pad = [w - len(seqs[i]) for i in group]
             if any(pad):
                 self.cache.lengths[index] -= torch.tensor(pad, device=self.device)
@@ -184,7 +187,7 @@ class HFBackend(_Timed):
         """The runner's cache grows as it is fed."""
 
     def forward(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None, rows=None,
-                hidden: bool = True, valid: Optional[torch.Tensor] = None):
+                start: Optional[int] = None, hidden: bool = True, valid: Optional[torch.Tensor] = None):
         """The runner's forward of the live rows: ``(logits [B, keep, V] float32, hidden [B, keep, H] or None)``."""
         out = self._timed(self.runner.forward, tokens, valid, keep, hidden)
         return out

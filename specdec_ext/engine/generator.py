@@ -379,6 +379,7 @@ class SpeculativeGenerator:
     def _serve(self, pol, cfg, requests: list, batch_size: int, eos: set, streamer, processor, admission: str,
                continuous: bool):
         """Serve ``requests`` through the scheduler with at most ``batch_size`` live (``engine/scheduler.py``)."""
+        self.steps.bucket(batch_size)  # refused up front when larger than the largest batch bucket
         first = min(batch_size, len(requests))
         stats = GenerationStats(policy=pol.describe(), batch_size=batch_size)
         self._configure(pol, cfg, first)  # costs profiled on first use: not part of this call's time

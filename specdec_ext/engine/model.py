@@ -209,14 +209,17 @@ class LeanModel:
         return x + self._linear(F.silu(g) * u, layer.down)
 
     def forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows = None, keep: int = 1,
-                width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                width: Optional[int] = None, start: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over ``tokens`` ``[b, n]`` int64, row i's at positions ``lengths[s_i] .. lengths[s_i] + n - 1`` of
         its slot s_i: the slots ``0 .. b - 1`` (``rows`` None), a ``slice`` of them, or an index tensor ``[b]``.
 
         Writes the tokens' keys and values into ``cache`` and advances those slots' lengths by n. ``width``: the
         columns attention reads, at least every row's length after the forward (None: the whole cache, which compiled
-        and captured steps use; eager calls pass the widest row's, known on the host). Positions past the cache's
-        ``max_len`` write its scratch column (rows computed beyond what they keep; ``engine/cache.py``).
+        and captured steps use; eager calls pass the widest row's, known on the host). ``start``: the length every
+        row has, where the host knows they share one (one request, or rows of one length): the positions, masks and
+        writes are then slices, not per-row indices; None reads each row's length on the device (what compiled and
+        captured steps do). Positions past the cache's ``max_len`` write its scratch column (rows computed beyond
+        what they keep; ``engine/cache.py``).
 
         Returns float32 logits ``[b, keep, V]`` of the last ``keep`` positions and the final norm's output there
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read)."""
@@ -225,22 +228,32 @@ class LeanModel:
         W = M + 1 if width is None else width
         index = rows if isinstance(rows, torch.Tensor) else None
         span = slice(0, b) if rows is None else rows
-        lengths = cache.lengths[index] if index is not None else cache.lengths[span]
-        pos = lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)  # [b, n]
-        at = pos.clamp_max(M)  # the columns written: positions past max_len into the scratch column
-        rot = pos.clamp_max(self.max_pos - 1)
-        cos, sin = self.cos[rot].unsqueeze(1), self.sin[rot].unsqueeze(1)  # [b, 1, n, d]
-        cols = torch.arange(W, device=tokens.device)
-        mask = (cols.view(1, 1, W) <= pos.unsqueeze(2)).unsqueeze(1)  # [b, 1, n, W]: causal, per row
-        slot = (index if index is not None else torch.arange(span.start, span.start + b, device=tokens.device))
-        slot = slot.view(b, 1).expand(b, n)
-        kernel = self.attention_kernel and kernel_takes(tokens.device, n)
+        dev = tokens.device
+        if start is not None and start + n <= M and index is None:  # one length: slices
+            pos = torch.arange(start, start + n, device=dev)
+            cos, sin = self.cos[start: start + n], self.sin[start: start + n]  # [n, d]
+            mask = (torch.arange(W, device=dev).view(1, W) <= pos.view(n, 1)).view(1, 1, n, W)
+            at = None
+        else:
+            lengths = cache.lengths[index] if index is not None else cache.lengths[span]
+            pos = lengths.unsqueeze(1) + torch.arange(n, device=dev)  # [b, n]
+            at = pos.clamp_max(M)  # the columns written: positions past max_len into the scratch column
+            rot = pos.clamp_max(self.max_pos - 1)
+            cos, sin = self.cos[rot].unsqueeze(1), self.sin[rot].unsqueeze(1)  # [b, 1, n, d]
+            mask = (torch.arange(W, device=dev).view(1, 1, W) <= pos.unsqueeze(2)).unsqueeze(1)  # [b, 1, n, W]
+            slot = index if index is not None else torch.arange(span.start, span.start + b, device=dev)
+            slot = slot.view(b, 1).expand(b, n)
+        kernel = self.attention_kernel and kernel_takes(dev, n)
         x = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv(layer, x, cos, sin)
             kc, vc = cache.k[li], cache.v[li]
-            kc[slot, :, at] = k.transpose(1, 2)  # [b, n, kv, d] into columns pos of each row's slot
-            vc[slot, :, at] = v.transpose(1, 2)
+            if at is None:
+                kc[span, :, start: start + n] = k
+                vc[span, :, start: start + n] = v
+            else:
+                kc[slot, :, at] = k.transpose(1, 2)  # [b, n, kv, d] into columns pos of each row's slot
+                vc[slot, :, at] = v.transpose(1, 2)
             keys = (kc[index] if index is not None else kc[span])[:, :, :W]
             values = (vc[index] if index is not None else vc[span])[:, :, :W]
             if kernel:  # [b, n, hq, d]

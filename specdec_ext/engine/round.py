@@ -52,7 +52,8 @@ class RoundInputs:
     rows whose first draft feed was a placeholder); sampling: the rows' :class:`RowSampling` on the target's device
     (``draft_sampling`` on the draft's); seeds: ``[B, 2]`` int64, each row's Philox seed and offset; target_width /
     draft_width: the longest live row of each cache, in columns (host ints); processor: the call's host logits
-    processor hooks, or None."""
+    processor hooks, or None; target_start / draft_start: the length every live row has in that cache where they
+    share one (eager forwards then write and mask by slices), else None."""
 
     last: torch.Tensor
     prev: torch.Tensor
@@ -64,6 +65,8 @@ class RoundInputs:
     target_width: int
     draft_width: int
     processor: Optional[object] = None
+    target_start: Optional[int] = None
+    draft_start: Optional[int] = None
 
 
 @dataclass
@@ -151,8 +154,9 @@ class StepRunner:
 
     Eagerly (the default, ``buckets=None``): the live rows as they are, each forward reading the columns the widest
     row needs. With ``buckets`` (``BUCKETS``; every model lean): rows padded to the smallest bucket that holds them
-    (padding rows: room 0, greedy, empty caches), each forward reading the whole cache, so each step has one shape
-    per (bucket, step) and a graph can be replayed for it: ``compile=True`` compiles each step with
+    (padding rows: room 0, greedy, empty caches), the round's per-row inputs (last tokens, caps, sampling settings,
+    Philox seeds and offsets) copied into the bucket's persistent tensors, each forward reading the whole cache, so
+    each step has one shape per (bucket, step) and a graph can be replayed for it: ``compile=True`` compiles each step with
     ``torch.compile(fullgraph=True)`` (``backend`` and ``mode`` its own; ``mode="reduce-overhead"`` on CUDA replays
     CUDA graphs), the CPU's proxy for CUDA-graph capture. The compiled steps are kept from round to round and call to
     call.
@@ -164,6 +168,28 @@ class StepRunner:
         self.buckets = tuple(sorted(buckets)) if buckets else None
         self.compile, self.backend, self.mode = bool(compile), backend, mode
         self._steps: dict = {}
+        self._buffers: dict = {}  # bucket -> its persistent input tensors by name
+
+    def _persistent(self, inp: RoundInputs, P: int) -> RoundInputs:
+        """``inp`` copied into bucket P's persistent input tensors (allocated at the bucket's first round), so the
+        steps of every round of a bucket read the same tensors, as a replayed graph must."""
+        kept = self._buffers.setdefault(P, {})
+
+        def keep(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            buf = kept.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+                buf = kept[name] = torch.empty_like(t)
+            return buf.copy_(t)
+
+        def rows(prefix: str, s: RowSampling) -> RowSampling:
+            return RowSampling(keep(prefix + "temperature", s.temperature), keep(prefix + "top_k", s.top_k),
+                               keep(prefix + "top_p", s.top_p), s.greedy, s.masks, s.vocab)
+
+        return RoundInputs(keep("last", inp.last), keep("prev", inp.prev), keep("room", inp.room),
+                           keep("extra", inp.extra), rows("t_", inp.sampling), rows("d_", inp.draft_sampling),
+                           keep("seeds", inp.seeds), inp.target_width, inp.draft_width, inp.processor)  # no starts
 
     def bucket(self, B: int) -> int:
         """The rows a round of B live rows runs: B, or the smallest bucket that holds them."""
@@ -196,10 +222,10 @@ class StepRunner:
         Raises ValueError when the verification reports an invalid row (a NaN or +Inf logit, or a fully masked row)."""
         B = inp.last.shape[0]
         P = self.bucket(B)
-        if P > B:
-            inp = _padded(inp, P)
+        if self.buckets is not None:  # the bucket's persistent inputs, padding rows filled (SGLang's replay_prepare)
+            inp = self._persistent(_padded(inp, P) if P > B else inp, P)
             for b in (draft, target):
-                if b is not None:
+                if b is not None and P > B:
                     b.cache.lengths[B:P] = 0
         wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
         cap = plan.cap
@@ -224,9 +250,10 @@ class StepRunner:
             forward = draft.step if self.compile else draft.forward
             for k in range(1, cap + 1):
                 width = None if wide else inp.draft_width + 1 + k
+                at = None if wide or inp.draft_start is None else inp.draft_start + (k if k > 1 else 0)
                 t_step = time.perf_counter()
-                cand, masked, nd, drafting = step(lambda t, w=width: forward(t, 1, w), tokens, seeds, k,
-                                                  inp.draft_sampling, rule, drafting, room, nd, inp.processor, out_c)
+                cand, masked, nd, drafting = step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens, seeds,
+                                                  k, inp.draft_sampling, rule, drafting, room, nd, inp.processor, out_c)
                 if self.compile:  # the compiled step's forward is counted here
                     draft.calls += 1
                     draft.seconds += time.perf_counter() - t_step
@@ -251,9 +278,10 @@ class StepRunner:
         verified = steps if verified is None else verified
         t1 = time.perf_counter()
         width = None if wide else inp.target_width + verified + 1
+        at = None if wide else inp.target_start
         forward = target.step if self.compile else target.forward
         out, acc = self._step(verify_step)(
-            lambda t, keep: forward(t, keep, width)[0], inp.last, cands, draft_logits, inp.sampling, n,
+            lambda t, keep: forward(t, keep, width, None, at)[0], inp.last, cands, draft_logits, inp.sampling, n,
             inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra, inp.processor)
         if self.compile:
             target.calls += 1
@@ -298,4 +326,4 @@ def _padded(inp: RoundInputs, P: int) -> RoundInputs:
     return RoundInputs(_pad_rows(inp.last, P), _pad_rows(inp.prev, P), _pad_rows(inp.room, P),
                        _pad_rows(inp.extra, P) if inp.extra is not None else None, rows(inp.sampling),
                        rows(inp.draft_sampling), _pad_rows(inp.seeds, P), inp.target_width, inp.draft_width,
-                       inp.processor)
+                       inp.processor)  # padding rows have another length: no starts

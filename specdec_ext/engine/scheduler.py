@@ -369,10 +369,11 @@ class Scheduler:
         if self.set.processor is not None:
             bases = [self.requests[r.req].base + r.ctx[r.prompt_len:] for r in live]
             processor = HostProcessor(self.set.processor, bases)
+        tlen = {len(r.ctx) - 1 for r in live}
+        dlen = {self._draft_columns(r) for r in live} if drafting else {0}
         return RoundInputs(last, prev, torch.tensor(room, dtype=torch.int64, device=ddev), extra,
-                           self._sampling[1], self._sampling[2], seeds,
-                           max(len(r.ctx) for r in live) - 1,
-                           max(self._draft_columns(r) for r in live) if drafting else 0, processor)
+                           self._sampling[1], self._sampling[2], seeds, max(tlen), max(dlen), processor,
+                           tlen.pop() if len(tlen) == 1 else None, dlen.pop() if len(dlen) == 1 and extra is None else None)
 
 
 class HostProcessor:
