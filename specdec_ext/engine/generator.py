@@ -389,7 +389,7 @@ class SpeculativeGenerator:
         if admission == "ahead" and continuous and len(requests) > batch_size:
             staging = (self._backend("target", True), self._backend("draft", True) if pol.speculative else None)
         settings = Settings(eos, streamer, processor, admission,
-                            AdmissionRule(True, self.admission_points) if admission == "grouped" else None,
+                            AdmissionRule(admission == "grouped", self.admission_points) if continuous else None,
                             self.early_exit, self.draft_context, continuous)
         before = {k: (b.calls, b.seconds) for k, b in self._backends.items()}
         served = Scheduler(self, pol, target, draft, requests, batch_size, settings, stats, staging).run()
@@ -431,13 +431,8 @@ class SpeculativeGenerator:
         the draft's measured mean ms to read a request's context (over this generator's calls) over the tokens a
         request emits (the requests' mean ``max_new_tokens``), while reads are still to come (a live row unread, or
         requests queued); else 0. Before any read was measured, the target's measured mean prefill ms per request
-        (admissions) times the draft's share of the pair's parameters (draft over target; 0.126 on the bundled pair,
-        whose target prefilled HumanEval prompts at about 35 ms each at B = 16, so 4.4 ms, where the draft's reads
-        measured 3.5-5.4; a ``draft_context`` window is not counted in it), and 0 without either. On the bundled
-        pair at B = 16 (2-core AMD EPYC, 48-token HumanEval requests) a read took 5.4 ms per request with the bf16
-        target's draft and 7.5-9 ms with the fp32 draft of an AVX2-only machine, 0.11-0.19 ms per emitted token,
-        where decoding gains some 0.1 ms per token over plain steps. 0 for a tensor-parallel target, whose ranks
-        must decide alike."""
+        (continuous batching's admissions) times the draft's share of the pair's parameters, and 0 without either
+        (docs/design.md, The batch verification budget). 0 for a tensor-parallel target, whose ranks decide alike."""
         if tp_size(self.target) > 1 or not (any(r.draft_from is None for r in live) or sched.queue or sched.staged):
             return 0.0
         mean_limit = sum(r.limit for r in sched.requests) / len(sched.requests)

@@ -242,7 +242,9 @@ class LeanModel:
             cos, sin = self.cos[rot].unsqueeze(1), self.sin[rot].unsqueeze(1)  # [b, 1, n, d]
             mask = (torch.arange(W, device=dev).view(1, 1, W) <= pos.unsqueeze(2)).unsqueeze(1)  # [b, 1, n, W]
             slot = index if index is not None else torch.arange(span.start, span.start + b, device=dev)
-            slot = slot.view(b, 1).expand(b, n)
+            # each (row, kv head, position)'s row in the cache seen as [slots * kv_heads * columns, head_dim]
+            heads = torch.arange(self.n_kv, device=dev).view(1, -1, 1)
+            flat = ((slot.view(b, 1, 1) * self.n_kv + heads) * (M + 1) + at.view(b, 1, n)).reshape(-1)
         kernel = self.attention_kernel and kernel_takes(dev, n)
         x = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
@@ -251,9 +253,9 @@ class LeanModel:
             if at is None:
                 kc[span, :, start: start + n] = k
                 vc[span, :, start: start + n] = v
-            else:
-                kc[slot, :, at] = k.transpose(1, 2)  # [b, n, kv, d] into columns pos of each row's slot
-                vc[slot, :, at] = v.transpose(1, 2)
+            else:  # [b, kv, n, d] into columns pos of each row's slot
+                kc.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
+                vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
             keys = (kc[index] if index is not None else kc[span])[:, :, :W]
             values = (vc[index] if index is not None else vc[span])[:, :, :W]
             if kernel:  # [b, n, hq, d]

@@ -120,17 +120,19 @@ def verify_step(forward: Callable, last: torch.Tensor, cands: torch.Tensor, draf
     stream ``seeds[b]``, counter slots :data:`VERIFY_SLOT` + i); K = 0 is a plain step (a draw from the target's
     distribution). Then both caches roll back: the target keeps ``last`` and the accepted candidates
     (``roll_target(K - accepted)``), the draft, which ran ``steps`` steps, the same context but its last token
-    (``roll_draft(steps - accepted + extra)``). Returns ``(out [B, K + 1] int64, num_accepted [B] int64)``; a
-    negative count is a kernel's error code for that row. Fixed shapes, no host synchronisation (a ``processor`` is
-    host work)."""
+    (``roll_draft(steps - accepted + extra)``). Returns ``(out [B, K + 1] int64, num_accepted [B] int64)`` (None for
+    a plain step); a negative count is a kernel's error code for that row. Fixed shapes, no host synchronisation (a
+    ``processor`` is host work)."""
     B, K = cands.shape
     logits = forward(torch.cat([last.view(B, 1), cands], 1), K + 1)
     if processor is not None:
         logits = processor.target(logits, cands)
-    u = ops.philox_uniforms(seeds, K + 1, VERIFY_SLOT) if not sampling.greedy else None
-    if K == 0:
-        out = draw_tokens(mask_logits(logits[:, 0], sampling), sampling, u[:, 0] if u is not None else None)
-        out, acc = out.view(B, 1), torch.zeros_like(n)
+    u = ops.philox_uniforms(seeds, K + 1, VERIFY_SLOT) if not sampling.greedy else None  # row b's stream
+    if K == 0:  # the target's next token, as plain decoding (the bonus token's uniform)
+        out = draw_tokens(mask_logits(logits[:, 0], sampling), sampling, u[:, 0] if u is not None else None).view(B, 1)
+        if not steps:  # a plain step: nothing drafted, nothing to accept
+            return out, None
+        acc = torch.zeros(B, dtype=torch.int64, device=out.device)  # drafted, none verified
     elif sampling.greedy:
         out, acc = ops.chain_verify_greedy(cands, logits, n)
     else:
@@ -231,10 +233,9 @@ class StepRunner:
         cap = plan.cap
         t0 = time.perf_counter()
         tdev = inp.last.device
-        cands = torch.zeros(P, 0, dtype=torch.int64, device=tdev)
-        n = torch.zeros(P, dtype=torch.int64, device=tdev)
+        cands = inp.last.new_empty(P, 0)
+        n = nd = None
         draft_logits, steps, rule, verified = None, 0, plan.rule, None
-        nd = n
         if cap > 0:
             ddev = inp.prev.device
             room = inp.room if plan.row_caps is None else torch.minimum(
@@ -286,7 +287,11 @@ class StepRunner:
         if self.compile:
             target.calls += 1
             target.seconds += time.perf_counter() - t1
-        asked = rule.readback() if (rule is not None and steps) else []
+        if not steps:  # a plain step: one token per row, the whole read-back
+            toks = out[:B, 0].tolist()
+            t2 = time.perf_counter()
+            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0, (t2 - t1) * 1e3)
+        asked = rule.readback() if rule is not None else []
         pieces = [out[:B].flatten().double(), acc[:B].double(), n[:B].double()]
         flat = torch.cat(pieces + [t[:B].flatten().double().to(tdev) if t.dim() > 1 else t.double().to(tdev)
                                    for t in asked]).tolist()  # the round's one read-back
@@ -310,9 +315,9 @@ class StepRunner:
                            (t2 - t1) * 1e3)
 
 
-def _pad_rows(t: torch.Tensor, P: int, value=0) -> torch.Tensor:
-    """``t`` (rows first) with rows of ``value`` appended up to ``P`` rows."""
-    if t.shape[0] >= P:
+def _pad_rows(t: Optional[torch.Tensor], P: int, value=0) -> Optional[torch.Tensor]:
+    """``t`` (rows first) with rows of ``value`` appended up to ``P`` rows (None stays None)."""
+    if t is None or t.shape[0] >= P:
         return t
     return torch.cat([t, t.new_full((P - t.shape[0],) + tuple(t.shape[1:]), value)])
 
@@ -324,6 +329,6 @@ def _padded(inp: RoundInputs, P: int) -> RoundInputs:
                            s.greedy, s.masks, s.vocab)
 
     return RoundInputs(_pad_rows(inp.last, P), _pad_rows(inp.prev, P), _pad_rows(inp.room, P),
-                       _pad_rows(inp.extra, P) if inp.extra is not None else None, rows(inp.sampling),
+                       _pad_rows(inp.extra, P), rows(inp.sampling),
                        rows(inp.draft_sampling), _pad_rows(inp.seeds, P), inp.target_width, inp.draft_width,
                        inp.processor)  # padding rows have another length: no starts

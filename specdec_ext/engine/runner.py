@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 from typing import Optional
 
 import torch
@@ -64,149 +63,6 @@ def sdpa_backends(device: torch.device):
     if device.type != "cuda" or CUDA_SDPA_BACKENDS is None:
         return contextlib.nullcontext()
     return sdpa_kernel(CUDA_SDPA_BACKENDS)
-
-
-class TimedRunner:
-    """Base of the model runners: ``forward`` feeds tokens (see ``_forward``) and adds the wall time
-    spent inside the call to ``seconds``. The attention-mask bookkeeping of rows with holes lives here;
-    subclasses only crop their own KV storage (``_crop_to``).
-
-    State: ``mask`` ``[B, C]`` (nonzero = valid position; its width is the cache length) and
-    ``next_pos`` ``[B]`` (each row's count of valid positions, i.e. its next position id)."""
-
-    seconds = 0.0
-    _state = ("mask", "next_pos")  # the attributes that hold a runner's rows (subclasses add their KV storage)
-
-    def forward(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            with sdpa_backends(self.device):
-                return self._forward(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
-
-    def _crop_to(self, length: int) -> None:
-        raise NotImplementedError
-
-    def _trim(self, length: int) -> None:
-        if length < self.length:
-            self._crop_to(length)
-            self.mask = self.mask[:, :length]
-
-    def rollback(self, n_remove: torch.Tensor) -> None:
-        """Drop the last ``n_remove[b]`` valid positions of row b (all fed in this round): they become holes,
-        and the tail of columns that are holes in every row is cropped for real. A row that sat out some of
-        the round's forwards (a hole in their columns) loses its own last valid positions, not those columns."""
-        n_remove = n_remove.to(self.device)
-        if not n_remove.numel() or int(n_remove.max()) == 0:
-            return
-        valid = self.mask.bool()
-        from_end = valid.flip(1).long().cumsum(1).flip(1)  # valid positions at or after each column, per row
-        self.mask = self.mask.masked_fill(valid & (from_end <= n_remove.unsqueeze(1)), 0)
-        self.next_pos = self.next_pos - n_remove
-        self._trim_holes()
-
-    def _trim_holes(self) -> None:
-        """Crop the tail columns that are holes in every row."""
-        valid_cols = self.mask.any(0).nonzero()
-        self._trim(int(valid_cols.max()) + 1 if valid_cols.numel() else 0)
-
-    def _select_mask_rows(self, idx: torch.Tensor) -> None:
-        """Keep rows ``idx`` of the mask and positions, then drop the columns, at either end, that are holes
-        in every row (the rows that left held them)."""
-        self.mask = self.mask[idx]
-        self.next_pos = self.next_pos[idx]
-        if self.mask.numel():
-            self._trim_holes()
-            self._trim_front()
-
-    def _trim_front(self) -> None:
-        """Drop the leading columns that are holes in every row (positions are explicit, so nothing shifts)."""
-        valid_cols = self.mask.any(0).nonzero()
-        n = int(valid_cols.min()) if valid_cols.numel() else 0
-        if n:
-            self._drop_front(n)
-            self.mask = self.mask[:, n:]
-
-    def _drop_front(self, n: int) -> None:
-        raise NotImplementedError
-
-    def _pad_front(self, n: int) -> None:
-        raise NotImplementedError
-
-    def _write_rows(self, idx: torch.Tensor, other: "TimedRunner", src: Optional[torch.Tensor] = None,
-                    lead: int = 0) -> None:
-        """Write ``other``'s rows ``src`` (default: all), its columns from ``lead`` on, right-aligned into this
-        runner's rows ``idx``."""
-        raise NotImplementedError
-
-    @torch.inference_mode()
-    def replace_rows(self, slots: torch.Tensor, other: "TimedRunner", rows: Optional[torch.Tensor] = None) -> None:
-        """Continuous batching: the rows at positions ``slots`` (``[n]`` int64, requests that finished) take the n
-        rows of ``other`` (a runner of the same model that has just read the new requests' prompts), in place.
-        Each new row's cache is written right-aligned into its slot (its positions are its own) and the slot's
-        older columns become holes, so only the new rows' data moves; the whole cache is copied only when a new
-        prompt is wider than the cache (it is padded on the left). ``other``'s forward calls and time are added
-        to this runner's; ``other`` is spent. An ``other`` that has read nothing (length 0) empties the slots.
-        Columns that are holes in every row are then dropped at both ends. Where ``slots`` is every row in order,
-        this runner takes ``other``'s state as it is (nothing is copied).
-
-        With ``rows`` (``[n]`` int64, rows of ``other``), only those rows are written, from their first column that
-        is not a hole in all of them, and ``other`` stays usable (continuous batching's prefill ahead takes a
-        runner's rows a few at a time); its forward calls and time are counted here once. ``rows`` that are every
-        row of ``other`` in order are as no ``rows`` (``other`` is spent)."""
-        if type(other) is not type(self) or other.model is not self.model:
-            raise ValueError("replace_rows: the other runner must run the same model with the same runner class")
-        if rows is not None and rows.tolist() != list(range(other.mask.shape[0])):
-            src = rows.to(other.mask.device)
-            valid_cols = other.mask[src].bool().any(0).nonzero()
-            self._write(slots, other, src, int(valid_cols.min()) if valid_cols.numel() else other.length)
-            self._absorb(other, spent=False)
-        elif slots.tolist() == list(range(self.mask.shape[0])) == list(range(other.mask.shape[0])):
-            # every row, in order (plain decoding's requests finish together): the result is ``other`` itself, so
-            # take its state instead of writing every row of it into this cache (bundled pair, fp32 target, plain
-            # decoding of 128 HumanEval requests at B = 64 on a 2-core CPU: 0.06 s for the refill where writing the
-            # rows took 0.52-0.92 s, the whole target cache copied)
-            for name in self._state:
-                setattr(self, name, getattr(other, name))
-            self._absorb(other)
-            return
-        else:
-            self._write(slots, other, None, 0)
-            self._absorb(other)
-        self._trim_holes()  # an empty ``other`` (rows the draft reads later) leaves the slots' tail columns as holes
-        self._trim_front()
-
-    def _write(self, slots: torch.Tensor, other: "TimedRunner", src: Optional[torch.Tensor], lead: int) -> None:
-        """Rows ``src`` of ``other`` (all: None), columns ``lead`` on, into rows ``slots``: mask, positions, KV."""
-        w = other.length - lead
-        if w > self.length:
-            self._pad_front(w - self.length)
-            self.mask = pad_front(self.mask, w)
-        idx = slots.to(self.device)
-        width = self.length
-        theirs = other.mask if src is None else other.mask[src]
-        pos = other.next_pos if src is None else other.next_pos[src]
-        self.mask = self.mask.clone()
-        self.mask[idx] = 0
-        self.mask[idx, width - w :] = theirs[:, lead:].to(self.mask.dtype)
-        self.next_pos = self.next_pos.clone()
-        self.next_pos[idx] = pos.to(self.next_pos.device)
-        self._write_rows(idx, other, src, lead)
-
-    def _absorb(self, other: "TimedRunner", spent: bool = True) -> None:
-        """Count ``other``'s forward calls and time as this runner's, and close it (its rows are now this runner's);
-        ``spent=False``: keep it open, its counts zeroed so they are counted once."""
-        self.calls += other.calls
-        self.seconds += other.seconds
-        if spent:
-            other.close()
-        else:
-            other.calls, other.seconds = 0, 0.0
 
 
 def pad_front(t: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
@@ -260,8 +116,10 @@ def sliding_layout(model) -> Optional[dict]:
     return {"window": int(window), "types": kinds, "dict": takes_dict and len(kinds) > 1}
 
 
-class CausalLMRunner(TimedRunner):
-    """``model`` (a transformers causal LM) with its KV cache and rows (module docstring). ``packed``: run its
+class CausalLMRunner:
+    """``model`` (a transformers causal LM) with its KV cache and rows (module docstring): ``mask`` ``[B, C]``
+    (nonzero = valid position; its width is the cache length) and ``next_pos`` ``[B]`` (each row's count of valid
+    positions, i.e. its next position id). ``packed``: run its
     ``torch.nn.Linear`` layers through oneDNN with weights packed once (``engine/onednn_linear.py``; False:
     ``F.linear``; None: :attr:`packed_default`, and where that is None as ``onednn_linear.wanted`` decides: a CPU
     float32 model of at most 2 GiB of linear weights).
@@ -284,8 +142,6 @@ class CausalLMRunner(TimedRunner):
         self.cache: Optional[DynamicCache] = None
         self.mask: Optional[torch.Tensor] = None      # [B, C] int64
         self.next_pos: Optional[torch.Tensor] = None  # [B] int64
-        self.calls = 0
-        self.seconds = 0.0  # wall time inside forward()
         self._hidden: Optional[torch.Tensor] = None
         self._hook = None
 
@@ -302,6 +158,108 @@ class CausalLMRunner(TimedRunner):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def forward(self, *args, **kwargs):
+        """:meth:`_forward` with the CUDA attention backends of :func:`sdpa_backends`."""
+        with sdpa_backends(self.device):
+            return self._forward(*args, **kwargs)
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def _trim(self, length: int) -> None:
+        if length < self.length:
+            self._crop_to(length)
+            self.mask = self.mask[:, :length]
+
+    def rollback(self, n_remove: torch.Tensor) -> None:
+        """Drop the last ``n_remove[b]`` valid positions of row b (all fed in this round): they become holes,
+        and the tail of columns that are holes in every row is cropped for real. A row that sat out some of
+        the round's forwards (a hole in their columns) loses its own last valid positions, not those columns."""
+        n_remove = n_remove.to(self.device)
+        if not n_remove.numel() or int(n_remove.max()) == 0:
+            return
+        valid = self.mask.bool()
+        from_end = valid.flip(1).long().cumsum(1).flip(1)  # valid positions at or after each column, per row
+        self.mask = self.mask.masked_fill(valid & (from_end <= n_remove.unsqueeze(1)), 0)
+        self.next_pos = self.next_pos - n_remove
+        self._trim_holes()
+
+    def _trim_holes(self) -> None:
+        """Crop the tail columns that are holes in every row."""
+        valid_cols = self.mask.any(0).nonzero()
+        self._trim(int(valid_cols.max()) + 1 if valid_cols.numel() else 0)
+
+    def _select_mask_rows(self, idx: torch.Tensor) -> None:
+        """Keep rows ``idx`` of the mask and positions, then drop the columns, at either end, that are holes
+        in every row (the rows that left held them)."""
+        self.mask = self.mask[idx]
+        self.next_pos = self.next_pos[idx]
+        if self.mask.numel():
+            self._trim_holes()
+            self._trim_front()
+
+    def _trim_front(self) -> None:
+        """Drop the leading columns that are holes in every row (positions are explicit, so nothing shifts)."""
+        valid_cols = self.mask.any(0).nonzero()
+        n = int(valid_cols.min()) if valid_cols.numel() else 0
+        if n:
+            self._drop_front(n)
+            self.mask = self.mask[:, n:]
+
+    @torch.inference_mode()
+    def replace_rows(self, slots: torch.Tensor, other: "CausalLMRunner", rows: Optional[torch.Tensor] = None) -> None:
+        """Continuous batching: the rows at positions ``slots`` (``[n]`` int64, requests that finished) take the n
+        rows of ``other`` (a runner of the same model that has just read the new requests' prompts), in place.
+        Each new row's cache is written right-aligned into its slot (its positions are its own) and the slot's
+        older columns become holes, so only the new rows' data moves; the whole cache is copied only when a new
+        prompt is wider than the cache (it is padded on the left); ``other`` is spent. An ``other`` that has read
+        nothing (length 0) empties the slots.
+        Columns that are holes in every row are then dropped at both ends. Where ``slots`` is every row in order,
+        this runner takes ``other``'s state as it is (nothing is copied).
+
+        With ``rows`` (``[n]`` int64, rows of ``other``), only those rows are written, from their first column that
+        is not a hole in all of them, and ``other`` stays usable (admission ahead takes a staged runner's rows a few
+        at a time). ``rows`` that are every row of ``other`` in order are as no ``rows`` (``other`` is spent)."""
+        if type(other) is not type(self) or other.model is not self.model:
+            raise ValueError("replace_rows: the other runner must run the same model with the same runner class")
+        if rows is not None and rows.tolist() != list(range(other.mask.shape[0])):
+            src = rows.to(other.mask.device)
+            valid_cols = other.mask[src].bool().any(0).nonzero()
+            self._write(slots, other, src, int(valid_cols.min()) if valid_cols.numel() else other.length)
+        elif slots.tolist() == list(range(self.mask.shape[0])) == list(range(other.mask.shape[0])):
+            # every row, in order (plain decoding's requests finish together): the result is ``other`` itself, so
+            # take its state instead of writing every row of it into this cache (bundled pair, fp32 target, plain
+            # decoding of 128 HumanEval requests at B = 64 on a 2-core CPU: 0.06 s for the refill where writing the
+            # rows took 0.52-0.92 s, the whole target cache copied)
+            for name in self._state:
+                setattr(self, name, getattr(other, name))
+            other.close()
+            return
+        else:
+            self._write(slots, other, None, 0)
+            other.close()
+        self._trim_holes()  # an empty ``other`` (rows the draft reads later) leaves the slots' tail columns as holes
+        self._trim_front()
+
+    def _write(self, slots: torch.Tensor, other: "CausalLMRunner", src: Optional[torch.Tensor], lead: int) -> None:
+        """Rows ``src`` of ``other`` (all: None), columns ``lead`` on, into rows ``slots``: mask, positions, KV."""
+        w = other.length - lead
+        if w > self.length:
+            self._pad_front(w - self.length)
+            self.mask = pad_front(self.mask, w)
+        idx = slots.to(self.device)
+        width = self.length
+        theirs = other.mask if src is None else other.mask[src]
+        pos = other.next_pos if src is None else other.next_pos[src]
+        self.mask = self.mask.clone()
+        self.mask[idx] = 0
+        self.mask[idx, width - w :] = theirs[:, lead:].to(self.mask.dtype)
+        self.next_pos = self.next_pos.clone()
+        self.next_pos[idx] = pos.to(self.next_pos.device)
+        self._write_rows(idx, other, src, lead)
+
 
     @torch.inference_mode()
     def _forward(self, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None, keep: int = 1,
@@ -330,7 +288,6 @@ class CausalLMRunner(TimedRunner):
             out = self.model(input_ids=tokens, attention_mask=attention, position_ids=position_ids,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         logits = out.logits
-        self.calls += 1
         self.next_pos = self.next_pos + steps[:, -1]
         h = None
         if hidden:

@@ -13,12 +13,7 @@ the verification budget where speculation does not pay, never costs a draft read
 they committed, both before the round and outside its time. Its cache holds a row's context but its last token,
 which each round feeds again beside the new one.
 
-Admission (``admission=``): ``"eager"`` admits queued requests after every round that freed a slot; ``"grouped"``
-waits until the throughput the free slots lost reaches the measured fixed cost of an admission
-(:class:`~specdec_ext.engine.admission.AdmissionRule`); ``"ahead"`` (the default) admits as eagerly, but prefills the
-queue's next ``min(batch_size, AHEAD_ROWS)`` requests in one go into a staging cache whenever none is staged, and the
-draft reads them with it while the batch drafts, so prefills are as large as a lockstep refill's
-(:mod:`~specdec_ext.engine.admission` has the measurements).
+Queued requests join as ``admission=`` says (``engine/admission.py``: eager, ahead from a staging cache, grouped).
 """
 
 from __future__ import annotations
@@ -251,14 +246,9 @@ class Scheduler:
     def _observe_admission(self, ids: list, t0: float) -> None:
         """Record a continuous batch's admission of requests ``ids`` that began at ``t0`` (its rows, prompt tokens and
         ms): the admission rule's fit, and the engine's estimate of a draft read before one is measured."""
-        if not self.set.continuous:
-            return
-        ms = (time.perf_counter() - t0) * 1e3
-        point = (len(ids), sum(len(self.requests[r].prompt) for r in ids), ms)
-        self.gen.admission_points.append(point)
-        del self.gen.admission_points[:-64]
-        if self.set.rule is not None:
-            self.set.rule.observe(*point)
+        if self.set.rule is not None:  # continuous batching: the rule records into the generator's admissions
+            self.set.rule.observe(len(ids), sum(len(self.requests[r].prompt) for r in ids),
+                                  (time.perf_counter() - t0) * 1e3)
 
     def _window(self, length: int) -> tuple:
         """The span ``(from, to)`` of a context of ``length`` tokens the draft reads first: all of it but the last two
@@ -307,15 +297,15 @@ class Scheduler:
         finished."""
         live = self.live
         B = len(live)
-        room = [self._room(r) for r in live]
-        left = [self.requests[r.req].limit - r.generated for r in live]
-        ctx = RoundContext(B, max(len(r.ctx) for r in live) - 1, room,
-                           self.gen._draft_overhead(self, live) if self.pol.speculative else 0.0,
-                           self.gen._draft_reads(live) if self.pol.speculative else 0.0,
-                           self.set.continuous and B > 1 and len(set(left)) == 1, self.set.early_exit)
-        plan = self.pol.plan(ctx) if self.pol.speculative else RoundPlan(0)
-        caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
-        cap = min(plan.cap, max(caps)) if self.draft is not None else 0
+        cap, plan, room = 0, RoundPlan(0), None
+        if self.pol.speculative:
+            room = [self._room(r) for r in live]
+            left = {self.requests[r.req].limit - r.generated for r in live}
+            plan = self.pol.plan(RoundContext(B, max(len(r.ctx) for r in live) - 1, room,
+                                              self.gen._draft_overhead(self, live), self.gen._draft_reads(live),
+                                              self.set.continuous and B > 1 and len(left) == 1, self.set.early_exit))
+            caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
+            cap = min(plan.cap, max(caps))
         if cap > 0:
             self._catch_up()
         t0 = time.perf_counter()
@@ -351,7 +341,8 @@ class Scheduler:
                 done.append(b)
         return done
 
-    def _inputs(self, drafting: bool, room: list) -> RoundInputs:
+    def _inputs(self, drafting: bool, room: Optional[list]) -> RoundInputs:
+        """The round's per-row inputs from the host state (``room``: each row's cap, when it drafts)."""
         live = self.live
         tdev = self.target.device
         ddev = self.draft.device if self.draft is not None else tdev
@@ -361,18 +352,24 @@ class Scheduler:
             V = self.gen.vocab
             self._sampling = (cfgs, RowSampling.of(list(cfgs), V, tdev), RowSampling.of(list(cfgs), V, ddev))
         last = torch.tensor([r.ctx[-1] for r in live], dtype=torch.int64, device=tdev)
-        prev = torch.tensor([r.ctx[-2] if len(r.ctx) > 1 else r.ctx[-1] for r in live], dtype=torch.int64, device=ddev)
-        single = [len(r.ctx) < 2 for r in live]
-        extra = torch.tensor(single, dtype=torch.int64, device=ddev) if drafting and any(single) else None
-        seeds = torch.tensor([[self.requests[r.req].seed, r.rounds] for r in live], dtype=torch.int64, device=tdev)
+        prev = room_t = extra = seeds = None
+        if drafting:  # a plain step reads neither
+            prev = torch.tensor([r.ctx[-2] if len(r.ctx) > 1 else r.ctx[-1] for r in live], dtype=torch.int64,
+                                device=ddev)
+            room_t = torch.tensor(room, dtype=torch.int64, device=ddev)
+            single = [len(r.ctx) < 2 for r in live]
+            extra = torch.tensor(single, dtype=torch.int64, device=ddev) if any(single) else None
+        if drafting or not self._sampling[1].greedy:  # greedy plain steps draw nothing
+            seeds = torch.tensor([[self.requests[r.req].seed, r.rounds] for r in live], dtype=torch.int64,
+                                 device=tdev)
         processor = None
         if self.set.processor is not None:
             bases = [self.requests[r.req].base + r.ctx[r.prompt_len:] for r in live]
             processor = HostProcessor(self.set.processor, bases)
         tlen = {len(r.ctx) - 1 for r in live}
         dlen = {self._draft_columns(r) for r in live} if drafting else {0}
-        return RoundInputs(last, prev, torch.tensor(room, dtype=torch.int64, device=ddev), extra,
-                           self._sampling[1], self._sampling[2], seeds, max(tlen), max(dlen), processor,
+        return RoundInputs(last, prev, room_t, extra, self._sampling[1], self._sampling[2], seeds, max(tlen), max(dlen),
+                           processor,
                            tlen.pop() if len(tlen) == 1 else None, dlen.pop() if len(dlen) == 1 and extra is None else None)
 
 
@@ -404,10 +401,8 @@ class HostProcessor:
 
 
 def _drafting(rounds: list, recent: int = 4) -> bool:
-    """Whether a batch is drafting, for reading new requests ahead: at least three in four of its last ``recent``
-    rounds drafted (all of them while it has had fewer). One drafting round among plain steps is a verification
-    budget's probe (``BatchBudget``), after which it mostly goes back to plain steps: reading ahead on the last round
-    alone, the budget at B = 16 read 0.92 s of contexts where it read 0.30 s lazily (bundled pair, 128 HumanEval
-    requests, bf16 on a 2-core AMD EPYC)."""
+    """Whether a batch is drafting, for the draft to read staged requests with their prefill: at least three in four
+    of its last ``recent`` rounds drafted (all of them while it has had fewer); one drafting round among plain steps
+    is a verification budget's probe, after which it mostly goes back to plain steps (docs/design.md, Admission)."""
     last = rounds[-recent:]
     return bool(last) and sum(any(r.candidates) for r in last) * 4 >= 3 * len(last)
