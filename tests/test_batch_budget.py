@@ -1121,7 +1121,6 @@ def test_budget_with_blind_rounds_greedy_equals_target_only(monkeypatch):
     decoding, and each drafting round ran the head at none of its slots (blind) or at every one it drafted (scored),
     never below its cap alone as the one-step rule does; some rounds were blind."""
     from specdec_ext import ops
-    from specdec_ext.policies.base import RoundPlan
 
     gen, ids, plain = _budget_and_target_only({"in_round": False})
     calls = []  # per drafting round, the slots the head scored

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from models import make_pair, noisy_copy
 from stats import assert_follows
-from support import PIDS, POLICIES, exact_marginals, head_for, make_gen, target_only
+from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine import round as round_module
 from specdec_ext.engine.round import BUCKETS, StepRunner

@@ -8,9 +8,8 @@
   positions into attention-mask holes and reads their counts on the host, so it is correct, not capturable.
 
 The live rows of a batch are the backend's rows ``0 .. B - 1``. Each backend counts its forward calls and the wall
-time spent in them (``calls``, ``seconds``). The engine tells a lean backend how many columns a forward's attention
-reads (``width``: the widest live row's length after it, known on the host); None reads the whole cache, as compiled
-and captured steps do.
+time spent in them (``calls``, ``seconds``). A lean backend's forwards read ``width`` columns (the widest live row's
+length after them, known on the host); None reads the whole cache, as compiled and captured steps do.
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ def length_groups(lengths: Sequence[int], padding: float = PREFILL_PADDING,
                   slack: int = PREFILL_SLACK) -> list[list[int]]:
     """The rows ``0 .. len(lengths) - 1`` in groups to prefill together, the widest group first: rows sorted by
     length (longest first) and cut greedily so that a group, padded to its longest row, computes at most
-    ``padding`` times its real tokens, or ``slack`` tokens, in padding. A padded prefill computes every row at
-    the longest prompt's length: for the first 64 HumanEval prompts (39 to 365 tokens) 64% of it was padding,
-    and the prefills were about 70% of a continuous-batching run's wall time at B = 64 on a 2-core CPU."""
+    ``padding`` times its real tokens, or ``slack`` tokens, in padding (one padded prefill of the first 64 HumanEval
+    prompts, 39 to 365 tokens, would be 64% padding)."""
     groups: list[list[int]] = []
     real = 0  # the real tokens of the last group
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -189,8 +187,7 @@ class HFBackend(_Timed):
     def forward(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None, rows=None,
                 start: Optional[int] = None, hidden: bool = True, valid: Optional[torch.Tensor] = None):
         """The runner's forward of the live rows: ``(logits [B, keep, V] float32, hidden [B, keep, H] or None)``."""
-        out = self._timed(self.runner.forward, tokens, valid, keep, hidden)
-        return out
+        return self._timed(self.runner.forward, tokens, valid, keep, hidden)
 
     def rollback(self, n_remove: torch.Tensor) -> None:
         self.runner.rollback(n_remove)

@@ -27,27 +27,9 @@ from .models import context_length, fingerprint, hidden_size, param_count, vocab
 from .round import StepRunner
 from .runner import sliding_layout
 from .sampling import SamplingConfig
-from .scheduler import AHEAD_ROWS, Request, Scheduler, Settings
+from .scheduler import ContinuousOutput, Request, Scheduler, Settings
 from .stats import GenerationStats
 from .tensor_parallel import check_same_output, tp_size
-
-
-@dataclass
-class ContinuousOutput:
-    """What :meth:`SpeculativeGenerator.generate_continuous` returns. new_tokens: each request's generated
-    token ids, in the order of the prompts; admitted_ms / finished_ms: per request, ms from the call's
-    start to the start of its prefill and to the end of its last round; stats: :class:`GenerationStats` of
-    the whole call (``RoundStats.rows`` hold request indices)."""
-
-    new_tokens: list[list[int]]
-    admitted_ms: list[float]
-    finished_ms: list[float]
-    stats: GenerationStats
-
-    def tokens_per_s(self) -> list[float]:
-        """Per request: its tokens over the time from its admission to its last round (tokens/s)."""
-        return [len(t) / ((f - a) / 1e3) if f > a else 0.0
-                for t, a, f in zip(self.new_tokens, self.admitted_ms, self.finished_ms)]
 
 
 @dataclass
@@ -84,11 +66,9 @@ class SpeculativeGenerator:
         allow_other_draft: accept (with a warning) a head whose recorded draft fingerprint is not this draft's.
         batch_costs: the pair's :class:`~specdec_ext.policies.goodput.BatchCosts` for the batch verification
             budget of ``threshold="auto"`` at batch size > 1; default: profiled on first use and cached.
-        draft_context: the most tokens of a request's context (prompt and tokens so far) the draft reads when it
-            first drafts for the request: its last ``draft_context`` tokens (None: all). The draft's read is
-            prefill work the target's rounds must repay; a draft that sees a recent window proposes a little
-            worse on long prompts, and the output stays the target's (verification is exact). The truncated
-            draft context of MagicDec and TriForce (a StreamingLLM cache), here without attention sinks.
+        draft_context: the most tokens of a request's context the draft reads when it first drafts for it: its last
+            ``draft_context`` (at least the two each round feeds; None: all), a read the rounds must repay; the
+            output stays the target's. MagicDec's and TriForce's truncated draft context, without attention sinks.
         early_exit: read, between draft steps, whether any row still drafts, and end a round's drafting when none
             does (and read the verification budget's depth to verify fewer slots); False: the draft runs to the
             round's cap and a round reads back once, the form a CUDA graph replays (``engine/round.py``). Policies
@@ -190,12 +170,11 @@ class SpeculativeGenerator:
             self.costs(pol)
         if batch_size > 1 and pol.needs_batch_costs:
             self.batch_costs(batch_size)
-        # a short call of a throwaway generator: packs the lean runners' weights and meets the kernels' shapes once
-        warm = type(self)(self.target, self.draft if pol.speculative else None,
-                          policy="fixed" if pol.speculative else "autoregressive", fast_draft=self.fast_draft,
-                          fast_target=self.fast_target, **({"k": 2} if pol.speculative else {}))
+        # a short call with a policy of its own: this generator's backends made (weights packed, caches allocated),
+        # the kernels' first shapes met, and the generator's policy untouched
         ids = torch.randint(0, vocab_size(self.target), (batch_size, 16), generator=torch.Generator().manual_seed(0))
-        warm.generate(ids, max_new_tokens=16, temperature=0)
+        self.generate(ids, max_new_tokens=16, temperature=0,
+                      **({"policy": "fixed", "k": 2} if pol.speculative else {"policy": "autoregressive"}))
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ checks
@@ -294,7 +273,7 @@ class SpeculativeGenerator:
                              continuous=False)
         if streamer is not None:
             streamer.end()
-        out = _output(input_ids, served.tokens, _eos_set(eos_token_id), pad_token_id, served.stats)
+        out = _output(input_ids, served.new_tokens, _eos_set(eos_token_id), pad_token_id, served.stats)
         if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
             check_same_output(out.sequences)
         return out
@@ -373,8 +352,8 @@ class SpeculativeGenerator:
         served = self._serve(pol, cfg, requests, batch_size, _eos_set(eos_token_id), None, logits_processor,
                              admission, continuous=True)
         if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
-            check_same_output(torch.tensor([t for g in served.tokens for t in g + [-1]], dtype=torch.int64))
-        return ContinuousOutput(served.tokens, served.admitted_ms, served.finished_ms, served.stats)
+            check_same_output(torch.tensor([t for g in served.new_tokens for t in g + [-1]], dtype=torch.int64))
+        return served
 
     def _serve(self, pol, cfg, requests: list, batch_size: int, eos: set, streamer, processor, admission: str,
                continuous: bool):

@@ -1,29 +1,18 @@
-"""One round of speculative decoding as fixed-shape steps, with one read-back to the host.
+"""One round of speculative decoding as fixed-shape steps, with one read-back to the host (Leviathan et al. 2023,
+Alg. 1; SpecDec++ Alg. 1; docs/design.md, The engine).
 
-A round (Leviathan et al. 2023, Alg. 1; SpecDec++ Alg. 1) of the live rows ``0 .. B - 1``:
-
-1. **draft steps** (:func:`draft_step`, up to the plan's cap K): the draft's forward (the first feeds each row's last
+1. **Draft steps** (:func:`draft_step`, up to the plan's cap K): the draft's forward (the first feeds each row's last
    two tokens, ``prev`` and ``last``; each later one the candidate just drafted), each row's processed distribution
-   (temperature, top-k, top-p: ``sampling.mask_logits``), its candidate (argmax, or an inverse-CDF draw from its own
-   Philox stream), and the policy's stop rule; a row's candidate count is where its stop flag first rose, decided
-   on the device;
-2. **the verify step** (:func:`verify_step`): the target over ``[last, c_1 .. c_K]`` in one forward, the fused
-   verification (``ops.chain_verify_logits``: acceptance with min(1, p/q), the residual distribution at the first
-   rejection, the bonus token; ``ops.chain_verify_greedy`` when every row is greedy), and both caches' roll-back by
-   subtraction: the target keeps ``last`` and the accepted candidates, the draft the same context but its last
-   token (the next round feeds that token again beside the new one, so every round's first draft forward takes two
-   tokens whatever was accepted);
-3. **one read-back**: the emitted tokens, accepted and drafted counts (and what the stop rule asked to read) in one
-   tensor, read once.
+   (``sampling.mask_logits``), its candidate (argmax, or a draw from its own Philox stream) and the policy's stop rule,
+   on the device.
+2. **The verify step** (:func:`verify_step`): the target over ``[last, c_1 .. c_K]``, ``ops.chain_verify_logits`` (or
+   ``chain_verify_greedy``), and both caches' roll-back by subtraction.
+3. **One read-back**: the emitted tokens, accepted and drafted counts (and what the rule asks) in one tensor.
 
-With ``early_exit`` (the default) the round also reads, after each draft step of a rule that can stop rows, whether
-any row still drafts, and ends the drafting when none does; the budget's verified depth is read to trim the
-verification. Without it the draft runs to the cap and the round reads back once: the form a CUDA graph replays.
-A plain step (cap 0) is a target forward over ``last`` and a draw, read back the same way.
-
-Randomness is per row: row b's uniforms come from its own Philox stream (``ops.philox_uniforms``, seed and offset
-``seeds[b]``: the request's seed and its round count), draft step k from counter slot k - 1 and the verification
-from slots :data:`VERIFY_SLOT` + i, so a row's draws do not depend on the rows beside it.
+With ``early_exit`` the round also reads, after each draft step of a rule that can stop rows, whether any row still
+drafts, and the budget's verified depth; without it the draft runs to the cap: the form a CUDA graph replays. Row b's
+uniforms come from its own stream (``ops.philox_uniforms``, ``seeds[b]``: its seed and round count), draft step k
+from counter slot k - 1 and the verification from slots :data:`VERIFY_SLOT` + i.
 """
 
 from __future__ import annotations

@@ -28,10 +28,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
 from . import onednn_linear
-from .attention import NAME as ATTENTION_NAME
 from .kv_cache import GrowingCache, GrowingLayer, copy_rows
 from .onednn_linear import PackedLinears
-from .tensor_parallel import tp_size
 
 
 def model_device(model) -> torch.device:

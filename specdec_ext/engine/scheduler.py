@@ -69,14 +69,21 @@ class Row:
 
 
 @dataclass
-class Served:
-    """What a scheduler run returns: each request's generated tokens, ms from the call's start to its admission and
-    to the end of its last round, and the call's statistics."""
+class ContinuousOutput:
+    """What :meth:`SpeculativeGenerator.generate_continuous` returns. new_tokens: each request's generated
+    token ids, in the order of the prompts; admitted_ms / finished_ms: per request, ms from the call's
+    start to the start of its prefill and to the end of its last round; stats: :class:`GenerationStats` of
+    the whole call (``RoundStats.rows`` hold request indices)."""
 
-    tokens: list
-    admitted_ms: list
-    finished_ms: list
+    new_tokens: list[list[int]]
+    admitted_ms: list[float]
+    finished_ms: list[float]
     stats: GenerationStats
+
+    def tokens_per_s(self) -> list[float]:
+        """Per request: its tokens over the time from its admission to its last round (tokens/s)."""
+        return [len(t) / ((f - a) / 1e3) if f > a else 0.0
+                for t, a, f in zip(self.new_tokens, self.admitted_ms, self.finished_ms)]
 
 
 @dataclass
@@ -114,7 +121,7 @@ class Scheduler:
         self.t_start = time.perf_counter()
 
     # ------------------------------------------------------------------------ the run
-    def run(self) -> Served:
+    def run(self) -> ContinuousOutput:
         n = min(self.batch_size, len(self.queue))
         columns = max(len(r.prompt) + r.limit for r in self.requests)
         for b in (self.target, self.draft):
@@ -144,7 +151,7 @@ class Scheduler:
         for b in (self.target, self.draft):
             if b is not None:
                 b.close()
-        return Served(self.tokens, self.admitted_ms, self.finished_ms, self.stats)
+        return ContinuousOutput(self.tokens, self.admitted_ms, self.finished_ms, self.stats)
 
     # ------------------------------------------------------------------------ rows
     def _leave(self, done: list) -> None:
@@ -346,7 +353,6 @@ class Scheduler:
         live = self.live
         tdev = self.target.device
         ddev = self.draft.device if self.draft is not None else tdev
-        B = len(live)
         cfgs = tuple(self.requests[r.req].sampling for r in live)
         if self._sampling is None or self._sampling[0] != cfgs:
             V = self.gen.vocab
