@@ -104,6 +104,15 @@ def _randomness(device, uniforms, philox_seed_offset, generator):
     return uniforms, philox_seed_offset
 
 
+def _widened(draft: torch.Tensor, target: torch.Tensor, fill: float) -> torch.Tensor:
+    """``draft`` ``[..., V_draft]`` with fewer entries than ``target``'s V (a draft whose embedding rows are fewer:
+    docs/design.md, "Embedding sizes that differ") padded to V with ``fill`` (0 for probabilities, -inf for logits):
+    probability 0 beyond its rows. Other shapes pass unchanged, for the op's own checks."""
+    if draft.dim() == 0 or target.dim() == 0 or draft.shape[-1] >= target.shape[-1] or draft.shape[-1] == 0:
+        return draft
+    return torch.nn.functional.pad(draft, (0, target.shape[-1] - draft.shape[-1]), value=fill)
+
+
 def _raise_device_codes(num_accepted: torch.Tensor, op: str, logits: bool = False) -> None:
     """CUDA kernels cannot raise: they write a negative code into num_accepted. Check it when we may sync."""
     if num_accepted.device.type != "cuda" or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
@@ -128,7 +137,8 @@ def chain_verify(
 
     Args:
         draft_token_ids: ``[B, K]`` int32/int64, the K >= 1 candidates proposed by the draft.
-        draft_probs: ``[B, K, V]`` float32/bfloat16/float16, draft distributions q_i that produced them.
+        draft_probs: ``[B, K, V]`` float32/bfloat16/float16, draft distributions q_i that produced them; or
+            ``[B, K, V_draft]`` with V_draft < V (a draft with fewer embedding rows: q = 0 beyond them).
         target_probs: ``[B, K+1, V]``, same dtype, target distributions p_0..p_K (p_K for the bonus token).
         num_draft_tokens: optional ``[B]`` int32/int64 in [0, K]: row b verifies only its first n_b
             candidates (ragged batch); n_b = 0 samples just the bonus token from p_0.
@@ -156,6 +166,7 @@ def chain_verify(
     Sums are accumulated in float64 (probabilities are read as float32).
     """
     uniforms, philox_seed_offset = _randomness(target_probs.device, uniforms, philox_seed_offset, generator)
+    draft_probs = _widened(draft_probs, target_probs, 0.0)
     if not HAS_EXTENSION:
         return reference.chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens, uniforms,
                                       philox_seed_offset, validate)
@@ -186,7 +197,8 @@ def chain_verify_logits(
 
     Args:
         draft_token_ids: ``[B, K]`` int32/int64.
-        draft_logits: ``[B, K, V]`` float32/bfloat16/float16.
+        draft_logits: ``[B, K, V]`` float32/bfloat16/float16, or ``[B, K, V_draft]`` with V_draft < V (q = 0
+            beyond the draft's rows).
         target_logits: ``[B, K+1, V]``, same dtype.
         temperature: ``[B]`` float32: 0 (greedy) or >= 1e-6 (``errors.MIN_TEMPERATURE``; float32 cannot
             sample at a smaller one, which is refused rather than silently treated as greedy).
@@ -198,6 +210,7 @@ def chain_verify_logits(
     Returns / Raises: as :func:`chain_verify`.
     """
     uniforms, philox_seed_offset = _randomness(target_logits.device, uniforms, philox_seed_offset, generator)
+    draft_logits = _widened(draft_logits, target_logits, float("-inf"))
     if not HAS_EXTENSION:
         return reference.chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature,
                                              num_draft_tokens, uniforms, philox_seed_offset, validate)
@@ -243,7 +256,7 @@ def residual_sample(
 
     Args:
         target_probs: ``[B, V]`` float32/bfloat16/float16, p.
-        draft_probs: ``[B, V]``, same dtype, q.
+        draft_probs: ``[B, V]``, same dtype, q; or ``[B, V_draft]`` with V_draft < V (q = 0 beyond).
         uniforms: optional float32 ``[B]`` in (0, 1]; or philox_seed_offset / generator.
 
     Returns:
@@ -256,6 +269,7 @@ def residual_sample(
         ValueError / TypeError: as :func:`chain_verify`.
     """
     uniforms, philox_seed_offset = _randomness(target_probs.device, uniforms, philox_seed_offset, generator)
+    draft_probs = _widened(draft_probs, target_probs, 0.0)
     if not HAS_EXTENSION:
         return reference.residual_sample(target_probs, draft_probs, uniforms, philox_seed_offset)
     out = torch.ops.specdec_ext.residual_sample(target_probs, draft_probs, uniforms, philox_seed_offset)

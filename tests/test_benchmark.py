@@ -449,8 +449,8 @@ def test_target_runner_script_compares_the_lean_and_transformers_backends_on_the
     made = []
     real = backends.backend_for
 
-    def counted(model, name, lean=True):
-        b = real(model, name, lean)
+    def counted(model, name, lean=True, vocab=None):
+        b = real(model, name, lean, vocab)
         if name == "target":
             made.append(type(b).__name__)
         return b
@@ -609,3 +609,32 @@ def test_head_step_script_times_the_op_and_the_composition():
         assert r["max_abs_err"]["op"] < 1e-5
 
 
+
+
+@pytest.mark.slow
+def test_installs_script_runs_two_installs_side_by_side_with_the_same_tokens(tmp_path):
+    """bench/installs.py with this install on both sides (two worker processes): a row per batch size and method,
+    every request's tokens the same on both sides (greedy), and per-prompt or per-pass ratios that are positive."""
+    import sys
+
+    mod = _bench_script("installs")
+    out = mod.main(["--other", sys.executable, "--batch-sizes", "1,2", "--methods", "plain,K2", "--prompts", "3",
+                    "--max-new-tokens", "6", "--out", str(tmp_path / "installs.json")])
+    assert [(r["batch_size"], r["method"]) for r in out["rows"]] == [(1, "plain"), (1, "K2"), (2, "plain"), (2, "K2")]
+    assert all(r["same_tokens"] == 1.0 and r["total_ratio"] > 0 for r in out["rows"])
+    assert all(r["ci95"][0] <= r["median_ratio"] <= r["ci95"][1] for r in out["rows"] if r["batch_size"] == 1)
+    assert all(len(r["by_pass"]) == 1 for r in out["rows"] if r["batch_size"] == 2)
+    assert out["installs"]["this"] == out["installs"]["other"]
+    assert json.loads((tmp_path / "installs.json").read_text())["rows"] == out["rows"]
+
+
+@pytest.mark.slow
+def test_early_exit_script_pairs_each_threshold_with_its_draft_to_the_cap_arm():
+    """bench/early_exit.py on two prompts: one row per threshold, early exit drafting no more forwards per round than
+    drafting to the cap, and both arms' rates positive."""
+    mod = _bench_script("early_exit")
+    out = mod.main(["--prompts", "2", "--max-new-tokens", "8", "--thresholds", "0.8"])
+    (row,) = out["rows"]
+    assert row["early_exit"] == "h=0.8 early exit" and row["to_the_cap"] == "h=0.8 to the cap"
+    assert row["prompts"] == 2 and row["early_exit_tokens_per_s"] > 0 and row["to_the_cap_tokens_per_s"] > 0
+    assert row["early_exit_draft_calls_per_round"] <= row["to_the_cap_draft_calls_per_round"]

@@ -225,8 +225,10 @@ def test_bad_input_errors():
     V = target.config.vocab_size
     ids, _ = prompts(1, V)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    other = make_target(vocab=V + 3)
+    other.config.eos_token_id = V + 1  # a special id the target cannot embed: no shared tokenizer
     with pytest.raises(ValueError, match="vocabulary mismatch"):
-        SpeculativeGenerator(target, make_target(vocab=V + 3), policy="fixed")
+        SpeculativeGenerator(target, other, policy="fixed")
     with pytest.raises(ValueError, match="another draft model"):
         SpeculativeGenerator(target, draft, policy="specdecpp", head=AcceptanceHead(7))
     with pytest.raises(ValueError, match="needs an acceptance head"):
@@ -395,3 +397,28 @@ def test_head_mapping_picks_the_head_of_the_decoding_mode():
     only_greedy = SpeculativeGenerator(target, draft, policy="specdecpp", head={"greedy": greedy}, threshold=0.5)
     with pytest.raises(ValueError, match="no acceptance head for sample decoding"):
         only_greedy.generate(ids, max_new_tokens=5, temperature=1.0)
+
+
+def test_two_threads_sharing_a_generator_each_get_what_they_would_alone():
+    """Calls from two threads on one generator run one at a time: each thread's greedy and seeded outputs equal the
+    same calls made alone, however the calls interleave."""
+    import threading
+
+    target, draft = make_pair("llama")
+    gen = make_gen(target, draft, "specdecpp", {"threshold": 0.5, "_head": "proposal"})
+    V = target.config.vocab_size
+    jobs = [prompts(3, V, seed=s)[0] for s in range(6)]
+    alone = [gen.generate(ids, max_new_tokens=12, temperature=t, seed=5).new_tokens
+             for ids, t in zip(jobs, [0, 1.0] * 3)]
+    got = {}
+
+    def work(indices):
+        for i in indices:
+            got[i] = gen.generate(jobs[i], max_new_tokens=12, temperature=[0, 1.0][i % 2], seed=5).new_tokens
+
+    threads = [threading.Thread(target=work, args=(range(j, 6, 2),)) for j in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(6)] == alone

@@ -273,7 +273,7 @@ def _bad_cases():
     yield "temp missing", lambda: torch.ops.specdec_ext.chain_verify_logits(ids, q, p, torch.ones(3), None, u, None), ValueError, "temperature must be [B]"
     yield "temp neg", lambda: ops.chain_verify_logits(ids, q, p, torch.tensor([-1.0, 1.0]), uniforms=u), ValueError, "temperature must be finite"
     yield "inf logits", lambda: ops.chain_verify_logits(ids, q, p * float("inf"), torch.ones(2), uniforms=u), ValueError, "target_logits has a NaN"
-    yield "residual vocab", lambda: ops.residual_sample(p[:, 0], q[:, 0, :5], uniforms=u[:, 0]), ValueError, "vocabulary mismatch"
+    yield "residual vocab", lambda: ops.residual_sample(p[:, 0, :5], q[:, 0], uniforms=u[:, 0]), ValueError, "vocabulary mismatch"
     yield "target zero", lambda: ops.chain_verify(ids, q, torch.zeros_like(p), uniforms=u), ValueError, "sums to 0"
     yield "residual zero", lambda: ops.residual_sample(torch.zeros(2, 4), torch.zeros(2, 4), uniforms=u[:, 0]), ValueError, "sums to 0"
     head = head_args(B=2, H=8)

@@ -21,6 +21,7 @@ import torch
 
 from .cache import StaticCache, columns_for
 from .model import LeanModel, supports
+from .models import stand_in_id, vocab_size
 from .runner import CausalLMRunner, sdpa_backends
 
 PREFILL_PADDING = 0.25  # length_groups: the padding a prefill group may compute, as a share of its real tokens
@@ -72,13 +73,46 @@ class _Timed:
             self.calls += 1
 
 
+class VocabMap:
+    """A model whose embedding rows (``own``) differ from the round's vocabulary V (the target's): its logits come
+    out ``[..., V]`` (padded with -inf, a probability of 0 for the ids beyond its rows, or cut to V) and an id it
+    cannot embed (one only the target emits) is read as :func:`~specdec_ext.engine.models.stand_in_id`. The draft's
+    proposal distribution is then the one the verification reads, so the output stays the target's; only the
+    draft's proposals after such an id suffer. With equal sizes every map is the identity."""
+
+    def __init__(self, model, vocab: Optional[int]):
+        self.own = vocab_size(model)
+        self.vocab = self.own if vocab is None else int(vocab)
+        self.stand_in = stand_in_id(model)
+
+    def tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.own >= self.vocab:
+            return tokens
+        return torch.where(tokens < self.own, tokens, torch.full_like(tokens, self.stand_in))
+
+    def seqs(self, seqs: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
+        if self.own >= self.vocab:
+            return seqs
+        return [[t if t < self.own else self.stand_in for t in s] for s in seqs]
+
+    def logits(self, out):
+        """``(logits [B, n, own], hidden)`` -> ``(logits [B, n, V], hidden)``."""
+        if self.own == self.vocab:
+            return out
+        logits, hidden = out
+        if self.own > self.vocab:
+            return logits[..., : self.vocab], hidden
+        return torch.nn.functional.pad(logits, (0, self.vocab - self.own), value=float("-inf")), hidden
+
+
 class LeanBackend(_Timed):
     """A lean model over a static KV cache (module docstring). ``packed``: :class:`LeanModel`'s."""
 
     lean = True
 
-    def __init__(self, model, name: str, packed: Optional[bool] = None):
+    def __init__(self, model, name: str, packed: Optional[bool] = None, vocab: Optional[int] = None):
         self.model, self.name = model, name
+        self.map = VocabMap(model, vocab)
         self.lean_model = LeanModel(model, name, packed)
         self.device = self.lean_model.device
         self.max_pos = self.lean_model.max_pos
@@ -106,13 +140,14 @@ class LeanBackend(_Timed):
         """:meth:`LeanModel.forward` of the live rows ``0 .. B - 1`` (or ``rows``), under inference mode: ``(logits
         [B, keep, V] float32, hidden [B, keep, H])``."""
         with sdpa_backends(self.device), torch.inference_mode():
-            return self._timed(self.lean_model.forward, self.cache, tokens, rows, keep, width, start)
+            return self.map.logits(self._timed(self.lean_model.forward, self.cache, self.map.tokens(tokens), rows, keep,
+                                               width, start))
 
     def step(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None, rows=None,
              start: Optional[int] = None):
         """:meth:`forward` neither timed nor counted: the form compiled and captured steps call (the step runner
         counts them)."""
-        return self.lean_model.forward(self.cache, tokens, rows, keep, width, start)
+        return self.map.logits(self.lean_model.forward(self.cache, self.map.tokens(tokens), rows, keep, width, start))
 
     def rollback(self, n_remove: torch.Tensor) -> None:
         """Drop the last ``n_remove[b]`` positions of live row b (``[B]`` int64)."""
@@ -170,8 +205,9 @@ class HFBackend(_Timed):
 
     lean = False
 
-    def __init__(self, model, name: str):
+    def __init__(self, model, name: str, vocab: Optional[int] = None):
         self.model, self.name = model, name
+        self.map = VocabMap(model, vocab)
         self.runner = CausalLMRunner(model, name)
         self.device = self.runner.device
         self.calls, self.seconds = 0, 0.0
@@ -187,7 +223,7 @@ class HFBackend(_Timed):
     def forward(self, tokens: torch.Tensor, keep: int = 1, width: Optional[int] = None, rows=None,
                 start: Optional[int] = None, hidden: bool = True, valid: Optional[torch.Tensor] = None):
         """The runner's forward of the live rows: ``(logits [B, keep, V] float32, hidden [B, keep, H] or None)``."""
-        return self._timed(self.runner.forward, tokens, valid, keep, hidden)
+        return self.map.logits(self._timed(self.runner.forward, self.map.tokens(tokens), valid, keep, hidden))
 
     def rollback(self, n_remove: torch.Tensor) -> None:
         self.runner.rollback(n_remove)
@@ -196,6 +232,7 @@ class HFBackend(_Timed):
         """Feed each ``seqs[i]`` to row ``slots[i]``: rows past the live ones (new requests) are prefilled in groups
         of similar length by runners of their own and written into their rows (``replace_rows``); live rows that
         hold tokens get theirs in one forward of every live row, right-aligned, the others' columns holes."""
+        seqs = self.map.seqs(seqs)
         fresh = [i for i, s in enumerate(slots) if s >= self.rows or starts[i] == 0]
         self._grow(max(slots, default=-1) + 1)
         for group in length_groups([len(seqs[i]) for i in fresh], PREFILL_PADDING, PREFILL_SLACK):
@@ -265,7 +302,9 @@ def uses_lean(model, name: str, lean: bool = True) -> bool:
 LeanBackend.targets = True  # False: every target runs through transformers' forward (process-wide; bench scripts)
 
 
-def backend_for(model, name: str, lean: bool = True):
+def backend_for(model, name: str, lean: bool = True, vocab: Optional[int] = None):
     """The backend of ``model`` in the ``name`` role: a :class:`LeanBackend` where :func:`uses_lean`, else an
-    :class:`HFBackend`."""
-    return LeanBackend(model, name) if uses_lean(model, name, lean) else HFBackend(model, name)
+    :class:`HFBackend`; ``vocab``: the round's V where the model's embedding rows differ (:class:`VocabMap`)."""
+    if uses_lean(model, name, lean):
+        return LeanBackend(model, name, vocab=vocab)
+    return HFBackend(model, name, vocab)

@@ -11,6 +11,8 @@ so its output does not depend on the requests beside it.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -23,7 +25,7 @@ from ..policies.goodput import CostModel
 from .admission import DEFAULT_ADMISSION, AdmissionRule, check_admission
 from .backends import backend_for
 from .model import supports
-from .models import context_length, fingerprint, hidden_size, param_count, vocab_size
+from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
 from .round import StepRunner
 from .runner import sliding_layout
 from .sampling import SamplingConfig
@@ -46,13 +48,27 @@ _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "temperature"
                   "seed", "streamer", "pad_token_id", "policy", "logits_processor")
 
 
+def _one_call_at_a_time(method):
+    """Serialise ``method`` on the generator's lock: its backends, KV caches, step buffers and policy are one
+    call's state at a time, so calls from several threads queue instead of sharing them."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class SpeculativeGenerator:
     """Lossless speculative generation with a target and a draft model that share a vocabulary.
 
     Args:
         target: a ``transformers`` causal LM (any device / dtype; ``device_map="auto"`` works, and so does a
             tensor-parallel target under ``torchrun``, see ``engine/tensor_parallel.py``).
-        draft: a causal LM with the same vocabulary (not needed for ``policy="autoregressive"``).
+        draft: a causal LM with the target's tokenizer (not needed for ``policy="autoregressive"``). Its embedding
+            rows may differ from the target's by padding rows (e.g. Qwen2.5 0.5B's 151,936 against 7B's 152,064):
+            the draft's probability of an id beyond its rows is 0, and it reads a stand-in for such an id
+            (``engine/backends.py``, ``VocabMap``); a one-line warning names the extra rows unless ``tokenizers``
+            shows the pair shares one tokenizer.
         policy: a :class:`~specdec_ext.policies.CandidateLengthPolicy` or a name: ``"autoregressive"``,
             ``"fixed"`` (``k=``), ``"heuristic"``, ``"confidence"``, ``"adaedl"``, ``"specdecpp"`` (needs ``head``).
         head: the :class:`~specdec_ext.head.AcceptanceHead` for ``specdecpp``.
@@ -73,11 +89,15 @@ class SpeculativeGenerator:
             does (and read the verification budget's depth to verify fewer slots); False: the draft runs to the
             round's cap and a round reads back once, the form a CUDA graph replays (``engine/round.py``). Policies
             whose rounds are planned whole (plain decoding, fixed K, the heuristic) read back once either way.
+        tokenizers: ``(target's, draft's)`` tokenizers: checked to have the same vocabulary and special tokens, and
+            ids that both models embed (``engine/models.py``, ``check_vocabularies``).
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
+    Calls from several threads on one generator run one at a time (a lock), each as it would alone.
+
     Raises:
-        ValueError: vocabulary mismatch between draft and target, a head for another draft (hidden size, or
+        ValueError: a draft and target that cannot share a tokenizer ("vocabulary mismatch", naming both sizes), a head for another draft (hidden size, or
             fingerprint unless ``allow_other_draft``), models on the meta device, a speculative policy without a draft,
             a ``draft_context`` that is not None or an integer >= 1.
     """
@@ -85,11 +105,14 @@ class SpeculativeGenerator:
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
                  allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
-                 fast_target: bool = True, early_exit: bool = True, **policy_kwargs):
+                 fast_target: bool = True, early_exit: bool = True, tokenizers: Optional[tuple] = None,
+                 **policy_kwargs):
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
                                           or draft_context < 1):
             raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
+        self._lock = threading.RLock()  # one call at a time (_one_call_at_a_time)
         self.draft_context = draft_context
+        self.tokenizers = tokenizers
         self.target = target
         self._batch_costs = self._given_batch_costs = batch_costs
         self.draft = draft
@@ -118,16 +141,14 @@ class SpeculativeGenerator:
         if pol.speculative:
             if self.draft is None:
                 raise ValueError(f"policy {pol.name!r} needs a draft model (draft=...)")
-            vt, vd = vocab_size(self.target), vocab_size(self.draft)
-            if vt != vd:
-                raise ValueError(f"vocabulary mismatch: the target has V = {vt} but the draft has V = {vd}; "
-                                 "speculative decoding needs a draft and target that share one tokenizer and vocabulary")
+            check_vocabularies(self.target, self.draft, self.tokenizers)
             heads = getattr(pol, "heads", {}).values()
             fp = fingerprint(self.draft) if any(h.draft_fingerprint for h in heads) else None
             for head_obj in heads:
                 head_obj.check_draft(hidden_size(self.draft), fp, self.allow_other_draft)
         return pol
 
+    @_one_call_at_a_time
     def costs(self, policy: Optional[CandidateLengthPolicy] = None) -> CostModel:
         """The pair's :class:`~specdec_ext.policies.goodput.CostModel` (ms per draft step, per verification of
         n tokens, per round): the one given to the constructor, or measured once where the pair runs and
@@ -140,6 +161,7 @@ class SpeculativeGenerator:
                                          fast_target=self.fast_target)
         return self._costs
 
+    @_one_call_at_a_time
     def batch_costs(self, batch_size: int = 64):
         """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` (whole-round ms by batch size and K, target
         forward ms by batch size and tokens) for the batch verification budget, covering calls of up to
@@ -355,6 +377,7 @@ class SpeculativeGenerator:
             check_same_output(torch.tensor([t for g in served.new_tokens for t in g + [-1]], dtype=torch.int64))
         return served
 
+    @_one_call_at_a_time
     def _serve(self, pol, cfg, requests: list, batch_size: int, eos: set, streamer, processor, admission: str,
                continuous: bool):
         """Serve ``requests`` through the scheduler with at most ``batch_size`` live (``engine/scheduler.py``)."""
@@ -387,7 +410,8 @@ class SpeculativeGenerator:
         key = (role, staging)
         if key not in self._backends:
             model = self.target if role == "target" else self.draft
-            self._backends[key] = backend_for(model, role, self.fast_target if role == "target" else self.fast_draft)
+            self._backends[key] = backend_for(model, role, self.fast_target if role == "target" else self.fast_draft,
+                                              self.vocab)
         return self._backends[key]
 
     def _configure(self, pol, cfg, batch_size: int) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Optional
+import warnings
+from typing import Optional, Sequence
 
 import torch
 
@@ -15,6 +16,66 @@ def vocab_size(model) -> int:
     if emb is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings: not a causal LM")
     return emb.weight.shape[0]
+
+
+def special_ids(model) -> list[int]:
+    """The special token ids ``model``'s config names (BOS, EOS, padding, decoder start), sorted, without repeats."""
+    cfg = model.config
+    ids = set()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        value = getattr(cfg, key, None)
+        for i in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(i, int) and i >= 0:
+                ids.add(i)
+    return sorted(ids)
+
+
+def stand_in_id(model) -> int:
+    """The id a model reads in place of one beyond its embedding rows (a token only a larger-vocabulary partner can
+    emit): its config's padding, EOS or BOS id, whichever it names first within its rows, else 0."""
+    cfg, rows = model.config, vocab_size(model)
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(cfg, key, None)
+        value = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(value, int) and 0 <= value < rows:
+            return value
+    return 0
+
+
+def check_vocabularies(target, draft, tokenizers: Optional[Sequence] = None) -> None:
+    """Refuse a draft and target that cannot share one tokenizer; accept embedding sizes that differ by padding rows.
+
+    Pairs often share a tokenizer but not an embedding size (Qwen2.5 0.5B to 3B have 151,936 rows, 7B and larger
+    152,064: rows no tokenizer id reaches). With ``tokenizers`` (the target's and the draft's), the two must have the
+    same vocabulary and special tokens and both models must embed every id they produce. Without, the special ids
+    both configs name must lie within the smaller model's rows, and a one-line warning names the larger model's
+    extra rows, taken as padding.
+
+    Raises:
+        ValueError: one line naming both sizes and what differs."""
+    vt, vd = vocab_size(target), vocab_size(draft)
+    sizes = f"the target has V = {vt} embedding rows and the draft V = {vd}"
+    small = min(vt, vd)
+    if tokenizers is not None and all(t is not None for t in tokenizers):
+        tt, dt = tokenizers
+        if tt.get_vocab() != dt.get_vocab():
+            raise ValueError(f"vocabulary mismatch: the target's and the draft's tokenizers differ in their vocabulary "
+                             f"({len(tt)} and {len(dt)} entries); {sizes}")
+        if sorted(tt.all_special_tokens) != sorted(dt.all_special_tokens):
+            raise ValueError(f"vocabulary mismatch: the tokenizers' special tokens differ ({sorted(tt.all_special_tokens)}"
+                             f" and {sorted(dt.all_special_tokens)}); {sizes}")
+        if len(tt) > small:
+            raise ValueError(f"vocabulary mismatch: the tokenizer produces ids up to {len(tt) - 1} but {sizes}")
+        return
+    if vt == vd:
+        return
+    beyond = [i for i in sorted(set(special_ids(target)) | set(special_ids(draft))) if i >= small]
+    if beyond:
+        raise ValueError(f"vocabulary mismatch: {sizes}, and the special token ids {beyond} lie beyond the smaller's "
+                         "rows; speculative decoding needs a draft and target that share one tokenizer")
+    larger = "target" if vt > vd else "draft"
+    warnings.warn(f"{sizes}: the {larger}'s rows {small}..{max(vt, vd) - 1} are taken as padding no tokenizer "
+                  "produces (pass tokenizers=(target's, draft's) to check)", stacklevel=4)
 
 
 def hidden_size(model) -> int:

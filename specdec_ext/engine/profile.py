@@ -114,7 +114,7 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     prompt = torch.randint(0, V, (1, context), generator=g)
     use_fast = fast_draft and supports(draft)
     t_run = backend_for(target, "target", fast_target)
-    d_run = backend_for(draft, "draft", use_fast)
+    d_run = backend_for(draft, "draft", use_fast, V)
     for r in (t_run, d_run):
         r.start(1, context + k_max + 8)
         r.append([0], [prompt[0].tolist()], [0])

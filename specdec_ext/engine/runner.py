@@ -37,6 +37,16 @@ def model_device(model) -> torch.device:
     return emb.weight.device
 
 
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``"cache"`` (transformers 5.24 on, where
+    ``past_key_values`` warns of its removal in 5.40) or ``"past_key_values"`` (earlier 5.x)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def usable_device(model, name: str) -> torch.device:
     """The device of ``model``'s input embeddings; ValueError if its weights are not loaded (meta)."""
     device = model_device(model)
@@ -136,6 +146,7 @@ class CausalLMRunner:
         packed = self.packed_default if packed is None else packed
         self.linears = PackedLinears(model) if onednn_linear.wanted(model, packed) else None
         self.layout = sliding_layout(model)
+        self.cache_keyword = cache_keyword(model)
         self.col_pos: Optional[torch.Tensor] = None   # [B, C] position id of every cache column (sliding models)
         self.cache: Optional[DynamicCache] = None
         self.mask: Optional[torch.Tensor] = None      # [B, C] int64
@@ -284,7 +295,7 @@ class CausalLMRunner:
         self._hidden = None
         with self._linears():
             out = self.model(input_ids=tokens, attention_mask=attention, position_ids=position_ids,
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+                             use_cache=True, logits_to_keep=keep, **{self.cache_keyword: self.cache})
         logits = out.logits
         self.next_pos = self.next_pos + steps[:, -1]
         h = None
