@@ -59,7 +59,7 @@ def _one_call_at_a_time(method):
 
 
 class SpeculativeGenerator:
-    """Lossless speculative generation with a target and a draft model that share a vocabulary.
+    """Lossless speculative generation with a target and a draft model that share a tokenizer.
 
     Args:
         target: a ``transformers`` causal LM (any device / dtype; ``device_map="auto"`` works, and so does a
@@ -97,9 +97,9 @@ class SpeculativeGenerator:
     Calls from several threads on one generator run one at a time (a lock), each as it would alone.
 
     Raises:
-        ValueError: a draft and target that cannot share a tokenizer ("vocabulary mismatch", naming both sizes), a head for another draft (hidden size, or
-            fingerprint unless ``allow_other_draft``), models on the meta device, a speculative policy without a draft,
-            a ``draft_context`` that is not None or an integer >= 1.
+        ValueError: a draft and target that cannot share a tokenizer ("vocabulary mismatch", naming both sizes),
+            a head for another draft (hidden size, or fingerprint unless ``allow_other_draft``), models on the meta
+            device, a speculative policy without a draft, a ``draft_context`` that is not None or an integer >= 1.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
