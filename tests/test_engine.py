@@ -422,3 +422,28 @@ def test_two_threads_sharing_a_generator_each_get_what_they_would_alone():
     for t in threads:
         t.join()
     assert [got[i] for i in range(6)] == alone
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_kv_caches_beyond_the_memory_budget_are_refused_before_any_allocation(monkeypatch, lean):
+    """A call whose KV caches exceed what the device has (on a CPU: SPECDEC_MEMORY_BUDGET bytes) is refused up front
+    with the bytes needed and available, before any cache is allocated or prompt prefilled; within the budget it
+    runs."""
+    from specdec_ext.engine import backends, cache
+
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=2, fast_target=lean, fast_draft=lean)
+    ids = torch.randint(2, target.config.vocab_size, (4, 20), generator=torch.Generator().manual_seed(0))
+    started = []
+    for cls in (backends.LeanBackend, backends.HFBackend):
+        monkeypatch.setattr(cls, "start", lambda self, *a, real=cls.start: started.append(a) or real(self, *a))
+    monkeypatch.setenv(cache.MEMORY_BUDGET_ENV, "1000")
+    with pytest.raises(ValueError, match=r"the KV caches need [\d,]+ bytes on cpu but 1,000 are available "
+                                         r"\(SPECDEC_MEMORY_BUDGET\)"):
+        gen.generate(ids, max_new_tokens=8)
+    assert started == []
+    monkeypatch.setenv(cache.MEMORY_BUDGET_ENV, str(64 * 2**20))
+    assert len(gen.generate(ids, max_new_tokens=8).new_tokens) == 4 and started
+    monkeypatch.setenv(cache.MEMORY_BUDGET_ENV, "lots")
+    with pytest.raises(ValueError, match="SPECDEC_MEMORY_BUDGET must be a number of bytes"):
+        gen.generate(ids, max_new_tokens=8)

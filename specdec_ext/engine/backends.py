@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cache import StaticCache, columns_for
+from .cache import StaticCache, cache_bytes, columns_for
 from .model import LeanModel, supports
 from .models import stand_in_id, vocab_size
 from .runner import CausalLMRunner, sdpa_backends
@@ -129,6 +129,14 @@ class LeanBackend(_Timed):
                                                max(cols, self.cache.max_len if self.cache else 0))
         self.cache.lengths.zero_()
 
+    def new_bytes(self, slots: int, columns: int) -> int:
+        """Bytes :meth:`start` of this size would allocate (0 where the kept cache is large enough)."""
+        cols = columns_for(columns, self.max_pos)
+        if self.cache is not None and self.cache.slots >= slots and self.cache.max_len >= cols:
+            return 0
+        m = self.lean_model
+        return cache_bytes(len(m.layers), slots, m.n_kv, cols, m.head_dim, m.dtype)
+
     def reserve(self, slots: int, columns: int, live: int) -> None:
         """Room for ``slots`` rows of ``columns`` columns, keeping the first ``live`` rows (a longer request joins)."""
         cols = columns_for(columns, self.max_pos)
@@ -216,6 +224,20 @@ class HFBackend(_Timed):
     def start(self, slots: int, columns: int) -> None:
         self.runner.start(0)
         self.rows = 0
+
+    def new_bytes(self, slots: int, columns: int) -> int:
+        """Bytes the runner's cache reaches for ``slots`` rows of ``columns`` columns (it grows as it is fed); 0 for a
+        model spread over devices (``device_map``), whose layers' caches are not all on one."""
+        if len(set((getattr(self.model, "hf_device_map", None) or {}).values())) > 1:
+            return 0
+        cfg = self.model.config
+        try:
+            kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            layers = cfg.num_hidden_layers
+        except AttributeError:  # a config that names its sizes otherwise: not estimated
+            return 0
+        return cache_bytes(layers, slots, kv, columns, head_dim, next(self.model.parameters()).dtype)
 
     def reserve(self, slots: int, columns: int, live: int) -> None:
         """The runner's cache grows as it is fed."""

@@ -22,6 +22,50 @@ import torch
 COLUMN_BLOCK = 256
 
 
+MEMORY_BUDGET_ENV = "SPECDEC_MEMORY_BUDGET"  # bytes new KV caches may take on a CPU (default: MemAvailable)
+
+
+def cache_bytes(layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of a :class:`StaticCache` of these sizes: keys and values of every layer, the scratch column included."""
+    return 2 * layers * slots * kv_heads * (max_len + 1) * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def free_bytes(device: torch.device):
+    """``(bytes, source)`` a new allocation may take on ``device``: CUDA's free memory (``torch.cuda.mem_get_info``);
+    on a CPU the budget in ``SPECDEC_MEMORY_BUDGET`` (bytes), else the kernel's MemAvailable; ``(None, ...)`` where
+    neither is known."""
+    import os
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    budget = os.environ.get(MEMORY_BUDGET_ENV)
+    if budget:
+        try:
+            return int(budget), MEMORY_BUDGET_ENV
+        except ValueError:
+            raise ValueError(f"{MEMORY_BUDGET_ENV} must be a number of bytes, got {budget!r}") from None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    return None, "unknown"
+
+
+def check_fits(needed: dict) -> None:
+    """Refuse, before anything is allocated, KV caches that the devices cannot hold: ``needed`` maps a device to the
+    bytes its new caches take.
+
+    Raises ValueError naming the bytes needed and the bytes available."""
+    for device, n in needed.items():
+        free, source = free_bytes(device)
+        if free is not None and n > free:
+            raise ValueError(f"the KV caches need {n:,} bytes on {device} but {free:,} are available ({source}): "
+                             "serve fewer rows at once (batch_size) or shorter requests (max_new_tokens)")
+
+
 def columns_for(need: int, limit: int) -> int:
     """``need`` columns rounded up to a multiple of :data:`COLUMN_BLOCK`, at most ``limit`` (the models' positions).
 

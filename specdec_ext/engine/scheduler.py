@@ -26,6 +26,7 @@ import torch
 
 from ..policies.base import RoundContext, RoundPlan, RoundResult
 from .admission import AdmissionRule
+from .cache import check_fits
 from .kv_cache import compaction
 from .round import RoundInputs
 from .sampling import RowSampling, SamplingConfig
@@ -124,9 +125,16 @@ class Scheduler:
     def run(self) -> ContinuousOutput:
         n = min(self.batch_size, len(self.queue))
         columns = max(len(r.prompt) + r.limit for r in self.requests)
+        slots = self.gen.steps.bucket(self.batch_size)
+        starts = [(b, slots) for b in (self.target, self.draft) if b is not None]
+        starts += [(b, min(self.batch_size, AHEAD_ROWS)) for b in self.staging or () if b is not None]
+        needed: dict = {}
+        for b, rows in starts:  # refused before anything is allocated or prefilled
+            needed[b.device] = needed.get(b.device, 0) + b.new_bytes(rows, columns)
+        check_fits(needed)
         for b in (self.target, self.draft):
             if b is not None:
-                b.start(self.gen.steps.bucket(self.batch_size), columns)
+                b.start(slots, columns)
         for b in self.staging or ():
             if b is not None:
                 b.start(min(self.batch_size, AHEAD_ROWS), columns)
