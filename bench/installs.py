@@ -102,15 +102,6 @@ class Install:
         self.proc.wait(timeout=60)
 
 
-def _paired(ratios: list, reps: int = 2000) -> dict:
-    import random
-    import statistics
-
-    rng = random.Random(0)
-    boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(reps))
-    return {"median_ratio": statistics.median(ratios), "ci95": [boot[int(0.025 * reps)], boot[int(0.975 * reps) - 1]]}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--other", required=True, help="the other install's Python interpreter")
@@ -121,6 +112,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--passes", type=int, default=1, help="batches: passes over the prompts")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from paired import paired
     from specdec_ext.prompts import load_prompts
     from specdec_ext.zoo import load_pair
 
@@ -153,7 +146,8 @@ def main(argv=None) -> dict:
                 row = {"batch_size": B, "method": m, "tokens_per_s": rate, "total_ratio": rate["this"] / rate["other"],
                        "same_tokens": sum(same) / len(same)}
                 if B == 1:
-                    row.update(_paired([(x[0] / x[1]) / (y[0] / y[1]) for x, y in zip(a, b)]))
+                    p = paired({i: x[:2] for i, x in enumerate(a)}, {i: y[:2] for i, y in enumerate(b)})
+                    row.update(median_ratio=p["median_ratio"], ci95=list(p["ci95"]))
                 else:
                     row["by_pass"] = [(x[0] / x[1]) / (y[0] / y[1]) for x, y in zip(a, b)]
                 rows.append(row)
