@@ -123,19 +123,28 @@ class LeanBackend(_Timed):
         """A call's start: room for ``slots`` rows of ``columns`` columns (rounded up to the cache's column block,
         at most the model's positions), every slot empty. The cache is kept from call to call while it is large
         enough, so compiled or captured steps meet the same tensors."""
-        cols = columns_for(columns, self.max_pos)
-        if self.cache is None or self.cache.slots < slots or self.cache.max_len < cols:
-            self.cache = self.lean_model.cache(max(slots, self.cache.slots if self.cache else 0),
-                                               max(cols, self.cache.max_len if self.cache else 0))
+        size = self._new_size(slots, columns)
+        if size is not None:
+            self.cache = self.lean_model.cache(*size)
         self.cache.lengths.zero_()
+
+    def _new_size(self, slots: int, columns: int) -> Optional[tuple[int, int]]:
+        """``(slots, columns)`` of the cache :meth:`start` allocates for this call (at least the kept cache's), or
+        None where the kept cache is large enough."""
+        cols = columns_for(columns, self.max_pos)
+        if self.cache is not None and self.cache.slots >= slots and self.cache.max_len >= cols:
+            return None
+        if self.cache is None:
+            return slots, cols
+        return max(slots, self.cache.slots), max(cols, self.cache.max_len)
 
     def new_bytes(self, slots: int, columns: int) -> int:
         """Bytes :meth:`start` of this size would allocate (0 where the kept cache is large enough)."""
-        cols = columns_for(columns, self.max_pos)
-        if self.cache is not None and self.cache.slots >= slots and self.cache.max_len >= cols:
+        size = self._new_size(slots, columns)
+        if size is None:
             return 0
         m = self.lean_model
-        return cache_bytes(len(m.layers), slots, m.n_kv, cols, m.head_dim, m.dtype)
+        return cache_bytes(len(m.layers), size[0], m.n_kv, size[1], m.head_dim, m.dtype)
 
     def reserve(self, slots: int, columns: int, live: int) -> None:
         """Room for ``slots`` rows of ``columns`` columns, keeping the first ``live`` rows (a longer request joins)."""

@@ -132,12 +132,8 @@ class Scheduler:
         for b, rows in starts:  # refused before anything is allocated or prefilled
             needed[b.device] = needed.get(b.device, 0) + b.new_bytes(rows, columns)
         check_fits(needed)
-        for b in (self.target, self.draft):
-            if b is not None:
-                b.start(slots, columns)
-        for b in self.staging or ():
-            if b is not None:
-                b.start(min(self.batch_size, AHEAD_ROWS), columns)
+        for b, rows in starts:
+            b.start(rows, columns)
         self.pol.reset(n, self.draft.device if self.draft is not None else self.target.device)
         self._admit(n, first=True)
         while self.live:
