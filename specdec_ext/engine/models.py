@@ -18,27 +18,26 @@ def vocab_size(model) -> int:
     return emb.weight.shape[0]
 
 
+def _config_ids(cfg, key: str) -> list[int]:
+    """The token ids ``cfg`` names under ``key`` (one id or a list; none where unset)."""
+    value = getattr(cfg, key, None)
+    return [i for i in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(i, int) and i >= 0]
+
+
 def special_ids(model) -> list[int]:
     """The special token ids ``model``'s config names (BOS, EOS, padding, decoder start), sorted, without repeats."""
-    cfg = model.config
-    ids = set()
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
-        value = getattr(cfg, key, None)
-        for i in (value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(i, int) and i >= 0:
-                ids.add(i)
-    return sorted(ids)
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    return sorted({i for key in keys for i in _config_ids(model.config, key)})
 
 
 def stand_in_id(model) -> int:
     """The id a model reads in place of one beyond its embedding rows (a token only a larger-vocabulary partner can
     emit): its config's padding, EOS or BOS id, whichever it names first within its rows, else 0."""
-    cfg, rows = model.config, vocab_size(model)
+    rows = vocab_size(model)
     for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        value = getattr(cfg, key, None)
-        value = value[0] if isinstance(value, (list, tuple)) and value else value
-        if isinstance(value, int) and 0 <= value < rows:
-            return value
+        ids = _config_ids(model.config, key)
+        if ids and ids[0] < rows:
+            return ids[0]
     return 0
 
 
