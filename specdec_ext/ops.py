@@ -295,6 +295,8 @@ def acceptance_head_step(
     k_min: int,
     k_max: int,
     threshold: float,
+    *,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One SpecDec++ drafting step of the acceptance head, fused (Huang et al. 2024, Sec. 3.2, Eq. 4).
 
@@ -315,6 +317,9 @@ def acceptance_head_step(
         candidate_length: the round's candidate length K if drafting stopped after this step (>= 1).
         k_min, k_max: candidate-length bounds, 1 <= k_min <= k_max (paper: [2, 20]).
         threshold: stop threshold h in [0, 1] (paper: 0.3 or 0.7).
+        check: on CUDA, read back whether a row's p_hat is NaN and raise (a host synchronisation; False: such a
+            row only stops, as under graph capture; the engine's stop rule passes False, since a stop never
+            touches verification).
 
     Returns:
         ``(p_accept [B] float32, stop [B] bool)``.
@@ -331,7 +336,8 @@ def acceptance_head_step(
     if not HAS_EXTENSION:
         return reference.acceptance_head_step(*args)
     p, stop = torch.ops.specdec_ext.acceptance_head_step(*args)
-    if p.device.type == "cuda" and not (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling()):
+    if check and p.device.type == "cuda" and not (torch.cuda.is_current_stream_capturing()
+                                                   or torch.compiler.is_compiling()):
         if bool(torch.isnan(p).any()):
             raise ValueError(_HEAD_NAN)
     return p, stop

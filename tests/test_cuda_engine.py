@@ -96,3 +96,24 @@ def test_forwards_on_cuda_run_without_cudnn_attention(cuda_pair, monkeypatch):
     lean.forward(torch.tensor([[3, 4, 5]], device="cuda"), 1, 3)
     assert seen == [(False, True), (False, True)]
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize("name,kw", [POLICIES[0], POLICIES[2], POLICIES[7], POLICIES[9]],
+                         ids=[PIDS[0], PIDS[2], PIDS[7], PIDS[9]])
+def test_captured_steps_give_the_eager_steps_tokens_on_cuda(cuda_pair, name, kw):
+    """On CUDA the rounds replay captured graphs by default (``cuda_graphs``): greedy and seeded samples equal the
+    eager steps' (``cuda_graphs=False``) for one row and a batch padded to its bucket, and graphs were captured
+    (``threshold="auto"`` plans from measured times: greedy only)."""
+    target, draft = cuda_pair
+    gen, eager = make_gen(target, draft, name, kw), make_gen(target, draft, name, kw, cuda_graphs=False)
+    assert gen.cuda_graphs and not eager.cuda_graphs
+    ps = prompts(target.config.vocab_size, n=3, seed=6)
+    ids, mask = _right_aligned([p.tolist() for p in ps], max(len(p) for p in ps))
+    temperatures = (0.0,) if kw.get("threshold") == "auto" else (0.0, 1.0)
+    for t in temperatures:
+        for x, m in ((ps[0].view(1, -1), None), (ids, mask.long())):
+            kwargs = dict(max_new_tokens=14, temperature=t, seed=3)
+            if m is not None:
+                kwargs["attention_mask"] = m.cuda()
+            assert gen.generate(x.cuda(), **kwargs).new_tokens == eager.generate(x.cuda(), **kwargs).new_tokens
+    assert gen.steps.graphs.captures > 0

@@ -26,8 +26,8 @@ from .admission import DEFAULT_ADMISSION, AdmissionRule, check_admission
 from .backends import backend_for
 from .model import supports
 from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
-from .round import StepRunner
-from .runner import sliding_layout
+from .round import BUCKETS, StepRunner
+from .runner import sliding_layout, usable_device
 from .sampling import SamplingConfig
 from .scheduler import ContinuousOutput, Request, Scheduler, Settings
 from .stats import GenerationStats
@@ -91,6 +91,10 @@ class SpeculativeGenerator:
             whose rounds are planned whole (plain decoding, fixed K, the heuristic) read back once either way.
         tokenizers: ``(target's, draft's)`` tokenizers: checked to have the same vocabulary and special tokens, and
             ids that both models embed (``engine/models.py``, ``check_vocabularies``).
+        cuda_graphs: replay the round's steps from CUDA graphs (``engine/graphs.py``): rows padded to batch buckets
+            (1, 2, 4, .. 64), each step's graph captured at its shape's first round. None (default): on where the
+            target is on a CUDA device and both models run lean (``fast_draft``, ``fast_target``); True requires
+            that; False: eager steps on the live rows.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
@@ -99,14 +103,15 @@ class SpeculativeGenerator:
     Raises:
         ValueError: a draft and target that cannot share a tokenizer ("vocabulary mismatch", naming both sizes),
             a head for another draft (hidden size, or fingerprint unless ``allow_other_draft``), models on the meta
-            device, a speculative policy without a draft, a ``draft_context`` that is not None or an integer >= 1.
+            device, a speculative policy without a draft, a ``draft_context`` that is not None or an integer >= 1,
+            ``cuda_graphs=True`` for models that are not lean on a CUDA device.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
                  allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
                  fast_target: bool = True, early_exit: bool = True, tokenizers: Optional[tuple] = None,
-                 **policy_kwargs):
+                 cuda_graphs: Optional[bool] = None, **policy_kwargs):
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
                                           or draft_context < 1):
             raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
@@ -127,12 +132,29 @@ class SpeculativeGenerator:
         self.early_exit = bool(early_exit)
         self.vocab = vocab_size(target)
         self._backends: dict = {}  # (model role, staging) -> its backend, kept from call to call (caches, weights)
-        self.steps = StepRunner()  # eager on the live rows; StepRunner(BUCKETS, compile=True): compiled, padded steps
+        self.cuda_graphs = self._wants_graphs(cuda_graphs)
+        # eager on the live rows, or captured steps over batch buckets; StepRunner(BUCKETS, compile=True): compiled
+        self.steps = StepRunner(BUCKETS, cuda_graphs=True) if self.cuda_graphs else StepRunner()
         self.catch_up_ms = 0.0  # the draft's reads of rows' contexts (_catch_up) over this generator's calls: ms,
         self.catch_up_rows = 0  # and rows read (_draft_overhead's measured mean ms per request)
         self.admission_points: list = []  # continuous batching's admissions (rows, prompt tokens, ms): AdmissionRule
         self._draft_share: Optional[float] = None  # the draft's parameters over the target's (_draft_overhead)
         self.policy = self._make_policy(policy, head, policy_kwargs)
+
+    def _wants_graphs(self, asked: Optional[bool]) -> bool:
+        """Whether the rounds replay CUDA graphs (``cuda_graphs``, class docstring)."""
+        if asked is not None and not isinstance(asked, bool):
+            raise ValueError(f"cuda_graphs must be None, True or False, got {asked!r}")
+        if asked is False:
+            return False
+        lean = self.fast_target and (self.draft is None or self.fast_draft)
+        on_cuda = usable_device(self.target, "target").type == "cuda"
+        if asked and not (lean and on_cuda):
+            raise ValueError("cuda_graphs=True needs a target on a CUDA device and models the lean forward runs "
+                             f"(Llama, Qwen2, Qwen3; fast_draft and fast_target), got a target on "
+                             f"{usable_device(self.target, 'target')}, lean target {self.fast_target}, lean draft "
+                             f"{self.draft is None or self.fast_draft}")
+        return lean and on_cuda
 
     def _make_policy(self, policy, head, kwargs) -> CandidateLengthPolicy:
         pol = make_policy(policy, head=head, **kwargs) if isinstance(policy, str) else policy

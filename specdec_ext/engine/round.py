@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from .. import errors, ops
 from ..policies.base import DraftStep, RoundPlan
+from .graphs import StepGraphs
+from .runner import sdpa_backends
 from .sampling import RowSampling, draw_tokens, mask_logits, row_probs
 
 VERIFY_SLOT = 1 << 30  # the Philox counter slot of a round's first verification uniform (draft steps use 0, 1, ...)
@@ -150,14 +152,21 @@ class StepRunner:
     each step has one shape per (bucket, step) and a graph can be replayed for it: ``compile=True`` compiles each step with
     ``torch.compile(fullgraph=True)`` (``backend`` and ``mode`` its own; ``mode="reduce-overhead"`` on CUDA replays
     CUDA graphs), the CPU's proxy for CUDA-graph capture. The compiled steps are kept from round to round and call to
-    call.
+    call. ``cuda_graphs=True`` (with ``buckets``) captures the eager steps on CUDA (``engine/graphs.py``): the verify
+    step and a draft step without a stop rule whole, a rule's draft steps with only the forward replayed; rounds
+    with a ``logits_processor``, and rounds off CUDA, run eagerly (``cuda_graphs="emulate"``: recorded steps on any
+    device, the tests' check of the graphs' buffers).
 
-    Raises ValueError for a batch larger than the largest bucket."""
+    Raises ValueError for a batch larger than the largest bucket, or ``cuda_graphs`` without ``buckets`` or with
+    ``compile``."""
 
     def __init__(self, buckets: Optional[tuple] = None, compile: bool = False, backend: str = "inductor",
-                 mode: Optional[str] = None):
+                 mode: Optional[str] = None, cuda_graphs: Union[bool, str] = False):
         self.buckets = tuple(sorted(buckets)) if buckets else None
+        if cuda_graphs and (self.buckets is None or compile):
+            raise ValueError("cuda_graphs: CUDA graphs replay bucketed eager steps (buckets=..., compile=False)")
         self.compile, self.backend, self.mode = bool(compile), backend, mode
+        self.graphs = StepGraphs(emulate=cuda_graphs == "emulate") if cuda_graphs else None
         self._steps: dict = {}
         self._buffers: dict = {}  # bucket -> its persistent input tensors by name
 
@@ -219,6 +228,12 @@ class StepRunner:
                 if b is not None and P > B:
                     b.cache.lengths[B:P] = 0
         wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
+        graphed = (self.graphs is not None and (inp.last.device.type == "cuda" or self.graphs.emulate)
+                   and inp.processor is None and getattr(target, "lean", False)
+                   and (draft is None or (getattr(draft, "lean", False) and draft.device == target.device)))
+        if graphed:
+            self.graphs.check((draft, target))
+        direct = self.compile or graphed  # steps call the backends' uncounted forwards: counted here
         cap = plan.cap
         t0 = time.perf_counter()
         tdev = inp.last.device
@@ -237,14 +252,21 @@ class StepRunner:
                 rule.begin(P, ddev)
             out_c, out_l = [], []
             step = self._step(draft_step)
-            forward = draft.step if self.compile else draft.forward
+            forward = draft.step if direct else draft.forward
+            if graphed:
+                forward = self._graphed_forward(draft, P)
             for k in range(1, cap + 1):
                 width = None if wide else inp.draft_width + 1 + k
                 at = None if wide or inp.draft_start is None else inp.draft_start + (k if k > 1 else 0)
                 t_step = time.perf_counter()
-                cand, masked, nd, drafting = step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens, seeds,
-                                                  k, inp.draft_sampling, rule, drafting, room, nd, inp.processor, out_c)
-                if self.compile:  # the compiled step's forward is counted here
+                if graphed and rule is None:
+                    cand, masked, nd, drafting = self._graphed_draft(draft, P, k, tokens, seeds, inp.draft_sampling,
+                                                                     drafting, room, nd)
+                else:
+                    cand, masked, nd, drafting = step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens,
+                                                      seeds, k, inp.draft_sampling, rule, drafting, room, nd,
+                                                      inp.processor, out_c)
+                if direct:  # the compiled or captured step's forward is counted here
                     draft.calls += 1
                     draft.seconds += time.perf_counter() - t_step
                 out_c.append(cand)
@@ -269,11 +291,14 @@ class StepRunner:
         t1 = time.perf_counter()
         width = None if wide else inp.target_width + verified + 1
         at = None if wide else inp.target_start
-        forward = target.step if self.compile else target.forward
-        out, acc = self._step(verify_step)(
-            lambda t, keep: forward(t, keep, width, None, at)[0], inp.last, cands, draft_logits, inp.sampling, n,
-            inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra, inp.processor)
-        if self.compile:
+        forward = target.step if direct else target.forward
+        if graphed:
+            out, acc = self._graphed_verify(draft if steps else None, target, P, cands, draft_logits, inp, n, steps)
+        else:
+            out, acc = self._step(verify_step)(
+                lambda t, keep: forward(t, keep, width, None, at)[0], inp.last, cands, draft_logits, inp.sampling, n,
+                inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra, inp.processor)
+        if direct:
             target.calls += 1
             target.seconds += time.perf_counter() - t1
         if not steps:  # a plain step: one token per row, the whole read-back
@@ -302,6 +327,51 @@ class StepRunner:
         emitted = [toks[b][: accepted[b] + 1] for b in range(B)]
         return RoundOutput(emitted, drafted, accepted, steps, verified, readback, (t1 - t0) * 1e3 if steps else 0.0,
                            (t2 - t1) * 1e3)
+
+
+    def _graphed_forward(self, backend, P: int) -> Callable:
+        """``backend``'s forward for the draft steps of a stop rule (``forward(tokens, keep, ...)`` as the eager
+        steps call it), replayed from a graph per (bucket, tokens); its outputs copied out of the graph's buffers."""
+        def forward(tokens, keep=1, *_):
+            key = ("forward", id(backend), P, tokens.shape[1], keep)
+            logits, hidden = self.graphs.replay(key, lambda t: _attending(backend, backend.step, t, keep), [tokens],
+                                                [backend.cache])
+            return logits.clone(), hidden.clone()
+
+        return forward
+
+    def _graphed_draft(self, draft, P: int, k: int, tokens, seeds, s: RowSampling, drafting, room, n):
+        """Draft step ``k`` without a stop rule, replayed whole from a graph per (bucket, step, sampling mode)."""
+        def fn(tokens, seeds, temperature, top_k, top_p, drafting, room, n):
+            rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
+            return draft_step(lambda t: _attending(draft, draft.step, t, 1), tokens, seeds, k, rows, None, drafting,
+                              room, n)
+
+        key = ("draft", id(draft), P, k, tokens.shape[1], s.greedy, s.masks)
+        return self.graphs.replay(key, fn, [tokens, seeds, s.temperature, s.top_k, s.top_p, drafting, room, n],
+                                  [draft.cache])
+
+    def _graphed_verify(self, draft, target, P: int, cands, draft_logits, inp: RoundInputs, n, steps: int):
+        """The verify step replayed whole from a graph per (bucket, width, draft steps, sampling mode)."""
+        s = inp.sampling
+
+        def fn(last, cands, draft_logits, temperature, top_k, top_p, n, seeds, extra):
+            rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
+            return verify_step(lambda t, keep: _attending(target, target.step, t, keep)[0], last, cands, draft_logits,
+                               rows, n, seeds,
+                               target.rollback, draft.rollback if draft is not None else None, steps, extra)
+
+        key = ("verify", id(target), id(draft), P, cands.shape[1], steps, s.greedy, s.masks, draft_logits is None,
+               n is None, inp.extra is None)
+        caches = [target.cache] + ([draft.cache] if draft is not None else [])
+        return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
+                                            inp.seeds, inp.extra], caches)
+
+
+def _attending(backend, fn: Callable, *args):
+    """``fn(*args)`` with the attention kernels the backend's eager forward allows (``runner.sdpa_backends``)."""
+    with sdpa_backends(backend.device):
+        return fn(*args)
 
 
 def _pad_rows(t: Optional[torch.Tensor], P: int, value=0) -> Optional[torch.Tensor]:

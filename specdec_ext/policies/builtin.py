@@ -384,7 +384,7 @@ class _HeadRule(StopRule):
             features = scored
         hidden = info.hidden.to(dev) if self.head.use_hidden else None
         _, stop = ops.acceptance_head_step(hidden, features, *self.weights, self.cum, k, self.k_min, self.k_max,
-                                           self.h)
+                                           self.h, check=False)  # no read-back: a NaN p_hat stops its row
         if self.rows is not None and k <= self.rows.shape[1]:
             stop = stop | (self.cum.double() < self.rows[:, k - 1])
         if self.budget is not None:  # rows stop together, when the batch's next slots do not pay (BatchBudget)

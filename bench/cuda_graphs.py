@@ -1,0 +1,168 @@
+"""The engine's steps replayed from CUDA graphs against the same engine's eager steps and transformers'
+static-cache compiled ``generate()``, on one GPU, in one run.
+
+Greedy, the bundled pair (bf16 on CUDA), the first N HumanEval prompts. At ``--batch-size 1`` each request runs
+alone and the methods alternate prompt by prompt in a balanced order: our plain decoding, fixed K and SpecDec++
+(``threshold="auto"`` with early exit and drafting to the cap, a fixed h), each with ``cuda_graphs`` on and off, and
+transformers' ``generate(cache_implementation="static")`` (compiled on its first calls). At a larger batch size
+the prompts are served by ``generate_continuous`` (plain, fixed K, ``auto``'s batch verification budget; graphs
+on). Per method: tokens/s over all prompts, ms per round, draft forwards per round, the warm-up's seconds (caches,
+cost profiles, graph capture, compilation), graphs captured, and the share of prompts whose tokens equal plain
+decoding's (greedy: all of ours, bar bf16 near-ties between batch shapes). A method that fails is reported with its
+error and the others run on.
+
+    python bench/cuda_graphs.py --device cuda --prompts 16 --max-new-tokens 64 --out gpu_check/cuda_graphs_b1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from specdec_ext import SpeculativeGenerator  # noqa: E402
+from specdec_ext.benchmark import balanced_order, machine_description  # noqa: E402
+from specdec_ext.prompts import load_prompts  # noqa: E402
+from specdec_ext.zoo import load_pair  # noqa: E402
+
+
+def engines(pair, batch_size: int, k: int, h: float) -> dict:
+    """The engine's arms by name: ``(generator factory, whether it is ours)``."""
+    def gen(policy, graphs=None, **kw):
+        return lambda: SpeculativeGenerator(pair.target, pair.draft if policy != "autoregressive" else None,
+                                            policy=policy, head=pair.head if policy == "specdecpp" else None,
+                                            cuda_graphs=graphs, **kw)
+
+    arms = {"plain, graphs": gen("autoregressive"), f"fixed K={k}, graphs": gen("fixed", k=k),
+            "specdec++ auto, graphs": gen("specdecpp", threshold="auto")}
+    if batch_size == 1:
+        arms.update({
+            "specdec++ auto, graphs, to the cap": gen("specdecpp", threshold="auto", k_max=8, early_exit=False),
+            f"specdec++ h={h:g}, graphs": gen("specdecpp", threshold=h),
+            "plain, eager": gen("autoregressive", False), f"fixed K={k}, eager": gen("fixed", False, k=k),
+            "specdec++ auto, eager": gen("specdecpp", False, threshold="auto"),
+        })
+    return arms
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompts", type=int, default=16, help="the first N HumanEval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=1, help="1: one request at a time; more: continuous batching")
+    ap.add_argument("--k", type=int, default=3, help="the fixed candidate length K")
+    ap.add_argument("--threshold", type=float, default=0.8, help="SpecDec++'s fixed stop threshold h")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' static-cache generate()")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    pair = load_pair(device=args.device)
+    cuda = torch.device(args.device).type == "cuda"
+    n, B = args.max_new_tokens, args.batch_size
+    prompts = [torch.tensor([pair.tokenizer(t)["input_ids"]]) for t in load_prompts("humaneval")[: args.prompts]]
+    longest = max(prompts, key=lambda p: p.shape[1])  # sizes every cache for good: no graph captured twice
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    rows, texts, gens = {}, {}, {}
+    for name, make in engines(pair, B, args.k, args.threshold).items():
+        t0 = time.perf_counter()
+        try:
+            g = make()
+            if B == 1:
+                g.generate(longest.to(args.device), max_new_tokens=n, temperature=0)
+                g.generate(prompts[0].to(args.device), max_new_tokens=n, temperature=0)
+            else:
+                g.generate_continuous([p[0] for p in prompts[:B]], batch_size=B, max_new_tokens=n, temperature=0)
+            gens[name] = g
+            sync()
+            rows[name] = {"warm_up_seconds": time.perf_counter() - t0, "tokens": 0, "seconds": 0.0, "rounds": 0,
+                          "draft_forwards": 0}
+        except Exception as e:  # noqa: BLE001 - reported, the other methods run on
+            rows[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+            print(f"{name}: {rows[name]['error']}", flush=True)
+    if B == 1 and not args.no_hf:
+        def hf_static(ids):
+            out = pair.target.generate(ids.to(args.device), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                                       cache_implementation="static", pad_token_id=pair.tokenizer.eos_token_id)
+            return out[0, ids.shape[1]:].tolist()
+
+        t0 = time.perf_counter()
+        try:
+            hf_static(prompts[0])
+            hf_static(prompts[0])
+            sync()
+            gens["transformers generate, static cache, compiled"] = hf_static
+            rows["transformers generate, static cache, compiled"] = {
+                "warm_up_seconds": time.perf_counter() - t0, "tokens": 0, "seconds": 0.0}
+        except Exception as e:  # noqa: BLE001
+            rows["transformers generate, static cache, compiled"] = {"error": f"{type(e).__name__}: {e}"}
+    names = list(gens)
+    if B == 1:
+        for i, ids in enumerate(prompts):
+            for name in balanced_order(names, i):
+                g = gens[name]
+                sync()
+                t0 = time.perf_counter()
+                if callable(g) and not isinstance(g, SpeculativeGenerator):
+                    toks, stats = g(ids), None
+                else:
+                    out = g.generate(ids.to(args.device), max_new_tokens=n, temperature=0)
+                    toks, stats = out.new_tokens[0], out.stats
+                sync()
+                r = rows[name]
+                r["seconds"] += time.perf_counter() - t0
+                r["tokens"] += len(toks)
+                if stats is not None:
+                    r["rounds"] += len(stats.rounds)
+                    r["draft_forwards"] += stats.draft_calls
+                texts.setdefault(name, []).append(list(toks))
+    else:
+        for name in names:
+            sync()
+            t0 = time.perf_counter()
+            out = gens[name].generate_continuous([p[0] for p in prompts], batch_size=B, max_new_tokens=n,
+                                                 temperature=0)
+            sync()
+            r = rows[name]
+            r["seconds"] = time.perf_counter() - t0
+            r["tokens"] = sum(len(t) for t in out.new_tokens)
+            r["rounds"] = len(out.stats.rounds)
+            r["draft_forwards"] = out.stats.draft_calls
+            texts[name] = out.new_tokens
+    plain = texts.get("plain, graphs")
+    for name in names:
+        r = rows[name]
+        r["tokens_per_s"] = r["tokens"] / r["seconds"] if r["seconds"] else None
+        if r.get("rounds"):
+            r["ms_per_round"] = 1e3 * r["seconds"] / r["rounds"]
+            r["draft_forwards_per_round"] = r["draft_forwards"] / r["rounds"]
+        g = gens[name]
+        if isinstance(g, SpeculativeGenerator) and g.steps.graphs is not None:
+            r["graphs_captured"] = g.steps.graphs.captures
+        if plain is not None:
+            r["same_tokens_as_plain"] = sum(a == b for a, b in zip(texts[name], plain)) / len(plain)
+        print(f"{name}: {r['tokens_per_s']:.1f} tokens/s, {r.get('ms_per_round', 0):.2f} ms/round, "
+              f"{r.get('draft_forwards_per_round', 0):.2f} draft forwards/round, plain's tokens on "
+              f"{r.get('same_tokens_as_plain', float('nan')):.0%} of prompts, warm-up {r['warm_up_seconds']:.1f} s",
+              flush=True)
+    result = {"machine": machine_description(pair), "command": "python bench/cuda_graphs.py " + " ".join(argv or []),
+              "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts, "max_new_tokens": n, "batch_size": B,
+              "rows": rows}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,110 @@
+"""CUDA graphs of the round's steps: captured at a shape's first round, replayed from then on.
+
+On a GPU a small model's step is bound by kernel launches, not arithmetic (an H100, the bundled pair in bf16: the
+target's one-token forward 8.3 ms eager against 0.87 ms replayed from a graph). :class:`StepGraphs` captures, per
+fixed shape of a bucketed round (``engine/round.StepRunner``):
+
+- the whole **verify step** (target forward over K + 1 tokens, the fused verification, both caches' roll-back),
+  per (bucket, verification width, draft steps, sampling mode);
+- the whole **draft step** where the round has no stop rule (fixed K, plain decoding's absence of one, a row cap),
+  per (bucket, step, sampling mode);
+- the **draft's forward** alone where a stop rule decides (SpecDec++, confidence, AdaEDL, the batch budget): the rule
+  keeps host state between steps (its running products, thresholds fixed per round), so it stays eager, the
+  forward's launches replayed.
+
+A graph reads and writes fixed addresses: its inputs are copied into buffers kept with it (SGLang's
+``replay_prepare``), its outputs are the tensors it wrote at capture, overwritten by its next replay (the round
+reads them before that; a forward's outputs are copied out, as one draft step's logits are kept while the next
+replays the same graph). Every graph shares one memory pool (captured in the order the rounds meet their shapes,
+replayed one at a time on one stream). Each is captured after one eager warm-up run on a side stream (lazy
+initialisation stays out of the graph); the KV caches' lengths are restored after it, so capture changes nothing a
+round can see. The graphs read the backends' caches where they were captured: when a backend's cache is replaced
+(a longer request, more rows), every graph is dropped and captured again.
+
+What cannot be captured runs eagerly: a ``logits_processor`` (host work) and a host stop rule
+(``StopRule.host``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+class _Recorded:
+    """A stand-in for a captured graph off CUDA (``StepGraphs(emulate=True)``, for the tests): each replay runs the
+    step eagerly on the kept input buffers and copies its results into the outputs kept from capture, so a caller
+    meets a graph's fixed addresses and its overwrites."""
+
+    def __init__(self, fn: Callable, static: list, outs):
+        self.fn, self.static, self.outs = fn, static, outs
+
+    def replay(self) -> None:
+        for kept, new in zip(self.outs, self.fn(*self.static)):
+            if kept is not None:
+                kept.copy_(new)
+
+
+class StepGraphs:
+    """The CUDA graphs of one :class:`~specdec_ext.engine.round.StepRunner` (module docstring), keyed by the step
+    and its shapes; ``captures`` counts the graphs captured (they are kept until a backend's cache is replaced).
+    ``emulate=True``: the steps are recorded, not captured (:class:`_Recorded`), on any device: the tests' check of
+    the buffers' plumbing where no GPU is."""
+
+    def __init__(self, emulate: bool = False):
+        self.emulate = bool(emulate)
+        self._graphs: dict = {}
+        self._caches: dict = {}  # id(backend) -> (backend, the cache its graphs read)
+        self._pool = None
+        self.captures = 0
+
+    def check(self, backends: Sequence) -> None:
+        """Drop every graph when one of ``backends`` (lean backends) has replaced the cache its graphs read."""
+        changed = False
+        for b in backends:
+            if b is None:
+                continue
+            kept = self._caches.get(id(b))
+            if kept is None or kept[0] is not b or kept[1] is not b.cache:
+                changed = changed or kept is not None
+                self._caches[id(b)] = (b, b.cache)
+        if changed:
+            self._graphs.clear()
+
+    def replay(self, key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], caches: Sequence):
+        """``fn(*inputs)`` (a tuple of tensors, or of tensors and None) replayed from the graph captured for ``key``
+        at its first call. ``caches``: the static caches ``fn`` writes (their lengths are restored after the
+        warm-up). Returns the graph's outputs: valid until its next replay."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(fn, inputs, caches)
+        graph, static, outs = entry
+        for buf, t in zip(static, inputs):
+            if buf is not None and buf is not t:
+                buf.copy_(t)
+        graph.replay()
+        return outs
+
+    def _capture(self, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], caches: Sequence):
+        static = [None if t is None else t.clone() for t in inputs]
+        lengths = [c.lengths.clone() for c in caches]
+        self.captures += 1
+        if self.emulate:
+            outs = fn(*static)
+            for c, saved in zip(caches, lengths):
+                c.lengths.copy_(saved)
+            return _Recorded(fn, static, outs), static, outs
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: cuBLAS handles, workspaces and the like outside the graph
+            fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        for c, saved in zip(caches, lengths):
+            c.lengths.copy_(saved)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outs = fn(*static)
+        return graph, static, outs

@@ -1,0 +1,89 @@
+"""CUDA graphs of the round's steps (``engine/graphs.py``). Off CUDA the graphs are recorded, not captured
+(``StepRunner(cuda_graphs="emulate")``): each replay runs on the kept input buffers and writes the outputs kept
+from capture, so these tests check the plumbing a captured graph depends on (inputs copied in, outputs read before
+the next replay overwrites them, caches' lengths unchanged by capture, graphs dropped with a replaced cache). The
+CUDA tests (``tests/test_cuda_engine.py``) run the captured graphs themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import make_pair
+from support import PIDS, POLICIES, make_gen
+from specdec_ext import SpeculativeGenerator
+from specdec_ext.engine.round import BUCKETS, StepRunner
+
+
+def graphed(gen) -> SpeculativeGenerator:
+    gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
+    return gen
+
+
+@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+@pytest.mark.parametrize("early_exit", [True, False], ids=["early-exit", "to-cap"])
+def test_replayed_steps_give_the_eager_steps_tokens(name, kw, early_exit):
+    """Every policy, greedy and seeded sampling, a batch padded to its bucket and one row: the replayed steps emit
+    exactly the eager steps' tokens (fp32), and a second round of the calls captures nothing new. ``threshold="auto"`` plans
+    its rounds from measured times, so its seeded samples differ from run to run (the candidates drawn differ; the
+    distribution does not): greedy only there."""
+    target, draft = make_pair("llama")
+    g = torch.Generator().manual_seed(1)
+    gen = graphed(make_gen(target, draft, name, kw, early_exit=early_exit))
+    eager = make_gen(target, draft, name, kw, early_exit=early_exit)
+    temperatures = (0.0,) if kw.get("threshold") == "auto" else (0.0, 1.0)
+    calls = [(torch.randint(2, 48, (3, 6), generator=g), t) for t in temperatures]
+    calls += [(torch.randint(2, 48, (1, 9), generator=g), t) for t in temperatures]
+    for ids, temperature in calls:
+        want = eager.generate(ids, max_new_tokens=20, temperature=temperature, seed=5).new_tokens
+        assert gen.generate(ids, max_new_tokens=20, temperature=temperature, seed=5).new_tokens == want
+    captured = gen.steps.graphs.captures
+    assert captured > 0
+    for ids, temperature in calls:
+        want = eager.generate(ids, max_new_tokens=20, temperature=temperature, seed=5).new_tokens
+        assert gen.generate(ids, max_new_tokens=20, temperature=temperature, seed=5).new_tokens == want
+    if kw.get("threshold") != "auto":  # auto's depths follow measured times: a second call may meet a new one
+        assert gen.steps.graphs.captures == captured, "a second call captured again"
+
+
+def test_continuous_batching_through_replayed_steps_gives_each_request_its_solo_tokens():
+    """Requests joining and leaving a continuous batch (EOS on, per-request limits; greedy and seeded sampling):
+    each request's tokens through replayed steps equal its tokens alone through eager steps."""
+    target, draft = make_pair("llama")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 48, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (7,), generator=g)]
+    limits = [3, 17, 9, 12, 1, 20, 6]
+    gen = graphed(SpeculativeGenerator(target, draft, policy="fixed", k=3))
+    eager = SpeculativeGenerator(target, draft, policy="fixed", k=3)
+    for temperature in (0.0, 1.0):
+        out = gen.generate_continuous(prompts, max_new_tokens=limits, batch_size=3, temperature=temperature, seed=11,
+                                      eos_token_id=7)
+        for i, p in enumerate(prompts):
+            alone = eager.generate(torch.tensor([p]), max_new_tokens=limits[i], temperature=temperature, seed=11 + i,
+                                   eos_token_id=7)
+            assert out.new_tokens[i] == alone.new_tokens[0], (temperature, i)
+
+
+def test_a_replaced_cache_drops_the_graphs():
+    """A longer request grows the caches: the graphs read the old ones, so they are dropped and captured again, and
+    the tokens stay the eager steps'."""
+    target, draft = make_pair("llama", ctx=1024)
+    gen = graphed(SpeculativeGenerator(target, draft, policy="fixed", k=2))
+    eager = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    short, long = torch.tensor([[3, 4, 5]]), torch.randint(2, 48, (1, 300), generator=torch.Generator().manual_seed(0))
+    gen.generate(short, max_new_tokens=6, temperature=0)
+    first = gen.steps.graphs.captures
+    assert gen.generate(long, max_new_tokens=6, temperature=0).new_tokens == \
+        eager.generate(long, max_new_tokens=6, temperature=0).new_tokens
+    assert gen.steps.graphs.captures > first
+
+
+def test_cuda_graphs_argument_is_checked():
+    target, draft = make_pair("llama")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a target on a CUDA device"):
+        SpeculativeGenerator(target, draft, policy="fixed", k=2, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be None, True or False"):
+        SpeculativeGenerator(target, draft, policy="fixed", k=2, cuda_graphs="yes")
+    assert not SpeculativeGenerator(target, draft, policy="fixed", k=2).cuda_graphs  # a CPU: eager steps
+    with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs replay bucketed eager steps"):
+        StepRunner(None, cuda_graphs=True)
