@@ -87,3 +87,14 @@ def test_cuda_graphs_argument_is_checked():
     assert not SpeculativeGenerator(target, draft, policy="fixed", k=2).cuda_graphs  # a CPU: eager steps
     with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs replay bucketed eager steps"):
         StepRunner(None, cuda_graphs=True)
+
+
+def test_a_batch_beyond_the_largest_bucket_runs_eager_steps():
+    """With graphs on, a batch larger than the largest bucket is served (eager steps over its rows until finished
+    rows bring it within a bucket) and emits plain decoding's greedy tokens."""
+    target, draft = make_pair("llama")
+    gen = graphed(SpeculativeGenerator(target, draft, policy="fixed", k=2))
+    ids = torch.randint(2, 48, (BUCKETS[-1] + 3, 4), generator=torch.Generator().manual_seed(2))
+    out = gen.generate(ids, max_new_tokens=5, temperature=0)
+    plain = SpeculativeGenerator(target, None, policy="autoregressive")
+    assert out.new_tokens == plain.generate(ids, max_new_tokens=5, temperature=0).new_tokens

@@ -6,19 +6,21 @@ fixed shape of a bucketed round (``engine/round.StepRunner``):
 
 - the whole **verify step** (target forward over K + 1 tokens, the fused verification, both caches' roll-back),
   per (bucket, verification width, draft steps, sampling mode);
-- the whole **draft step** where the round has no stop rule (fixed K, plain decoding's absence of one, a row cap),
-  per (bucket, step, sampling mode);
-- the **draft's forward** alone where a stop rule decides (SpecDec++, confidence, AdaEDL, the batch budget): the rule
-  keeps host state between steps (its running products, thresholds fixed per round), so it stays eager, the
-  forward's launches replayed.
+- the whole **draft step** (forward, sampling, the stop rule's step) where the round has no stop rule (fixed K) or
+  one that can be captured (``StopRule.capture_key``: SpecDec++'s acceptance-head step with a fixed h or the
+  per-row ``threshold="auto"`` rule, whose state lives in the policy's buffers, refilled in place each round), per
+  (bucket, step, sampling mode, rule);
+- the **draft's forward** alone where another stop rule decides (confidence, AdaEDL, the batch verification budget,
+  a host rule): such a rule keeps state on the host between steps, so it stays eager, the forward's launches
+  replayed.
 
 A graph reads and writes fixed addresses: its inputs are copied into buffers kept with it (SGLang's
 ``replay_prepare``), its outputs are the tensors it wrote at capture, overwritten by its next replay (the round
 reads them before that; a forward's outputs are copied out, as one draft step's logits are kept while the next
 replays the same graph). Every graph shares one memory pool (captured in the order the rounds meet their shapes,
 replayed one at a time on one stream). Each is captured after one eager warm-up run on a side stream (lazy
-initialisation stays out of the graph); the KV caches' lengths are restored after it, so capture changes nothing a
-round can see. The graphs read the backends' caches where they were captured: when a backend's cache is replaced
+initialisation stays out of the graph); what it wrote in place (the KV caches' lengths, a stop rule's buffers) is
+restored after it, so capture changes nothing a round can see. The graphs read the backends' caches where they were captured: when a backend's cache is replaced
 (a longer request, more rows), every graph is dropped and captured again.
 
 What cannot be captured runs eagerly: a ``logits_processor`` (host work) and a host stop rule
@@ -69,16 +71,18 @@ class StepGraphs:
             if kept is None or kept[0] is not b or kept[1] is not b.cache:
                 changed = changed or kept is not None
                 self._caches[id(b)] = (b, b.cache)
-        if changed:
+        if changed:  # the pool goes with its last graph: a new one for the graphs captured next
             self._graphs.clear()
+            self._pool = None
 
-    def replay(self, key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], caches: Sequence):
+    def replay(self, key: tuple, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], state: Sequence):
         """``fn(*inputs)`` (a tuple of tensors, or of tensors and None) replayed from the graph captured for ``key``
-        at its first call. ``caches``: the static caches ``fn`` writes (their lengths are restored after the
-        warm-up). Returns the graph's outputs: valid until its next replay."""
+        at its first call. ``state``: the tensors ``fn`` writes in place that a round reads (the caches' lengths, a
+        stop rule's buffers), restored after the warm-up run. Returns the graph's outputs: valid until its next
+        replay."""
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(fn, inputs, caches)
+            entry = self._graphs[key] = self._capture(fn, inputs, state)
         graph, static, outs = entry
         for buf, t in zip(static, inputs):
             if buf is not None and buf is not t:
@@ -86,22 +90,22 @@ class StepGraphs:
         graph.replay()
         return outs
 
-    def _capture(self, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], caches: Sequence):
+    def _capture(self, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], state: Sequence):
         static = [None if t is None else t.clone() for t in inputs]
-        lengths = [c.lengths.clone() for c in caches]
+        saved = [t.clone() for t in state]
         self.captures += 1
         if self.emulate:
             outs = fn(*static)
-            for c, saved in zip(caches, lengths):
-                c.lengths.copy_(saved)
+            for t, before in zip(state, saved):
+                t.copy_(before)
             return _Recorded(fn, static, outs), static, outs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles, workspaces and the like outside the graph
             fn(*static)
         torch.cuda.current_stream().wait_stream(side)
-        for c, saved in zip(caches, lengths):
-            c.lengths.copy_(saved)
+        for t, before in zip(state, saved):
+            t.copy_(before)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

@@ -157,8 +157,8 @@ class StepRunner:
     with a ``logits_processor``, and rounds off CUDA, run eagerly (``cuda_graphs="emulate"``: recorded steps on any
     device, the tests' check of the graphs' buffers).
 
-    Raises ValueError for a batch larger than the largest bucket, or ``cuda_graphs`` without ``buckets`` or with
-    ``compile``."""
+    Raises ValueError for a batch larger than the largest bucket (with ``cuda_graphs``, such a batch runs eager steps
+    over its rows), or ``cuda_graphs`` without ``buckets`` or with ``compile``."""
 
     def __init__(self, buckets: Optional[tuple] = None, compile: bool = False, backend: str = "inductor",
                  mode: Optional[str] = None, cuda_graphs: Union[bool, str] = False):
@@ -198,6 +198,8 @@ class StepRunner:
         for size in self.buckets:
             if size >= B:
                 return size
+        if self.graphs is not None:  # beyond the buckets: eager steps over the live rows, no graph
+            return B
         raise ValueError(f"batch_size: {B} rows are more than the largest batch bucket {self.buckets[-1]}")
 
     def _step(self, fn: Callable) -> Callable:
@@ -228,8 +230,8 @@ class StepRunner:
                 if b is not None and P > B:
                     b.cache.lengths[B:P] = 0
         wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
-        graphed = (self.graphs is not None and (inp.last.device.type == "cuda" or self.graphs.emulate)
-                   and inp.processor is None and getattr(target, "lean", False)
+        graphed = (self.graphs is not None and P in self.buckets and inp.processor is None
+                   and (inp.last.device.type == "cuda" or self.graphs.emulate) and getattr(target, "lean", False)
                    and (draft is None or (getattr(draft, "lean", False) and draft.device == target.device)))
         if graphed:
             self.graphs.check((draft, target))
@@ -250,6 +252,9 @@ class StepRunner:
             nd = torch.zeros(P, dtype=torch.int64, device=ddev)
             if rule is not None:
                 rule.begin(P, ddev)
+            # a draft step is replayed whole without a rule, or with a rule that can be captured (StopRule.capture_key)
+            rule_key = rule.capture_key() if graphed and rule is not None and not rule.host else None
+            whole = graphed and (rule is None or rule_key is not None)
             out_c, out_l = [], []
             step = self._step(draft_step)
             forward = draft.step if direct else draft.forward
@@ -259,9 +264,9 @@ class StepRunner:
                 width = None if wide else inp.draft_width + 1 + k
                 at = None if wide or inp.draft_start is None else inp.draft_start + (k if k > 1 else 0)
                 t_step = time.perf_counter()
-                if graphed and rule is None:
+                if whole:
                     cand, masked, nd, drafting = self._graphed_draft(draft, P, k, tokens, seeds, inp.draft_sampling,
-                                                                     drafting, room, nd)
+                                                                     drafting, room, nd, rule, rule_key)
                 else:
                     cand, masked, nd, drafting = step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens,
                                                       seeds, k, inp.draft_sampling, rule, drafting, room, nd,
@@ -335,21 +340,23 @@ class StepRunner:
         def forward(tokens, keep=1, *_):
             key = ("forward", id(backend), P, tokens.shape[1], keep)
             logits, hidden = self.graphs.replay(key, lambda t: _attending(backend, backend.step, t, keep), [tokens],
-                                                [backend.cache])
+                                                [backend.cache.lengths])
             return logits.clone(), hidden.clone()
 
         return forward
 
-    def _graphed_draft(self, draft, P: int, k: int, tokens, seeds, s: RowSampling, drafting, room, n):
-        """Draft step ``k`` without a stop rule, replayed whole from a graph per (bucket, step, sampling mode)."""
+    def _graphed_draft(self, draft, P: int, k: int, tokens, seeds, s: RowSampling, drafting, room, n, rule,
+                       rule_key):
+        """Draft step ``k``, with no stop rule or a capturable one (``rule_key``), replayed whole from a graph per
+        (bucket, step, sampling mode, rule)."""
         def fn(tokens, seeds, temperature, top_k, top_p, drafting, room, n):
             rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
-            return draft_step(lambda t: _attending(draft, draft.step, t, 1), tokens, seeds, k, rows, None, drafting,
+            return draft_step(lambda t: _attending(draft, draft.step, t, 1), tokens, seeds, k, rows, rule, drafting,
                               room, n)
 
-        key = ("draft", id(draft), P, k, tokens.shape[1], s.greedy, s.masks)
+        key = ("draft", id(draft), P, k, tokens.shape[1], s.greedy, s.masks, rule_key)
         return self.graphs.replay(key, fn, [tokens, seeds, s.temperature, s.top_k, s.top_p, drafting, room, n],
-                                  [draft.cache])
+                                  [draft.cache.lengths] + (rule.written() if rule is not None else []))
 
     def _graphed_verify(self, draft, target, P: int, cands, draft_logits, inp: RoundInputs, n, steps: int):
         """The verify step replayed whole from a graph per (bucket, width, draft steps, sampling mode)."""
@@ -363,9 +370,9 @@ class StepRunner:
 
         key = ("verify", id(target), id(draft), P, cands.shape[1], steps, s.greedy, s.masks, draft_logits is None,
                n is None, inp.extra is None)
-        caches = [target.cache] + ([draft.cache] if draft is not None else [])
+        lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
-                                            inp.seeds, inp.extra], caches)
+                                            inp.seeds, inp.extra], lengths)
 
 
 def _attending(backend, fn: Callable, *args):

@@ -134,6 +134,19 @@ class StopRule:
         policy in :attr:`RoundResult.readback`, as nested lists of the tensors' shapes."""
         return []
 
+    def capture_key(self) -> Optional[tuple]:
+        """A key under which a draft step running this rule can be captured in a CUDA graph and replayed in later
+        rounds, or None (the default: the rule runs eagerly, the draft's forward alone replayed). A rule returns a
+        key only where :meth:`step` keeps no host state between steps and reads and writes only tensors that
+        :meth:`begin` refills in place each round; the key holds every constant the steps bake in and the
+        addresses of those tensors, so a replay under an equal key reads what an eager step would."""
+        return None
+
+    def written(self) -> list[torch.Tensor]:
+        """The tensors :meth:`step` writes in place (a capturable rule's running state): restored after the
+        warm-up run that precedes a capture."""
+        return []
+
 
 class _HostRule(StopRule):
     """A policy's per-step interface (``begin_round``, ``should_stop``, ``verify_depth``) as a host rule."""

@@ -209,6 +209,8 @@ class SpecDecPP(CandidateLengthPolicy):
         self.history: Optional[torch.Tensor] = None
         self._round = None
         self._plain = False
+        self._fused = None  # (the head's fingerprint, its fused weights)
+        self._kept: dict = {}  # (rows, device) -> the head rule's per-round buffers (_buffers)
 
     @property
     def needs_hidden(self) -> bool:
@@ -235,8 +237,26 @@ class SpecDecPP(CandidateLengthPolicy):
                 self.budget = BatchBudget(batch_costs, measure=self.measured_costs, **self.budget_options)
                 self._budget_head = self.head
 
+    def _buffers(self, rows: int, device) -> dict:
+        """The head rule's per-round tensors for ``rows`` rows on ``device`` (running survival, the previous
+        candidate's features, per-row thresholds and acceptance history), kept from round to round and refilled in
+        place, so a captured draft step reads the same addresses every round (``StopRule.capture_key``)."""
+        key = (rows, torch.device(device))
+        kept = self._kept.get(key)
+        F = len(self.head.features)
+        if kept is None or kept["prev"].shape[1] != F:
+            kept = self._kept[key] = {
+                "cum": torch.ones(rows, dtype=torch.float32, device=device),
+                "prev": torch.zeros(rows, F, dtype=torch.float32, device=device),
+                "rows": torch.full((rows, self.max_candidates), -math.inf, dtype=torch.float64, device=device),
+                "history": torch.full((rows,), HISTORY_PRIOR, dtype=torch.float32, device=device)}
+        return kept
+
     def reset(self, batch_size, device):
-        self._weights = self.head.fused_weights(device)
+        fp = (id(self.head), torch.device(device), tuple((p.data_ptr(), p._version) for p in self.head.parameters()))
+        if self._fused is None or self._fused[0] != fp:  # the same tensors from call to call while the head is
+            self._fused = (fp, self.head.fused_weights(device))  # unchanged: captured steps keep reading them
+        self._weights = self._fused[1]
         self._device = device
         self.history = torch.full((batch_size,), HISTORY_PRIOR, dtype=torch.float32)
         if self.rule is not None:
@@ -345,16 +365,41 @@ class _HeadRule(StopRule):
 
     def begin(self, batch_size, device):
         dev = self.weights[-1].device
-        self.cum = torch.ones(batch_size, dtype=torch.float32, device=dev)
-        self.prev = None
         self.survivals: list = []
         self.unscored = False
         self.depth_value = None
         pad = batch_size - self.history.shape[0]  # rows padded to a batch bucket: never drafting, decisions unread
+        if self.budget is None:  # the policy's buffers, refilled in place: the steps can be captured (capture_key)
+            kept = self.policy._buffers(batch_size, dev)
+            self.cum = kept["cum"].fill_(1.0)
+            self.prev = kept["prev"]
+            if self.rows is not None:
+                rows = kept["rows"].fill_(-math.inf)
+                rows[: self.rows.shape[0], : self.rows.shape[1]].copy_(self.rows)
+                self.rows = rows
+            if any(c is None for c in self.columns):
+                kept["history"].fill_(HISTORY_PRIOR)[: self.history.shape[0]].copy_(self.history)
+                self.history = kept["history"]
+            return
+        self.cum = torch.ones(batch_size, dtype=torch.float32, device=dev)
+        self.prev = None
         if self.rows is not None:
             self.rows = torch.cat([self.rows, self.rows.new_full((pad, self.rows.shape[1]), -math.inf)]).to(dev)
         if any(c is None for c in self.columns):
             self.history = torch.cat([self.history, self.history.new_full((pad,), HISTORY_PRIOR)]).to(dev)
+
+    def written(self):
+        return [self.cum, self.prev] if self.budget is None else []
+
+    def capture_key(self):
+        if self.budget is not None:  # the budget's thresholds are host numbers and its survivals a host list
+            return None
+        tensors = [t for t in self.weights if t is not None] + [self.cum, self.prev]
+        tensors += [self.rows] if self.rows is not None else []
+        tensors += [self.history] if any(c is None for c in self.columns) else []  # the history feature reads it
+        return (type(self), self.head.input_position, self.head.use_hidden, tuple(self.columns), self.conf_only,
+                self.k_min, self.k_max, self.h, self.rows is not None, self.skip_from,
+                tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors))
 
     def _features(self, info) -> Optional[torch.Tensor]:
         """The head's input features of the candidates just drafted, ``[B, F]`` (None without features)."""
@@ -378,7 +423,12 @@ class _HeadRule(StopRule):
         if features is not None:
             features = features.to(dev)
         if self.head.input_position == "candidate":  # score candidate k - 1 from the state at it
-            scored, self.prev = self.prev, features
+            if self.budget is None:  # the policy's buffer (capturable): the state at the previous candidate
+                scored = self.prev.clone() if k > 1 and features is not None else None
+                if features is not None:
+                    self.prev.copy_(features)
+            else:
+                scored, self.prev = self.prev, features
             if k == 1:
                 return torch.full((B,), k >= self.k_max, dtype=torch.bool, device=info.tokens.device)
             features = scored
