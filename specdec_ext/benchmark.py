@@ -346,9 +346,12 @@ def machine_description(pair) -> dict:
     from .engine.profile import processor_name
     from .zoo import cpu_bf16_flags
 
+    gpu = {}
+    if pair.target.device.type == "cuda":  # the GPU the pair runs on, named in every result measured there
+        gpu = {"gpu": torch.cuda.get_device_name(pair.target.device), "cuda": torch.version.cuda}
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine(), "processor": processor_name(), **cpu_bf16_flags(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), **gpu,
             "target": {"params": params(pair.target), "dtype": str(pair.target.dtype),
                        "layers": pair.target.config.num_hidden_layers, "hidden": pair.target.config.hidden_size},
             "draft": {"params": params(pair.draft), "dtype": str(pair.draft.dtype),
