@@ -279,7 +279,7 @@ def test_a_near_tie_between_plain_steps_and_drafting_keeps_the_batch_where_it_is
 
 
 def test_rows_in_lockstep_leave_plain_steps_only_for_a_clear_gain():
-    """lockstep (default on): while the engine says the rows are together (rows_together), from plain steps (or a
+    """lockstep (off by default): while the engine says the rows are together (rows_together), from plain steps (or a
     call's first round) the batch drafts only where its best depth is expected to beat plain steps by more than
     explore_within, measured or not, and it neither explores nor probes a drafting depth; out of lockstep, or with
     lockstep=False, the switch margin alone decides, as before; a batch already drafting goes on."""
