@@ -65,6 +65,14 @@ def add_arguments(p):
     p.add_argument("--length-spread", type=int, default=0,
                    help="with --batch-sizes: each request asks for its own number of new tokens, drawn uniformly "
                         "(seeded) from --max-new-tokens +- S, as a server's requests differ (default 0: all equal)")
+    p.add_argument("--serve", action="store_true",
+                   help="serving latency (TTFT, TPOT, ITL, end to end) under requests arriving at --rates, served "
+                        "by continuous batching at the one size in --batch-sizes (default 16): plain, fixed K (the "
+                        "first of --ks), SpecDec++ auto and the batch budget")
+    p.add_argument("--rates", default="2,8,32,inf",
+                   help="with --serve: request rates in requests/s (inf: all at once), comma-separated")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="with --serve: the gamma shape of the arrival gaps (1: Poisson arrivals; below 1 burstier)")
     p.add_argument("--admission", choices=ADMISSION_MODES, default=None,
                    help=f"with --batch-sizes (default {DEFAULT_ADMISSION}): when queued requests join the batch: "
                         "eager (after every round that frees a slot), grouped (once the free slots' lost throughput "
@@ -166,6 +174,8 @@ def run(args, pair):
     t0 = time.time()
     n = args.prompts if args.prompts is not None else (6 if args.quick else None)
     prompts = load_prompts(args.dataset, limit=n)
+    if args.serve:
+        return run_serve(args, pair, prompts, t0)
     if args.batch_sizes is not None:
         return run_batches(args, pair, prompts, t0)
     batch_only = [name for name, given in (("--repeats", args.repeats != 1), ("--static-batches", args.static_batches),
@@ -213,6 +223,42 @@ def run(args, pair):
     print("\n" + md)
     print(f"wrote {args.out / f'bench-{tag}.json.gz'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))
     print(f"duration {time.time() - t0:.0f} s")
+
+
+def run_serve(args, pair, prompts, t0):
+    """``specdec bench --serve``: serving latency under arrivals (``serving.py``), its JSON, table and plots."""
+    import json
+
+    from . import serving
+
+    sizes = args.batch_sizes or [16]
+    if len(sizes) != 1 or sizes[0] < 1:
+        raise ValueError(f"--batch-sizes: --serve takes one batch size >= 1, got {sizes}")
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        raise ValueError(f"--rates: expected comma-separated request rates (numbers or inf), got {args.rates!r}") \
+            from None
+    if args.temperature != 0:
+        raise ValueError("--serve: greedy decoding only (--temperature 0)")
+    ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
+    k = int(args.ks[0]) if args.ks else 2
+    print(f"specdec bench --serve: {len(ids)} {args.dataset} prompts at {rates} requests/s, B = {sizes[0]}, "
+          f"{args.max_new_tokens} new tokens")
+    rows = serving.run(pair, ids, rates, sizes[0], args.max_new_tokens, k, args.burstiness, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{Path(args.dataset).stem}-serve-b{sizes[0]}"
+    meta = {"machine": machine_description(pair), "dataset": args.dataset, "prompts": len(ids),
+            "max_new_tokens": args.max_new_tokens, "batch_size": sizes[0], "rates": rates,
+            "burstiness": args.burstiness, "seed": args.seed, "duration_s": time.time() - t0,
+            "command": _command_line(args) + f" --serve --batch-sizes {sizes[0]} --rates {args.rates}"
+            + (f" --burstiness {args.burstiness:g}" if args.burstiness != 1 else "")}
+    (args.out / f"bench-{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}) + "\n")
+    md = serving.format_table(rows)
+    (args.out / f"bench-{tag}.md").write_text(md + "\n")
+    made = serving.plot(rows, args.out, prefix=f"{tag}")
+    print("\n" + md)
+    print(f"wrote {args.out / f'bench-{tag}.json'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))
 
 
 def run_batches(args, pair, prompts, t0):

@@ -12,6 +12,7 @@ so its output does not depend on the requests beside it.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -328,7 +329,8 @@ class SpeculativeGenerator:
                             top_k: Optional[int] = None, top_p: Optional[float] = None,
                             eos_token_id: Union[int, Sequence[int], None] = None, seed: Union[int, Sequence[int]] = 0,
                             policy: Union[str, CandidateLengthPolicy, None] = None, logits_processor=None,
-                            admission: str = DEFAULT_ADMISSION, **policy_kwargs) -> "ContinuousOutput":
+                            admission: str = DEFAULT_ADMISSION, arrival_ms: Optional[Sequence[float]] = None,
+                            **policy_kwargs) -> "ContinuousOutput":
         """Continuous batching: generate for every prompt, with up to ``batch_size`` requests live at once.
 
         The first ``batch_size`` prompts start together; whenever requests finish, the next prompts of the queue
@@ -354,6 +356,10 @@ class SpeculativeGenerator:
                 and requests join from those rows (larger prefills than staggered rows would make, for up to 16
                 more rows of KV cache; the default since 2026-11-25, :mod:`~specdec_ext.engine.admission`). Outputs do
                 not depend on it (a request's tokens are its own); only when requests start does.
+            arrival_ms: when each request arrives, in ms from the call's start, non-decreasing (None: all at
+                once). A request joins only once it has arrived; while none is live and the next has not arrived,
+                the call's clock jumps to its arrival (nothing sleeps). The output's ``token_ms`` gives each
+                token's emission on that clock: the serving latencies (``specdec_ext.serving``).
             temperature / top_k / top_p / eos_token_id / policy / logits_processor /
                 **policy_kwargs: as :meth:`generate` (the processor sees each request's prompt unpadded).
 
@@ -362,7 +368,8 @@ class SpeculativeGenerator:
 
         Raises: ValueError / TypeError as :meth:`generate`, naming the prompt (``prompts[i]``); ValueError for
             no prompts, a batch_size that is not an integer >= 1, a sequence of max_new_tokens whose length is
-            not the number of prompts, an unknown ``admission``, or ``"grouped"`` with a tensor-parallel target.
+            not the number of prompts, an unknown ``admission``, ``"grouped"`` with a tensor-parallel target, or an
+            ``arrival_ms`` that is not one finite time >= 0 per prompt in non-decreasing order.
         """
         check_admission(admission)
         if admission == "grouped" and tp_size(self.target) > 1:
@@ -391,8 +398,9 @@ class SpeculativeGenerator:
                 raise type(e)(f"prompts[{i}]: {e}") from None
         _check_processor(logits_processor)
         seeds = _seeds(seed, len(ids))
-        requests = [Request(x, lim, s, cfg, list(x) if logits_processor is not None else None)
-                    for x, lim, s in zip(ids, limits, seeds)]
+        arrivals = _arrivals(arrival_ms, len(ids))
+        requests = [Request(x, lim, s, cfg, list(x) if logits_processor is not None else None, at)
+                    for x, lim, s, at in zip(ids, limits, seeds, arrivals)]
         served = self._serve(pol, cfg, requests, batch_size, _eos_set(eos_token_id), None, logits_processor,
                              admission, continuous=True)
         if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
@@ -477,6 +485,22 @@ class SpeculativeGenerator:
         if tp_size(self.target) > 1 or not self.catch_up_rows:
             return 0.0
         return self.catch_up_ms / self.catch_up_rows * sum(r.draft_from is None for r in live)
+
+
+def _arrivals(arrival_ms, n: int) -> list:
+    """``arrival_ms`` checked: one finite time >= 0 per prompt, non-decreasing (None: every request at 0)."""
+    if arrival_ms is None:
+        return [0.0] * n
+    if isinstance(arrival_ms, (str, bytes, torch.Tensor)) or not isinstance(arrival_ms, Sequence) \
+            or len(arrival_ms) != n:
+        raise ValueError(f"arrival_ms must be a sequence of {n} times in ms, one per prompt, got {arrival_ms!r}")
+    out = []
+    for i, t in enumerate(arrival_ms):
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 \
+                or (out and t < out[-1]):
+            raise ValueError(f"arrival_ms[{i}] must be a finite time in ms >= 0 and >= the one before, got {t!r}")
+        out.append(float(t))
+    return out
 
 
 def _check_processor(logits_processor) -> None:

@@ -50,6 +50,7 @@ class Request:
     seed: int
     sampling: SamplingConfig
     base: Optional[list] = None
+    arrival_ms: float = 0.0  # when the request arrives, in ms of the call's clock (queued requests wait for it)
 
 
 @dataclass
@@ -74,12 +75,17 @@ class ContinuousOutput:
     """What :meth:`SpeculativeGenerator.generate_continuous` returns. new_tokens: each request's generated
     token ids, in the order of the prompts; admitted_ms / finished_ms: per request, ms from the call's
     start to the start of its prefill and to the end of its last round; stats: :class:`GenerationStats` of
-    the whole call (``RoundStats.rows`` hold request indices)."""
+    the whole call (``RoundStats.rows`` hold request indices); arrival_ms: per request, when it arrived;
+    token_ms: per request, when each of its tokens was emitted (the end of the round that emitted it). Times are
+    on the call's clock: ms since its start, plus the idle time skipped while no request had arrived (nothing
+    sleeps; ``generate_continuous(arrival_ms=...)``)."""
 
     new_tokens: list[list[int]]
     admitted_ms: list[float]
     finished_ms: list[float]
     stats: GenerationStats
+    arrival_ms: list = None
+    token_ms: list = None
 
     def tokens_per_s(self) -> list[float]:
         """Per request: its tokens over the time from its admission to its last round (tokens/s)."""
@@ -120,10 +126,29 @@ class Scheduler:
         self.staged: list = []  # [(request, staging row, draft read?)] prefilled ahead, in order
         self._sampling = None
         self.t_start = time.perf_counter()
+        self.skipped_ms = 0.0  # idle time skipped while no request had arrived (the clock jumps, nothing sleeps)
+        self.token_ms: list = [[] for _ in requests]
+
+    def _ms(self, t: Optional[float] = None) -> float:
+        """The call's clock at ``t`` (perf_counter seconds; now by default): ms since the start, plus skipped idle."""
+        return ((time.perf_counter() if t is None else t) - self.t_start) * 1e3 + self.skipped_ms
+
+    def _arrived(self) -> int:
+        """How many of the queue's first requests have arrived (the queue is in arrival order)."""
+        now, n = self._ms(), 0
+        while n < len(self.queue) and self.requests[self.queue[n]].arrival_ms <= now:
+            n += 1
+        return n
+
+    def _skip_to_arrival(self) -> None:
+        """No request live and none arrived: the clock jumps to the next arrival."""
+        if self.queue and not self._arrived():
+            self.skipped_ms += self.requests[self.queue[0]].arrival_ms - self._ms()
 
     # ------------------------------------------------------------------------ the run
     def run(self) -> ContinuousOutput:
-        n = min(self.batch_size, len(self.queue))
+        self._skip_to_arrival()
+        n = min(self.batch_size, self._arrived())
         columns = max(len(r.prompt) + r.limit for r in self.requests)
         slots = self.gen.steps.bucket(self.batch_size)
         starts = [(b, slots) for b in (self.target, self.draft) if b is not None]
@@ -136,13 +161,17 @@ class Scheduler:
             b.start(rows, columns)
         self.pol.reset(n, self.draft.device if self.draft is not None else self.target.device)
         self._admit(n, first=True)
-        while self.live:
+        while self.live or self.queue or self.staged:
+            if not self.live:  # idle: the next requests join once they arrive
+                self._skip_to_arrival()
+                self._admit(min(self.batch_size, self._arrived() + len(self.staged)))
+                continue
             done = self._round()
-            now = (time.perf_counter() - self.t_start) * 1e3
+            now = self._ms()
             for i in done:
                 self.finished_ms[self.live[i].req] = now
             free = self.batch_size - (len(self.live) - len(done))
-            waiting = len(self.queue) + len(self.staged)
+            waiting = self._arrived() + len(self.staged)
             take = min(free, waiting)
             if take and (self.set.rule is None or self.set.rule.ready(
                     self.batch_size - len(self.live), waiting, len(self.live) - len(done), self.batch_size,
@@ -155,7 +184,8 @@ class Scheduler:
         for b in (self.target, self.draft):
             if b is not None:
                 b.close()
-        return ContinuousOutput(self.tokens, self.admitted_ms, self.finished_ms, self.stats)
+        return ContinuousOutput(self.tokens, self.admitted_ms, self.finished_ms, self.stats,
+                                [r.arrival_ms for r in self.requests], self.token_ms)
 
     # ------------------------------------------------------------------------ rows
     def _leave(self, done: list) -> None:
@@ -190,7 +220,7 @@ class Scheduler:
         else:
             rows = self._from_staging(count)
         for r in rows:
-            self.admitted_ms[r.req] = (t0 - self.t_start) * 1e3
+            self.admitted_ms[r.req] = self._ms(t0)
         self.live += rows
         if not first:
             self.pol.add_rows(len(rows))
@@ -231,7 +261,7 @@ class Scheduler:
         """Prefill the queue's next ``max(need, min(batch_size, AHEAD_ROWS))`` requests into the staging caches (the
         draft's too while the batch drafts), the longest first."""
         st_target, st_draft = self.staging
-        take = max(need, min(self.batch_size, AHEAD_ROWS))
+        take = min(max(need, min(self.batch_size, AHEAD_ROWS)), max(need, self._arrived()))  # arrived ones only
         fifo = self.queue[:take]
         group = sorted(fifo, key=lambda r: -len(self.requests[r].prompt))  # staging slots: the longest first
         del self.queue[:take]
@@ -329,6 +359,7 @@ class Scheduler:
                                          0.0 if tp_size(self.gen.target) > 1 else ms))  # ranks must decide alike
         rs = RoundStats(out.drafted, out.accepted, [0] * B, out.draft_ms, out.verify_ms, ms, [r.req for r in live])
         self.stats.rounds.append(rs)
+        emitted_at = self._ms()  # the round's tokens reach the host now
         done = []
         for b, row in enumerate(live):
             req = self.requests[row.req]
@@ -344,6 +375,7 @@ class Scheduler:
                 if row.draft_from is None:
                     row.draft_from = 0
             self.tokens[row.req] += toks
+            self.token_ms[row.req] += [emitted_at] * len(toks)
             rs.emitted[b] = len(toks)
             self.stats.new_tokens += len(toks)
             if self.set.streamer is not None and toks:

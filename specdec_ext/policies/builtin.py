@@ -329,6 +329,10 @@ class SpecDecPP(CandidateLengthPolicy):
         self.history = torch.cat([self.history, self.history.new_full((n,), HISTORY_PRIOR)])
         if self.rule is not None and not self.use_budget:
             self.rule.add_rows(n)
+        rows = self.history.shape[0]
+        if not self.use_budget and self.budget is not None and rows > 1 and self.head.input_position == "proposal":
+            self.use_budget = True  # a call that began with one row (requests arriving one by one) now has several
+            self.budget.reset(rows)
 
     def describe(self):
         return f"{self.name} ({self.head.describe()})"
