@@ -20,8 +20,9 @@ reads them before that; a forward's outputs are copied out, as one draft step's 
 replays the same graph). Every graph shares one memory pool (captured in the order the rounds meet their shapes,
 replayed one at a time on one stream). Each is captured after one eager warm-up run on a side stream (lazy
 initialisation stays out of the graph); what it wrote in place (the KV caches' lengths, a stop rule's buffers) is
-restored after it, so capture changes nothing a round can see. The graphs read the backends' caches where they were captured: when a backend's cache is replaced
-(a longer request, more rows), every graph is dropped and captured again.
+restored after it, so capture changes nothing a round can see. The graphs read the backends' caches where they were
+captured: when a backend's cache is replaced (a longer request, more rows), every graph is dropped and captured
+again.
 
 What cannot be captured runs eagerly: a ``logits_processor`` (host work) and a host stop rule
 (``StopRule.host``).

@@ -153,7 +153,8 @@ class StepRunner:
     ``torch.compile(fullgraph=True)`` (``backend`` and ``mode`` its own; ``mode="reduce-overhead"`` on CUDA replays
     CUDA graphs), the CPU's proxy for CUDA-graph capture. The compiled steps are kept from round to round and call to
     call. ``cuda_graphs=True`` (with ``buckets``) captures the eager steps on CUDA (``engine/graphs.py``): the verify
-    step and a draft step without a stop rule whole, a rule's draft steps with only the forward replayed; rounds
+    step whole, a draft step whole without a stop rule or with one that can be captured (``StopRule.capture_key``),
+    else its forward alone; rounds
     with a ``logits_processor``, and rounds off CUDA, run eagerly (``cuda_graphs="emulate"``: recorded steps on any
     device, the tests' check of the graphs' buffers).
 
@@ -332,7 +333,6 @@ class StepRunner:
         emitted = [toks[b][: accepted[b] + 1] for b in range(B)]
         return RoundOutput(emitted, drafted, accepted, steps, verified, readback, (t1 - t0) * 1e3 if steps else 0.0,
                            (t2 - t1) * 1e3)
-
 
     def _graphed_forward(self, backend, P: int) -> Callable:
         """``backend``'s forward for the draft steps of a stop rule (``forward(tokens, keep, ...)`` as the eager
