@@ -143,11 +143,7 @@ def plot(rows: list, out_dir, prefix: str = "serve") -> list:
         ax.set_xlabel("request rate (requests/s)")
         ax.set_ylabel(f"{key} (ms)")
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out_dir / f"{prefix}-latency.png"
-    fig.savefig(path)
-    plt.close(fig)
-    made.append(path.name)
+    made.append(_save(fig, out_dir / f"{prefix}-latency.png"))
     if finite:
         fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
         for i, m in enumerate(methods):
@@ -158,12 +154,18 @@ def plot(rows: list, out_dir, prefix: str = "serve") -> list:
         ax.set_ylabel("share of token gaps")
         ax.set_title(f"ITL CDF at {finite[-1]:g} requests/s", fontsize=9)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}-itl-cdf.png"
-        fig.savefig(path)
-        plt.close(fig)
-        made.append(path.name)
+        made.append(_save(fig, out_dir / f"{prefix}-itl-cdf.png"))
     return made
+
+
+def _save(fig, path) -> str:
+    """Lay out, save and close ``fig``; returns the file name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.name
 
 
 def serve_methods(pair, k: int) -> dict:

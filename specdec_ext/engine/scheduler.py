@@ -18,6 +18,7 @@ Queued requests join as ``admission=`` says (``engine/admission.py``: eager, ahe
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -134,11 +135,9 @@ class Scheduler:
         return ((time.perf_counter() if t is None else t) - self.t_start) * 1e3 + self.skipped_ms
 
     def _arrived(self) -> int:
-        """How many of the queue's first requests have arrived (the queue is in arrival order)."""
-        now, n = self._ms(), 0
-        while n < len(self.queue) and self.requests[self.queue[n]].arrival_ms <= now:
-            n += 1
-        return n
+        """How many of the queue's first requests have arrived (the queue is in arrival order: a binary search, as
+        it runs every round)."""
+        return bisect.bisect_right(self.queue, self._ms(), key=lambda r: self.requests[r].arrival_ms)
 
     def _skip_to_arrival(self) -> None:
         """No request live and none arrived: the clock jumps to the next arrival."""
