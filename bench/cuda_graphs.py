@@ -3,10 +3,11 @@ static-cache compiled ``generate()``, on one GPU, in one run.
 
 Greedy, the bundled pair (bf16 on CUDA), the first N HumanEval prompts. At ``--batch-size 1`` each request runs
 alone and the methods alternate prompt by prompt in a balanced order: our plain decoding, fixed K and SpecDec++
-(``threshold="auto"`` with early exit and drafting to the cap, a fixed h), each with ``cuda_graphs`` on and off, and
-transformers' ``generate(cache_implementation="static")`` (compiled on its first calls). At a larger batch size
+(``threshold="auto"`` with early exit and drafting to the cap, a fixed h), each with ``cuda_graphs`` on and off,
+plain, fixed K and ``auto`` with graphs of compiled forwards (``compile=True``), and transformers'
+``generate(cache_implementation="static")`` (compiled on its first calls). At a larger batch size
 the prompts are served by ``generate_continuous`` (plain, fixed K, ``auto``'s batch verification budget; graphs
-on). Per method: tokens/s over all prompts, ms per round, draft forwards per round, the warm-up's seconds (caches,
+on, with and without compiled forwards). Per method: tokens/s over all prompts, ms per round, draft forwards per round, the warm-up's seconds (caches,
 cost profiles, graph capture, compilation), graphs captured, and the share of prompts whose tokens equal plain
 decoding's (greedy: all of ours, bar bf16 near-ties between batch shapes). A method that fails is reported with its
 error and the others run on.
@@ -41,7 +42,10 @@ def engines(pair, batch_size: int, k: int, h: float) -> dict:
                                             cuda_graphs=graphs, **kw)
 
     arms = {"plain, graphs": gen("autoregressive"), f"fixed K={k}, graphs": gen("fixed", k=k),
-            "specdec++ auto, graphs": gen("specdecpp", threshold="auto")}
+            "specdec++ auto, graphs": gen("specdecpp", threshold="auto"),
+            "plain, graphs, compiled": gen("autoregressive", compile=True),
+            f"fixed K={k}, graphs, compiled": gen("fixed", compile=True, k=k),
+            "specdec++ auto, graphs, compiled": gen("specdecpp", compile=True, threshold="auto")}
     if batch_size == 1:
         arms.update({
             "specdec++ auto, graphs, to the cap": gen("specdecpp", threshold="auto", k_max=8, early_exit=False),
@@ -61,6 +65,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=3, help="the fixed candidate length K")
     ap.add_argument("--threshold", type=float, default=0.8, help="SpecDec++'s fixed stop threshold h")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' static-cache generate()")
+    ap.add_argument("--arms", help="'|'-separated: run only the arms whose names contain one of these; an entry "
+                                   "with a leading '-' drops the arms that contain the rest")
+    ap.add_argument("--label", default="", help="a prefix for the arms' names (another build of the package)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     pair = load_pair(device=args.device)
@@ -74,7 +81,14 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
 
     rows, texts, gens = {}, {}, {}
-    for name, make in engines(pair, B, args.k, args.threshold).items():
+    arms = engines(pair, B, args.k, args.threshold)
+    if args.arms:
+        take = [a for a in args.arms.split("|") if not a.startswith("-")]
+        drop = [a[1:] for a in args.arms.split("|") if a.startswith("-")]
+        arms = {name: make for name, make in arms.items()
+                if (not take or any(a in name for a in take)) and not any(a in name for a in drop)}
+    for name, make in arms.items():
+        name = args.label + name
         t0 = time.perf_counter()
         try:
             g = make()
@@ -140,7 +154,7 @@ def main(argv=None) -> dict:
             r["rounds"] = len(out.stats.rounds)
             r["draft_forwards"] = out.stats.draft_calls
             texts[name] = out.new_tokens
-    plain = texts.get("plain, graphs")
+    plain = texts.get(args.label + "plain, graphs")
     for name in names:
         r = rows[name]
         r["tokens_per_s"] = r["tokens"] / r["seconds"] if r["seconds"] else None

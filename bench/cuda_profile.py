@@ -1,7 +1,8 @@
 """Where a round's time goes on a GPU: torch's profiler over one request per method (the bundled pair, greedy,
 graphs on), per round: wall ms, the GPU's busy ms (the sum of its kernels' times), the rest (the host's share:
 preparing inputs, launching graphs, the one read-back, the scheduler's bookkeeping), kernels run, and each method's
-heaviest kernels. Warm calls first, so capture and allocation stay out of the profile.
+heaviest kernels. Warm calls first, so capture, compilation and allocation stay out of the profile. ``--compile``:
+the models' forwards compiled before capture.
 
     python bench/cuda_profile.py --device cuda --out gpu_check/cuda_profile.json
 """
@@ -30,6 +31,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt", type=int, default=0, help="which HumanEval prompt")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--compile", action="store_true", help="the models' forwards compiled before capture")
+    ap.add_argument("--arms", help="'|'-separated: profile only the arms whose names contain one of these")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     pair = load_pair(device=args.device)
@@ -40,10 +43,14 @@ def main(argv=None) -> dict:
             "specdec++ auto": dict(policy="specdecpp", threshold="auto", head=pair.head),
             "specdec++ auto, to the cap": dict(policy="specdecpp", threshold="auto", head=pair.head, k_max=8,
                                                early_exit=False)}
+    if args.arms:
+        arms = {name: kw for name, kw in arms.items() if any(a in name for a in args.arms.split("|"))}
     rows, tables = {}, []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name, kw in arms.items():
-        gen = SpeculativeGenerator(pair.target, pair.draft if kw["policy"] != "autoregressive" else None, **kw)
+        gen = SpeculativeGenerator(pair.target, pair.draft if kw["policy"] != "autoregressive" else None,
+                                   compile=args.compile, **kw)
+        name += ", compiled" if args.compile else ""
         for _ in range(2):
             gen.generate(ids, max_new_tokens=n, temperature=0)
         if cuda:

@@ -11,7 +11,7 @@ import torch
 from models import make_pair
 from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
-from specdec_ext import ops
+from specdec_ext import SpeculativeGenerator, ops
 from specdec_ext.engine.backends import LeanBackend, _right_aligned
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
@@ -117,3 +117,21 @@ def test_captured_steps_give_the_eager_steps_tokens_on_cuda(cuda_pair, name, kw)
                 kwargs["attention_mask"] = m.cuda()
             assert gen.generate(x.cuda(), **kwargs).new_tokens == eager.generate(x.cuda(), **kwargs).new_tokens
     assert gen.steps.graphs.captures > 0
+
+
+@pytest.mark.filterwarnings("default::DeprecationWarning")  # torch's inductor imports its own deprecated names
+@pytest.mark.parametrize("name,kw", [POLICIES[2], POLICIES[9]], ids=[PIDS[2], PIDS[9]])
+def test_compiled_forwards_in_graphs_give_target_only_greedy_tokens_on_cuda(cuda_pair, name, kw):
+    """``compile=True``: the graphs replay inductor-compiled forwards; greedy tokens (fp32) for one row and a batch
+    padded to its bucket equal target-only decoding's through eager steps."""
+    target, draft = cuda_pair
+    gen = make_gen(target, draft, name, kw, compile=True)
+    plain = SpeculativeGenerator(target, None, policy="autoregressive", cuda_graphs=False)
+    ps = prompts(target.config.vocab_size, n=3, seed=8)
+    ids, mask = _right_aligned([p.tolist() for p in ps], max(len(p) for p in ps))
+    for x, m in ((ps[0].view(1, -1), None), (ids, mask.long())):
+        kwargs = dict(max_new_tokens=14, temperature=0)
+        if m is not None:
+            kwargs["attention_mask"] = m.cuda()
+        assert gen.generate(x.cuda(), **kwargs).new_tokens == plain.generate(x.cuda(), **kwargs).new_tokens
+    assert gen.steps.graphs.captures > 0 and gen.steps.compile

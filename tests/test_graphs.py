@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import make_pair
-from support import PIDS, POLICIES, make_gen
+from support import PIDS, POLICIES, head_for, make_gen
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.round import BUCKETS, StepRunner
 
@@ -85,8 +85,34 @@ def test_cuda_graphs_argument_is_checked():
     with pytest.raises(ValueError, match="cuda_graphs must be None, True or False"):
         SpeculativeGenerator(target, draft, policy="fixed", k=2, cuda_graphs="yes")
     assert not SpeculativeGenerator(target, draft, policy="fixed", k=2).cuda_graphs  # a CPU: eager steps
-    with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs replay bucketed eager steps"):
+    with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs replay bucketed steps"):
         StepRunner(None, cuda_graphs=True)
+    with pytest.raises(ValueError, match="compile: True compiles the forwards that CUDA graphs capture"):
+        SpeculativeGenerator(target, draft, policy="fixed", k=2, compile=True)  # no CUDA graphs on a CPU
+    with pytest.raises(ValueError, match="mode: the steps are captured in this runner's CUDA graphs"):
+        StepRunner(BUCKETS, cuda_graphs=True, compile=True, mode="reduce-overhead")
+
+
+def test_compiled_forwards_in_replayed_steps_give_the_eager_steps_tokens():
+    """``compile=True`` with graphs: the models' forwards traced whole (``fullgraph``; ``aot_eager`` here, inductor on
+    a GPU) and recorded; fixed K and SpecDec++ emit the eager steps' greedy tokens (fp32) at one row and at a batch
+    padded to its bucket, each model's forward traced at most four times (shapes made dynamic at their first
+    change), not once per step and width."""
+    target, draft = make_pair("llama")
+    head = head_for(draft)
+    g = torch.Generator().manual_seed(3)
+    calls = [torch.randint(2, 48, (1, 7), generator=g), torch.randint(2, 48, (3, 6), generator=g)]
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the counters outlive reset()
+    for name, kw in (("fixed", dict(k=3)), ("specdecpp", dict(threshold=0.6, head=head))):
+        gen = SpeculativeGenerator(target, draft, policy=name, **kw)
+        gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate", compile=True, backend="aot_eager")
+        eager = SpeculativeGenerator(target, draft, policy=name, **kw)
+        for ids in calls:
+            assert gen.generate(ids, max_new_tokens=12).new_tokens == eager.generate(ids, max_new_tokens=12).new_tokens
+        assert gen.steps.graphs.captures > 0
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert 0 < frames <= 2 * 2 * 4, f"{frames} compilations"  # per generator and model: one row or many, one token or many
 
 
 def test_a_batch_beyond_the_largest_bucket_runs_eager_steps():
@@ -98,3 +124,30 @@ def test_a_batch_beyond_the_largest_bucket_runs_eager_steps():
     out = gen.generate(ids, max_new_tokens=5, temperature=0)
     plain = SpeculativeGenerator(target, None, policy="autoregressive")
     assert out.new_tokens == plain.generate(ids, max_new_tokens=5, temperature=0).new_tokens
+
+
+def test_a_graph_reads_the_tensors_it_was_captured_with_and_copies_in_others():
+    """A replay passed the memory it was captured with copies nothing and reads its current values (the runner's
+    persistent inputs, an earlier graph's outputs); another tensor is copied in; a tensor passed in two places, or
+    one the step writes in place, gets a buffer of its own at capture."""
+    from specdec_ext.engine.graphs import StepGraphs
+
+    graphs = StepGraphs(emulate=True)
+    a, b, state = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0]), torch.zeros(2)
+
+    def fn(x, y, s):
+        s.add_(1)
+        return (2 * x + y,)
+
+    (out,) = graphs.replay("k", fn, [a, b, state], [state])
+    assert out.tolist() == [12.0, 24.0] and state.tolist() == [0.0, 0.0]  # the warm-up's write restored
+    a.mul_(3)  # the captured input itself, changed in place: read at the next replay, no copy
+    assert graphs.replay("k", fn, [a, b, state], [state])[0].tolist() == [16.0, 32.0]
+    c = torch.tensor([5.0, 6.0])  # another tensor: copied into the captured one
+    assert graphs.replay("k", fn, [c, b, state], [state])[0].tolist() == [20.0, 32.0]
+    assert a.tolist() == [5.0, 6.0] and graphs.captures == 1
+
+    (twice,) = graphs.replay("twice", lambda x, y: (x - y,), [a, a], [])
+    assert twice.tolist() == [0.0, 0.0]
+    p, q = torch.tensor([7.0, 7.0]), torch.tensor([1.0, 2.0])  # distinct tensors into the two slots: both count
+    assert graphs.replay("twice", lambda x, y: (x - y,), [p, q], [])[0].tolist() == [6.0, 5.0]

@@ -96,6 +96,10 @@ class SpeculativeGenerator:
             (1, 2, 4, .. 64), each step's graph captured at its shape's first round. None (default): on where the
             target is on a CUDA device and both models run lean (``fast_draft``, ``fast_target``); True requires
             that; False: eager steps on the live rows.
+        compile: with CUDA graphs, compile the models' forwards (``torch.compile``, inductor) before they are
+            captured, so each graph replays fused kernels instead of one per elementwise op; compilation takes
+            seconds to a minute per model at the first rounds of new shapes (one batch bucket, then many; one
+            token, then many), and is kept for the generator's life.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
@@ -105,14 +109,15 @@ class SpeculativeGenerator:
         ValueError: a draft and target that cannot share a tokenizer ("vocabulary mismatch", naming both sizes),
             a head for another draft (hidden size, or fingerprint unless ``allow_other_draft``), models on the meta
             device, a speculative policy without a draft, a ``draft_context`` that is not None or an integer >= 1,
-            ``cuda_graphs=True`` for models that are not lean on a CUDA device.
+            ``cuda_graphs=True`` for models that are not lean on a CUDA device, ``compile=True`` without CUDA
+            graphs.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
                  allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
                  fast_target: bool = True, early_exit: bool = True, tokenizers: Optional[tuple] = None,
-                 cuda_graphs: Optional[bool] = None, **policy_kwargs):
+                 cuda_graphs: Optional[bool] = None, compile: bool = False, **policy_kwargs):
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
                                           or draft_context < 1):
             raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
@@ -134,8 +139,12 @@ class SpeculativeGenerator:
         self.vocab = vocab_size(target)
         self._backends: dict = {}  # (model role, staging) -> its backend, kept from call to call (caches, weights)
         self.cuda_graphs = self._wants_graphs(cuda_graphs)
-        # eager on the live rows, or captured steps over batch buckets; StepRunner(BUCKETS, compile=True): compiled
-        self.steps = StepRunner(BUCKETS, cuda_graphs=True) if self.cuda_graphs else StepRunner()
+        # eager on the live rows, or captured steps over batch buckets (their forwards compiled with compile=True)
+        if compile not in (True, False) or (compile and not self.cuda_graphs):
+            raise ValueError(f"compile: True compiles the forwards that CUDA graphs capture (cuda_graphs on: a lean "
+                             f"pair on a CUDA device), got compile={compile!r} with CUDA graphs "
+                             f"{'on' if self.cuda_graphs else 'off'}")
+        self.steps = StepRunner(BUCKETS, cuda_graphs=True, compile=compile) if self.cuda_graphs else StepRunner()
         self.catch_up_ms = 0.0  # the draft's reads of rows' contexts (_catch_up) over this generator's calls: ms,
         self.catch_up_rows = 0  # and rows read (_draft_overhead's measured mean ms per request)
         self.admission_points: list = []  # continuous batching's admissions (rows, prompt tokens, ms): AdmissionRule

@@ -14,10 +14,11 @@ fixed shape of a bucketed round (``engine/round.StepRunner``):
   a host rule): such a rule keeps state on the host between steps, so it stays eager, the forward's launches
   replayed.
 
-A graph reads and writes fixed addresses: its inputs are copied into buffers kept with it (SGLang's
-``replay_prepare``), its outputs are the tensors it wrote at capture, overwritten by its next replay (the round
-reads them before that; a forward's outputs are copied out, as one draft step's logits are kept while the next
-replays the same graph). Every graph shares one memory pool (captured in the order the rounds meet their shapes,
+A graph reads and writes fixed addresses: it reads the tensors it was captured with, and a later call's inputs are
+copied into them (SGLang's ``replay_prepare``) unless they are the same memory (the runner's persistent inputs, a
+previous step's graph outputs, which is most of them: no copy), its outputs are the tensors it wrote at capture,
+overwritten by its next replay (the round reads them before that; a forward's outputs are copied out, as one draft
+step's logits are kept while the next replays the same graph). Every graph shares one memory pool (captured in the order the rounds meet their shapes,
 replayed one at a time on one stream). Each is captured after one eager warm-up run on a side stream (lazy
 initialisation stays out of the graph); what it wrote in place (the KV caches' lengths, a stop rule's buffers) is
 restored after it, so capture changes nothing a round can see. The graphs read the backends' caches where they were
@@ -47,6 +48,11 @@ class _Recorded:
         for kept, new in zip(self.outs, self.fn(*self.static)):
             if kept is not None:
                 kept.copy_(new)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same memory the same way (a graph's input needs no copy)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 class StepGraphs:
@@ -86,13 +92,22 @@ class StepGraphs:
             entry = self._graphs[key] = self._capture(fn, inputs, state)
         graph, static, outs = entry
         for buf, t in zip(static, inputs):
-            if buf is not None and buf is not t:
+            if buf is not None and not _same(buf, t):
                 buf.copy_(t)
         graph.replay()
         return outs
 
     def _capture(self, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], state: Sequence):
-        static = [None if t is None else t.clone() for t in inputs]
+        # the graph reads the tensors it was captured with: a later call passing the same memory (a runner's
+        # persistent inputs, an earlier graph's outputs) copies nothing; other tensors are copied in. A tensor passed
+        # twice, or one a step writes in place, gets a buffer of its own.
+        written = {t.data_ptr() for t in state}
+        static, seen = [], set()
+        for t in inputs:
+            own = t is not None and (t.data_ptr() in seen or t.data_ptr() in written)
+            static.append(t.clone() if own else t)
+            if t is not None:
+                seen.add(t.data_ptr())
         saved = [t.clone() for t in state]
         self.captures += 1
         if self.emulate:

@@ -128,6 +128,7 @@ class LeanModel:
         self._linear: Callable = onednn_linear.linear if self.packed else F.linear
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
+        self.gqa = bool(self.n_heads != self.n_kv)  # a constant where a compiled forward reads it
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.max_pos = cfg.max_position_embeddings
@@ -262,7 +263,7 @@ class LeanModel:
                 o = ops.decode_attention(q, keys, values, mask, self.head_dim ** -0.5)
             else:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                   enable_gqa=self.n_heads != self.n_kv).transpose(1, 2)
+                                                   enable_gqa=self.gqa).transpose(1, 2)
             x = self.block_out(layer, x, o)
         hn = self._rms(x[:, -keep:], self.final_norm)
         if index is not None:

@@ -18,6 +18,7 @@ from counter slot k - 1 and the verification from slots :data:`VERIFY_SLOT` + i.
 from __future__ import annotations
 
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -139,6 +140,7 @@ def verify_step(forward: Callable, last: torch.Tensor, cands: torch.Tensor, draf
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch buckets of compiled or captured steps (rows padded to the bucket)
+_CACHED = ("t_temperature", "t_top_k", "t_top_p", "d_temperature", "d_top_k", "d_top_p")  # kept by the scheduler
 GRAPHS = 4096  # compiled steps' graphs kept: one per bucket, step, candidate count and sampling mode
 
 
@@ -149,23 +151,30 @@ class StepRunner:
     row needs. With ``buckets`` (``BUCKETS``; every model lean): rows padded to the smallest bucket that holds them
     (padding rows: room 0, greedy, empty caches), the round's per-row inputs (last tokens, caps, sampling settings,
     Philox seeds and offsets) copied into the bucket's persistent tensors, each forward reading the whole cache, so
-    each step has one shape per (bucket, step) and a graph can be replayed for it: ``compile=True`` compiles each step with
-    ``torch.compile(fullgraph=True)`` (``backend`` and ``mode`` its own; ``mode="reduce-overhead"`` on CUDA replays
-    CUDA graphs), the CPU's proxy for CUDA-graph capture. The compiled steps are kept from round to round and call to
-    call. ``cuda_graphs=True`` (with ``buckets``) captures the eager steps on CUDA (``engine/graphs.py``): the verify
-    step whole, a draft step whole without a stop rule or with one that can be captured (``StopRule.capture_key``),
-    else its forward alone; rounds
-    with a ``logits_processor``, and rounds off CUDA, run eagerly (``cuda_graphs="emulate"``: recorded steps on any
-    device, the tests' check of the graphs' buffers).
+    each step has one shape per (bucket, step) and a graph can be replayed for it.
+
+    - ``compile=True`` alone compiles each step with ``torch.compile(fullgraph=True)`` (``backend`` and ``mode`` its
+      own; ``mode="reduce-overhead"`` on CUDA replays torch's CUDA graphs), the CPU's proxy for CUDA-graph capture;
+      the compiled steps are kept from round to round and call to call.
+    - ``cuda_graphs=True`` captures the steps on CUDA (``engine/graphs.py``): the verify step whole, a draft step
+      whole without a stop rule or with one that can be captured (``StopRule.capture_key``), else its forward alone;
+      rounds with a ``logits_processor``, and rounds off CUDA, run eagerly (``cuda_graphs="emulate"``: recorded
+      steps on any device, the tests' check of the graphs' buffers). With ``compile=True`` the models' forwards are
+      compiled before capture (:meth:`_forward`), so the graphs replay fused kernels; the rest of each step, and
+      rounds that are not captured, run eagerly.
 
     Raises ValueError for a batch larger than the largest bucket (with ``cuda_graphs``, such a batch runs eager steps
-    over its rows), or ``cuda_graphs`` without ``buckets`` or with ``compile``."""
+    over its rows), ``cuda_graphs`` without ``buckets``, or ``cuda_graphs`` and ``compile`` with a ``mode`` that
+    captures torch's own CUDA graphs."""
 
     def __init__(self, buckets: Optional[tuple] = None, compile: bool = False, backend: str = "inductor",
                  mode: Optional[str] = None, cuda_graphs: Union[bool, str] = False):
         self.buckets = tuple(sorted(buckets)) if buckets else None
-        if cuda_graphs and (self.buckets is None or compile):
-            raise ValueError("cuda_graphs: CUDA graphs replay bucketed eager steps (buckets=..., compile=False)")
+        if cuda_graphs and self.buckets is None:
+            raise ValueError("cuda_graphs: CUDA graphs replay bucketed steps (buckets=...)")
+        if cuda_graphs and compile and mode in ("reduce-overhead", "max-autotune"):
+            raise ValueError(f"mode: the steps are captured in this runner's CUDA graphs, not torch.compile's (a mode "
+                             f"without cudagraphs, e.g. None or 'max-autotune-no-cudagraphs'), got {mode!r}")
         self.compile, self.backend, self.mode = bool(compile), backend, mode
         self.graphs = StepGraphs(emulate=cuda_graphs == "emulate") if cuda_graphs else None
         self._steps: dict = {}
@@ -173,20 +182,30 @@ class StepRunner:
 
     def _persistent(self, inp: RoundInputs, P: int) -> RoundInputs:
         """``inp`` copied into bucket P's persistent input tensors (allocated at the bucket's first round), so the
-        steps of every round of a bucket read the same tensors, as a replayed graph must."""
+        steps of every round of a bucket read the same tensors, as a replayed graph must. Padding rows (B < P) are
+        filled in place: token 0, room 0 (they never draft), greedy, stream 0. A tensor copied in the last round and
+        passed again (the scheduler's cached sampling settings) is not copied again."""
         kept = self._buffers.setdefault(P, {})
+        B = inp.last.shape[0]
 
-        def keep(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def keep(name: str, t: Optional[torch.Tensor], pad=0) -> Optional[torch.Tensor]:
             if t is None:
                 return None
-            buf = kept.get(name)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
-                buf = kept[name] = torch.empty_like(t)
-            return buf.copy_(t)
+            buf, src = kept.get(name, (None, None))
+            if src is t:  # the same tensor as last round's (the kept source pins it: never another one's address)
+                return buf
+            shape = (P,) + tuple(t.shape[1:])
+            if buf is None or buf.shape != shape or buf.dtype != t.dtype or buf.device != t.device:
+                buf = t.new_empty(shape)
+            buf[:B].copy_(t)
+            if B < P:
+                buf[B:].fill_(pad)
+            kept[name] = (buf, t if name in _CACHED else None)
+            return buf
 
         def rows(prefix: str, s: RowSampling) -> RowSampling:
-            return RowSampling(keep(prefix + "temperature", s.temperature), keep(prefix + "top_k", s.top_k),
-                               keep(prefix + "top_p", s.top_p), s.greedy, s.masks, s.vocab)
+            return RowSampling(keep(prefix + "temperature", s.temperature), keep(prefix + "top_k", s.top_k, s.vocab),
+                               keep(prefix + "top_p", s.top_p, 1.0), s.greedy, s.masks, s.vocab)
 
         return RoundInputs(keep("last", inp.last), keep("prev", inp.prev), keep("room", inp.room),
                            keep("extra", inp.extra), rows("t_", inp.sampling), rows("d_", inp.draft_sampling),
@@ -206,7 +225,7 @@ class StepRunner:
     def _step(self, fn: Callable) -> Callable:
         """``fn`` as the round calls it: itself, or compiled with one graph per shape (``dynamic=False``: a graph per
         bucket and step, as captured graphs are; the recompile limit raised to hold them all)."""
-        if not self.compile:
+        if not self.compile or self.graphs is not None:  # with CUDA graphs only the forwards compile (_forward)
             return fn
         if fn not in self._steps:
             compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend, mode=self.mode)
@@ -226,7 +245,7 @@ class StepRunner:
         B = inp.last.shape[0]
         P = self.bucket(B)
         if self.buckets is not None:  # the bucket's persistent inputs, padding rows filled (SGLang's replay_prepare)
-            inp = self._persistent(_padded(inp, P) if P > B else inp, P)
+            inp = self._persistent(inp, P)
             for b in (draft, target):
                 if b is not None and P > B:
                     b.cache.lengths[B:P] = 0
@@ -236,7 +255,7 @@ class StepRunner:
                    and (draft is None or (getattr(draft, "lean", False) and draft.device == target.device)))
         if graphed:
             self.graphs.check((draft, target))
-        direct = self.compile or graphed  # steps call the backends' uncounted forwards: counted here
+        direct = (self.compile and self.graphs is None) or graphed  # steps call uncounted forwards: counted here
         cap = plan.cap
         t0 = time.perf_counter()
         tdev = inp.last.device
@@ -298,8 +317,10 @@ class StepRunner:
         width = None if wide else inp.target_width + verified + 1
         at = None if wide else inp.target_start
         forward = target.step if direct else target.forward
+        packed = None
         if graphed:
-            out, acc = self._graphed_verify(draft if steps else None, target, P, cands, draft_logits, inp, n, steps)
+            out, acc, packed = self._graphed_verify(draft if steps else None, target, P, cands, draft_logits, inp, n,
+                                                    steps)
         else:
             out, acc = self._step(verify_step)(
                 lambda t, keep: forward(t, keep, width, None, at)[0], inp.last, cands, draft_logits, inp.sampling, n,
@@ -312,34 +333,61 @@ class StepRunner:
             t2 = time.perf_counter()
             return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0, (t2 - t1) * 1e3)
         asked = rule.readback() if rule is not None else []
-        pieces = [out[:B].flatten().double(), acc[:B].double(), n[:B].double()]
-        flat = torch.cat(pieces + [t[:B].flatten().double().to(tdev) if t.dim() > 1 else t.double().to(tdev)
-                                   for t in asked]).tolist()  # the round's one read-back
-        t2 = time.perf_counter()
         W = verified + 1
-        toks = [[int(x) for x in flat[b * W: (b + 1) * W]] for b in range(B)]
-        accepted = [int(x) for x in flat[B * W: B * W + B]]
-        drafted = [int(x) for x in flat[B * W + B: B * W + 2 * B]]
-        at, readback = B * W + 2 * B, []
-        for t in asked:
-            cols = t.shape[-1] if t.dim() > 1 else 0
-            size = B * cols if cols else t.numel()
-            vals = flat[at: at + size]
-            at += size
-            readback.append([vals[i * cols: (i + 1) * cols] for i in range(B)] if cols else vals)
+        readback = []
+        if not asked:  # the round's one read-back: per row its W tokens, accepted and drafted counts
+            rows = (packed if packed is not None else _pack(out, acc, n))[:B].tolist()
+        else:  # and the rule's values, in one float64 read
+            pieces = [_pack(out, acc, n)[:B].flatten().double()]
+            flat = torch.cat(pieces + [t[:B].flatten().double().to(tdev) if t.dim() > 1 else t.double().to(tdev)
+                                       for t in asked]).tolist()
+            rows = [[int(x) for x in flat[b * (W + 2): (b + 1) * (W + 2)]] for b in range(B)]
+            at = B * (W + 2)
+            for t in asked:
+                cols = t.shape[-1] if t.dim() > 1 else 0
+                size = B * cols if cols else t.numel()
+                vals = flat[at: at + size]
+                at += size
+                readback.append([vals[i * cols: (i + 1) * cols] for i in range(B)] if cols else vals)
+        t2 = time.perf_counter()
+        accepted = [r[W] for r in rows]
+        drafted = [r[W + 1] for r in rows]
         bad = min(accepted)
         if bad < 0:
             raise ValueError(f"verification: {errors.message(bad, True)}")
-        emitted = [toks[b][: accepted[b] + 1] for b in range(B)]
+        emitted = [rows[b][: accepted[b] + 1] for b in range(B)]
         return RoundOutput(emitted, drafted, accepted, steps, verified, readback, (t1 - t0) * 1e3 if steps else 0.0,
                            (t2 - t1) * 1e3)
+
+    def _forward(self, backend) -> Callable:
+        """``backend.step`` as the captured steps call it (``step(tokens, keep)``); with ``compile``, its lean
+        model's forward compiled (``torch.compile(fullgraph=True)``, shapes made dynamic at their first change: a
+        few compilations per model, not one per step) before it is captured, so a graph replays fused kernels."""
+        if not self.compile:
+            return backend.step
+        entry = self._steps.get(("forward", id(backend)))
+        if entry is None or entry[0] is not backend:
+            # a code object of its own per model: torch.compile keeps its graphs and its record of which sizes
+            # changed per code object, so the draft's forward would otherwise make the target's head counts dynamic
+            fn = type(backend.lean_model).forward
+            own = types.FunctionType(fn.__code__.replace(co_name=f"{backend.lean_model.name}_forward"),
+                                     fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+            compiled = torch.compile(types.MethodType(own, backend.lean_model), fullgraph=True, backend=self.backend,
+                                     mode=self.mode)
+
+            def step(tokens, keep=1):
+                with torch._dynamo.config.patch(recompile_limit=GRAPHS, accumulated_recompile_limit=GRAPHS):
+                    return backend.map.logits(compiled(backend.cache, backend.map.tokens(tokens), None, keep))
+
+            entry = self._steps[("forward", id(backend))] = (backend, step)
+        return entry[1]
 
     def _graphed_forward(self, backend, P: int) -> Callable:
         """``backend``'s forward for the draft steps of a stop rule (``forward(tokens, keep, ...)`` as the eager
         steps call it), replayed from a graph per (bucket, tokens); its outputs copied out of the graph's buffers."""
         def forward(tokens, keep=1, *_):
             key = ("forward", id(backend), P, tokens.shape[1], keep)
-            logits, hidden = self.graphs.replay(key, lambda t: _attending(backend, backend.step, t, keep), [tokens],
+            logits, hidden = self.graphs.replay(key, lambda t: _attending(backend, self._forward(backend), t, keep), [tokens],
                                                 [backend.cache.lengths])
             return logits.clone(), hidden.clone()
 
@@ -351,7 +399,7 @@ class StepRunner:
         (bucket, step, sampling mode, rule)."""
         def fn(tokens, seeds, temperature, top_k, top_p, drafting, room, n):
             rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
-            return draft_step(lambda t: _attending(draft, draft.step, t, 1), tokens, seeds, k, rows, rule, drafting,
+            return draft_step(lambda t: _attending(draft, self._forward(draft), t, 1), tokens, seeds, k, rows, rule, drafting,
                               room, n)
 
         key = ("draft", id(draft), P, k, tokens.shape[1], s.greedy, s.masks, rule_key)
@@ -359,20 +407,28 @@ class StepRunner:
                                   [draft.cache.lengths] + (rule.written() if rule is not None else []))
 
     def _graphed_verify(self, draft, target, P: int, cands, draft_logits, inp: RoundInputs, n, steps: int):
-        """The verify step replayed whole from a graph per (bucket, width, draft steps, sampling mode)."""
+        """The verify step replayed whole from a graph per (bucket, width, draft steps, sampling mode): its tokens and
+        accepted counts, and (after draft steps) the round's read-back packed (:func:`_pack`)."""
         s = inp.sampling
 
         def fn(last, cands, draft_logits, temperature, top_k, top_p, n, seeds, extra):
             rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
-            return verify_step(lambda t, keep: _attending(target, target.step, t, keep)[0], last, cands, draft_logits,
-                               rows, n, seeds,
-                               target.rollback, draft.rollback if draft is not None else None, steps, extra)
+            out, acc = verify_step(lambda t, keep: _attending(target, self._forward(target), t, keep)[0], last, cands,
+                                   draft_logits, rows, n, seeds, target.rollback,
+                                   draft.rollback if draft is not None else None, steps, extra)
+            return out, acc, None if acc is None else _pack(out, acc, n)  # the read-back packed in the graph
 
         key = ("verify", id(target), id(draft), P, cands.shape[1], steps, s.greedy, s.masks, draft_logits is None,
                n is None, inp.extra is None)
         lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
                                             inp.seeds, inp.extra], lengths)
+
+
+def _pack(out: torch.Tensor, acc: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The round's read-back in one tensor ``[B, W + 2]`` int64: each row's emitted tokens ``out`` ``[B, W]``, its
+    accepted count ``acc`` ``[B]`` and the candidates it drafted ``n`` ``[B]``."""
+    return torch.cat([out, acc.view(-1, 1), n.view(-1, 1).to(out.device)], 1)
 
 
 def _attending(backend, fn: Callable, *args):
@@ -386,15 +442,3 @@ def _pad_rows(t: Optional[torch.Tensor], P: int, value=0) -> Optional[torch.Tens
     if t is None or t.shape[0] >= P:
         return t
     return torch.cat([t, t.new_full((P - t.shape[0],) + tuple(t.shape[1:]), value)])
-
-
-def _padded(inp: RoundInputs, P: int) -> RoundInputs:
-    """``inp`` with padding rows up to ``P``: token 0, room 0 (they never draft), greedy, stream 0."""
-    def rows(s: RowSampling) -> RowSampling:
-        return RowSampling(_pad_rows(s.temperature, P), _pad_rows(s.top_k, P, s.vocab), _pad_rows(s.top_p, P, 1.0),
-                           s.greedy, s.masks, s.vocab)
-
-    return RoundInputs(_pad_rows(inp.last, P), _pad_rows(inp.prev, P), _pad_rows(inp.room, P),
-                       _pad_rows(inp.extra, P), rows(inp.sampling),
-                       rows(inp.draft_sampling), _pad_rows(inp.seeds, P), inp.target_width, inp.draft_width,
-                       inp.processor)  # padding rows have another length: no starts
