@@ -187,7 +187,7 @@ def cmd_generate(args):
 
         run_job(gen, pair.tokenizer, load_prompt_records(args.prompts, limit=args.limit), args.out, args.batch_size,
                 args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.chat, log=log,
-                progress=main)
+                progress=main, handle_signals=True)
         return
     if args.prompt is not None:
         prompts = [args.prompt]
@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", help="a batch job: prompts from a .jsonl or text file, or humaneval / stdlib; "
                                        "needs --out")
     g.add_argument("--out", type=Path, help="batch job output: one JSON record per prompt, appended; ids already "
-                                            "there are skipped (resume)")
+                                            "there are skipped (resume); Ctrl-C or SIGTERM stops it between whole "
+                                            "records (exit status 128 + the signal's number)")
     g.add_argument("--batch-size", type=int, default=8, help="batch job: rows generated together")
     g.add_argument("--limit", type=int, default=None, help="batch job: only the first N prompts")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
@@ -438,8 +439,13 @@ def main(argv=None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    from .jobs import JobInterrupted
+
     try:
         args.fn(args)
+    except JobInterrupted as e:  # a batch job stopped by SIGINT or SIGTERM, its records whole
+        print(f"specdec: {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         if args.debug:
             raise

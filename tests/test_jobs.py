@@ -50,6 +50,22 @@ def test_job_writes_one_record_per_prompt_and_resumes(gen, tmp_path, temperature
     assert sorted(map(key, again)) == sorted(map(key, recs))  # same seeds per prompt: same completions
 
 
+def test_a_resumed_job_cuts_an_unfinished_last_line(gen, tmp_path):
+    """A run killed inside its append leaves the last line unfinished (no newline): the next run cuts it, then
+    writes that record and the rest, each once."""
+    whole = tmp_path / "whole.jsonl"
+    run_job(gen, DigitTokenizer(), RECORDS, whole, batch_size=2, max_new_tokens=8, progress=False, log=lambda *a: None)
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.jsonl"
+    ends = [i for i, c in enumerate(data) if c == ord("\n")]
+    cut.write_bytes(data[: ends[2] + 1 + (ends[3] - ends[2]) // 2])  # three records and half of the fourth
+    summary = run_job(gen, DigitTokenizer(), RECORDS, cut, batch_size=2, max_new_tokens=8, progress=False,
+                      log=lambda *a: None)
+    assert summary["skipped"] == 3 and summary["done"] == len(RECORDS) - 3
+    key = lambda r: (r["id"], r["completion"])  # noqa: E731
+    assert sorted(map(key, read(cut))) == sorted(map(key, read(whole)))
+
+
 def test_job_refuses_a_foreign_output_file(gen, tmp_path):
     out = tmp_path / "x.jsonl"
     out.write_text('{"text": 1}\n')
@@ -94,3 +110,106 @@ def test_cli_batch_job(capsys, tmp_path):
     assert cli.main(argv) == 0 and len(read(out)) == 3  # resumed: nothing left to do
     assert "0 prompts (3 already in" in capsys.readouterr().err
     assert cli.main(["generate", "--policy", "fixed", "--prompts", str(f)]) == 2
+
+
+CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv.pop(1))
+from types import SimpleNamespace
+import torch
+torch.set_num_threads(1)
+from models import make_pair
+from support import DigitTokenizer
+from specdec_ext import cli
+target, draft = make_pair("llama")
+cli._models = lambda args, need_head: SimpleNamespace(target=target, draft=draft, head=None, tokenizer=DigitTokenizer())
+print("ready", flush=True)
+sys.stdin.readline()  # go
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _lines(path):
+    """The output's lines: (parsed records, whether an unfinished last line follows them)."""
+    data = path.read_bytes() if path.exists() else b""
+    whole, _, tail = data.rpartition(b"\n")
+    return [json.loads(line) for line in whole.decode().splitlines() if line] if whole or not tail else [], bool(tail)
+
+
+def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
+    """``specdec generate --prompts ... --out`` in a child process, stopped at random points: 5 SIGTERMs (exit status
+    143, one line naming the records written, whole records only) and 20 kill -9s (whole records, at most an
+    unfinished last line that the next run cuts); never a record twice; each output resumed in this process then
+    holds every record of an uninterrupted run, with the same completions (greedy, fp32)."""
+    import os
+    import random
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    prompts = tmp_path / "p.jsonl"
+    ids = [f"r{i}" for i in range(120)]
+    prompts.write_text("".join(json.dumps({"id": r, "prompt": " ".join(str(2 + (i * 5 + j) % 40)
+                                                                         for j in range(2 + i % 5))}) + "\n"
+                               for i, r in enumerate(ids)))
+
+    def child(out):
+        argv = ["generate", "--policy", "fixed", "--k", "3", "--prompts", str(prompts), "--out", str(out),
+                "--batch-size", "2", "--max-new-tokens", "12"]
+        p = subprocess.Popen([sys.executable, "-c", CHILD, tests, *argv], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        return p
+
+    def go(*ps):
+        for p in ps:
+            p.stdin.write("\n")
+            p.stdin.flush()
+
+    whole = tmp_path / "whole.jsonl"
+    p = child(whole)
+    go(p)
+    assert p.wait(timeout=300) == 0
+    span = float(re.search(r"tokens in ([0-9.]+) s", p.stderr.read()).group(1))  # the job's own seconds
+    want = {r["id"]: r["completion"] for r in _lines(whole)[0]}
+    assert sorted(want) == sorted(ids)
+
+    rng = random.Random(0)
+    gen = SpeculativeGenerator(*make_pair("llama"), policy="fixed", k=3)
+    records = load_prompt_records(str(prompts))
+    torn, stopped = 0, []
+    signals = [signal.SIGTERM] * 5 + [signal.SIGKILL] * 20
+    for first in range(0, len(signals), 2):  # two children at a time, one per core, each stopped at its own time
+        trials = list(range(first, min(first + 2, len(signals))))
+        procs = {t: child(tmp_path / f"t{t}.jsonl") for t in trials}
+        go(*procs.values())
+        t0 = time.perf_counter()
+        for at, t in sorted((rng.uniform(0.05, 0.75) * span, t) for t in trials):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            procs[t].send_signal(signals[t])
+        for trial in trials:
+            sig, p, out = signals[trial], procs[trial], tmp_path / f"t{trial}.jsonl"
+            rc = p.wait(timeout=300)
+            err = p.stderr.read().strip().splitlines()
+            recs, tail = _lines(out)
+            got = [r["id"] for r in recs]
+            assert len(got) == len(set(got)), f"trial {trial}: a record twice"
+            assert all(want[r["id"]] == r["completion"] for r in recs)
+            if sig == signal.SIGTERM:
+                assert rc == 128 + signal.SIGTERM and not tail, f"trial {trial}: rc {rc}, {err[-1:]}"
+                assert err[-1] == (f"specdec: stopped by SIGTERM: {len(recs)} records written to {out} by this "
+                                   f"run ({len(recs)} in the file); the same command resumes")
+            else:
+                assert rc == -signal.SIGKILL, f"trial {trial}: rc {rc}: the job had ended before the kill"
+            stopped.append(len(recs))
+            torn += tail
+            run_job(gen, DigitTokenizer(), records, out, batch_size=3, max_new_tokens=12, progress=False,
+                    log=lambda *a: None)
+            recs, tail = _lines(out)
+            assert not tail and sorted(r["id"] for r in recs) == sorted(ids), f"trial {trial}: after the resume"
+            assert all(want[r["id"]] == r["completion"] for r in recs)
+    assert len(set(stopped)) > 5, f"records when stopped: {stopped}"  # the signals met the job at many points
+    print(f"records when stopped: {stopped}; unfinished last lines after kill -9: {torn}")
