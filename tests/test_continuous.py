@@ -243,6 +243,28 @@ def test_each_request_stops_at_its_own_max_new_tokens(name, kw):
     assert len({round(f, 6) for f in out.finished_ms}) > 2  # requests ended at different rounds
 
 
+@pytest.mark.parametrize("name,kw", [("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.6})], ids=["fixed", "h0.6"])
+def test_requests_sample_with_their_own_settings(name, kw):
+    """Per-request temperature, top-k and top-p in one continuous batch (greedy rows beside sampling ones, fp32):
+    each request's tokens equal its output alone with its own settings and seed, so each row keeps the lossless
+    distribution of its own settings."""
+    target, draft = make_pair("llama")
+    prompts = queue(target.config.vocab_size, n=6)
+    temps, top_k, top_p = [0.0, 1.0, 0.0, 0.7, 1.3, 0.0], [None, 5, None, None, 12, None], [None, None, None, 0.9,
+                                                                                           None, None]
+    gen = make_gen(target, draft, name, kw)
+    out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=12, temperature=temps, top_k=top_k,
+                                  top_p=top_p, seed=40)
+    for i, p in enumerate(prompts):
+        alone = gen.generate(p.view(1, -1), max_new_tokens=12, temperature=temps[i], top_k=top_k[i], top_p=top_p[i],
+                             seed=40 + i).new_tokens[0]
+        assert out.new_tokens[i] == alone, f"request {i}"
+    with pytest.raises(ValueError, match=r"temperature must be one value or a sequence of one per prompt \(6\)"):
+        gen.generate_continuous(prompts, batch_size=3, temperature=[0.0, 1.0])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: top_k must be a positive integer"):
+        gen.generate_continuous(prompts, batch_size=3, top_k=[None, 0, None, None, None, None])
+
+
 def test_caches_stay_as_wide_as_the_live_requests_need(monkeypatch):
     target, draft = make_pair("llama")
     V = target.config.vocab_size

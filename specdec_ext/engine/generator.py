@@ -334,8 +334,9 @@ class SpeculativeGenerator:
 
     @torch.inference_mode()
     def generate_continuous(self, prompts, batch_size: int, max_new_tokens: Union[int, Sequence[int]] = 64,
-                            temperature: float = 1.0,
-                            top_k: Optional[int] = None, top_p: Optional[float] = None,
+                            temperature: Union[float, Sequence[float]] = 1.0,
+                            top_k: Union[int, None, Sequence[Optional[int]]] = None,
+                            top_p: Union[float, None, Sequence[Optional[float]]] = None,
                             eos_token_id: Union[int, Sequence[int], None] = None, seed: Union[int, Sequence[int]] = 0,
                             policy: Union[str, CandidateLengthPolicy, None] = None, logits_processor=None,
                             admission: str = DEFAULT_ADMISSION, arrival_ms: Optional[Sequence[float]] = None,
@@ -369,15 +370,19 @@ class SpeculativeGenerator:
                 once). A request joins only once it has arrived; while none is live and the next has not arrived,
                 the call's clock jumps to its arrival (nothing sleeps). The output's ``token_ms`` gives each
                 token's emission on that clock: the serving latencies (``specdec_ext.serving``).
-            temperature / top_k / top_p / eos_token_id / policy / logits_processor /
-                **policy_kwargs: as :meth:`generate` (the processor sees each request's prompt unpadded).
+            temperature / top_k / top_p: as :meth:`generate`, one for every request or each a sequence of one per
+                prompt (a server's requests sample differently; every row is verified against its own processed
+                distributions, and the policy configures itself, e.g. SpecDec++'s choice of head, for the first
+                sampling request's settings, else greedy).
+            eos_token_id / policy / logits_processor / **policy_kwargs: as :meth:`generate` (the processor sees
+                each request's prompt unpadded).
 
         Returns: :class:`ContinuousOutput` (tokens, and per request the ms from the call's start to its
             admission, its prefill's start, and to its last round).
 
         Raises: ValueError / TypeError as :meth:`generate`, naming the prompt (``prompts[i]``); ValueError for
-            no prompts, a batch_size that is not an integer >= 1, a sequence of max_new_tokens whose length is
-            not the number of prompts, an unknown ``admission``, ``"grouped"`` with a tensor-parallel target, or an
+            no prompts, a batch_size that is not an integer >= 1, a sequence of max_new_tokens (or temperature,
+            top_k, top_p) whose length is not the number of prompts, an unknown ``admission``, ``"grouped"`` with a tensor-parallel target, or an
             ``arrival_ms`` that is not one finite time >= 0 per prompt in non-decreasing order.
         """
         check_admission(admission)
@@ -385,11 +390,19 @@ class SpeculativeGenerator:
             raise ValueError("admission='grouped' decides from each process's own timings, and a tensor-parallel "
                              "target's ranks must decide alike: use admission='eager'")
         pol = self._policy_for_call(policy, policy_kwargs)
-        cfg = SamplingConfig(temperature, top_k, top_p)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(prompts, torch.Tensor) or not len(prompts):
             raise ValueError("prompts: give a non-empty sequence of prompts (1-D tensors or lists of token ids)")
+        settings = [_per_request(name, v, len(prompts)) for name, v in
+                    (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))]
+        cfgs = []
+        for i, (t, k, p) in enumerate(zip(*settings)):
+            try:
+                cfgs.append(SamplingConfig(t, k, p))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        cfg = next((c for c in cfgs if not c.greedy), cfgs[0])  # what the policy configures itself for
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         per_request = not isinstance(max_new_tokens, int)
         if per_request and (isinstance(max_new_tokens, (str, bytes, torch.Tensor))
                             or not isinstance(max_new_tokens, Sequence) or len(max_new_tokens) != len(prompts)):
@@ -408,8 +421,8 @@ class SpeculativeGenerator:
         _check_processor(logits_processor)
         seeds = _seeds(seed, len(ids))
         arrivals = _arrivals(arrival_ms, len(ids))
-        requests = [Request(x, lim, s, cfg, list(x) if logits_processor is not None else None, at)
-                    for x, lim, s, at in zip(ids, limits, seeds, arrivals)]
+        requests = [Request(x, lim, s, c, list(x) if logits_processor is not None else None, at)
+                    for x, lim, s, c, at in zip(ids, limits, seeds, cfgs, arrivals)]
         served = self._serve(pol, cfg, requests, batch_size, _eos_set(eos_token_id), None, logits_processor,
                              admission, continuous=True)
         if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
@@ -522,6 +535,17 @@ def _eos_set(eos_token_id) -> set:
     if eos_token_id is None:
         return set()
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
+
+
+def _per_request(name: str, value, n: int) -> list:
+    """``value`` for each of ``n`` requests: the value itself for every one, or a sequence of one per request.
+
+    Raises ValueError for a sequence of another length."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} must be one value or a sequence of one per prompt ({n}), got {len(value)}")
+        return list(value)
+    return [value] * n
 
 
 def _seeds(seed, n: int) -> list[int]:
