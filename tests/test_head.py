@@ -394,3 +394,23 @@ def test_data_generated_in_shards_and_merged_equal_the_whole_set(pair, tmp_path)
     other = generate_head_data(target, draft, DigitTokenizer(), prompts, replace(cfg, seed=9), progress=False,
                                path=tmp_path / "e.safetensors")
     assert "merged_from" not in other.meta
+
+
+def test_the_goodput_rules_thresholds_are_rate_times_marginal_ms():
+    """GoodputRule.thresholds: column k - 1 is lambda_b marginal_ms(k) for k_min <= k < k_max, -inf elsewhere."""
+    import math
+
+    from specdec_ext.policies.goodput import GoodputRule
+    from support import TEST_COSTS
+
+    rule = GoodputRule(TEST_COSTS, 0.7, 8)
+    rule.reset(3)
+    rule.update(torch.tensor([2, 5, 0]), torch.tensor([1, 5, 0]))
+    got = rule.thresholds(6, 2, 5)
+    assert got.shape == (3, 6) and got.dtype == torch.float64
+    for b in range(3):
+        rate = rule.tokens[b] / rule.time[b]
+        for k in range(1, 7):
+            want = rate * TEST_COSTS.marginal_ms(k) if 2 <= k < 5 else -math.inf
+            assert got[b, k - 1].item() == want
+    assert rule.thresholds(6, 2, 5) is not got and torch.equal(rule.thresholds(6, 2, 5), got)

@@ -289,9 +289,7 @@ class SpecDecPP(CandidateLengthPolicy):
                 skip_from = max(self.k_min, cap)
         rows = None
         if self.auto and not self.use_budget:  # the per-row goodput rule: S_k < lambda_b marginal(k)
-            rows = torch.stack([self.rule.threshold(k) if self.k_min <= k < self.max_candidates
-                                else torch.full((B,), -math.inf, dtype=torch.float64)
-                                for k in range(1, cap + 1)], 1)
+            rows = self.rule.thresholds(cap, self.k_min, self.max_candidates)
         self._round = _HeadRule(self, budget, rows, skip_from)
         return RoundPlan(cap, self._round)
 

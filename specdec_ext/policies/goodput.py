@@ -131,6 +131,7 @@ class GoodputRule:
         self.costs, self.decay, self.prior_ms = costs, decay, prior_ms
         self.prior = prior_goodput(costs, mean_accept, k_max)
         self._marginal = [costs.marginal_ms(k) for k in range(0, k_max + 1)]
+        self._margins: dict = {}  # (cap, k_lo, k_hi) -> [cap] marginal ms (thresholds)
         self.tokens = self.time = None
 
     def reset(self, batch_size: int) -> None:
@@ -142,10 +143,17 @@ class GoodputRule:
         """``[B]`` float64: lambda, tokens/ms."""
         return torch.tensor([t / m for t, m in zip(self.tokens, self.time)], dtype=torch.float64)
 
-    def threshold(self, k: int) -> torch.Tensor:
-        """``[B]``: the survival below which a row stops after candidate ``k``."""
-        m = self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
-        return self.rate * m
+    def thresholds(self, cap: int, k_lo: int, k_hi: int) -> torch.Tensor:
+        """``[B, cap]`` float64: column k - 1 holds the survival below which a row stops after candidate k, lambda_b
+        marginal_ms(k), for ``k_lo <= k < k_hi``, and -inf elsewhere (no stop there): one product of the rows' rates
+        and the depths' marginal ms per round's plan."""
+        key = (cap, k_lo, k_hi)
+        margins = self._margins.get(key)
+        if margins is None:
+            margins = self._margins[key] = torch.tensor(
+                [(self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)) if k_lo <= k < k_hi
+                 else -math.inf for k in range(1, cap + 1)], dtype=torch.float64)
+        return self.rate.view(-1, 1) * margins
 
     def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool for candidate ``k`` (no bounds applied) given survivals ``[B]``."""
