@@ -122,8 +122,8 @@ def main(argv=None) -> int:
                              eos_token_id=eos).new_tokens[0]
         if alone != out.new_tokens[i]:
             mismatches.append(i)
-    print(f"greedy requests checked alone: {len(greedy)}, mismatches {len(mismatches)} ({time.perf_counter() - t1:.0f} s)",
-          flush=True)
+    print(f"greedy requests checked alone: {len(greedy)}, mismatches {len(mismatches)} "
+          f"({time.perf_counter() - t1:.0f} s)", flush=True)
     ok = not mismatches and growth <= args.max_growth
     caches = {k: os.environ.get(k) for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     result = {"machine": machine_description(pair), "command": "python bench/soak.py " + " ".join(argv or []),
@@ -134,8 +134,9 @@ def main(argv=None) -> int:
               "sampling_requests": len(reqs) - len(greedy), "greedy_requests": len(greedy),
               "greedy_mismatches": mismatches, "resident_mib_after_mark": round(mark_rss / 2**20, 1),
               "resident_mib_at_end": round(end_rss / 2**20, 1), "mark_requests": args.mark,
-              "resident_growth": round(growth, 4), "resident_mib_samples": [
-                  [round(t, 1), round(b / 2**20, 1)] for t, b in sampler.samples[:: max(1, len(sampler.samples) // 200)]],
+              "resident_growth": round(growth, 4),
+              "resident_mib_samples": [[round(t, 1), round(b / 2**20, 1)]
+                                       for t, b in sampler.samples[:: max(1, len(sampler.samples) // 200)]],
               "passed": ok}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,10 @@ A graph reads and writes fixed addresses: it reads the tensors it was captured w
 copied into them (SGLang's ``replay_prepare``) unless they are the same memory (the runner's persistent inputs, a
 previous step's graph outputs, which is most of them: no copy), its outputs are the tensors it wrote at capture,
 overwritten by its next replay (the round reads them before that; a forward's outputs are copied out, as one draft
-step's logits are kept while the next replays the same graph). Every graph shares one memory pool (captured in the order the rounds meet their shapes,
-replayed one at a time on one stream). Each is captured after one eager warm-up run on a side stream (lazy
-initialisation stays out of the graph); what it wrote in place (the KV caches' lengths, a stop rule's buffers) is
-restored after it, so capture changes nothing a round can see. The graphs read the backends' caches where they were
+step's logits are kept while the next replays the same graph). Every graph shares one memory pool (captured in the
+order the rounds meet their shapes, replayed one at a time on one stream). Each is captured after one eager warm-up
+run on a side stream (lazy initialisation stays out of the graph); what it wrote in place (the KV caches' lengths, a
+stop rule's buffers) is restored after it, so capture changes nothing a round can see. The graphs read the backends' caches where they were
 captured: when a backend's cache is replaced (a longer request, more rows), every graph is dropped and captured
 again.
 

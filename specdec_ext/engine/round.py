@@ -386,9 +386,11 @@ class StepRunner:
         """``backend``'s forward for the draft steps of a stop rule (``forward(tokens, keep, ...)`` as the eager
         steps call it), replayed from a graph per (bucket, tokens); its outputs copied out of the graph's buffers."""
         def forward(tokens, keep=1, *_):
+            def fn(t):  # called at capture only
+                return _attending(backend, self._forward(backend), t, keep)
+
             key = ("forward", id(backend), P, tokens.shape[1], keep)
-            logits, hidden = self.graphs.replay(key, lambda t: _attending(backend, self._forward(backend), t, keep), [tokens],
-                                                [backend.cache.lengths])
+            logits, hidden = self.graphs.replay(key, fn, [tokens], [backend.cache.lengths])
             return logits.clone(), hidden.clone()
 
         return forward
@@ -399,7 +401,8 @@ class StepRunner:
         (bucket, step, sampling mode, rule)."""
         def fn(tokens, seeds, temperature, top_k, top_p, drafting, room, n):
             rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
-            return draft_step(lambda t: _attending(draft, self._forward(draft), t, 1), tokens, seeds, k, rows, rule, drafting,
+            step = self._forward(draft)
+            return draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k, rows, rule, drafting,
                               room, n)
 
         key = ("draft", id(draft), P, k, tokens.shape[1], s.greedy, s.masks, rule_key)
