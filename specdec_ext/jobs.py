@@ -164,11 +164,10 @@ def run_job(gen, tokenizer, records: Sequence[tuple[str, str]], out_path, batch_
                 bar.update(len(chunk))
                 bar.set_postfix(tokens_per_s=f"{tokens / max(1e-9, decode_s):.1f}")  # decoding speed
     except _Stop as stop:
-        bar.close()
         raise JobInterrupted(stop.signum, written, len(skip) + written, out_path) from None
     finally:
         os.close(fd)
-    bar.close()
+        bar.close()
     summary = {"done": len(todo), "skipped": len(skip & {str(r) for r, _ in records}), "new_tokens": tokens,
                "seconds": round(time.time() - t0, 1), "tokens_per_s": round(tokens / max(1e-9, decode_s), 1),
                "profile_seconds": round(profile_s, 1), "out": str(out_path)}

@@ -383,8 +383,8 @@ class SpeculativeGenerator:
         Raises: ValueError / TypeError as :meth:`generate`, naming the prompt (``prompts[i]``); ValueError for
             no prompts, a batch_size that is not an integer >= 1, a sequence of max_new_tokens (or temperature,
             top_k, top_p) whose length is not the number of prompts, an unknown ``admission``, ``"grouped"`` with a
-            tensor-parallel target, or an
-            ``arrival_ms`` that is not one finite time >= 0 per prompt in non-decreasing order.
+            tensor-parallel target, or an ``arrival_ms`` that is not one finite time >= 0 per prompt in
+            non-decreasing order.
         """
         check_admission(admission)
         if admission == "grouped" and tp_size(self.target) > 1:

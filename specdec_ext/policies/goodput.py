@@ -143,6 +143,10 @@ class GoodputRule:
         """``[B]`` float64: lambda, tokens/ms."""
         return torch.tensor([t / m for t, m in zip(self.tokens, self.time)], dtype=torch.float64)
 
+    def _marginal_ms(self, k: int) -> float:
+        """``costs.marginal_ms(k)``, from the table kept up to ``k_max``."""
+        return self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
+
     def thresholds(self, cap: int, k_lo: int, k_hi: int) -> torch.Tensor:
         """``[B, cap]`` float64: column k - 1 holds the survival below which a row stops after candidate k, lambda_b
         marginal_ms(k), for ``k_lo <= k < k_hi``, and -inf elsewhere (no stop there): one product of the rows' rates
@@ -151,13 +155,13 @@ class GoodputRule:
         margins = self._margins.get(key)
         if margins is None:
             margins = self._margins[key] = torch.tensor(
-                [(self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)) if k_lo <= k < k_hi
-                 else -math.inf for k in range(1, cap + 1)], dtype=torch.float64)
+                [self._marginal_ms(k) if k_lo <= k < k_hi else -math.inf for k in range(1, cap + 1)],
+                dtype=torch.float64)
         return self.rate.view(-1, 1) * margins
 
     def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool for candidate ``k`` (no bounds applied) given survivals ``[B]``."""
-        m = self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
+        m = self._marginal_ms(k)
         s = survival.tolist()
         return torch.tensor([si < t / tm * m for si, t, tm in zip(s, self.tokens, self.time)], dtype=torch.bool)
 
