@@ -12,9 +12,12 @@ single-row one, so near-ties may differ). Exit status 1 on a mismatch or on resi
 
 On a CPU oneDNN keeps a compiled primitive per matmul shape in two caches of 1,024 entries each
 (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, and ``LRU_CACHE_CAPACITY`` for PyTorch's wrapper of it); prompts of every
-length bring new shapes, so resident memory climbs until those caches are full. The JSON records both variables.
+length would bring new shapes, so the lean model pads a prefill's token count to a few buckets
+(``engine.model.bucketed_rows``); ``--no-bucketing`` turns that off, to see what it saves. The JSON records both
+variables.
 
     python bench/soak.py --out docs/results/soak_b16.json
+    python bench/soak.py --no-bucketing --out docs/results/soak_b16_unbucketed.json
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.benchmark import machine_description
+from specdec_ext.engine import model as lean_model
 from specdec_ext.prompts import load_prompts
 from specdec_ext.zoo import load_pair
 
@@ -87,8 +91,12 @@ def main(argv=None) -> int:
     ap.add_argument("--mark", type=int, default=200, help="resident memory after this many requests finished")
     ap.add_argument("--max-growth", type=float, default=0.05, help="allowed growth from the mark to the end")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-bucketing", action="store_true",
+                    help="prefills' projections over their exact token counts (engine.model.BUCKET_ABOVE off)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    if args.no_bucketing:
+        lean_model.BUCKET_ABOVE = 1 << 62
     pair = load_pair(torch.float32, torch.float32)
     kw = dict(threshold="auto", head=pair.head) if args.policy == "specdecpp" else dict(k=args.k)
     gen = SpeculativeGenerator(pair.target, pair.draft, policy=args.policy, **kw)
@@ -127,7 +135,7 @@ def main(argv=None) -> int:
     ok = not mismatches and growth <= args.max_growth
     caches = {k: os.environ.get(k) for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     result = {"machine": machine_description(pair), "command": "python bench/soak.py " + " ".join(argv or []),
-              "onednn_caches": caches,
+              "onednn_caches": caches, "prefill_bucketing": not args.no_bucketing,
               "date": time.strftime("%Y-%m-%d"), "requests": len(reqs), "batch_size": args.batch_size,
               "policy": policy, "new_tokens": out.stats.new_tokens, "serve_seconds": round(serve_s, 1),
               "eos_ended": sum(1 for i, r in enumerate(reqs) if len(out.new_tokens[i]) < r["new"]),

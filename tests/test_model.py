@@ -262,3 +262,41 @@ def test_rows_of_one_length_take_the_slice_path_to_the_same_result():
         assert torch.equal(caches[0].lengths, caches[1].lengths)
         for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
             torch.testing.assert_close(a[:, :, :16], b[:, :, :16])
+
+
+def test_bucketed_rows_are_few_and_cover_every_count():
+    from specdec_ext.engine.model import bucketed_rows
+
+    sizes = [bucketed_rows(m) for m in range(1, 4097)]
+    assert all(m <= b <= max(m, 1.125 * m) for m, b in zip(range(1, 4097), sizes))
+    assert sizes == sorted(sizes) and sizes[:16] == list(range(1, 17))
+    assert len(set(sizes)) == 16 + 8 * 8  # up to 16 exact, then eight per octave from 16 to 4096
+
+
+@pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_packed), False])
+@torch.inference_mode()
+def test_prefills_multiply_bucketed_rows_and_compute_the_same(packed, monkeypatch):
+    """A prefill of more than BUCKET_ABOVE tokens per row runs its projections over a bucketed token count (the
+    matmul shapes oneDNN compiles stay few); logits and cache equal the unpadded forward's; steps are not padded."""
+    import specdec_ext.engine.model as model_module
+
+    m = lean_model("qwen2", 2)
+    lean = LeanModel(m, packed=packed)
+    seen = []
+    linear = lean._linear
+    lean._linear = lambda x, w: seen.append(x.reshape(-1, x.shape[-1]).shape[0]) or linear(x, w)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 300, (3, 23), generator=g)  # 69 tokens: 72 rows through each projection
+    cache = lean.cache(3, 64)
+    got, hidden = lean.forward(cache, x, keep=23)
+    assert set(seen[:-1]) == {72} and seen[-1] == 69  # the LM head reads the kept positions alone
+    seen.clear()
+    lean.forward(cache, x[:, :5], keep=5)  # a step of 5 tokens per row: 15 rows as they are
+    assert set(seen) == {15}
+    monkeypatch.setattr(model_module, "BUCKET_ABOVE", 10 ** 9)
+    plain = lean.cache(3, 64)
+    want, want_hidden = lean.forward(plain, x, keep=23)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    for a, b in zip(cache.k + cache.v, plain.k + plain.v):
+        torch.testing.assert_close(a[:, :, :23], b[:, :, :23], rtol=1e-5, atol=1e-5)

@@ -42,6 +42,22 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3")  # Qwen2: biases on q, k, v; Qwen3: RM
 
 Rows = Union[None, slice, torch.Tensor]
 
+# On a CPU, oneDNN compiles and keeps a primitive per matmul shape (up to 1,024 of them, ~0.5 MiB each): prefills of
+# every length bring new token counts, and a server's resident memory climbs for thousands of requests (bench/soak.py:
+# +42% from its 200th request to its 2,000th). Forwards of more than this many tokens per row (prefills: decode steps
+# and verifications take at most attention.MAX_QUERIES) run their projections over a token count padded to one of
+# eight buckets per octave (:func:`bucketed_rows`), so the shapes a server meets are few and met early.
+BUCKET_ABOVE = 16
+
+
+def bucketed_rows(m: int) -> int:
+    """``m`` rounded up to one of eight sizes per octave (at most 12.5% more): 16, 18, ..., 30, 32, 36, ..., 60, 64,
+    72, ..., 120, 128, 144, ...; ``m`` itself up to 16."""
+    if m <= 16:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
 
 def supports(model) -> bool:
     """True for the causal LMs the lean model reproduces: Llama, Qwen2 and Qwen3 (SiLU MLP without biases, an output
@@ -187,12 +203,23 @@ class LeanModel:
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
+    def _project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, n, in]`` times the (packed) weight ``w``: ``[B, n, out]``. On a CPU, a forward of more than
+        :data:`BUCKET_ABOVE` tokens per row multiplies ``x``'s rows zero-padded to :func:`bucketed_rows` (one matmul
+        shape per bucket for oneDNN to keep) and drops the padding's rows."""
+        B, n, k = x.shape
+        m = B * n
+        if n <= BUCKET_ABOVE or self.device.type != "cpu" or bucketed_rows(m) == m:
+            return self._linear(x, w)
+        y = self._linear(F.pad(x.reshape(m, k), (0, 0, 0, bucketed_rows(m) - m)), w)
+        return y[:m].view(B, n, -1)
+
     def qkv(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """A layer's queries, keys and values ``[B, heads, n, d]`` from its input ``x`` ``[B, n, H]``: input norm,
         the fused projection (and its bias), each head's q / k norm where the model has them, RoPE."""
         B, n, _ = x.shape
         hq, hk, d = self.n_heads, self.n_kv, self.head_dim
-        y = self._linear(self._rms(x, layer.input_norm), layer.qkv)
+        y = self._project(self._rms(x, layer.input_norm), layer.qkv)
         if layer.qkv_bias is not None:
             y = y + layer.qkv_bias
         y = y.view(B, n, hq + 2 * hk, d).transpose(1, 2)
@@ -205,9 +232,9 @@ class LeanModel:
         """The layer's output from its input ``x`` ``[B, n, H]`` and attention output ``attn`` ``[B, n, heads, d]``:
         the output projection's residual, then the SiLU MLP's."""
         B, n, _ = x.shape
-        x = x + self._linear(attn.reshape(B, n, self.n_heads * self.head_dim), layer.o)
-        g, u = self._linear(self._rms(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return x + self._linear(F.silu(g) * u, layer.down)
+        x = x + self._project(attn.reshape(B, n, self.n_heads * self.head_dim), layer.o)
+        g, u = self._project(self._rms(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return x + self._project(F.silu(g) * u, layer.down)
 
     def forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows = None, keep: int = 1,
                 width: Optional[int] = None, start: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
