@@ -60,10 +60,10 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cuda(
     const std::optional<at::Tensor>& feature_weight, const std::optional<at::Tensor>& feature_bias,
     const at::Tensor& block_weight, const at::Tensor& block_bias, const at::Tensor& out_weight,
     const at::Tensor& out_bias, at::Tensor& cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
-    double threshold) {
+    double threshold, const std::optional<at::Tensor>& stop_below) {
   const c10::cuda::CUDAGuard guard(out_weight.device());
   HeadTensors t = prepare_head(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
-                               out_bias, cum_accept, candidate_length, k_min, k_max, threshold);
+                               out_bias, cum_accept, candidate_length, k_min, k_max, threshold, stop_below);
   at::Tensor workspace;  // the split kernels' scratch (wide heads; cuda/launchers.h)
   const int64_t scratch = cuda::acceptance_head_workspace(t.args.batch, t.args.hidden_size, t.args.num_layers);
   SPECDEC_CHK_VALUE(scratch >= 0, "acceptance_head_step: the environment variable SPECDEC_HEAD_KERNEL must be "

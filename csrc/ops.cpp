@@ -49,9 +49,9 @@ std::tuple<at::Tensor, at::Tensor> acceptance_head_step_cpu(
     const std::optional<at::Tensor>& feature_weight, const std::optional<at::Tensor>& feature_bias,
     const at::Tensor& block_weight, const at::Tensor& block_bias, const at::Tensor& out_weight,
     const at::Tensor& out_bias, at::Tensor& cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
-    double threshold) {
+    double threshold, const std::optional<at::Tensor>& stop_below) {
   HeadTensors t = prepare_head(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
-                               out_bias, cum_accept, candidate_length, k_min, k_max, threshold);
+                               out_bias, cum_accept, candidate_length, k_min, k_max, threshold, stop_below);
   cpu::acceptance_head_step(t.args);
   return {t.p_accept, t.stop};
 }
@@ -99,7 +99,7 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def(
       "acceptance_head_step(Tensor? hidden, Tensor? features, Tensor? feature_weight, Tensor? feature_bias, "
       "Tensor block_weight, Tensor block_bias, Tensor out_weight, Tensor out_bias, Tensor(a!) cum_accept, "
-      "int candidate_length, int k_min, int k_max, float threshold) "
+      "int candidate_length, int k_min, int k_max, float threshold, Tensor? stop_below=None) "
       "-> (Tensor p_accept, Tensor stop)");
   m.def("confidence_features(Tensor dist, Tensor tokens, bool logits) -> (Tensor features, Tensor code)");
   m.def("argmax_tokens(Tensor logits) -> Tensor");

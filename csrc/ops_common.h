@@ -284,7 +284,7 @@ inline ConfidenceTensors prepare_confidence(const at::Tensor& dist, const at::Te
 }
 
 struct HeadTensors {
-  at::Tensor hidden, features, fw, fb, w, b, ow, ob, p_accept, stop;
+  at::Tensor hidden, features, fw, fb, w, b, ow, ob, p_accept, stop, stop_below;
   HeadArgs args;
 };
 
@@ -295,7 +295,7 @@ inline HeadTensors prepare_head(const std::optional<at::Tensor>& hidden, const s
                                 const std::optional<at::Tensor>& feature_bias, const at::Tensor& block_weight,
                                 const at::Tensor& block_bias, const at::Tensor& out_weight, const at::Tensor& out_bias,
                                 at::Tensor& cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
-                                double threshold) {
+                                double threshold, const std::optional<at::Tensor>& stop_below) {
   const char* op = "acceptance_head_step";
   SPECDEC_CHK_VALUE(hidden.has_value() || features.has_value(), op,
                     ": pass hidden [B, H], features [B, F], or both (the head reads nothing otherwise)");
@@ -374,6 +374,15 @@ inline HeadTensors prepare_head(const std::optional<at::Tensor>& hidden, const s
                     t.w.data_ptr<float>(), t.b.data_ptr<float>(), t.ow.data_ptr<float>(), t.ob.data_ptr<float>(),
                     cum_accept.data_ptr<float>(), t.p_accept.data_ptr<float>(), t.stop.data_ptr<bool>(),
                     candidate_length, k_min, k_max, static_cast<float>(threshold)};
+  if (stop_below.has_value()) {
+    const at::Tensor& s = *stop_below;
+    SPECDEC_CHK_TYPE(s.scalar_type() == at::kFloat, op, ": stop_below must be float32, got ", s.scalar_type());
+    SPECDEC_CHK_VALUE(s.dim() == 1 && s.size(0) == B, op, ": stop_below must be [B] = [", B, "], got ", s.sizes());
+    SPECDEC_CHK_VALUE(s.device() == cum_accept.device(), op, ": stop_below must be on cum_accept's device (",
+                      cum_accept.device(), "), got ", s.device());
+    t.stop_below = s.contiguous();
+    t.args.stop_below = t.stop_below.data_ptr<float>();
+  }
   return t;
 }
 

@@ -125,7 +125,7 @@ def residual_shapes(target, draft, uniforms, seed_offset) -> tuple[int, int]:
 
 
 def head_shapes(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias,
-                cum_accept, candidate_length, k_min, k_max, threshold):
+                cum_accept, candidate_length, k_min, k_max, threshold, stop_below=None):
     """Shape, dtype and device checks of ``acceptance_head_step``; returns (B, H)."""
     op = "acceptance_head_step"
     if hidden is None and features is None:
@@ -180,6 +180,14 @@ def head_shapes(hidden, features, feature_weight, feature_bias, block_weight, bl
         raise ValueError(f"{op}: need 1 <= k_min <= k_max, got k_min = {k_min}, k_max = {k_max}")
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"{op}: stop threshold must lie in [0, 1], got {threshold}")
+    if stop_below is not None:
+        if stop_below.dtype != torch.float32:
+            raise TypeError(f"{op}: stop_below must be float32, got {stop_below.dtype}")
+        if tuple(stop_below.shape) != (B,):
+            raise ValueError(f"{op}: stop_below must be [B] = [{B}], got {list(stop_below.shape)}")
+        if stop_below.device != cum_accept.device:
+            raise ValueError(f"{op}: stop_below must be on cum_accept's device ({cum_accept.device}), got "
+                             f"{stop_below.device}")
     return B, H
 
 

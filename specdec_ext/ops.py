@@ -295,6 +295,7 @@ def acceptance_head_step(
     k_min: int,
     k_max: int,
     threshold: float,
+    stop_below: Optional[torch.Tensor] = None,
     *,
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,7 +304,8 @@ def acceptance_head_step(
     Computes the head's acceptance probability p_hat = sigmoid(w_out . x_L + b_out), where
     x_0 = hidden + W_f features + b_f and x_l = x_{l-1} + SiLU(W_l x_{l-1} + b_l); updates
     ``cum_accept *= p_hat`` in place; and decides
-    stop = K >= K_max or (K >= K_min and 1 - cum_accept > h), with K = ``candidate_length``.
+    stop = K >= K_max or (K >= K_min and (1 - cum_accept > h or cum_accept < stop_below)), with
+    K = ``candidate_length``.
 
     Args:
         hidden: ``[B, H]`` float32/bfloat16/float16, a draft hidden state (which one depends on the head:
@@ -317,6 +319,9 @@ def acceptance_head_step(
         candidate_length: the round's candidate length K if drafting stopped after this step (>= 1).
         k_min, k_max: candidate-length bounds, 1 <= k_min <= k_max (paper: [2, 20]).
         threshold: stop threshold h in [0, 1] (paper: 0.3 or 0.7).
+        stop_below: ``[B]`` float32 on ``cum_accept``'s device, or None: per row, a survival below which the row
+            also stops (within the bounds): ``threshold="auto"``'s goodput rule, lambda_b * marginal_ms(K)
+            (:class:`~specdec_ext.policies.goodput.GoodputRule`); -inf for no such stop.
         check: on CUDA, read back whether a row's p_hat is NaN and raise (a host synchronisation; False: such a
             row only stops, as under graph capture; the engine's stop rule passes False, since a stop never
             touches verification).
@@ -332,7 +337,7 @@ def acceptance_head_step(
         TypeError: unsupported dtypes.
     """
     args = (hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias,
-            cum_accept, candidate_length, k_min, k_max, threshold)
+            cum_accept, candidate_length, k_min, k_max, threshold, stop_below)
     if not HAS_EXTENSION:
         return reference.acceptance_head_step(*args)
     p, stop = torch.ops.specdec_ext.acceptance_head_step(*args)
@@ -476,7 +481,7 @@ if HAS_EXTENSION:
 
     @torch.library.register_fake("specdec_ext::acceptance_head_step")
     def _acceptance_head_step_fake(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
-                                   out_bias, cum_accept, candidate_length, k_min, k_max, threshold):
+                                   out_bias, cum_accept, candidate_length, k_min, k_max, threshold, stop_below=None):
         B, _ = checks.head_shapes(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
-                                  out_bias, cum_accept, candidate_length, k_min, k_max, threshold)
+                                  out_bias, cum_accept, candidate_length, k_min, k_max, threshold, stop_below)
         return out_weight.new_empty((B,), dtype=torch.float32), out_weight.new_empty((B,), dtype=torch.bool)

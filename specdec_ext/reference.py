@@ -17,6 +17,7 @@ Thm. 1) / Chen et al. 2023 (Alg. 2); stopping rule from SpecDec++ (Huang et al. 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -334,14 +335,16 @@ def residual_sample(target_probs, draft_probs, uniforms=None, philox_seed_offset
 
 
 def specdecpp_stop(cum_accept: torch.Tensor, candidate_length: int, k_min: int, k_max: int,
-                   threshold: float) -> torch.Tensor:
-    """SpecDec++ stopping rule (Sec. 3.2, Eq. 4): stop iff K >= K_max, or K >= K_min and 1 - prod p_hat > h,
-    where K = ``candidate_length`` is the round's candidate length if drafting stopped now."""
+                   threshold: float, stop_below: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SpecDec++ stopping rule (Sec. 3.2, Eq. 4): stop iff K >= K_max, or K >= K_min and 1 - prod p_hat > h
+    (or prod p_hat < ``stop_below`` of the row, where given), where K = ``candidate_length`` is the round's candidate
+    length if drafting stopped now."""
     if candidate_length >= k_max:
         return torch.ones_like(cum_accept, dtype=torch.bool)
     if candidate_length < k_min:
         return torch.zeros_like(cum_accept, dtype=torch.bool)
-    return (1.0 - cum_accept) > threshold
+    stop = (1.0 - cum_accept) > threshold
+    return stop if stop_below is None else stop | (cum_accept < stop_below)
 
 
 def acceptance_head_forward(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
@@ -360,10 +363,10 @@ def acceptance_head_forward(hidden, features, feature_weight, feature_bias, bloc
 
 
 def acceptance_head_step(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight,
-                         out_bias, cum_accept, candidate_length, k_min, k_max, threshold):
+                         out_bias, cum_accept, candidate_length, k_min, k_max, threshold, stop_below=None):
     """Reference of ``specdec_ext.ops.acceptance_head_step``; updates ``cum_accept`` in place."""
     checks.head_shapes(hidden, features, feature_weight, feature_bias, block_weight, block_bias, out_weight, out_bias,
-                       cum_accept, candidate_length, k_min, k_max, threshold)
+                       cum_accept, candidate_length, k_min, k_max, threshold, stop_below)
     logit = acceptance_head_forward(hidden, features, feature_weight, feature_bias, block_weight, block_bias,
                                     out_weight, out_bias)
     p = torch.sigmoid(logit)
@@ -373,7 +376,7 @@ def acceptance_head_step(hidden, features, feature_weight, feature_bias, block_w
         raise ValueError(f"acceptance_head_step: row {int(bad.nonzero()[0])} gives a NaN or Inf acceptance probability "
                          "or running product (hidden, features or cum_accept hold a NaN or Inf); a NaN would silently "
                          "disable the stop rule")
-    return p, specdecpp_stop(cum_accept, candidate_length, k_min, k_max, threshold)
+    return p, specdecpp_stop(cum_accept, candidate_length, k_min, k_max, threshold, stop_below)
 
 
 def confidence_features(dist, tokens, logits):

@@ -72,7 +72,8 @@ def test_cpp_program_calls_the_ops_and_matches_the_reference(tmp_path):
          "temperature": torch.tensor([1.0, 0.7, 0.0]), "uniforms": torch.rand(B, K + 1, generator=g),
          "hidden": torch.randn(B, H, generator=g), "block_weight": torch.randn(L, H, H, generator=g) * 0.3,
          "block_bias": torch.randn(L, H, generator=g) * 0.1, "out_weight": torch.randn(H, generator=g) * 0.3,
-         "out_bias": torch.tensor([0.5]), "cum_accept": torch.tensor([1.0, 0.6, 0.3])}
+         "out_bias": torch.tensor([0.5]), "cum_accept": torch.tensor([1.0, 0.6, 0.3]),
+         "stop_below": torch.tensor([0.0, 0.5, 0.2])}
     # the text format carries values rounded to float64 reprs; the oracle sees the same float32 values
     inputs = tmp_path / "inputs.txt"
     write_tensors(inputs, t)
@@ -99,7 +100,7 @@ def test_cpp_program_calls_the_ops_and_matches_the_reference(tmp_path):
     same("chain_verify_greedy.out", out), same("chain_verify_greedy.num", num)
     cum = t["cum_accept"].clone()
     p, stop = reference.acceptance_head_step(t["hidden"], None, None, None, t["block_weight"], t["block_bias"],
-                                             t["out_weight"], t["out_bias"], cum, 2, 1, 20, 0.5)
+                                             t["out_weight"], t["out_bias"], cum, 2, 1, 20, 0.9, t["stop_below"])
     same("acceptance_head_step.p", p, exact=False)
     same("acceptance_head_step.stop", stop)
     same("acceptance_head_step.cum", cum, exact=False)

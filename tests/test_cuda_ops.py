@@ -79,6 +79,14 @@ def test_cuda_head_kernels_equal_the_cpu_kernel(kernel, monkeypatch):
         torch.testing.assert_close(c2.cpu(), c1, rtol=1e-4, atol=1e-5, msg=what)
         close = ((1 - c1) - 0.4).abs() < 1e-4  # a running product at the threshold may round either way
         assert torch.equal(s2.cpu()[~close], s1[~close]), what
+        below = torch.rand(B) * 0.5  # threshold="auto"'s per-row survivals (h = 1: only they stop a row)
+        c1 = torch.rand(B)
+        c2 = c1.clone().cuda()
+        _, s1 = ops.acceptance_head_step(*head, c1, 2, 1, 20, 1.0, below)
+        _, s2 = ops.acceptance_head_step(*[t.cuda() if t is not None else None for t in head], c2, 2, 1, 20, 1.0,
+                                         below.cuda())
+        close = (c1 - below).abs() < 1e-4
+        assert torch.equal(s2.cpu()[~close], s1[~close]) and torch.equal(s1, c1 < below), what
 
 
 def test_cuda_head_kernel_variable_other_than_fused_or_split_is_refused(monkeypatch):

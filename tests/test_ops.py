@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -194,6 +196,34 @@ def test_stop_rule_bounds():
     cum = torch.ones(B)
     p, stop = ops.acceptance_head_step(*head, cum, 2, 2, 5, 0.3)
     assert torch.equal(stop, (1 - p) > 0.3)
+
+
+@pytest.mark.parametrize("fn", [ops.acceptance_head_step, reference.acceptance_head_step], ids=["op", "reference"])
+def test_stop_below_stops_rows_whose_survival_falls_under_it(fn):
+    # threshold="auto"'s per-row goodput rule: stop where prod p_hat < stop_below[b], within [k_min, k_max) only
+    head = head_args(B=6, F=3)
+    cum0 = torch.rand(6) * 0.5 + 0.5
+    p, _ = fn(*head, cum0.clone(), 2, 1, 20, 1.0)
+    S = cum0 * p  # the survivals after this step
+    below = torch.tensor([-math.inf, 0.0, 1.0, float(S[3]) * 1.01, float(S[4]) * 0.99, 0.3], dtype=torch.float32)
+    cum = cum0.clone()
+    _, stop = fn(*head, cum, 2, 1, 20, 1.0, below)  # h = 1: only stop_below can stop a row
+    assert stop.tolist() == (S < below).tolist()
+    assert stop.tolist()[:5] == [False, False, True, True, False]
+    _, stop = fn(*head, cum0.clone(), 1, 2, 20, 1.0, torch.ones(6))  # below k_min: no stop whatever it says
+    assert not bool(stop.any())
+    _, stop = fn(*head, cum0.clone(), 20, 2, 20, 1.0, torch.full((6,), -math.inf))  # at k_max: stop
+    assert bool(stop.all())
+    _, stop = fn(*head, cum0.clone(), 2, 1, 20, 0.0, torch.full((6,), -math.inf))  # h still applies beside it
+    assert torch.equal(stop, (1 - S) > 0.0)
+
+
+@pytest.mark.parametrize("fn", [ops.acceptance_head_step, reference.acceptance_head_step], ids=["op", "reference"])
+@pytest.mark.parametrize("bad, match", [(torch.zeros(5), r"stop_below must be \[B\] = \[6\]"),
+                                        (torch.zeros(6, dtype=torch.float64), "stop_below must be float32")])
+def test_stop_below_bad_input_is_named(fn, bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        fn(*head_args(B=6, F=3), torch.ones(6), 2, 1, 20, 0.5, bad)
 
 
 @pytest.mark.parametrize("fn", [ops.acceptance_head_step, reference.acceptance_head_step], ids=["op", "reference"])

@@ -83,6 +83,7 @@ struct HeadArgs {
   int64_t candidate_length, k_min, k_max;
   float threshold;
   float* workspace = nullptr;   // CUDA: [2, B, H] scratch of the split kernels (cuda/launchers.h), else nullptr
+  const float* stop_below = nullptr;  // [B] survivals below which a row also stops, or nullptr (none)
 };
 
 // decode_attention: softmax(q k^T * scale + mask) v for a few queries per row over a KV cache, reading only

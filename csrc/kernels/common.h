@@ -62,12 +62,14 @@ SPECDEC_HD bool accept_candidate(float u, float q, float p) { return p > 0.0f &&
 // SpecDec++ stopping rule (Huang et al. 2024, Sec. 3.2, Eq. 4): with running product cum_accept
 // of predicted acceptance probabilities, stop drafting when the predicted probability that at
 // least one candidate is rejected exceeds the stop threshold h, keeping the round's candidate
-// length K within [k_min, k_max]. `candidate_length` is K if drafting stopped now (1-based).
+// length K within [k_min, k_max]. `candidate_length` is K if drafting stopped now (1-based). `stop_below`:
+// a survival below which the row also stops within those bounds (the goodput rule of threshold="auto",
+// policies/goodput.py; -inf where there is none).
 SPECDEC_HD bool specdecpp_stop(float cum_accept, int64_t candidate_length, int64_t k_min, int64_t k_max,
-                               float threshold) {
+                               float threshold, float stop_below) {
   if (candidate_length >= k_max) return true;
   if (candidate_length < k_min) return false;
-  return (1.0f - cum_accept) > threshold;
+  return (1.0f - cum_accept) > threshold || cum_accept < stop_below;
 }
 
 SPECDEC_HD float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }

@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   at::Tensor cum = t["cum_accept"].clone();
   r = call("specdec_ext::acceptance_head_step",
            {t["hidden"], none, none, none, t["block_weight"], t["block_bias"], t["out_weight"], t["out_bias"], cum,
-            int64_t{2}, int64_t{1}, int64_t{20}, 0.5});
+            int64_t{2}, int64_t{1}, int64_t{20}, 0.9, t["stop_below"]});
   print("acceptance_head_step.p", r[0].toTensor());
   print("acceptance_head_step.stop", r[1].toTensor());
   print("acceptance_head_step.cum", cum);
