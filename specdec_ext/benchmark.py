@@ -113,7 +113,10 @@ class Oracle(CandidateLengthPolicy):
 
 @dataclass
 class Method:
-    """A way to generate: our engine with a policy, or ``transformers``' generate (plain or assisted)."""
+    """A way to generate: our engine with a policy, or ``transformers``' generate (plain or assisted). Its policy
+    is made once and serves every prompt of a run (:meth:`instance`), as one generator serves a user's calls: what a
+    policy learns from the rounds it observes (``threshold="auto"``'s survivals' calibration) carries from prompt
+    to prompt."""
 
     name: str
     kind: str                               # "ours" | "hf"
@@ -122,6 +125,13 @@ class Method:
     family: str = ""                        # for tables and plots: plain, fixed, specdecpp, ...
     param: Optional[float] = None           # K or h (None: the auto rule)
     target: str = "default"                 # "float32": the fp32 copy of the target (a reference baseline)
+    _instance: Optional[CandidateLengthPolicy] = field(default=None, repr=False, compare=False)
+
+    def instance(self) -> CandidateLengthPolicy:
+        """The method's policy, made at the first call and the same object after."""
+        if self._instance is None:
+            self._instance = self.policy()
+        return self._instance
 
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -131,10 +141,11 @@ PAPER_THRESHOLDS = (0.3, 0.7, 0.9)
 
 def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(1, 20),
                      adaptive=True, oracle=True, auto=True, paper_head=None, paper_thresholds=PAPER_THRESHOLDS,
-                     paper_bounds=(2, 20), fp32_plain=False) -> list[Method]:
+                     paper_bounds=(2, 20), fp32_plain=False, auto_uncalibrated=False) -> list[Method]:
     """The benchmark's methods: plain decoding (ours, ``transformers``', and with ``fp32_plain`` our plain
     decoding of a float32 copy of the target), fixed K for each of ``ks``, SpecDec++ with ``head`` for each
-    stop threshold in ``thresholds`` and with ``threshold="auto"`` (bounds ``k_bounds``), SpecDec++ with the
+    stop threshold in ``thresholds`` and with ``threshold="auto"`` (bounds ``k_bounds``; with ``auto_uncalibrated``
+    also ``"auto"`` with ``calibrate=False``), SpecDec++ with the
     paper-recipe ``paper_head`` at ``paper_thresholds`` (bounds ``paper_bounds``, the paper's [2, 20]),
     the heuristic / confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks``
     (default: ``ks``) with its constant, heuristic and confidence schedules, and the greedy oracle."""
@@ -153,6 +164,11 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
                             (lambda h=h, **_: make_policy("specdecpp", head=head, threshold=h, k_min=k_bounds[0],
                                                           k_max=k_bounds[1])),
                             family="specdecpp" if h != "auto" else "specdecpp-auto", param=None if h == "auto" else h))
+        if auto and auto_uncalibrated:
+            m.append(Method("specdec++ auto uncalibrated", "ours",
+                            lambda **_: make_policy("specdecpp", head=head, threshold="auto", k_min=k_bounds[0],
+                                                    k_max=k_bounds[1], calibrate=False),
+                            family="specdecpp-auto-uncalibrated"))
     if paper_head is not None:
         for h in paper_thresholds:
             m.append(Method(f"specdec++ paper head h={h:g}", "ours",
@@ -206,7 +222,7 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
             if method.family == "oracle":
                 policy = Oracle([reference])
             else:
-                policy = method.policy()
+                policy = method.instance()
             gen = SpeculativeGenerator(target, draft if policy.speculative else None, policy=policy, costs=costs)
             out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos)
             wall = time.perf_counter() - t0

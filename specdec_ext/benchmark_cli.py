@@ -44,6 +44,8 @@ def add_arguments(p):
     p.add_argument("--ks", type=_numbers(int), default=DEFAULT_KS, help="fixed candidate lengths K")
     p.add_argument("--thresholds", type=_numbers(float), default=DEFAULT_THRESHOLDS,
                    help="SpecDec++ stop thresholds h; threshold='auto' runs as well")
+    p.add_argument("--auto-uncalibrated", action="store_true",
+                   help="also threshold='auto' with the head's survivals uncalibrated (calibrate=False)")
     p.add_argument("--paper-thresholds", type=_numbers(float), default=PAPER_THRESHOLDS,
                    help="stop thresholds of the paper-recipe head, bounds [2, 20] (bundled pair)")
     p.add_argument("--no-fp32-plain", action="store_true",
@@ -193,7 +195,7 @@ def run(args, pair):
     else:
         methods = standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=not args.no_hf,
                                    hf_ks=args.hf_ks, paper_head=paper, paper_thresholds=args.paper_thresholds,
-                                   fp32_plain=fp32_plain)
+                                   fp32_plain=fp32_plain, auto_uncalibrated=args.auto_uncalibrated)
     print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
           f"draft {pair.draft.dtype}")

@@ -59,8 +59,8 @@ def test_batch_equals_rows_alone(name, kw, fast_draft):
     target, draft = make_pair("llama")
     V = target.config.vocab_size
     ids, mask = prompts(4, V, seed=3)
-    if kw.get("threshold") == "auto":  # the batch verification budget couples rows by design (see SpecDecPP)
-        kw = dict(kw, batch_budget=False)
+    if kw.get("threshold") == "auto":  # the batch budget and the survivals' calibration couple rows (see SpecDecPP)
+        kw = dict(kw, batch_budget=False, calibrate=False)
     gen = make_gen(target, draft, name, kw, fast_draft=fast_draft)
     out = gen.generate(ids, attention_mask=mask, max_new_tokens=20, temperature=1.0, seed=11)
     for b in range(4):
@@ -329,43 +329,61 @@ def test_proposal_head_round_lengths_follow_the_stop_rule(p_accept, h, k_min, k_
     _check_round_lengths(gen, target, lambda remaining: expected)
 
 
-def auto_lengths(p_accept, costs, mean_accept, k_max, rounds):
+def auto_lengths(p_accept, costs, mean_accept, k_max, rounds, calibrate=True):
     """The goodput rule worked out by hand for a constant prediction p and one row: lambda starts at the
     best fixed K's tokens/ms at mean_accept (weight 20 ms) and follows exponential averages (weight 0.2)
     of tokens emitted and of T(K) = round_ms + K (draft_ms + step_ms) + verify(K + 1); the round stops after
-    candidate k when p^k < lambda * (draft_ms + step_ms + verify(k + 2) - verify(k + 1)), or at k_max."""
+    candidate k when c p^k < lambda * (draft_ms + step_ms + verify(k + 2) - verify(k + 1)), or at k_max. The
+    survivals' calibration c: accepted over predicted candidates (sum of p^j over a round's K candidates), sums
+    that keep 0.98 of themselves per round and start at 25 each, c held within [0.5, 2]; 1 without ``calibrate``.
+    ``rounds``: each round's (accepted, candidates drafted)."""
     v = lambda n: costs.verify_ms[min(n, len(costs.verify_ms)) - 1]  # noqa: E731
     T = lambda k: costs.round_ms + k * (costs.draft_ms + costs.step_ms) + v(k + 1)  # noqa: E731
     best = max([1.0 / (costs.round_ms + v(1))] + [sum(mean_accept**j for j in range(k + 1)) / T(k) for k in range(1, k_max + 1)])
     tok, tim = best * 20.0, 20.0
+    acc_sum = pred_sum = 25.0
     out = []
-    for accepted in rounds:
+    for accepted, drafted in rounds:
+        c = min(max(acc_sum / pred_sum, 0.5), 2.0) if calibrate else 1.0
         k = 1
-        while k < k_max and not p_accept**k < tok / tim * (costs.draft_ms + costs.step_ms + v(k + 2) - v(k + 1)):
+        while k < k_max and not c * p_accept**k < tok / tim * (costs.draft_ms + costs.step_ms + v(k + 2) - v(k + 1)):
             k += 1
         out.append(k)
-        if accepted is None:
-            break
         tok, tim = 0.8 * tok + 0.2 * (min(accepted, k) + 1), 0.8 * tim + 0.2 * T(k)
-    return out
+        acc_sum = 0.98 * acc_sum + accepted
+        pred_sum = 0.98 * pred_sum + sum(p_accept**j for j in range(1, drafted + 1))
+    return out, min(max(acc_sum / pred_sum, 0.5), 2.0)
 
 
-@pytest.mark.parametrize("p_accept", [0.6, 0.9])
-def test_auto_rule_round_lengths_follow_the_goodput_rule(p_accept):
+@pytest.mark.parametrize("calibrate", [True, False])
+@pytest.mark.parametrize("p_accept", [0.2, 0.6, 0.9])
+def test_auto_rule_round_lengths_follow_the_goodput_rule(p_accept, calibrate):
+    """Round by round, the candidate lengths of the hand-worked rule (auto_lengths), with the survivals' calibration
+    read from the predictions that came back with the rounds' tokens; the calibration moves up where the head
+    under-predicts this pair's acceptance (p = 0.2) and down where it over-predicts it (p = 0.6, 0.9)."""
     target, draft = make_pair("llama")
     head = constant_head(draft, p_accept, "proposal")
     head.mean_accept = 0.7
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=12,
-                               costs=TEST_COSTS)
+                               costs=TEST_COSTS, calibrate=calibrate)
     ids, _ = prompts(1, target.config.vocab_size)
     out = gen.generate(ids, max_new_tokens=60, temperature=0)
     rounds = out.stats.rounds
-    want = auto_lengths(p_accept, TEST_COSTS, 0.7, 12, [r.accepted[0] for r in rounds])
+    want, c = auto_lengths(p_accept, TEST_COSTS, 0.7, 12, [(r.accepted[0], r.candidates[0]) for r in rounds],
+                           calibrate)
     remaining = 60
     for r, w in zip(rounds, want):
         assert r.candidates[0] == min(w, remaining - 1), (r, w)
         remaining -= r.emitted[0]
     assert len(set(want)) >= 1 and len(rounds) >= 4
+    if calibrate:
+        scale = gen.policy.calibration.scale
+        assert scale == pytest.approx(c, rel=1e-6)
+        assert (scale > 1.05) if p_accept == 0.2 else (scale < 0.95), scale
+        gen.policy.reset_adaptation()
+        assert gen.policy.calibration.scale == 1.0
+    else:
+        assert gen.policy.calibration is None
 
 
 def test_auto_rule_follows_the_costs():

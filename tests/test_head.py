@@ -414,3 +414,23 @@ def test_the_goodput_rules_thresholds_are_rate_times_marginal_ms():
             want = rate * TEST_COSTS.marginal_ms(k) if 2 <= k < 5 else -math.inf
             assert got[b, k - 1].item() == want
     assert rule.thresholds(6, 2, 5) is not got and torch.equal(rule.thresholds(6, 2, 5), got)
+    scaled = rule.thresholds(6, 2, 5, scale=2.0)  # the survivals' calibration c: stop once c S_k < lambda m_k
+    assert torch.allclose(scaled[:, 1:4], got[:, 1:4] / 2.0, rtol=1e-15, atol=0) and torch.equal(scaled[:, 4:], got[:, 4:])
+
+
+def test_survival_calibration_follows_accepted_over_predicted_within_bounds():
+    from specdec_ext.policies.goodput import SurvivalCalibration
+
+    cal = SurvivalCalibration(decay=0.1, prior=5.0, lo=0.5, hi=2.0)
+    assert cal.scale == 1.0
+    for _ in range(200):  # a head that predicts 2 accepted candidates per round where 3 are accepted
+        cal.update(2.0, 3.0)
+    assert cal.scale == pytest.approx(1.5, rel=1e-6) and cal.rounds == 200
+    for _ in range(200):  # then prompts where it predicts 4 and 1 is accepted: held at lo
+        cal.update(4.0, 1.0)
+    assert cal.scale == 0.5
+    cal.reset()
+    assert cal.scale == 1.0 and cal.rounds == 0
+    for bad in (dict(decay=0.0), dict(decay=1.5), dict(prior=0.0), dict(lo=1.2), dict(hi=0.9), dict(lo=0.0)):
+        with pytest.raises(ValueError, match="SurvivalCalibration: "):
+            SurvivalCalibration(**bad)

@@ -13,7 +13,7 @@ from .. import ops
 from ..head import AcceptanceHead
 from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
 from .base import CandidateLengthPolicy, DraftStep, RoundPlan, StopRule, _check_k
-from .goodput import BatchBudget, BatchCosts, CostModel, GoodputRule
+from .goodput import BatchBudget, BatchCosts, CostModel, GoodputRule, SurvivalCalibration
 
 
 class Autoregressive(CandidateLengthPolicy):
@@ -150,7 +150,7 @@ class SpecDecPP(CandidateLengthPolicy):
         batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
             batch (their distribution does not); ``False`` keeps every row's decisions its own (per-row rule),
-            so a row's seeded output in a batch equals its output alone.
+            so a row's seeded output in a batch equals its output alone (with ``calibrate=False`` too).
         measured_costs: once rounds have been measured, the budget corrects the table's cost of each depth by what
             rounds of that depth measured, and the head's survivals by the tokens they turned into, and chooses
             each round's depth cap (0: a plain step) by the goodput expected from both (default; see
@@ -159,6 +159,13 @@ class SpecDecPP(CandidateLengthPolicy):
         budget_options: keyword arguments of the budget (:class:`~specdec_ext.policies.goodput.BatchBudget`, e.g.
             ``{"switch_margin": 0.05, "headroom": 0.0}``); only with ``threshold="auto"`` and ``batch_budget``.
             Raises TypeError for a name the budget does not take, ValueError without the budget.
+        calibrate: with ``threshold="auto"``'s per-row rule, scale the head's survivals by how many candidates the
+            rounds accepted against how many the head predicted (default;
+            :class:`~specdec_ext.policies.goodput.SurvivalCalibration`), kept across this policy's calls and
+            forgotten by :meth:`reset_adaptation`; the predictions come back in the round's one read. One scale for
+            all rows, learned from earlier rounds and calls, so a sampled row's draws depend on what came before
+            (their distribution does not; greedy tokens do not change). ``False``: the head's survivals as they
+            are, decisions reproducible call to call.
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
     ``"proposal"`` head scores candidate k at step k and may stop at any K >= 1; the paper's
@@ -168,7 +175,7 @@ class SpecDecPP(CandidateLengthPolicy):
     """
 
     def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20, batch_budget: bool = True,
-                 measured_costs: bool = True, budget_options: Optional[Mapping] = None):
+                 measured_costs: bool = True, budget_options: Optional[Mapping] = None, calibrate: bool = True):
         heads = dict(head) if isinstance(head, Mapping) else {"any": head}
         for key, h in heads.items():
             if not isinstance(h, AcceptanceHead):
@@ -205,6 +212,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self.name = f"specdec++-{threshold if self.auto else format(threshold, 'g')}"
         self.costs: Optional[CostModel] = None
         self.rule: Optional[GoodputRule] = None
+        self.calibration = SurvivalCalibration() if self.auto and calibrate else None
         self._weights = None
         self.history: Optional[torch.Tensor] = None
         self._round = None
@@ -248,8 +256,9 @@ class SpecDecPP(CandidateLengthPolicy):
             kept = self._kept[key] = {
                 "cum": torch.ones(rows, dtype=torch.float32, device=device),
                 "prev": torch.zeros(rows, F, dtype=torch.float32, device=device),
-                "rows": torch.full((rows, self.max_candidates), -math.inf, dtype=torch.float64, device=device),
-                "history": torch.full((rows,), HISTORY_PRIOR, dtype=torch.float32, device=device)}
+                "rows": torch.full((self.max_candidates, rows), -math.inf, dtype=torch.float32, device=device),
+                "history": torch.full((rows,), HISTORY_PRIOR, dtype=torch.float32, device=device),
+                "predicted": torch.zeros(rows, dtype=torch.float32, device=device)}
         return kept
 
     def reset(self, batch_size, device):
@@ -288,8 +297,9 @@ class SpecDecPP(CandidateLengthPolicy):
             if not b.score_last:  # the budget stops the batch at its cap whatever the head says: that slot unscored
                 skip_from = max(self.k_min, cap)
         rows = None
-        if self.auto and not self.use_budget:  # the per-row goodput rule: S_k < lambda_b marginal(k)
-            rows = self.rule.thresholds(cap, self.k_min, self.max_candidates)
+        if self.auto and not self.use_budget:  # the per-row goodput rule: c S_k < lambda_b marginal(k)
+            scale = self.calibration.scale if self.calibration is not None else 1.0
+            rows = self.rule.thresholds(cap, self.k_min, self.max_candidates, scale)
         self._round = _HeadRule(self, budget, rows, skip_from)
         return RoundPlan(cap, self._round)
 
@@ -300,6 +310,10 @@ class SpecDecPP(CandidateLengthPolicy):
             self.history = history_update(self.history, drafted, accepted)
         if self.rule is not None and not self.use_budget:  # the per-row rule sits out a budgeted call
             self.rule.update(drafted, accepted)
+            if self.calibration is not None and result.readback:  # [P] predicted accepted counts, padding rows last
+                scored = result.accepted if self.head.input_position == "proposal" else \
+                    [min(a, max(d - 1, 0)) for a, d in zip(result.accepted, result.drafted)]  # candidate K unscored
+                self.calibration.update(sum(result.readback[0][: len(result.accepted)]), sum(scored))
         if not self.use_budget:
             return
         b, B = self.budget, len(result.drafted)
@@ -332,8 +346,16 @@ class SpecDecPP(CandidateLengthPolicy):
             self.use_budget = True  # a call that began with one row (requests arriving one by one) now has several
             self.budget.reset(rows)
 
+    def reset_adaptation(self) -> None:
+        """Forget what this policy learned from the rounds it observed across calls: the survivals' calibration
+        (``calibrate``) and the batch budget's measured costs and calibration (the next call measures anew)."""
+        if self.calibration is not None:
+            self.calibration.reset()
+        self.budget = None
+
     def describe(self):
-        return f"{self.name} ({self.head.describe()})"
+        extra = f", survivals x {self.calibration.scale:.3g}" if self.calibration is not None else ""
+        return f"{self.name} ({self.head.describe()}{extra})"
 
 
 class _HeadRule(StopRule):
@@ -341,7 +363,8 @@ class _HeadRule(StopRule):
     (``ops.acceptance_head_step``: p_hat, the running product S_k, the bounds and the threshold h), and
 
     - ``threshold="auto"`` at one row, or per-row: stop once S_k < lambda_b marginal(k) (``rows``: ``[B, cap]`` the
-      right side, fixed before the round from each row's running goodput, :class:`GoodputRule`);
+      right side, fixed before the round from each row's running goodput, :class:`GoodputRule`; the op's
+      ``stop_below``, kept as ``[cap, B]`` float32 so that step k reads a contiguous row);
     - the batch verification budget: the batch stops once the summed survivals of the rows with room fall below
       ``budget[k - 1]`` (:meth:`BatchBudget.go_threshold`), the head skipped from slot ``skip_from`` on (an
       unscored capped slot), and after drafting one depth for every row (:meth:`BatchBudget.depth`, computed on the
@@ -362,6 +385,8 @@ class _HeadRule(StopRule):
         self.history = policy.history
         self.budget, self.rows, self.skip_from = budget, rows, skip_from
         self.policy = policy
+        self.calibrating = rows is not None and policy.calibration is not None
+        self.predicted: Optional[torch.Tensor] = None  # [B]: sum of S_k over each row's scored candidates
         self.needs_hidden = bool(head.use_hidden)
         self.unscored = False
 
@@ -375,29 +400,32 @@ class _HeadRule(StopRule):
             kept = self.policy._buffers(batch_size, dev)
             self.cum = kept["cum"].fill_(1.0)
             self.prev = kept["prev"]
-            if self.rows is not None:
+            if self.rows is not None:  # [cap, B]: the op reads step k's row of survivals, contiguous
                 rows = kept["rows"].fill_(-math.inf)
-                rows[: self.rows.shape[0], : self.rows.shape[1]].copy_(self.rows)
+                rows[: self.rows.shape[1], : self.rows.shape[0]].copy_(self.rows.t())
                 self.rows = rows
+            if self.calibrating:
+                self.predicted = kept["predicted"].zero_()
             if any(c is None for c in self.columns):
                 kept["history"].fill_(HISTORY_PRIOR)[: self.history.shape[0]].copy_(self.history)
                 self.history = kept["history"]
             return
         self.cum = torch.ones(batch_size, dtype=torch.float32, device=dev)
-        self.prev = None
-        if self.rows is not None:
-            self.rows = torch.cat([self.rows, self.rows.new_full((pad, self.rows.shape[1]), -math.inf)]).to(dev)
+        self.prev = None  # (the budget decides for the batch: no per-row survivals, self.rows is None)
         if any(c is None for c in self.columns):
             self.history = torch.cat([self.history, self.history.new_full((pad,), HISTORY_PRIOR)]).to(dev)
 
     def written(self):
-        return [self.cum, self.prev] if self.budget is None else []
+        if self.budget is not None:
+            return []
+        return [self.cum, self.prev] + ([self.predicted] if self.predicted is not None else [])
 
     def capture_key(self):
         if self.budget is not None:  # the budget's thresholds are host numbers and its survivals a host list
             return None
         tensors = [t for t in self.weights if t is not None] + [self.cum, self.prev]
         tensors += [self.rows] if self.rows is not None else []
+        tensors += [self.predicted] if self.predicted is not None else []
         tensors += [self.history] if any(c is None for c in self.columns) else []  # the history feature reads it
         return (type(self), self.head.input_position, self.head.use_hidden, tuple(self.columns), self.conf_only,
                 self.k_min, self.k_max, self.h, self.rows is not None, self.skip_from,
@@ -435,10 +463,11 @@ class _HeadRule(StopRule):
                 return torch.full((B,), k >= self.k_max, dtype=torch.bool, device=info.tokens.device)
             features = scored
         hidden = info.hidden.to(dev) if self.head.use_hidden else None
+        below = self.rows[k - 1] if self.rows is not None and k <= self.rows.shape[0] else None
         _, stop = ops.acceptance_head_step(hidden, features, *self.weights, self.cum, k, self.k_min, self.k_max,
-                                           self.h, check=False)  # no read-back: a NaN p_hat stops its row
-        if self.rows is not None and k <= self.rows.shape[1]:
-            stop = stop | (self.cum.double() < self.rows[:, k - 1])
+                                           self.h, below, check=False)  # no read-back: a NaN p_hat stops its row
+        if self.predicted is not None:  # S_k of the rows whose candidate this step scored
+            self.predicted.add_(self.cum * info.drafting.to(dev))
         if self.budget is not None:  # rows stop together, when the batch's next slots do not pay (BatchBudget)
             S = self.cum * info.drafting.to(dev)  # a row that stopped has no slot here
             self.survivals.append(S)
@@ -459,6 +488,8 @@ class _HeadRule(StopRule):
         return torch.minimum(drafted, self.depth_value.to(drafted.device))
 
     def readback(self):
+        if self.predicted is not None:
+            return [self.predicted]
         if self.budget is None or not self.survivals:
             return []
         S = torch.stack(self.survivals, 1)

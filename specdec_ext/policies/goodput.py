@@ -147,17 +147,19 @@ class GoodputRule:
         """``costs.marginal_ms(k)``, from the table kept up to ``k_max``."""
         return self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
 
-    def thresholds(self, cap: int, k_lo: int, k_hi: int) -> torch.Tensor:
+    def thresholds(self, cap: int, k_lo: int, k_hi: int, scale: float = 1.0) -> torch.Tensor:
         """``[B, cap]`` float64: column k - 1 holds the survival below which a row stops after candidate k, lambda_b
-        marginal_ms(k), for ``k_lo <= k < k_hi``, and -inf elsewhere (no stop there): one product of the rows' rates
-        and the depths' marginal ms per round's plan."""
+        marginal_ms(k) / ``scale``, for ``k_lo <= k < k_hi``, and -inf elsewhere (no stop there): one product of the
+        rows' rates and the depths' marginal ms per round's plan. ``scale``: the head's survivals' calibration c
+        (:class:`SurvivalCalibration`; the rule compares c S_k with lambda marginal_ms(k))."""
         key = (cap, k_lo, k_hi)
         margins = self._margins.get(key)
         if margins is None:
             margins = self._margins[key] = torch.tensor(
                 [self._marginal_ms(k) if k_lo <= k < k_hi else -math.inf for k in range(1, cap + 1)],
                 dtype=torch.float64)
-        return self.rate.view(-1, 1) * margins
+        rate = self.rate if scale == 1.0 else self.rate / scale
+        return rate.view(-1, 1) * margins
 
     def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool for candidate ``k`` (no bounds applied) given survivals ``[B]``."""
@@ -183,6 +185,51 @@ class GoodputRule:
         """``n`` new rows, each starting from the prior as at ``reset``."""
         self.tokens = self.tokens + [self.prior * self.prior_ms] * n
         self.time = self.time + [self.prior_ms] * n
+
+
+class SurvivalCalibration:
+    """An online calibration of the acceptance head's survivals for ``threshold="auto"``'s per-row rule: a scale c
+    with which the rule stops after candidate k when c S_k < lambda marginal_ms(k) (:class:`GoodputRule`).
+
+    A calibrated head predicts the accepted count: a round's accepted candidates are sum_k 1[candidates 1..k
+    accepted], each term of expectation S_k given what the head read, and where drafting stops depends only on the
+    predictions, so E[accepted] = E[sum_{k <= K} S_k]. On prompts unlike the head's training data its p_hat may sit
+    too low or too high; c is the ratio of exponential averages (weight ``decay`` per round) of the accepted counts
+    and of the predicted ones, each starting at ``prior`` (c = 1), held within [``lo``, ``hi``]. One scale, not a
+    refit of the head: a scale on S_k is what moves the rule's stops, and a round's accepted count is all a round
+    shows (Platt scaling, Platt 1999, fits two numbers to per-candidate labels; the rounds give one count each).
+
+    Kept by the policy across generation calls (the prompts a generator meets), reset by :meth:`reset`
+    (``SpecDecPP.reset_adaptation``); a few float operations per round."""
+
+    def __init__(self, decay: float = 0.02, prior: float = 25.0, lo: float = 0.5, hi: float = 2.0):
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"SurvivalCalibration: decay must lie in (0, 1], got {decay!r}")
+        if not prior > 0.0:
+            raise ValueError(f"SurvivalCalibration: prior must be > 0 (accepted candidates' worth), got {prior!r}")
+        if not 0.0 < lo <= 1.0 <= hi:
+            raise ValueError(f"SurvivalCalibration: need 0 < lo <= 1 <= hi, got lo={lo!r}, hi={hi!r}")
+        self.decay, self.prior, self.lo, self.hi = decay, prior, lo, hi
+        self.rounds = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every round: c = 1."""
+        self.accepted = self.predicted = self.prior
+        self.rounds = 0
+
+    @property
+    def scale(self) -> float:
+        """c: averaged accepted over predicted accepted candidates, within [lo, hi]."""
+        return min(max(self.accepted / self.predicted, self.lo), self.hi)
+
+    def update(self, predicted: float, accepted: float) -> None:
+        """One round: its rows' predicted accepted candidates (sum of their S_k over the candidates they drafted and
+        the head scored) and the candidates they accepted among those."""
+        keep = 1.0 - self.decay
+        self.predicted = keep * self.predicted + predicted
+        self.accepted = keep * self.accepted + accepted
+        self.rounds += 1
 
 
 def prior_goodput(costs: CostModel, mean_accept: Optional[float], k_max: int) -> float:
