@@ -44,9 +44,10 @@ Rows = Union[None, slice, torch.Tensor]
 
 # On a CPU, oneDNN compiles and keeps a primitive per matmul shape (up to 1,024 of them): prefills of every length
 # bring new token counts, and a server's resident memory climbed for thousands of requests (bench/soak.py, B = 16:
-# +42% from its 200th request to its 2,000th without buckets, +3.5% with them). Forwards of more than this many tokens per row (prefills: decode steps
-# and verifications take at most attention.MAX_QUERIES) run their projections over a token count padded to one of
-# eight buckets per octave (:func:`bucketed_rows`), so the shapes a server meets are few and met early.
+# +42% from its 200th request to its 2,000th without buckets, +3.5% with them). Forwards of more than this many
+# tokens per row (prefills: decode steps and verifications take at most attention.MAX_QUERIES) run their projections
+# over a token count padded to one of eight buckets per octave (:func:`bucketed_rows`), so the shapes a server meets
+# are few and met early.
 BUCKET_ABOVE = 16
 
 
