@@ -247,8 +247,9 @@ class SpecDecPP(CandidateLengthPolicy):
 
     def _buffers(self, rows: int, device) -> dict:
         """The head rule's per-round tensors for ``rows`` rows on ``device`` (running survival, the previous
-        candidate's features, per-row thresholds and acceptance history), kept from round to round and refilled in
-        place, so a captured draft step reads the same addresses every round (``StopRule.capture_key``)."""
+        candidate's features, per-row thresholds ``[k_max, rows]``, acceptance history and the predicted accepted
+        candidates the calibration reads), kept from round to round and refilled in place, so a captured draft step
+        reads the same addresses every round (``StopRule.capture_key``)."""
         key = (rows, torch.device(device))
         kept = self._kept.get(key)
         F = len(self.head.features)
@@ -385,7 +386,6 @@ class _HeadRule(StopRule):
         self.history = policy.history
         self.budget, self.rows, self.skip_from = budget, rows, skip_from
         self.policy = policy
-        self.calibrating = rows is not None and policy.calibration is not None
         self.predicted: Optional[torch.Tensor] = None  # [B]: sum of S_k over each row's scored candidates
         self.needs_hidden = bool(head.use_hidden)
         self.unscored = False
@@ -404,7 +404,7 @@ class _HeadRule(StopRule):
                 rows = kept["rows"].fill_(-math.inf)
                 rows[: self.rows.shape[1], : self.rows.shape[0]].copy_(self.rows.t())
                 self.rows = rows
-            if self.calibrating:
+            if self.rows is not None and self.policy.calibration is not None:
                 self.predicted = kept["predicted"].zero_()
             if any(c is None for c in self.columns):
                 kept["history"].fill_(HISTORY_PRIOR)[: self.history.shape[0]].copy_(self.history)
