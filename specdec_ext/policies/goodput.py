@@ -158,7 +158,7 @@ class GoodputRule:
             margins = self._margins[key] = torch.tensor(
                 [self._marginal_ms(k) if k_lo <= k < k_hi else -math.inf for k in range(1, cap + 1)],
                 dtype=torch.float64)
-        rate = self.rate if scale == 1.0 else self.rate / scale
+        rate = torch.tensor([t / (m * scale) for t, m in zip(self.tokens, self.time)], dtype=torch.float64)
         return rate.view(-1, 1) * margins
 
     def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
