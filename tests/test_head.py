@@ -397,7 +397,8 @@ def test_data_generated_in_shards_and_merged_equal_the_whole_set(pair, tmp_path)
 
 
 def test_the_goodput_rules_thresholds_are_rate_times_marginal_ms():
-    """GoodputRule.thresholds: column k - 1 is lambda_b marginal_ms(k) for k_min <= k < k_max, -inf elsewhere."""
+    """GoodputRule.thresholds: entry [k - 1, b] is lambda_b marginal_ms(k) / c for k_min <= k < k_max, -inf elsewhere,
+    float32 in the op's layout (a row per draft step), written into the columns of a kept buffer when given."""
     import math
 
     from specdec_ext.policies.goodput import GoodputRule
@@ -406,17 +407,32 @@ def test_the_goodput_rules_thresholds_are_rate_times_marginal_ms():
     rule = GoodputRule(TEST_COSTS, 0.7, 8)
     rule.reset(3)
     rule.update(torch.tensor([2, 5, 0]), torch.tensor([1, 5, 0]))
+    listed = GoodputRule(TEST_COSTS, 0.7, 8)
+    listed.reset(3)
+    listed.update([2, 5, 0], [1, 5, 0])  # lists, as the policy passes them: the same state
+    assert listed.tokens == rule.tokens and listed.time == rule.time
     got = rule.thresholds(6, 2, 5)
-    assert got.shape == (3, 6) and got.dtype == torch.float64
+    assert got.shape == (6, 3) and got.dtype == torch.float32
     for b in range(3):
         rate = rule.tokens[b] / rule.time[b]
         for k in range(1, 7):
             want = rate * TEST_COSTS.marginal_ms(k) if 2 <= k < 5 else -math.inf
-            assert got[b, k - 1].item() == want
+            assert got[k - 1, b].item() == pytest.approx(want, rel=1e-6, abs=0)
     assert rule.thresholds(6, 2, 5) is not got and torch.equal(rule.thresholds(6, 2, 5), got)
     scaled = rule.thresholds(6, 2, 5, scale=2.0)  # the survivals' calibration c: stop once c S_k < lambda m_k
-    assert torch.allclose(scaled[:, 1:4], got[:, 1:4] / 2.0, rtol=1e-15, atol=0)
-    assert torch.equal(scaled[:, 4:], got[:, 4:])  # -inf where no stop
+    assert torch.allclose(scaled[1:4], got[1:4] / 2.0, rtol=1e-6, atol=0)
+    assert torch.equal(scaled[4:], got[4:]) and torch.equal(scaled[0], got[0])  # -inf where no stop
+    buf = torch.full((8, 5), 7.0)  # a kept buffer: more steps and rows than this call's; only [:6, :3] written
+    assert rule.thresholds(6, 2, 5, out=buf).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:6, :3], got) and bool((buf[6:] == 7.0).all()) and bool((buf[:, 3:] == 7.0).all())
+    one = GoodputRule(TEST_COSTS, 0.7, 8)  # one row: a multiplication by a Python number, the same values
+    one.reset(1)
+    one.update([3], [2])
+    col = torch.zeros(6, 1)
+    one.thresholds(6, 2, 5, scale=1.5, out=col)
+    rate = one.tokens[0] / (one.time[0] * 1.5)
+    assert col[:, 0].tolist() == pytest.approx([rate * TEST_COSTS.marginal_ms(k) if 2 <= k < 5 else -math.inf
+                                                for k in range(1, 7)], rel=1e-6)
 
 
 def test_survival_calibration_follows_accepted_over_predicted_within_bounds():

@@ -247,9 +247,10 @@ class SpecDecPP(CandidateLengthPolicy):
 
     def _buffers(self, rows: int, device) -> dict:
         """The head rule's per-round tensors for ``rows`` rows on ``device`` (running survival, the previous
-        candidate's features, per-row thresholds ``[k_max, rows]``, acceptance history and the predicted accepted
-        candidates the calibration reads), kept from round to round and refilled in place, so a captured draft step
-        reads the same addresses every round (``StopRule.capture_key``)."""
+        candidate's features, per-row thresholds ``[k_max, rows]`` and their host copy (pinned off the CPU; the same
+        tensor on it), acceptance history and the predicted accepted candidates the calibration reads), kept from
+        round to round and refilled in place, so a captured draft step reads the same addresses every round
+        (``StopRule.capture_key``)."""
         key = (rows, torch.device(device))
         kept = self._kept.get(key)
         F = len(self.head.features)
@@ -260,6 +261,9 @@ class SpecDecPP(CandidateLengthPolicy):
                 "rows": torch.full((self.max_candidates, rows), -math.inf, dtype=torch.float32, device=device),
                 "history": torch.full((rows,), HISTORY_PRIOR, dtype=torch.float32, device=device),
                 "predicted": torch.zeros(rows, dtype=torch.float32, device=device)}
+            kept["rows_host"] = kept["rows"] if kept["rows"].device.type == "cpu" else torch.full(
+                (self.max_candidates, rows), -math.inf, dtype=torch.float32,
+                pin_memory=kept["rows"].device.type == "cuda")
         return kept
 
     def reset(self, batch_size, device):
@@ -297,20 +301,16 @@ class SpecDecPP(CandidateLengthPolicy):
             budget = [b.go_threshold(B, k) for k in range(1, cap + 1)]
             if not b.score_last:  # the budget stops the batch at its cap whatever the head says: that slot unscored
                 skip_from = max(self.k_min, cap)
-        rows = None
-        if self.auto and not self.use_budget:  # the per-row goodput rule: c S_k < lambda_b marginal(k)
-            scale = self.calibration.scale if self.calibration is not None else 1.0
-            rows = self.rule.thresholds(cap, self.k_min, self.max_candidates, scale)
-        self._round = _HeadRule(self, budget, rows, skip_from)
+        # the per-row goodput rule (threshold="auto" without the budget): c S_k < lambda_b marginal(k)
+        self._round = _HeadRule(self, budget, self.auto and not self.use_budget, skip_from)
         return RoundPlan(cap, self._round)
 
     def observe(self, result):
-        drafted = torch.tensor(result.drafted, dtype=torch.int64)
-        accepted = torch.tensor(result.accepted, dtype=torch.int64)
         if self._uses_history:
-            self.history = history_update(self.history, drafted, accepted)
+            self.history = history_update(self.history, torch.tensor(result.drafted, dtype=torch.int64),
+                                          torch.tensor(result.accepted, dtype=torch.int64))
         if self.rule is not None and not self.use_budget:  # the per-row rule sits out a budgeted call
-            self.rule.update(drafted, accepted)
+            self.rule.update(result.drafted, result.accepted)
             if self.calibration is not None and result.readback:  # [P] predicted accepted counts, padding rows last
                 scored = result.accepted if self.head.input_position == "proposal" else \
                     [min(a, max(d - 1, 0)) for a, d in zip(result.accepted, result.drafted)]  # candidate K unscored
@@ -326,7 +326,7 @@ class SpecDecPP(CandidateLengthPolicy):
                 S = torch.tensor(result.readback[0], dtype=torch.float64).view(B, -1)
                 if not self._round.unscored:
                     depth = int(result.readback[1][0])
-            b.update(B, result.steps, depth, int((accepted + 1).sum()), S)
+            b.update(B, result.steps, depth, sum(result.accepted) + B, S)
         b.observe(result.ms)
 
     @property
@@ -363,9 +363,10 @@ class _HeadRule(StopRule):
     """SpecDec++'s stop rule for one round, on the device: the acceptance head's fused step per candidate
     (``ops.acceptance_head_step``: p_hat, the running product S_k, the bounds and the threshold h), and
 
-    - ``threshold="auto"`` at one row, or per-row: stop once S_k < lambda_b marginal(k) (``rows``: ``[B, cap]`` the
-      right side, fixed before the round from each row's running goodput, :class:`GoodputRule`; the op's
-      ``stop_below``, kept as ``[cap, B]`` float32 so that step k reads a contiguous row);
+    - ``threshold="auto"`` at one row, or per-row (``per_row``): stop once c S_k < lambda_b marginal(k), the right
+      side divided by the calibration c written before the round from each row's running goodput
+      (:meth:`GoodputRule.thresholds`) into a kept ``[k_max, B]`` float32 buffer, the op's ``stop_below`` (step k
+      reads row k - 1, contiguous);
     - the batch verification budget: the batch stops once the summed survivals of the rows with room fall below
       ``budget[k - 1]`` (:meth:`BatchBudget.go_threshold`), the head skipped from slot ``skip_from`` on (an
       unscored capped slot), and after drafting one depth for every row (:meth:`BatchBudget.depth`, computed on the
@@ -375,8 +376,7 @@ class _HeadRule(StopRule):
     scores candidate k at step k; the paper's ``"candidate"`` head reads the hidden state at candidate k - 1, so a
     stop at step k ends the round with one candidate beyond those scored, and its smallest K is 2."""
 
-    def __init__(self, policy: SpecDecPP, budget: Optional[list], rows: Optional[torch.Tensor],
-                 skip_from: Optional[int]):
+    def __init__(self, policy: SpecDecPP, budget: Optional[list], per_row: bool, skip_from: Optional[int]):
         head = policy.head
         self.head, self.weights = head, policy._weights
         self.k_min, self.k_max = policy.k_min, policy.max_candidates
@@ -384,7 +384,8 @@ class _HeadRule(StopRule):
         self.columns = [CONFIDENCE_FEATURES.index(n) if n in CONFIDENCE_FEATURES else None for n in head.features]
         self.conf_only = tuple(head.features) == CONFIDENCE_FEATURES
         self.history = policy.history
-        self.budget, self.rows, self.skip_from = budget, rows, skip_from
+        self.budget, self.per_row, self.skip_from = budget, per_row, skip_from
+        self.rows: Optional[torch.Tensor] = None  # [k_max, B] float32: the per-row rule's thresholds
         self.policy = policy
         self.predicted: Optional[torch.Tensor] = None  # [B]: sum of S_k over each row's scored candidates
         self.needs_hidden = bool(head.use_hidden)
@@ -400,12 +401,15 @@ class _HeadRule(StopRule):
             kept = self.policy._buffers(batch_size, dev)
             self.cum = kept["cum"].fill_(1.0)
             self.prev = kept["prev"]
-            if self.rows is not None:  # [cap, B]: the op reads step k's row of survivals, contiguous
-                rows = kept["rows"].fill_(-math.inf)
-                rows[: self.rows.shape[1], : self.rows.shape[0]].copy_(self.rows.t())
-                self.rows = rows
-            if self.rows is not None and self.policy.calibration is not None:
-                self.predicted = kept["predicted"].zero_()
+            if self.per_row:  # live rows' columns rewritten (padding rows' thresholds are never read)
+                p = self.policy
+                p.rule.thresholds(self.k_max, self.k_min, self.k_max, p.calibration.scale if p.calibration else 1.0,
+                                  out=kept["rows_host"])
+                self.rows = kept["rows"]
+                if kept["rows_host"] is not self.rows:  # pinned: no wait for the device
+                    self.rows.copy_(kept["rows_host"], non_blocking=True)
+                if p.calibration is not None:
+                    self.predicted = kept["predicted"].zero_()
             if any(c is None for c in self.columns):
                 kept["history"].fill_(HISTORY_PRIOR)[: self.history.shape[0]].copy_(self.history)
                 self.history = kept["history"]
@@ -463,11 +467,11 @@ class _HeadRule(StopRule):
                 return torch.full((B,), k >= self.k_max, dtype=torch.bool, device=info.tokens.device)
             features = scored
         hidden = info.hidden.to(dev) if self.head.use_hidden else None
-        below = self.rows[k - 1] if self.rows is not None and k <= self.rows.shape[0] else None
+        below = self.rows[k - 1] if self.rows is not None else None  # k <= k_max: a row per step
         _, stop = ops.acceptance_head_step(hidden, features, *self.weights, self.cum, k, self.k_min, self.k_max,
                                            self.h, below, check=False)  # no read-back: a NaN p_hat stops its row
         if self.predicted is not None:  # S_k of the rows whose candidate this step scored
-            self.predicted.add_(self.cum * info.drafting.to(dev))
+            self.predicted.addcmul_(self.cum, info.drafting.to(dev))
         if self.budget is not None:  # rows stop together, when the batch's next slots do not pay (BatchBudget)
             S = self.cum * info.drafting.to(dev)  # a row that stopped has no slot here
             self.survivals.append(S)

@@ -131,7 +131,8 @@ class GoodputRule:
         self.costs, self.decay, self.prior_ms = costs, decay, prior_ms
         self.prior = prior_goodput(costs, mean_accept, k_max)
         self._marginal = [costs.marginal_ms(k) for k in range(0, k_max + 1)]
-        self._margins: dict = {}  # (cap, k_lo, k_hi) -> [cap] marginal ms (thresholds)
+        self._round = [costs.round_time(k) for k in range(0, k_max + 1)]
+        self._margins: dict = {}  # (cap, k_lo, k_hi) -> [cap, 1] float32 marginal ms (thresholds)
         self.tokens = self.time = None
 
     def reset(self, batch_size: int) -> None:
@@ -147,19 +148,29 @@ class GoodputRule:
         """``costs.marginal_ms(k)``, from the table kept up to ``k_max``."""
         return self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
 
-    def thresholds(self, cap: int, k_lo: int, k_hi: int, scale: float = 1.0) -> torch.Tensor:
-        """``[B, cap]`` float64: column k - 1 holds the survival below which a row stops after candidate k, lambda_b
-        marginal_ms(k) / ``scale``, for ``k_lo <= k < k_hi``, and -inf elsewhere (no stop there): one product of the
-        rows' rates and the depths' marginal ms per round's plan. ``scale``: the head's survivals' calibration c
-        (:class:`SurvivalCalibration`; the rule compares c S_k with lambda marginal_ms(k))."""
+    def thresholds(self, cap: int, k_lo: int, k_hi: int, scale: float = 1.0,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[cap, B]`` float32: entry ``[k - 1, b]`` is the survival below which row b stops after candidate k,
+        lambda_b marginal_ms(k) / ``scale``, for ``k_lo <= k < k_hi``, and -inf elsewhere (no stop there); the layout
+        of ``ops.acceptance_head_step``'s ``stop_below``, one row per draft step. ``scale``: the head's survivals'
+        calibration c (:class:`SurvivalCalibration`; the rule compares c S_k with lambda marginal_ms(k)).
+
+        ``out``: a float32 CPU tensor ``[cap, >= B]`` whose first B columns receive the thresholds (one
+        multiplication per round's plan, by a Python number at B = 1), returned; without it, a new tensor."""
         key = (cap, k_lo, k_hi)
         margins = self._margins.get(key)
         if margins is None:
             margins = self._margins[key] = torch.tensor(
-                [self._marginal_ms(k) if k_lo <= k < k_hi else -math.inf for k in range(1, cap + 1)],
-                dtype=torch.float64)
-        rate = torch.tensor([t / (m * scale) for t, m in zip(self.tokens, self.time)], dtype=torch.float64)
-        return rate.view(-1, 1) * margins
+                [[self._marginal_ms(k)] if k_lo <= k < k_hi else [-math.inf] for k in range(1, cap + 1)],
+                dtype=torch.float32)
+        B = len(self.tokens)
+        if B == 1:
+            rate = self.tokens[0] / (self.time[0] * scale)
+        else:
+            rate = torch.tensor([t / (m * scale) for t, m in zip(self.tokens, self.time)], dtype=torch.float32)
+        if out is None:
+            return margins * rate
+        return torch.mul(margins, rate, out=out[:cap, :B])
 
     def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool for candidate ``k`` (no bounds applied) given survivals ``[B]``."""
@@ -167,15 +178,19 @@ class GoodputRule:
         s = survival.tolist()
         return torch.tensor([si < t / tm * m for si, t, tm in zip(s, self.tokens, self.time)], dtype=torch.bool)
 
-    def update(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor,
-               emitted: Optional[torch.Tensor] = None) -> None:
-        """After verification: rows drafted ``num_drafted`` and emitted ``num_accepted + 1`` tokens
-        (or ``emitted`` when given)."""
-        drafted = num_drafted.tolist()
-        toks = [a + 1 for a in num_accepted.tolist()] if emitted is None else emitted.tolist()
-        a = self.decay
-        self.tokens = [(1 - a) * t + a * e for t, e in zip(self.tokens, toks)]
-        self.time = [(1 - a) * tm + a * self.costs.round_time(int(n)) for tm, n in zip(self.time, drafted)]
+    def update(self, num_drafted, num_accepted, emitted=None) -> None:
+        """After verification: rows drafted ``num_drafted`` and emitted ``num_accepted + 1`` tokens (or ``emitted``
+        when given); each ``[B]`` int64 tensors or lists of ints."""
+        drafted = num_drafted.tolist() if isinstance(num_drafted, torch.Tensor) else num_drafted
+        if emitted is None:
+            accepted = num_accepted.tolist() if isinstance(num_accepted, torch.Tensor) else num_accepted
+            toks = [a + 1 for a in accepted]
+        else:
+            toks = emitted.tolist() if isinstance(emitted, torch.Tensor) else emitted
+        a, keep, table = self.decay, 1.0 - self.decay, self._round
+        self.tokens = [keep * t + a * e for t, e in zip(self.tokens, toks)]
+        self.time = [keep * tm + a * (table[n] if n < len(table) else self.costs.round_time(n))
+                     for tm, n in zip(self.time, drafted)]
 
     def select(self, index: torch.Tensor) -> None:
         idx = index.tolist()

@@ -132,7 +132,7 @@ def replay(feats: dict, score: Callable, costs: CostModel, rule: str = "auto", k
             else:
                 S = torch.cumprod(ph * inside, 1)
                 if rule == "auto":
-                    thr = g.thresholds(k_max, 1, k_max + 1)[live].float()
+                    thr = g.thresholds(k_max, 1, k_max + 1).t()[live]
                     stop = S < thr
                 else:
                     stop = (1 - S) > float(rule.split("=")[1])
