@@ -643,8 +643,7 @@ static void head_step_impl(const HeadArgs& a) {
     const float c = a.cum_accept[b] * p;
     a.p_accept[b] = p;
     a.cum_accept[b] = c;
-    a.stop[b] = specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold,
-                               a.stop_below != nullptr ? a.stop_below[b] : -INFINITY);
+    a.stop[b] = head_row_stop(a, b, c);
     if (bad_row < 0 && (!finite_f(logit) || !finite_f(c))) bad_row = b;
   }
   SPECDEC_CHK_VALUE(bad_row < 0, "acceptance_head_step: row ", bad_row, " gives a NaN or Inf acceptance probability or ",

@@ -451,9 +451,7 @@ __device__ __forceinline__ void head_finish(const HeadArgs& a, int64_t b, float 
   const bool ok = finite_f(logit) && finite_f(c);
   a.p_accept[b] = ok ? p : __int_as_float(0x7fc00000);
   a.cum_accept[b] = c;
-  a.stop[b] = ok ? specdecpp_stop(c, a.candidate_length, a.k_min, a.k_max, a.threshold,
-                                  a.stop_below != nullptr ? a.stop_below[b] : -INFINITY)
-                 : true;
+  a.stop[b] = ok ? head_row_stop(a, b, c) : true;
 }
 
 // Fused: one block per row, x in shared memory, one warp per output feature. One launch, but each block reads

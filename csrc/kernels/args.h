@@ -86,6 +86,13 @@ struct HeadArgs {
   const float* stop_below = nullptr;  // [B] survivals below which a row also stops, or nullptr (none)
 };
 
+// SpecDec++'s stop decision for row b of a head step whose running product is now `cum` (specdecpp_stop with the
+// step's bounds, threshold and the row's stop_below, -inf without one): the CPU and CUDA kernels' shared last line.
+SPECDEC_HD bool head_row_stop(const HeadArgs& a, int64_t b, float cum) {
+  return specdecpp_stop(cum, a.candidate_length, a.k_min, a.k_max, a.threshold,
+                        a.stop_below != nullptr ? a.stop_below[b] : -INFINITY);
+}
+
 // decode_attention: softmax(q k^T * scale + mask) v for a few queries per row over a KV cache, reading only
 // the columns the mask lets some query see. Strides are in elements; the head dimension is contiguous.
 struct DecodeAttentionArgs {
