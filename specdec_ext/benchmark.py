@@ -122,6 +122,7 @@ class Method:
     kind: str                               # "ours" | "hf"
     policy: Optional[Callable[..., CandidateLengthPolicy]] = None
     hf_assistant: Optional[dict] = None     # assistant generation config for kind == "hf" (None: plain generate)
+    hf_generate: Optional[dict] = None      # more keyword arguments of transformers' generate() (kind == "hf")
     family: str = ""                        # for tables and plots: plain, fixed, specdecpp, ...
     param: Optional[float] = None           # K or h (None: the auto rule)
     target: str = "default"                 # "float32": the fp32 copy of the target (a reference baseline)
@@ -141,14 +142,18 @@ PAPER_THRESHOLDS = (0.3, 0.7, 0.9)
 
 def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(1, 20),
                      adaptive=True, oracle=True, auto=True, paper_head=None, paper_thresholds=PAPER_THRESHOLDS,
-                     paper_bounds=(2, 20), fp32_plain=False, auto_uncalibrated=False) -> list[Method]:
+                     paper_bounds=(2, 20), fp32_plain=False, auto_uncalibrated=False,
+                     hf_static=False, auto_copies=0) -> list[Method]:
     """The benchmark's methods: plain decoding (ours, ``transformers``', and with ``fp32_plain`` our plain
     decoding of a float32 copy of the target), fixed K for each of ``ks``, SpecDec++ with ``head`` for each
     stop threshold in ``thresholds`` and with ``threshold="auto"`` (bounds ``k_bounds``; with ``auto_uncalibrated``
-    also ``"auto"`` with ``calibrate=False``), SpecDec++ with the
+    also ``"auto"`` with ``calibrate=False``; with ``auto_copies`` n more arms of ``"auto"`` exactly, each its own
+    policy: how far identical arms fall apart in one run), SpecDec++ with the
     paper-recipe ``paper_head`` at ``paper_thresholds`` (bounds ``paper_bounds``, the paper's [2, 20]),
     the heuristic / confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks``
-    (default: ``ks``) with its constant, heuristic and confidence schedules, and the greedy oracle."""
+    (default: ``ks``) with its constant, heuristic and confidence schedules, with ``hf_static`` ``transformers``'
+    plain ``generate(cache_implementation="static")`` (its forward compiled by transformers on a GPU), and the greedy
+    oracle."""
     hf_ks = ks if hf_ks is None else hf_ks
     m = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain")]
     if fp32_plain:
@@ -156,6 +161,9 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
                         target="float32"))
     if hf:
         m.append(Method("hf plain", "hf", None, None, family="hf-plain"))
+        if hf_static:
+            m.append(Method("hf static cache", "hf", None, None, family="hf-static",
+                            hf_generate={"cache_implementation": "static"}))
     for k in ks:
         m.append(Method(f"fixed K={k}", "ours", (lambda k=k, **_: make_policy("fixed", k=k)), family="fixed", param=k))
     if head is not None:
@@ -169,6 +177,10 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
                             lambda **_: make_policy("specdecpp", head=head, threshold="auto", k_min=k_bounds[0],
                                                     k_max=k_bounds[1], calibrate=False),
                             family="specdecpp-auto-uncalibrated"))
+        for i in range(auto_copies if auto else 0):
+            m.append(Method(f"specdec++ auto copy {i + 1}", "ours",
+                            lambda **_: make_policy("specdecpp", head=head, threshold="auto", k_min=k_bounds[0],
+                                                    k_max=k_bounds[1]), family="specdecpp-auto-copy"))
     if paper_head is not None:
         for h in paper_thresholds:
             m.append(Method(f"specdec++ paper head h={h:g}", "ours",
@@ -238,6 +250,7 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
             else:
                 kw.update(do_sample=True, temperature=temperature, top_k=0)
                 torch.manual_seed(seed)
+            kw.update(method.hf_generate or {})
             if method.hf_assistant is not None:
                 for k, v in method.hf_assistant.items():
                     setattr(draft.generation_config, k, v)
@@ -271,8 +284,11 @@ def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_token
     if costs is None and any(m.policy is not None and m.policy().needs_costs for m in methods if m.kind == "ours"):
         costs = SpeculativeGenerator(pair.target, pair.draft).costs()
     if warmup:  # first calls pay for allocation and lazy initialisation
+        longest = max(encoded, key=lambda ids: ids.shape[1])
         for m in methods:
-            if m.family != "oracle":
+            if m.family == "hf-static":  # its static cache sized (and its forward compiled) for the longest request
+                _run(m, pair, longest, max_new_tokens, temperature, seed, eos, None, targets, costs)
+            elif m.family != "oracle":
                 _run(m, pair, encoded[0][:, :16], 8, temperature, seed, eos, None, targets, costs)
     records: list[RunRecord] = []
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress, unit="run")

@@ -39,6 +39,12 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt 0 (prompt i uses seed + i)")
     p.add_argument("--quick", action="store_true", help="a few prompts and methods: minutes, for the README")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' own generate / assisted generation")
+    p.add_argument("--auto-copies", type=int, default=0,
+                   help="n more arms of SpecDec++ threshold='auto', identical, each its own policy: how far identical "
+                        "arms fall apart in this run (its noise)")
+    p.add_argument("--hf-static", action=argparse.BooleanOptionalAction, default=None,
+                   help="also transformers' generate(cache_implementation='static'), whose forward transformers "
+                        "compiles on a GPU (default: on with --device cuda, off elsewhere)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for JSON, Markdown and plots")
     p.add_argument("--cost-ratios", default="0.05,0.1,0.2", help="draft/target cost ratios for the replay")
     p.add_argument("--ks", type=_numbers(int), default=DEFAULT_KS, help="fixed candidate lengths K")
@@ -187,15 +193,22 @@ def run(args, pair):
     if batch_only:  # options of the batch benchmark would otherwise be ignored without a word
         raise ValueError(f"{', '.join(batch_only)}: only with --batch-sizes (the batch benchmark)")
     paper = pair.heads.get("paper")
+    hf_static = args.hf_static if args.hf_static is not None else args.device.startswith("cuda")
+    if args.auto_copies < 0:
+        raise ValueError(f"--auto-copies: expected a count >= 0, got {args.auto_copies}")
+    if args.hf_static and args.no_hf:
+        raise ValueError("--hf-static: transformers' methods are skipped (--no-hf); drop one of the two")
     fp32_plain = pair.target.dtype != torch.float32 and not args.no_fp32_plain
     if args.quick:
         methods = standard_methods(pair.head, ks=(2, 3, 4), thresholds=(0.7,), hf=not args.no_hf, hf_ks=(2,),
-                                   adaptive=False, paper_head=paper, paper_thresholds=(0.3,), fp32_plain=fp32_plain)
+                                   adaptive=False, paper_head=paper, paper_thresholds=(0.3,), fp32_plain=fp32_plain,
+                                   hf_static=hf_static)
         methods = [m for m in methods if m.family not in ("hf-heuristic", "hf-confidence")]
     else:
         methods = standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=not args.no_hf,
                                    hf_ks=args.hf_ks, paper_head=paper, paper_thresholds=args.paper_thresholds,
-                                   fp32_plain=fp32_plain, auto_uncalibrated=args.auto_uncalibrated)
+                                   fp32_plain=fp32_plain, auto_uncalibrated=args.auto_uncalibrated,
+                                   hf_static=hf_static, auto_copies=args.auto_copies)
     print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
           f"draft {pair.draft.dtype}")

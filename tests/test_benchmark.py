@@ -25,7 +25,7 @@ def run():
     pair = ModelPair(target, draft, DigitTokenizer(), head_for(draft, kind="proposal"))
     prompts = ["5 9 12 33 7", "40 41 2 8 16 23", "3 3 3 9"]
     methods = standard_methods(pair.head, ks=(1, 3), thresholds=(0.7,), hf_ks=(3,), paper_head=head_for(draft),
-                               paper_thresholds=(0.3,), fp32_plain=True)
+                               paper_thresholds=(0.3,), fp32_plain=True, hf_static=True)
     records = run_benchmark(pair, prompts, methods, max_new_tokens=20, progress=False, costs=TEST_COSTS)
     return pair, prompts, methods, records
 
@@ -34,7 +34,8 @@ def test_every_method_ran_and_greedy_texts_agree(run):
     pair, prompts, methods, records = run
     rows = summarize(records, methods, reference="plain fp32")
     assert {r["method"] for r in rows} == {m.name for m in methods}
-    assert {"specdec++ auto", "specdec++ h=0.7", "specdec++ paper head h=0.3", "plain fp32"} <= {r["method"] for r in rows}
+    assert {"specdec++ auto", "specdec++ h=0.7", "specdec++ paper head h=0.3", "plain fp32",
+            "hf static cache"} <= {r["method"] for r in rows}  # transformers' static cache: the same greedy text
     for r in rows:
         assert r["greedy_mismatches"] == [], r["method"]
         assert r["speedup_vs_reference"] > 0
@@ -132,6 +133,13 @@ def test_cli_sweeps_parse_and_reject_bad_lists():
         "--thresholds 0.5,0.6,0.7,0.8,0.9 --paper-thresholds 0.3,0.7,0.9")
     methods = standard_methods(None, ks=(1, 2), hf_ks=None)
     assert [m.param for m in methods if m.family == "hf-fixed"] == [1, 2]
+    assert "hf-static" not in [m.family for m in methods]  # transformers' static cache: asked for, or on a GPU
+    static = [m for m in standard_methods(None, ks=(1,), hf_static=True) if m.family == "hf-static"]
+    assert len(static) == 1 and static[0].hf_generate == {"cache_implementation": "static"}
+    assert ap.parse_args([]).hf_static is None and ap.parse_args(["--no-hf-static"]).hf_static is False
+    copies = [m for m in standard_methods(object(), ks=(1,), hf=False, auto_copies=2)
+              if m.family in ("specdecpp-auto", "specdecpp-auto-copy")]  # each its own policy, the same settings
+    assert [m.name for m in copies] == ["specdec++ auto", "specdec++ auto copy 1", "specdec++ auto copy 2"]
 
 
 @pytest.mark.parametrize("refill", [True, False], ids=["continuous", "static"])

@@ -121,6 +121,13 @@ def test_batch_bench_options_need_batch_sizes(capsys, tmp_path, argv):
     assert_one_line_error(code, err, f"{argv[0]}: only with --batch-sizes")
 
 
+@pytest.mark.parametrize("argv,text", [(["--hf-static", "--no-hf"], "--hf-static: transformers' methods are skipped"),
+                                       (["--auto-copies", "-1"], "--auto-copies: expected a count >= 0, got -1")])
+def test_bench_refuses_bad_arms(capsys, tmp_path, argv, text):
+    code, _, err = run(["bench", "--prompts", "2", "--out", str(tmp_path), *argv], capsys)
+    assert_one_line_error(code, err, text)
+
+
 def test_debug_shows_the_traceback(capsys, tmp_path):
     with pytest.raises(Exception, match="does not exist"):
         cli.main(["--debug", "train-head", "--target", str(tmp_path / "nope"), "--draft", "d", "--prompts", "humaneval",
