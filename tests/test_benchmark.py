@@ -646,3 +646,30 @@ def test_early_exit_script_pairs_each_threshold_with_its_draft_to_the_cap_arm():
     assert row["early_exit"] == "h=0.8 early exit" and row["to_the_cap"] == "h=0.8 to the cap"
     assert row["prompts"] == 2 and row["early_exit_tokens_per_s"] > 0 and row["to_the_cap_tokens_per_s"] > 0
     assert row["early_exit_draft_calls_per_round"] <= row["to_the_cap_draft_calls_per_round"]
+
+
+def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps_logits(tmp_path):
+    """bench/scale_probe.py on the CPU (tiny shape, recorded graphs): the bytes a step reads are every weight but the
+    untied input embedding, by hand; a replay gives the eager step's logits on the same cache; the ratios are those of
+    the timings reported; bad arguments are refused."""
+    mod = _bench_script("scale_probe")
+    h, layers, heads, kv, mlp, vocab, tied = mod.SHAPES["tiny"]
+    d = h // heads
+    per_layer = h * (heads * d) + 2 * h * (kv * d) + (heads * d) * h + 3 * h * mlp + 2 * h
+    model = mod.random_llama("tiny", "cpu")
+    assert not tied and mod.weight_bytes(model) == 2 * (layers * per_layer + h + vocab * h)  # bf16; LM head, final norm
+    out = mod.main(["--shapes", "tiny", "--context", "24", "--k", "3", "--repeats", "2", "--copy-mib", "4",
+                    "--out", str(tmp_path / "probe.json")])
+    assert json.loads((tmp_path / "probe.json").read_text()) == out
+    (row,) = out["rows"]
+    assert set(row["steps"]) == {"1-token", "4-token"}
+    for step in row["steps"].values():
+        assert step["max_abs_diff"] == 0.0 and step["eager_ms"] > 0 and step["graph_ms"] > 0
+    bandwidth = out["meta"]["copy_bandwidth_GBps"] * 1e9
+    assert row["weight_read_ms"] == pytest.approx(row["weight_bytes"] / bandwidth * 1e3)
+    one, wide = row["steps"]["1-token"], row["steps"]["4-token"]
+    assert row["graph_k1_over_graph_1"] == pytest.approx(wide["graph_ms"] / one["graph_ms"])
+    assert row["graph_1_over_weight_read"] == pytest.approx(one["graph_ms"] / row["weight_read_ms"])
+    for bad in (["--shapes", "70b"], ["--k", "0"]):
+        with pytest.raises(SystemExit):
+            mod.main(bad)

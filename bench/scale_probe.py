@@ -1,0 +1,190 @@
+"""How the engine's lean forward scales to real model sizes on one device: random-weight Llama shapes (``1b``:
+Llama-3.2-1B's, ``8b``: Llama-3.1-8B's, ``tiny``: a CPU self-check) in bfloat16, at B = 1 over a static KV cache
+of ``--context`` filled columns, a one-token step (plain decoding, a draft step) and a (K + 1)-token step (a
+verification), each eager and replayed from a CUDA graph (``engine/graphs.py``'s capture, as the step runner does;
+off CUDA the recorded stand-in, so the script checks itself on a CPU), against the time to read the weights once at
+the copy bandwidth measured in the same run.
+
+Per shape: the bytes a step must read (every weight, the input embedding one row; a tied LM head counted once),
+that bandwidth (``2 x bytes / time`` of a large device-to-device copy: a read and a write per byte), the weight-read
+time (bytes / bandwidth, ms), each step's median ms (CUDA events around ``--repeats`` calls, the cache's length set
+back before each; on a CPU the host clock), and the ratios ``graph_1 / weight_read`` and ``graph_K+1 / graph_1``.
+The logits of a replay are checked against the eager step's on the same cache (``max_abs_diff``).
+
+    python bench/scale_probe.py --device cuda --shapes 1b,8b --out gpu_check/scale_probe.json
+    python bench/scale_probe.py --shapes tiny          # a CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdec_ext.engine.backends import LeanBackend
+from specdec_ext.engine.graphs import StepGraphs
+from specdec_ext.engine.runner import sdpa_backends
+
+# (hidden, layers, heads, kv heads, MLP width, vocabulary, tied embeddings): the published configurations' shapes
+SHAPES = {
+    "tiny": (64, 2, 4, 2, 128, 512, False),
+    "1b": (2048, 16, 32, 8, 8192, 128256, True),
+    "8b": (4096, 32, 32, 8, 14336, 128256, False),
+}
+
+
+def random_llama(shape: str, device: str, dtype=torch.bfloat16, max_positions: int = 4096):
+    """A ``LlamaForCausalLM`` of ``SHAPES[shape]`` with random weights (normal, sd 0.02; norms 1), made on
+    ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, layers, heads, kv, mlp, vocab, tied = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                      intermediate_size=mlp, vocab_size=vocab, tie_word_embeddings=tied,
+                      max_position_embeddings=max_positions, rope_theta=500000.0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes a step reads from the weights: every parameter once (a tied LM head is the embedding's tensor, counted
+    once), the input embedding table only where it is a tensor of its own (a step gathers a row or a few of it)."""
+    seen, total = set(), 0
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is embed and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def copy_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
+    """Bytes moved per second by a device-to-device copy of ``nbytes`` (a read and a write of each: 2 x nbytes)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = [_timed(lambda: dst.copy_(src), device) for _ in range(repeats)]
+    return 2 * nbytes / (statistics.median(times) / 1e3)
+
+
+def _timed(fn, device: str) -> float:
+    """ms of one ``fn()``: CUDA events on CUDA, the host clock elsewhere."""
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def probe(shape: str, device: str, context: int, k: int, repeats: int) -> dict:
+    """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run."""
+    model = random_llama(shape, device, max_positions=max(4096, 2 * (context + k + 2)))
+    backend = LeanBackend(model, "target")
+    graphs = StepGraphs(emulate=not device.startswith("cuda"))
+    g = torch.Generator().manual_seed(0)
+    vocab = SHAPES[shape][5]
+    row = {"shape": shape, "parameters": sum(p.numel() for p in model.parameters()),
+           "weight_bytes": weight_bytes(model), "context": context, "k": k, "steps": {}}
+    with torch.inference_mode():
+        backend.start(1, context + k + 2)  # the cache's tensors made here, as a call's are
+        lengths = backend.cache.lengths
+        graphs.check([backend])
+        for n in (1, k + 1):
+            tokens = torch.randint(0, vocab, (1, n), generator=g).to(device)
+
+            def step(t, n=n):
+                with sdpa_backends(backend.device):
+                    return backend.step(t, n)
+
+            def eager(t=tokens, step=step):
+                lengths.fill_(context)
+                return step(t)
+
+            def replay(t=tokens, step=step, n=n):
+                lengths.fill_(context)
+                return graphs.replay(("scale", n), step, [t], [lengths])
+
+            want = eager()[0].clone()
+            got = replay()[0].clone()
+            for fn in (eager, replay):  # warm: allocator, cuBLAS handles, the graph
+                fn()
+            times = {"eager": [], "graph": []}
+            arms = [("eager", eager), ("graph", replay)]
+            for i in range(repeats):  # the two alternate which goes first
+                for name, fn in arms if i % 2 == 0 else arms[::-1]:
+                    times[name].append(_timed(fn, device))
+            row["steps"][f"{n}-token"] = {"eager_ms": statistics.median(times["eager"]),
+                                          "graph_ms": statistics.median(times["graph"]),
+                                          "max_abs_diff": float((got - want).abs().max())}
+    del backend, model, graphs
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--context", type=int, default=512, help="filled cache columns each step attends to")
+    ap.add_argument("--k", type=int, default=4, help="candidates of the verification step (K + 1 tokens)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--copy-mib", type=int, default=None,
+                    help="the bandwidth copy's size (default 2048 on CUDA, 64 elsewhere)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad or not shapes:
+        raise SystemExit(f"--shapes: expected some of {sorted(SHAPES)}, got {args.shapes!r}")
+    if args.context < 1 or args.k < 1 or args.repeats < 1:
+        raise SystemExit("--context, --k and --repeats: expected integers >= 1")
+    cuda = args.device.startswith("cuda")
+    mib = args.copy_mib if args.copy_mib is not None else (2048 if cuda else 64)
+    bandwidth = copy_bandwidth(args.device, mib << 20)
+    rows = []
+    for s in shapes:
+        r = probe(s, args.device, args.context, args.k, args.repeats)
+        r["weight_read_ms"] = r["weight_bytes"] / bandwidth * 1e3
+        one, wide = r["steps"]["1-token"], r["steps"][f"{args.k + 1}-token"]
+        r["graph_1_over_weight_read"] = one["graph_ms"] / r["weight_read_ms"]
+        r["graph_k1_over_graph_1"] = wide["graph_ms"] / one["graph_ms"]
+        rows.append(r)
+        print(f"{s}: {r['parameters'] / 1e9:.2f}B parameters, weights {r['weight_bytes'] / 2**30:.2f} GiB read in "
+              f"{r['weight_read_ms']:.3f} ms; 1 token {one['eager_ms']:.3f} ms eager, {one['graph_ms']:.3f} ms graph "
+              f"({r['graph_1_over_weight_read']:.2f}x the read); {args.k + 1} tokens {wide['eager_ms']:.3f} / "
+              f"{wide['graph_ms']:.3f} ms ({r['graph_k1_over_graph_1']:.2f}x one)", flush=True)
+    meta = {"device": torch.cuda.get_device_name(args.device) if cuda else platform.processor() or platform.machine(),
+            "torch": torch.__version__, "dtype": "bfloat16", "batch_size": 1, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "graphs": "captured" if cuda else "recorded (no CUDA)",
+            "command": "python bench/scale_probe.py " + " ".join(argv if argv is not None else [])}
+    result = {"meta": meta, "rows": rows}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
