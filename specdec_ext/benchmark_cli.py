@@ -100,6 +100,13 @@ def _command_line(args) -> str:
         for key in ("ks", "thresholds", "paper_thresholds", "hf_ks"):
             if getattr(args, key) is not None:
                 parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
+    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated"):
+        if getattr(args, key, False):
+            parts.append(f"--{key.replace('_', '-')}")
+    if getattr(args, "hf_static", None) is not None:
+        parts.append("--hf-static" if args.hf_static else "--no-hf-static")
+    if getattr(args, "auto_copies", 0):
+        parts.append(f"--auto-copies {args.auto_copies}")
     return " ".join(parts)
 
 
