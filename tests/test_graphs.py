@@ -21,7 +21,7 @@ def graphed(gen) -> SpeculativeGenerator:
 
 
 @pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
-@pytest.mark.parametrize("early_exit", [True, False], ids=["early-exit", "to-cap"])
+@pytest.mark.parametrize("early_exit", [True, False, (1, 3)], ids=["early-exit", "to-cap", "tiers"])
 def test_replayed_steps_give_the_eager_steps_tokens(name, kw, early_exit):
     """Every policy, greedy and seeded sampling, a batch padded to its bucket and one row: the replayed steps emit
     exactly the eager steps' tokens (fp32), and a second round of the calls captures nothing new. ``threshold="auto"`` plans

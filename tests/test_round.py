@@ -78,6 +78,43 @@ def test_a_round_reads_back_once(name, kw, temperature):
             assert any(steps >= 1 for _, steps in counts)  # the rounds drafted
 
 
+@pytest.mark.parametrize("name,kw", [(n, kw) for n, kw in POLICIES if n == "specdecpp"],
+                         ids=[i for (n, _), i in zip(POLICIES, PIDS) if n == "specdecpp"])
+def test_exit_tiers_read_only_after_their_steps(name, kw):
+    """early_exit=(1, 3): a round reads whether a row still drafts only after draft steps 1 and 3 (and the budget its
+    depth), so its drafting ends there or at the round's cap, never in between; it drafts no fewer steps than a read
+    after every step, and its greedy tokens are target-only decoding's (fp32)."""
+    target, draft = make_pair("llama")
+    ids = torch.randint(2, 48, (1, 6), generator=torch.Generator().manual_seed(3))
+    tiers = make_gen(target, draft, name, kw, early_exit=(1, 3))
+    every = make_gen(target, draft, name, kw, early_exit=True)
+    caps = []
+    run = tiers.steps.run
+
+    def capped(draft_, target_, inp, plan, early_exit):
+        caps.append(plan.cap)
+        return run(draft_, target_, inp, plan, early_exit)
+
+    tiers.steps.run = capped
+    counts, out = reads_per_round(tiers, lambda: tiers.generate(ids, max_new_tokens=24, temperature=0))
+    budget = kw.get("threshold") == "auto"
+    assert len(caps) == len(counts) and any(steps > 1 for _, steps in counts)
+    for (reads, steps), cap in zip(counts, caps):
+        assert steps in (0, 1, 3) or steps == cap, (steps, cap)
+        assert reads <= 1 + sum(k <= steps and k < cap for k in (1, 3)) + budget, (reads, steps, cap)
+    assert out.new_tokens[0] == target_only(target, ids[0], 24)
+    counted, base = reads_per_round(every, lambda: every.generate(ids, max_new_tokens=24, temperature=0))
+    assert base.new_tokens == out.new_tokens
+    assert sum(s for _, s in counts) / len(counts) >= sum(s for _, s in counted) / len(counted)
+
+
+@pytest.mark.parametrize("bad", [(), (3, 1), (0, 2), (1.5,), "1,3", (True, 2)])
+def test_exit_tiers_refuse_what_is_not_increasing_steps(bad):
+    target, draft = make_pair("llama")
+    with pytest.raises(ValueError, match=r"early_exit: expected True, False or increasing draft steps >= 1"):
+        SpeculativeGenerator(target, draft, policy="fixed", k=2, early_exit=bad)
+
+
 def test_the_count_sees_a_read():
     """Negative control: a round that reads one more value back is counted."""
     target, draft = make_pair("llama")

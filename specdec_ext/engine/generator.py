@@ -27,7 +27,7 @@ from .admission import DEFAULT_ADMISSION, AdmissionRule, check_admission
 from .backends import backend_for
 from .model import supports
 from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
-from .round import BUCKETS, StepRunner
+from .round import BUCKETS, StepRunner, exit_steps
 from .runner import sliding_layout, usable_device
 from .sampling import SamplingConfig
 from .scheduler import ContinuousOutput, Request, Scheduler, Settings
@@ -88,8 +88,11 @@ class SpeculativeGenerator:
             output stays the target's. MagicDec's and TriForce's truncated draft context, without attention sinks.
         early_exit: read, between draft steps, whether any row still drafts, and end a round's drafting when none
             does (and read the verification budget's depth to verify fewer slots); False: the draft runs to the
-            round's cap and a round reads back once, the form a CUDA graph replays (``engine/round.py``). Policies
-            whose rounds are planned whole (plain decoding, fixed K, the heuristic) read back once either way.
+            round's cap and a round reads back once, the form a CUDA graph replays (``engine/round.py``); a tuple of
+            increasing steps, e.g. ``(1, 3, 7)``: read only after those steps (tiers, as SGLang's adaptive speculation
+            keeps graphs of 1, 3 and 7 steps), the steps between enqueued without a wait, rows that stopped drafting
+            on masked to the next read. Policies whose rounds are planned whole (plain decoding, fixed K, the
+            heuristic) read back once either way. Raises ValueError for steps that are not increasing integers >= 1.
         tokenizers: ``(target's, draft's)`` tokenizers: checked to have the same vocabulary and special tokens, and
             ids that both models embed (``engine/models.py``, ``check_vocabularies``).
         cuda_graphs: replay the round's steps from CUDA graphs (``engine/graphs.py``): rows padded to batch buckets
@@ -116,7 +119,7 @@ class SpeculativeGenerator:
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
                  allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
-                 fast_target: bool = True, early_exit: bool = True, tokenizers: Optional[tuple] = None,
+                 fast_target: bool = True, early_exit=True, tokenizers: Optional[tuple] = None,
                  cuda_graphs: Optional[bool] = None, compile: bool = False, **policy_kwargs):
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
                                           or draft_context < 1):
@@ -135,7 +138,7 @@ class SpeculativeGenerator:
                 sliding_layout(m)
         self.fast_draft = bool(fast_draft) and draft is not None and supports(draft)
         self.fast_target = bool(fast_target) and supports(target)
-        self.early_exit = bool(early_exit)
+        self.early_exit = exit_steps(early_exit)
         self.vocab = vocab_size(target)
         self._backends: dict = {}  # (model role, staging) -> its backend, kept from call to call (caches, weights)
         self.cuda_graphs = self._wants_graphs(cuda_graphs)

@@ -9,8 +9,9 @@ Alg. 1; SpecDec++ Alg. 1; docs/design.md, The engine).
    ``chain_verify_greedy``), and both caches' roll-back by subtraction.
 3. **One read-back**: the emitted tokens, accepted and drafted counts (and what the rule asks) in one tensor.
 
-With ``early_exit`` the round also reads, after each draft step of a rule that can stop rows, whether any row still
-drafts, and the budget's verified depth; without it the draft runs to the cap: the form a CUDA graph replays. Row b's
+With ``early_exit`` the round also reads, after each draft step of a rule that can stop rows (or after the steps
+``early_exit`` lists: tiers), whether any row still drafts, and the budget's verified depth; without it the draft
+runs to the cap: the form a CUDA graph replays. Row b's
 uniforms come from its own stream (``ops.philox_uniforms``, ``seeds[b]``: its seed and round count), draft step k
 from counter slot k - 1 and the verification from slots :data:`VERIFY_SLOT` + i.
 """
@@ -139,6 +140,21 @@ def verify_step(forward: Callable, last: torch.Tensor, cands: torch.Tensor, draf
     return out, acc
 
 
+def exit_steps(early_exit) -> Union[bool, frozenset]:
+    """``early_exit`` as :meth:`StepRunner.run` takes it: True (a read after every draft step), False (none), or the
+    frozenset of steps after which the round reads (a tuple or list of increasing integers >= 1).
+
+    Raises ValueError for anything else (naming ``early_exit`` and what it takes)."""
+    if isinstance(early_exit, bool):
+        return early_exit
+    steps = list(early_exit) if isinstance(early_exit, (tuple, list)) else None
+    if not steps or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in steps) or \
+            any(a >= b for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"early_exit: expected True, False or increasing draft steps >= 1 after which the round "
+                         f"reads its stop flags, e.g. (1, 3, 7); got {early_exit!r}")
+    return frozenset(steps)
+
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch buckets of compiled or captured steps (rows padded to the bucket)
 _CACHED = ("t_temperature", "t_top_k", "t_top_p", "d_temperature", "d_top_k", "d_top_p")  # kept by the scheduler
 GRAPHS = 4096  # compiled steps' graphs kept: one per bucket, step, candidate count and sampling mode
@@ -237,9 +253,10 @@ class StepRunner:
             self._steps[fn] = call
         return self._steps[fn]
 
-    def run(self, draft, target, inp: RoundInputs, plan: RoundPlan, early_exit: bool) -> RoundOutput:
+    def run(self, draft, target, inp: RoundInputs, plan: RoundPlan, early_exit: Union[bool, frozenset]) -> RoundOutput:
         """One round of the live rows (module docstring) by backends ``draft`` (None for a plain step) and
-        ``target``; the draft runs at most ``plan.cap`` steps (0: a plain step).
+        ``target``; the draft runs at most ``plan.cap`` steps (0: a plain step). ``early_exit``: True, False, or
+        the steps after which the round reads whether any row still drafts (:func:`exit_steps`).
 
         Raises ValueError when the verification reports an invalid row (a NaN or +Inf logit, or a fully masked row)."""
         B = inp.last.shape[0]
@@ -297,7 +314,8 @@ class StepRunner:
                 out_c.append(cand)
                 out_l.append(masked)
                 steps = k
-                if k == cap or (early_exit and rule is not None and not bool(drafting.any())):
+                read = early_exit is True or (bool(early_exit) and k in early_exit)
+                if k == cap or (read and rule is not None and not bool(drafting.any())):
                     break
                 tokens = cand.view(P, 1)
             n = nd.to(tdev)

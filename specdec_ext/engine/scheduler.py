@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -104,7 +104,7 @@ class Settings:
     processor: Optional[Callable] = None
     admission: str = "eager"
     rule: Optional[AdmissionRule] = None
-    early_exit: bool = True
+    early_exit: Union[bool, frozenset] = True
     draft_context: Optional[int] = None
     continuous: bool = False
 

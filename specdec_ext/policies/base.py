@@ -17,7 +17,7 @@ equal its decisions alone (the batch verification budget of ``threshold="auto"``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -68,7 +68,8 @@ class RoundContext:
     (0 otherwise, and until one was measured). draft_reads: ms the draft would spend before this round reading the
     live rows it has not read, were the round to draft. together: a continuous batch's live rows are in lockstep
     (several rows, each with the same number of tokens left). early_exit: the engine reads, between draft steps,
-    whether any row still drafts (False: the draft runs to the cap whatever the rule says)."""
+    whether any row still drafts (False: the draft runs to the cap whatever the rule says; a frozenset of steps:
+    only after those, ``engine.round.exit_steps``)."""
 
     batch_size: int
     width: int = 0
@@ -76,7 +77,7 @@ class RoundContext:
     draft_overhead: float = 0.0
     draft_reads: float = 0.0
     together: bool = False
-    early_exit: bool = True
+    early_exit: Union[bool, frozenset] = True
 
 
 @dataclass

@@ -401,10 +401,10 @@ class _HeadRule(StopRule):
             kept = self.policy._buffers(batch_size, dev)
             self.cum = kept["cum"].fill_(1.0)
             self.prev = kept["prev"]
-            if self.per_row:  # live rows' columns rewritten (padding rows' thresholds are never read)
+            if self.per_row:  # the live rows' columns rewritten (a padding row's stale ones decide nothing read)
                 p = self.policy
-                p.rule.thresholds(self.k_max, self.k_min, self.k_max, p.calibration.scale if p.calibration else 1.0,
-                                  out=kept["rows_host"])
+                scale = p.calibration.scale if p.calibration is not None else 1.0
+                p.rule.thresholds(self.k_max, self.k_min, self.k_max, scale, out=kept["rows_host"])
                 self.rows = kept["rows"]
                 if kept["rows_host"] is not self.rows:  # pinned: no wait for the device
                     self.rows.copy_(kept["rows_host"], non_blocking=True)
