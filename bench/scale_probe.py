@@ -9,9 +9,11 @@ Per shape: the bytes a step must read (every weight, the input embedding one row
 that bandwidth (``2 x bytes / time`` of a large device-to-device copy: a read and a write per byte), the weight-read
 time (bytes / bandwidth, ms), each step's median ms (CUDA events around ``--repeats`` calls, the cache's length set
 back before each; on a CPU the host clock), and the ratios ``graph_1 / weight_read`` and ``graph_K+1 / graph_1``.
-The logits of a replay are checked against the eager step's on the same cache (``max_abs_diff``).
+The logits of a replay are checked against the eager step's on the same cache (``max_abs_diff``). ``--compile
+BACKEND`` adds a graph of the forward compiled as ``StepRunner(compile=True)`` compiles it (``graph_compiled_ms``).
 
     python bench/scale_probe.py --device cuda --shapes 1b,8b --out gpu_check/scale_probe.json
+    python bench/scale_probe.py --device cuda --shapes 1b --compile inductor
     python bench/scale_probe.py --shapes tiny          # a CPU, seconds
 """
 
@@ -23,11 +25,13 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from specdec_ext.engine.backends import LeanBackend
 from specdec_ext.engine.graphs import StepGraphs
+from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.runner import sdpa_backends
 
 # (hidden, layers, heads, kv heads, MLP width, vocabulary, tied embeddings): the published configurations' shapes
@@ -95,11 +99,18 @@ def _timed(fn, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def probe(shape: str, device: str, context: int, k: int, repeats: int) -> dict:
-    """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run."""
+def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_backend: Optional[str] = None) -> dict:
+    """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run. With
+    ``compile_backend`` (``"inductor"`` on a GPU) also a graph of the forward compiled as the step runner compiles it
+    (``StepRunner(compile=True)``: ``torch.compile(fullgraph=True)`` before capture), ``graph_compiled_ms``."""
     model = random_llama(shape, device, max_positions=max(4096, 2 * (context + k + 2)))
     backend = LeanBackend(model, "target")
     graphs = StepGraphs(emulate=not device.startswith("cuda"))
+    compiled = None
+    if compile_backend is not None:
+        runner = StepRunner(BUCKETS, compile=True, backend=compile_backend,
+                            cuda_graphs=True if device.startswith("cuda") else "emulate")
+        compiled = runner._forward(backend)
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[shape][5]
     row = {"shape": shape, "parameters": sum(p.numel() for p in model.parameters()),
@@ -123,18 +134,27 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int) -> dict:
                 lengths.fill_(context)
                 return graphs.replay(("scale", n), step, [t], [lengths])
 
+            def replay_compiled(t=tokens, n=n):
+                def fn(t):
+                    with sdpa_backends(backend.device):
+                        return compiled(t, n)
+                lengths.fill_(context)
+                return graphs.replay(("scale-compiled", n), fn, [t], [lengths])
+
+            arms = [("eager", eager), ("graph", replay)] + ([("graph_compiled", replay_compiled)] if compiled else [])
             want = eager()[0].clone()
-            got = replay()[0].clone()
-            for fn in (eager, replay):  # warm: allocator, cuBLAS handles, the graph
+            got = {name: fn()[0].clone() for name, fn in arms[1:]}
+            for _, fn in arms:  # warm: allocator, cuBLAS handles, the graphs
                 fn()
-            times = {"eager": [], "graph": []}
-            arms = [("eager", eager), ("graph", replay)]
-            for i in range(repeats):  # the two alternate which goes first
-                for name, fn in arms if i % 2 == 0 else arms[::-1]:
+            times = {name: [] for name, _ in arms}
+            for i in range(repeats):  # the order of the arms turns each time
+                for name, fn in arms[i % len(arms):] + arms[: i % len(arms)]:
                     times[name].append(_timed(fn, device))
-            row["steps"][f"{n}-token"] = {"eager_ms": statistics.median(times["eager"]),
-                                          "graph_ms": statistics.median(times["graph"]),
-                                          "max_abs_diff": float((got - want).abs().max())}
+            entry = {f"{name}_ms": statistics.median(t) for name, t in times.items()}
+            entry["max_abs_diff"] = float((got["graph"] - want).abs().max())
+            if compiled:  # compiled kernels round in their own order: reported, not required to be 0
+                entry["compiled_max_abs_diff"] = float((got["graph_compiled"] - want).abs().max())
+            row["steps"][f"{n}-token"] = entry
     del backend, model, graphs
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -150,6 +170,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="the bandwidth copy's size (default 2048 on CUDA, 64 elsewhere)")
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="also a graph of the forward compiled by torch.compile with this backend (inductor on a GPU; "
+                         "minutes per shape there), as StepRunner(compile=True) compiles it")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -163,16 +186,21 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.device, mib << 20)
     rows = []
     for s in shapes:
-        r = probe(s, args.device, args.context, args.k, args.repeats)
+        r = probe(s, args.device, args.context, args.k, args.repeats, args.compile)
         r["weight_read_ms"] = r["weight_bytes"] / bandwidth * 1e3
         one, wide = r["steps"]["1-token"], r["steps"][f"{args.k + 1}-token"]
         r["graph_1_over_weight_read"] = one["graph_ms"] / r["weight_read_ms"]
         r["graph_k1_over_graph_1"] = wide["graph_ms"] / one["graph_ms"]
-        rows.append(r)
+        if args.compile:
+            r["graph_compiled_1_over_weight_read"] = one["graph_compiled_ms"] / r["weight_read_ms"]
+            r["graph_compiled_k1_over_graph_compiled_1"] = wide["graph_compiled_ms"] / one["graph_compiled_ms"]
         print(f"{s}: {r['parameters'] / 1e9:.2f}B parameters, weights {r['weight_bytes'] / 2**30:.2f} GiB read in "
               f"{r['weight_read_ms']:.3f} ms; 1 token {one['eager_ms']:.3f} ms eager, {one['graph_ms']:.3f} ms graph "
               f"({r['graph_1_over_weight_read']:.2f}x the read); {args.k + 1} tokens {wide['eager_ms']:.3f} / "
-              f"{wide['graph_ms']:.3f} ms ({r['graph_k1_over_graph_1']:.2f}x one)", flush=True)
+              f"{wide['graph_ms']:.3f} ms ({r['graph_k1_over_graph_1']:.2f}x one)"
+              + (f"; compiled graphs {one['graph_compiled_ms']:.3f} / {wide['graph_compiled_ms']:.3f} ms "
+                 f"({r['graph_compiled_1_over_weight_read']:.2f}x the read)" if args.compile else ""), flush=True)
+        rows.append(r)
     meta = {"device": torch.cuda.get_device_name(args.device) if cuda else platform.processor() or platform.machine(),
             "torch": torch.__version__, "dtype": "bfloat16", "batch_size": 1, "copy_bandwidth_GBps": bandwidth / 1e9,
             "graphs": "captured" if cuda else "recorded (no CUDA)",

@@ -68,9 +68,11 @@ stage graphs-b16 120 python bench/cuda_graphs.py --device cuda --prompts 64 --ma
     --out "$WORK/cuda_graphs_b16.json"
 stage ops 60 python bench/bench_ops.py --quick --device cuda --out "$WORK"
 stage scale 120 python bench/scale_probe.py --device cuda --shapes 1b,8b --out "$WORK/scale_probe.json"
+stage scale-compiled 150 python bench/scale_probe.py --device cuda --shapes 1b,8b --compile inductor \
+    --out "$WORK/scale_probe_compiled.json"
 tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude=./cache .
 cp "$WORK/stages.txt" "$OUT/stages.txt"
 echo "results in $OUT/gpu_check.tar.gz (stages: $OUT/stages.txt)"
-for f in graphs-b1 base-b1 graphs-b1-compiled profile profile-compiled graphs-b16 scale; do grep -E "tokens/s|ms/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
+for f in graphs-b1 base-b1 graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-compiled; do grep -E "tokens/s|ms/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
 tail -n 3 "$WORK/cuda-tests.log" 2>/dev/null
 cat "$OUT/stages.txt"

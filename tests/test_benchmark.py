@@ -653,8 +653,9 @@ def test_early_exit_script_pairs_each_threshold_with_its_draft_to_the_cap_arm():
 
 def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps_logits(tmp_path):
     """bench/scale_probe.py on the CPU (tiny shape, recorded graphs): the bytes a step reads are every weight but the
-    untied input embedding, by hand; a replay gives the eager step's logits on the same cache; the ratios are those of
-    the timings reported; bad arguments are refused."""
+    untied input embedding, by hand; a replay gives the eager step's logits on the same cache, and the compiled
+    forward's replay (as StepRunner(compile=True) compiles it) the same up to rounding; the ratios are those of the
+    timings reported; bad arguments are refused."""
     mod = _bench_script("scale_probe")
     h, layers, heads, kv, mlp, vocab, tied = mod.SHAPES["tiny"]
     d = h // heads
@@ -662,12 +663,13 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
     model = mod.random_llama("tiny", "cpu")
     assert not tied and mod.weight_bytes(model) == 2 * (layers * per_layer + h + vocab * h)  # bf16; LM head, final norm
     out = mod.main(["--shapes", "tiny", "--context", "24", "--k", "3", "--repeats", "2", "--copy-mib", "4",
-                    "--out", str(tmp_path / "probe.json")])
+                    "--compile", "aot_eager", "--out", str(tmp_path / "probe.json")])
     assert json.loads((tmp_path / "probe.json").read_text()) == out
     (row,) = out["rows"]
     assert set(row["steps"]) == {"1-token", "4-token"}
     for step in row["steps"].values():
         assert step["max_abs_diff"] == 0.0 and step["eager_ms"] > 0 and step["graph_ms"] > 0
+        assert step["graph_compiled_ms"] > 0 and step["compiled_max_abs_diff"] < 1e-2  # the forward compiled, bf16
     bandwidth = out["meta"]["copy_bandwidth_GBps"] * 1e9
     assert row["weight_read_ms"] == pytest.approx(row["weight_bytes"] / bandwidth * 1e3)
     one, wide = row["steps"]["1-token"], row["steps"]["4-token"]
