@@ -139,11 +139,6 @@ class GoodputRule:
         self.tokens = [self.prior * self.prior_ms] * batch_size  # per-row floats: B is small, tensors cost more
         self.time = [self.prior_ms] * batch_size
 
-    @property
-    def rate(self) -> torch.Tensor:
-        """``[B]`` float64: lambda, tokens/ms."""
-        return torch.tensor([t / m for t, m in zip(self.tokens, self.time)], dtype=torch.float64)
-
     def _marginal_ms(self, k: int) -> float:
         """``costs.marginal_ms(k)``, from the table kept up to ``k_max``."""
         return self._marginal[k] if k < len(self._marginal) else self.costs.marginal_ms(k)
@@ -171,12 +166,6 @@ class GoodputRule:
         if out is None:
             return margins * rate
         return torch.mul(margins, rate, out=out[:cap, :B])
-
-    def stop(self, k: int, survival: torch.Tensor) -> torch.Tensor:
-        """``[B]`` bool for candidate ``k`` (no bounds applied) given survivals ``[B]``."""
-        m = self._marginal_ms(k)
-        s = survival.tolist()
-        return torch.tensor([si < t / tm * m for si, t, tm in zip(s, self.tokens, self.time)], dtype=torch.bool)
 
     def update(self, num_drafted, num_accepted, emitted=None) -> None:
         """After verification: rows drafted ``num_drafted`` and emitted ``num_accepted + 1`` tokens (or ``emitted``
