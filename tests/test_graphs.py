@@ -152,3 +152,82 @@ def test_a_graph_reads_the_tensors_it_was_captured_with_and_copies_in_others():
     assert twice.tolist() == [0.0, 0.0]
     p, q = torch.tensor([7.0, 7.0]), torch.tensor([1.0, 2.0])  # distinct tensors into the two slots: both count
     assert graphs.replay("twice", lambda x, y: (x - y,), [p, q], [])[0].tolist() == [6.0, 5.0]
+
+
+@pytest.mark.parametrize("name,kw", [("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.7, "k_max": 6}),
+                                     ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "proposal"})],
+                         ids=["fixed", "specdecpp", "specdecpp-auto"])
+@pytest.mark.parametrize("early_exit", [False, (1, 3), True], ids=["to-cap", "tiers", "early-exit"])
+def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):
+    """The draft steps between two reads of the stop flags replay as one graph, and those that reach the round's
+    cap together with the verification: a round of fixed K, or drafting to the cap, is one replay; with reads after
+    steps R, a round replays one graph per span it ran, and one more for the verification when its rows stopped
+    drafting at a read. Greedy and seeded rows, a batch padded to its bucket (one row for ``auto``, whose batches
+    run the verification budget, a rule that is not captured); the tokens are the eager steps'."""
+    from specdec_ext.engine import graphs as graphs_module
+
+    target, draft = make_pair("llama")
+    gen = graphed(make_gen(target, draft, name, kw, early_exit=early_exit))
+    eager = make_gen(target, draft, name, kw, early_exit=early_exit)
+    rounds, replays = [], [0]
+    run, replay = gen.steps.run, graphs_module.StepGraphs.replay
+
+    def counted(draft_, target_, inp, plan, ee):
+        before = replays[0]
+        out = run(draft_, target_, inp, plan, ee)
+        rounds.append((plan.cap, out.steps, replays[0] - before))
+        return out
+
+    def counting(self, *args, **kwargs):
+        replays[0] += 1
+        return replay(self, *args, **kwargs)
+
+    gen.steps.run = counted
+    g = torch.Generator().manual_seed(6)
+    temperatures = (0.0,) if kw.get("threshold") == "auto" else (0.0, 1.0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(graphs_module.StepGraphs, "replay", counting)
+        for ids in (torch.randint(2, 48, (3, 6), generator=g), torch.randint(2, 48, (1, 9), generator=g)):
+            if kw.get("threshold") == "auto" and ids.shape[0] > 1:
+                continue
+            for t in temperatures:
+                want = eager.generate(ids, max_new_tokens=20, temperature=t, seed=2).new_tokens
+                assert gen.generate(ids, max_new_tokens=20, temperature=t, seed=2).new_tokens == want
+    reads = set() if name == "fixed" or early_exit is False else set(range(1, 64)) if early_exit is True \
+        else set(early_exit)
+    assert any(steps > 1 for _, steps, _ in rounds)
+    for cap, steps, n in rounds:
+        if steps == 0:  # a plain step
+            assert n == 1
+            continue
+        spans = 1 + len([r for r in reads if r < min(steps, cap)])
+        assert n == spans + (steps < cap), (cap, steps, n)
+    if early_exit is False or name == "fixed":
+        assert all(n == 1 for _, _, n in rounds)
+
+
+def test_a_rounds_row_inputs_are_written_where_its_graphs_read_them():
+    """With buckets, a round's per-row integers land in the bucket's persistent buffer, padding rows 0 (token 0, room
+    0, stream 0), the same memory every round, which the round's steps then read without a copy; without buckets,
+    one tensor of the live rows with the same values."""
+    from specdec_ext.engine.round import RoundInputs
+    from specdec_ext.engine.sampling import RowSampling, SamplingConfig
+
+    cpu = torch.device("cpu")
+    bucketed, live = StepRunner(BUCKETS, cuda_graphs="emulate"), StepRunner()
+    args = ([5, 6, 7], [1, 2, 3], [4, 0, 2], [False, True, False], [(9, 1), (8, 2), (7, 3)], cpu, cpu)
+    got = bucketed.row_inputs(*args)
+    want = live.row_inputs(*args)
+    for a, b in zip(got, want):
+        assert a.tolist() == b.tolist()
+    assert got[3].tolist() == [0, 1, 0] and got[4].tolist() == [[9, 1], [8, 2], [7, 3]]
+    assert live.row_inputs([5], [1], [4], [False], [(9, 1)], cpu, cpu)[3] is None  # no single row: no extra
+    rows = RowSampling.of([SamplingConfig(0.0)] * 3, 48, cpu)
+    inp = bucketed._persistent(RoundInputs(*got[:4], rows, rows, got[4], 6, 5), 4)
+    assert [t.data_ptr() for t in (inp.last, inp.prev, inp.room, inp.extra, inp.seeds)] == \
+        [t.data_ptr() for t in got]  # read where they were written: no copy
+    assert inp.last.tolist() == [5, 6, 7, 0] and inp.room.tolist() == [4, 0, 2, 0]
+    assert inp.seeds.tolist() == [[9, 1], [8, 2], [7, 3], [0, 0]]
+    again = bucketed.row_inputs([3, 4, 8], [5, 6, 1], [1, 1, 1], [False] * 3, [(1, 2), (3, 4), (5, 6)], cpu, cpu)
+    assert again[0].data_ptr() == got[0].data_ptr() and again[3] is None
+    assert bucketed._persistent(RoundInputs(*again[:4], rows, rows, again[4], 6, 5), 4).last.tolist() == [3, 4, 8, 0]

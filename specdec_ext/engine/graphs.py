@@ -4,12 +4,15 @@ On a GPU a small model's step is bound by kernel launches, not arithmetic (an H1
 target's one-token forward 8.3 ms eager against 0.87 ms replayed from a graph). :class:`StepGraphs` captures, per
 fixed shape of a bucketed round (``engine/round.StepRunner``):
 
-- the whole **verify step** (target forward over K + 1 tokens, the fused verification, both caches' roll-back),
-  per (bucket, verification width, draft steps, sampling mode);
-- the whole **draft step** (forward, sampling, the stop rule's step) where the round has no stop rule (fixed K) or
-  one that can be captured (``StopRule.capture_key``: SpecDec++'s acceptance-head step with a fixed h or the
-  per-row ``threshold="auto"`` rule, whose state lives in the policy's buffers, refilled in place each round), per
-  (bucket, step, sampling mode, rule);
+- the **draft steps between two reads** of the stop flags (each forward, sampling, the stop rule's step) as one
+  graph, where the round has no stop rule (fixed K) or one that can be captured (``StopRule.capture_key``:
+  SpecDec++'s acceptance-head step with a fixed h or the per-row ``threshold="auto"`` rule, whose state lives in
+  the policy's buffers, refilled in place each round), per (bucket, first and last step, sampling mode, rule); the
+  span that reaches the round's cap carries the **verify step** in the same graph (target forward over K + 1
+  tokens, the fused verification, both caches' roll-back, the read-back packed), so a round of fixed K, or one
+  drafting to the cap, is one replay (gpt-fast's and SGLang's graph of a whole round);
+- the whole **verify step** alone after the rows stopped drafting at a read, per (bucket, verification width,
+  draft steps, sampling mode);
 - the **draft's forward** alone where another stop rule decides (confidence, AdaEDL, the batch verification budget,
   a host rule): such a rule keeps state on the host between steps, so it stays eager, the forward's launches
   replayed.

@@ -66,7 +66,8 @@ class RoundInputs:
 class RoundOutput:
     """What a round returns to the host: per row the tokens it emitted (accepted candidates, then the residual or
     bonus token), the candidates it verified and accepted; steps: draft forwards run; verified: the verification's
-    width; readback: the stop rule's values; the ms of the draft phase and of the verification (host clock)."""
+    width; readback: the stop rule's values; the ms of the draft phase and of the verification (host clock; a
+    verification replayed in one graph with the draft steps before it counts that graph's time as its own)."""
 
     tokens: list
     drafted: list
@@ -210,6 +211,9 @@ class StepRunner:
             buf, src = kept.get(name, (None, None))
             if src is t:  # the same tensor as last round's (the kept source pins it: never another one's address)
                 return buf
+            if buf is not None and t.data_ptr() == buf.data_ptr() and t.shape[1:] == buf.shape[1:] and \
+                    t.dtype == buf.dtype:  # the buffer's first rows, padding included (row_inputs wrote it)
+                return buf
             shape = (P,) + tuple(t.shape[1:])
             if buf is None or buf.shape != shape or buf.dtype != t.dtype or buf.device != t.device:
                 buf = t.new_empty(shape)
@@ -226,6 +230,53 @@ class StepRunner:
         return RoundInputs(keep("last", inp.last), keep("prev", inp.prev), keep("room", inp.room),
                            keep("extra", inp.extra), rows("t_", inp.sampling), rows("d_", inp.draft_sampling),
                            keep("seeds", inp.seeds), inp.target_width, inp.draft_width, inp.processor)  # no starts
+
+    def row_inputs(self, last: list, prev: Optional[list], room: Optional[list], single: Optional[list],
+                   seeds: Optional[list], tdev: torch.device, ddev: torch.device) -> tuple:
+        """A round's per-row integers from the scheduler's host lists, on the devices in one copy per device: ``last``
+        each row's last token; when the round drafts, ``prev`` the token before it, ``room`` its cap and ``single``
+        whether its context is one token (``extra`` 1 for it); when it draws, ``seeds`` each row's (Philox seed, round
+        count). With buckets they are written into the bucket's persistent row buffer (padding rows 0: token 0, room
+        0, stream 0), through a pinned host copy on a GPU (no wait for the device), so the round's steps and graphs
+        read them where they are (:meth:`_persistent` copies nothing for them); else one tensor of the live rows.
+        Returns ``(last [B], prev [B], room [B], extra [B], seeds [B, 2])`` int64, each None where not given (``extra``
+        None where no row is single)."""
+        B = len(last)
+        P = self.bucket(B)
+        drafting, draws = prev is not None, seeds is not None
+        if self.buckets is None:
+            host = list(last) + (list(prev) + list(room) + [int(x) for x in single] if drafting else [])
+            host += [int(x) for pair in seeds for x in pair] if draws else []
+            flat = torch.tensor(host, dtype=torch.int64).to(tdev)
+            at = {"last": 0, "prev": B, "room": 2 * B, "extra": 3 * B, "seeds": len(host) - 2 * B}
+            dflat = flat if ddev == tdev or not drafting else flat.to(ddev)
+        else:
+            kept = self._buffers.setdefault(P, {})
+            if kept.get("rows_device") != tdev:  # [last | prev | room | extra | seeds] x P
+                buf = torch.zeros(6 * P, dtype=torch.int64, device=tdev)
+                host = buf if tdev.type == "cpu" else torch.zeros(6 * P, dtype=torch.int64, pin_memory=True)
+                kept["rows"] = (buf, host, host.numpy())  # numpy's view: the host list written without dispatch
+                kept["rows_device"] = tdev
+                for name, (start, shape) in {"last": (0, (P,)), "prev": (P, (P,)), "room": (2 * P, (P,)),
+                                             "extra": (3 * P, (P,)), "seeds": (4 * P, (P, 2))}.items():
+                    view = buf[start: start + 2 * P if name == "seeds" else start + P].view(shape)
+                    kept[name] = (view if name in ("last", "seeds") or ddev == tdev else None, None)
+            flat, host, view = kept["rows"]
+            pad = [0] * (P - B)
+            values = list(last) + pad
+            values += list(prev) + pad + list(room) + pad + [int(x) for x in single] + pad if drafting else [0] * 3 * P
+            values += [int(x) for pair in seeds for x in pair] + pad + pad if draws else [0] * 2 * P
+            view[:] = values
+            if host is not flat:  # pinned: the copy is ordered before the round's steps on the stream
+                flat.copy_(host, non_blocking=True)
+            at = {"last": 0, "prev": P, "room": 2 * P, "extra": 3 * P, "seeds": 4 * P}
+            dflat = flat if ddev == tdev or not drafting else flat.to(ddev)
+        out_last = flat[:B]
+        out_prev = dflat[at["prev"]: at["prev"] + B] if drafting else None
+        out_room = dflat[at["room"]: at["room"] + B] if drafting else None
+        extra = dflat[at["extra"]: at["extra"] + B] if drafting and any(single) else None
+        out_seeds = flat[at["seeds"]: at["seeds"] + 2 * B].view(B, 2) if draws else None
+        return out_last, out_prev, out_room, extra, out_seeds
 
     def bucket(self, B: int) -> int:
         """The rows a round of B live rows runs: B, or the smallest bucket that holds them."""
@@ -276,98 +327,65 @@ class StepRunner:
         cap = plan.cap
         t0 = time.perf_counter()
         tdev = inp.last.device
-        cands = inp.last.new_empty(P, 0)
+        cands = inp.last.new_empty(P, 0) if cap == 0 else None  # a plain step verifies no candidates
         n = nd = None
         draft_logits, steps, rule, verified = None, 0, plan.rule, None
+        fused = None  # a verification replayed in one graph with the draft steps before it: (out, acc, packed)
         if cap > 0:
             ddev = inp.prev.device
             room = inp.room if plan.row_caps is None else torch.minimum(
                 inp.room, _pad_rows(torch.tensor(list(plan.row_caps), dtype=torch.int64), P).to(ddev))
             seeds = inp.seeds.to(ddev)
-            tokens = torch.stack([inp.prev, inp.last.to(ddev)], 1)
-            drafting = room > 0
-            nd = torch.zeros(P, dtype=torch.int64, device=ddev)
             if rule is not None:
                 rule.begin(P, ddev)
             # a draft step is replayed whole without a rule, or with a rule that can be captured (StopRule.capture_key)
             rule_key = rule.capture_key() if graphed and rule is not None and not rule.host else None
-            whole = graphed and (rule is None or rule_key is not None)
             out_c, out_l = [], []
-            step = self._step(draft_step)
-            forward = draft.step if direct else draft.forward
-            if graphed:
-                forward = self._graphed_forward(draft, P)
-            for k in range(1, cap + 1):
-                width = None if wide else inp.draft_width + 1 + k
-                at = None if wide or inp.draft_start is None else inp.draft_start + (k if k > 1 else 0)
-                t_step = time.perf_counter()
-                if whole:
-                    cand, masked, nd, drafting = self._graphed_draft(draft, P, k, tokens, seeds, inp.draft_sampling,
-                                                                     drafting, room, nd, rule, rule_key)
-                else:
-                    cand, masked, nd, drafting = step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens,
-                                                      seeds, k, inp.draft_sampling, rule, drafting, room, nd,
-                                                      inp.processor, out_c)
-                if direct:  # the compiled or captured step's forward is counted here
-                    draft.calls += 1
-                    draft.seconds += time.perf_counter() - t_step
-                out_c.append(cand)
-                out_l.append(masked)
-                steps = k
-                read = early_exit is True or (bool(early_exit) and k in early_exit)
-                if k == cap or (read and rule is not None and not bool(drafting.any())):
-                    break
-                tokens = cand.view(P, 1)
+            if graphed and (rule is None or rule_key is not None):
+                nd, steps, fused, t_fused = self._graphed_spans(draft, target, P, cap, inp, room, seeds, rule, rule_key,
+                                                       early_exit, out_c, out_l)
+            else:
+                nd, steps = self._steps_one_by_one(draft, P, cap, inp, room, seeds, rule, early_exit, direct, graphed,
+                                                   out_c, out_l)
             n = nd.to(tdev)
-            cands = torch.stack(out_c, 1).to(tdev)
-            if not inp.sampling.greedy:
-                draft_logits = torch.stack(out_l, 1).to(tdev)
-            if rule is not None:
-                trimmed = rule.depth(nd, steps)
-                if trimmed is not None:
-                    n = trimmed.to(tdev)
-                    if early_exit:  # the budget verifies fewer slots than were drafted: a narrower forward
-                        verified = int(n.max())
-                        cands = cands[:, :verified]
-                        draft_logits = draft_logits[:, :verified] if draft_logits is not None else None
+            if fused is None:
+                cands = torch.stack(out_c, 1).to(tdev)
+                if not inp.sampling.greedy:
+                    draft_logits = torch.stack(out_l, 1).to(tdev)
+                if rule is not None:
+                    trimmed = rule.depth(nd, steps)
+                    if trimmed is not None:
+                        n = trimmed.to(tdev)
+                        if early_exit:  # the budget verifies fewer slots than were drafted: a narrower forward
+                            verified = int(n.max())
+                            cands = cands[:, :verified]
+                            draft_logits = draft_logits[:, :verified] if draft_logits is not None else None
         verified = steps if verified is None else verified
-        t1 = time.perf_counter()
+        t1 = time.perf_counter() if fused is None else t_fused  # a fused span's time is the verification's
         width = None if wide else inp.target_width + verified + 1
         at = None if wide else inp.target_start
         forward = target.step if direct else target.forward
-        packed = None
-        if graphed:
+        asked = rule.readback() if rule is not None and steps else []
+        if fused is not None:
+            out, acc, packed = fused
+        elif graphed:
             out, acc, packed = self._graphed_verify(draft if steps else None, target, P, cands, draft_logits, inp, n,
-                                                    steps)
+                                                    steps, asked)
         else:
             out, acc = self._step(verify_step)(
                 lambda t, keep: forward(t, keep, width, None, at)[0], inp.last, cands, draft_logits, inp.sampling, n,
                 inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra, inp.processor)
-        if direct:
+            packed = None if acc is None else _pack(out, acc, n, asked)
+        if direct and fused is None:
             target.calls += 1
             target.seconds += time.perf_counter() - t1
         if not steps:  # a plain step: one token per row, the whole read-back
             toks = out[:B, 0].tolist()
             t2 = time.perf_counter()
             return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0, (t2 - t1) * 1e3)
-        asked = rule.readback() if rule is not None else []
-        W = verified + 1
-        readback = []
-        if not asked:  # the round's one read-back: per row its W tokens, accepted and drafted counts
-            rows = (packed if packed is not None else _pack(out, acc, n))[:B].tolist()
-        else:  # and the rule's values, in one float64 read
-            pieces = [_pack(out, acc, n)[:B].flatten().double()]
-            flat = torch.cat(pieces + [t[:B].flatten().double().to(tdev) if t.dim() > 1 else t.double().to(tdev)
-                                       for t in asked]).tolist()
-            rows = [[int(x) for x in flat[b * (W + 2): (b + 1) * (W + 2)]] for b in range(B)]
-            at = B * (W + 2)
-            for t in asked:
-                cols = t.shape[-1] if t.dim() > 1 else 0
-                size = B * cols if cols else t.numel()
-                vals = flat[at: at + size]
-                at += size
-                readback.append([vals[i * cols: (i + 1) * cols] for i in range(B)] if cols else vals)
+        rows, readback = _unpack(packed, B, verified + 1, asked)
         t2 = time.perf_counter()
+        W = verified + 1
         accepted = [r[W] for r in rows]
         drafted = [r[W + 1] for r in rows]
         bad = min(accepted)
@@ -376,6 +394,71 @@ class StepRunner:
         emitted = [rows[b][: accepted[b] + 1] for b in range(B)]
         return RoundOutput(emitted, drafted, accepted, steps, verified, readback, (t1 - t0) * 1e3 if steps else 0.0,
                            (t2 - t1) * 1e3)
+
+    def _steps_one_by_one(self, draft, P: int, cap: int, inp: RoundInputs, room, seeds, rule, early_exit, direct: bool,
+                          graphed: bool, out_c: list, out_l: list):
+        """The draft steps of a round one call each (eager, compiled, or with the forward alone replayed under a stop
+        rule that cannot be captured), reading after the steps ``early_exit`` names whether any row still drafts.
+        Appends each step's candidates and processed logits to ``out_c`` / ``out_l``; returns (candidates drafted
+        per row ``[P]``, steps run)."""
+        ddev = inp.prev.device
+        wide = self.buckets is not None
+        tokens = torch.stack([inp.prev, inp.last.to(ddev)], 1)
+        drafting = room > 0
+        nd = torch.zeros(P, dtype=torch.int64, device=ddev)
+        step = self._step(draft_step)
+        forward = self._graphed_forward(draft, P) if graphed else draft.step if direct else draft.forward
+        steps = 0
+        for k in range(1, cap + 1):
+            width = None if wide else inp.draft_width + 1 + k
+            at = None if wide or inp.draft_start is None else inp.draft_start + (k if k > 1 else 0)
+            t_step = time.perf_counter()
+            cand, masked, nd, drafting = step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens, seeds, k,
+                                              inp.draft_sampling, rule, drafting, room, nd, inp.processor, out_c)
+            if direct:  # the compiled or captured step's forward is counted here
+                draft.calls += 1
+                draft.seconds += time.perf_counter() - t_step
+            out_c.append(cand)
+            out_l.append(masked)
+            steps = k
+            if k == cap or (rule is not None and _reads(early_exit, k) and not bool(drafting.any())):
+                break
+            tokens = cand.view(P, 1)
+        return nd, steps
+
+    def _graphed_spans(self, draft, target, P: int, cap: int, inp: RoundInputs, room, seeds, rule, rule_key,
+                       early_exit, out_c: list, out_l: list):
+        """A round's draft steps with no stop rule or a capturable one, replayed as spans: the steps between two
+        reads of the stop flags (``early_exit``; a round without a rule reads none) each one graph, and the span
+        that reaches the cap one graph with the verification after it (gpt-fast's and SGLang's whole-round graph
+        where nothing is read between steps: fixed K, or drafting to the cap). Appends each step's candidates and
+        processed logits to ``out_c`` / ``out_l``; returns (candidates drafted per row ``[P]``, steps run, the
+        fused verification's ``(out, acc, packed)`` and the host clock when its graph began, or None and None when
+        drafting stopped before the cap)."""
+        def span(first: int, last: int, state: Optional[tuple], verify: bool) -> tuple:
+            t_span = time.perf_counter()
+            outs = self._graphed_span(draft, target if verify else None, P, first, last, inp, room, seeds, rule,
+                                      rule_key, state, out_c, out_l)
+            n_steps = last - first + 1
+            out_c.extend(outs[:n_steps])
+            out_l.extend(outs[n_steps: 2 * n_steps])
+            draft.calls += n_steps
+            if verify:  # the span's time is the verification's (its draft steps are not timed apart)
+                target.calls += 1
+                target.seconds += time.perf_counter() - t_span
+            else:
+                draft.seconds += time.perf_counter() - t_span
+            return outs[2 * n_steps:]
+
+        first, state = 1, None
+        for last in [k for k in range(1, cap) if rule is not None and _reads(early_exit, k)]:
+            nd, drafting = span(first, last, state, False)
+            if not bool(drafting.any()):
+                return nd, last, None, None
+            first, state = last + 1, (out_c[-1].view(P, 1), drafting, nd)
+        t_verify = time.perf_counter()
+        nd, _, *fused = span(first, cap, state, True)
+        return nd, cap, tuple(fused), t_verify
 
     def _forward(self, backend) -> Callable:
         """``backend.step`` as the captured steps call it (``step(tokens, keep)``); with ``compile``, its lean
@@ -413,43 +496,106 @@ class StepRunner:
 
         return forward
 
-    def _graphed_draft(self, draft, P: int, k: int, tokens, seeds, s: RowSampling, drafting, room, n, rule,
-                       rule_key):
-        """Draft step ``k``, with no stop rule or a capturable one (``rule_key``), replayed whole from a graph per
-        (bucket, step, sampling mode, rule)."""
-        def fn(tokens, seeds, temperature, top_k, top_p, drafting, room, n):
-            rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
+    def _graphed_span(self, draft, target, P: int, first: int, last: int, inp: RoundInputs, room, seeds, rule,
+                      rule_key, state: Optional[tuple], out_c: list, out_l: list) -> tuple:
+        """Draft steps ``first`` .. ``last``, with no stop rule or a capturable one (``rule_key``), replayed as one graph
+        per (bucket, span, sampling mode, rule); with ``target``, the verification of the round's candidates too.
+        ``state``: (the last candidate ``[P, 1]``, rows drafting, candidates drafted) after step ``first - 1``, None
+        for the round's first span (which reads ``prev`` and ``last``); ``out_c`` / ``out_l``: the candidates and
+        processed logits of the steps before ``first``. Returns the span's candidates, then its processed logits,
+        then (candidates drafted ``[P]``, rows drafting ``[P]``), then with the verification ``(out, acc, packed)``
+        (:func:`_pack`)."""
+        ds, ts = inp.draft_sampling, inp.sampling
+        asked = rule.readback() if target is not None and rule is not None else []
+        before = len(out_c)
+
+        def fn(start_a, start_b, start_c, last_t, seeds, room, d_temperature, d_top_k, d_top_p, *rest):
+            rows = RowSampling(d_temperature, d_top_k, d_top_p, ds.greedy, ds.masks, ds.vocab)
             step = self._forward(draft)
-            return draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k, rows, rule, drafting,
-                              room, n)
+            if first == 1:  # the round's first feed: each row's last two tokens
+                tokens, drafting = torch.stack([start_a, last_t], 1), room > 0
+                n = torch.zeros(P, dtype=torch.int64, device=room.device)
+            else:
+                tokens, drafting, n = start_a, start_b, start_c
+            cands, logits = list(rest[:before]), list(rest[before: 2 * before])
+            for k in range(first, last + 1):
+                cand, masked, n, drafting = draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k, rows,
+                                                       rule, drafting, room, n)
+                cands.append(cand)
+                logits.append(masked)
+                tokens = cand.view(P, 1)
+            outs = tuple(cands[before:]) + tuple(logits[before:]) + (n, drafting)
+            if target is None:
+                return outs
+            t_temperature, t_top_k, t_top_p, extra = rest[2 * before: 2 * before + 4]
+            trows = RowSampling(t_temperature, t_top_k, t_top_p, ts.greedy, ts.masks, ts.vocab)
+            out, acc = verify_step(lambda t, keep: _attending(target, self._forward(target), t, keep)[0], last_t,
+                                   torch.stack(cands, 1), None if ts.greedy else torch.stack(logits, 1), trows, n,
+                                   seeds, target.rollback, draft.rollback, last, extra)
+            return outs + (out, acc, _pack(out, acc, n, rest[2 * before + 4:]))
 
-        key = ("draft", id(draft), P, k, tokens.shape[1], s.greedy, s.masks, rule_key)
-        return self.graphs.replay(key, fn, [tokens, seeds, s.temperature, s.top_k, s.top_p, drafting, room, n],
-                                  [draft.cache.lengths] + (rule.written() if rule is not None else []))
+        start = (inp.prev, None, None) if state is None else state
+        inputs = list(start) + [inp.last, seeds, room, ds.temperature, ds.top_k, ds.top_p] + out_c + out_l
+        written = [draft.cache.lengths] + (rule.written() if rule is not None else [])
+        if target is not None:
+            inputs += [ts.temperature, ts.top_k, ts.top_p, inp.extra] + asked
+            written.append(target.cache.lengths)
+        key = ("span", id(draft), id(target), P, first, last, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
+               inp.extra is None, len(asked))
+        return self.graphs.replay(key, fn, inputs, written)
 
-    def _graphed_verify(self, draft, target, P: int, cands, draft_logits, inp: RoundInputs, n, steps: int):
+    def _graphed_verify(self, draft, target, P: int, cands, draft_logits, inp: RoundInputs, n, steps: int,
+                        asked: list):
         """The verify step replayed whole from a graph per (bucket, width, draft steps, sampling mode): its tokens and
-        accepted counts, and (after draft steps) the round's read-back packed (:func:`_pack`)."""
+        accepted counts, and (after draft steps) the round's read-back packed with the stop rule's ``asked`` tensors
+        (:func:`_pack`)."""
         s = inp.sampling
 
-        def fn(last, cands, draft_logits, temperature, top_k, top_p, n, seeds, extra):
+        def fn(last, cands, draft_logits, temperature, top_k, top_p, n, seeds, extra, *asked):
             rows = RowSampling(temperature, top_k, top_p, s.greedy, s.masks, s.vocab)
             out, acc = verify_step(lambda t, keep: _attending(target, self._forward(target), t, keep)[0], last, cands,
                                    draft_logits, rows, n, seeds, target.rollback,
                                    draft.rollback if draft is not None else None, steps, extra)
-            return out, acc, None if acc is None else _pack(out, acc, n)  # the read-back packed in the graph
+            return out, acc, None if acc is None else _pack(out, acc, n, asked)  # the read-back packed in the graph
 
         key = ("verify", id(target), id(draft), P, cands.shape[1], steps, s.greedy, s.masks, draft_logits is None,
-               n is None, inp.extra is None)
+               n is None, inp.extra is None, len(asked))
         lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
-                                            inp.seeds, inp.extra], lengths)
+                                            inp.seeds, inp.extra] + list(asked), lengths)
 
 
-def _pack(out: torch.Tensor, acc: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The round's read-back in one tensor ``[B, W + 2]`` int64: each row's emitted tokens ``out`` ``[B, W]``, its
-    accepted count ``acc`` ``[B]`` and the candidates it drafted ``n`` ``[B]``."""
-    return torch.cat([out, acc.view(-1, 1), n.view(-1, 1).to(out.device)], 1)
+def _reads(early_exit: Union[bool, frozenset], k: int) -> bool:
+    """Whether a round reads its stop flags after draft step ``k`` (``early_exit`` as :func:`exit_steps` gives it)."""
+    return early_exit is True or (bool(early_exit) and k in early_exit)
+
+
+def _pack(out: torch.Tensor, acc: torch.Tensor, n: torch.Tensor, asked=()) -> torch.Tensor:
+    """The round's read-back in one tensor: each row's emitted tokens ``out`` ``[P, W]``, its accepted count ``acc``
+    ``[P]`` and the candidates it drafted ``n`` ``[P]``, as ``[P, W + 2]`` int64; with a stop rule's ``asked``
+    tensors (rows first, or one-dimensional), all of it flattened to float64 and those tensors' values after it."""
+    packed = torch.cat([out, acc.view(-1, 1), n.view(-1, 1).to(out.device)], 1)
+    if not asked:
+        return packed
+    return torch.cat([packed.flatten().double()] + [t.flatten().double().to(out.device) for t in asked])
+
+
+def _unpack(packed: torch.Tensor, B: int, W: int, asked: list) -> tuple:
+    """``packed`` (:func:`_pack`) read to the host: the first ``B`` rows' ``W`` tokens, accepted and drafted counts
+    (a list of ``W + 2`` ints per row), and each ``asked`` tensor's values (a list per row of a two-dimensional
+    tensor's first ``B`` rows, else all of its values)."""
+    if not asked:
+        return packed[:B].tolist(), []
+    flat = packed.tolist()  # the round's one read
+    at = len(flat) - sum(t.numel() for t in asked)  # P rows of W + 2 ints, then the asked tensors
+    rows = [[int(x) for x in flat[b * (W + 2): (b + 1) * (W + 2)]] for b in range(B)]
+    readback = []
+    for t in asked:
+        vals = flat[at: at + t.numel()]
+        at += t.numel()
+        cols = t.shape[-1] if t.dim() > 1 else 0
+        readback.append([vals[i * cols: (i + 1) * cols] for i in range(B)] if cols else vals)
+    return rows, readback
 
 
 def _attending(backend, fn: Callable, *args):

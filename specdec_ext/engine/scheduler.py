@@ -392,28 +392,12 @@ class Scheduler:
         if self._sampling is None or self._sampling[0] != cfgs:
             V = self.gen.vocab
             self._sampling = (cfgs, RowSampling.of(list(cfgs), V, tdev), RowSampling.of(list(cfgs), V, ddev))
-        # every per-row integer in one host list, moved in one copy per device: last tokens, then (drafting) the
-        # tokens before them, caps and placeholder flags, then (drawing) each row's Philox seed and round count
-        B = len(live)
-        host = [r.ctx[-1] for r in live]
-        single = [len(r.ctx) < 2 for r in live] if drafting else []
-        if drafting:  # a plain step reads none of these
-            host += [r.ctx[-2] if len(r.ctx) > 1 else r.ctx[-1] for r in live]
-            host += room
-            host += single
+        single = [len(r.ctx) < 2 for r in live] if drafting else None
         draws = drafting or not self._sampling[1].greedy  # greedy plain steps draw nothing
-        if draws:
-            for r in live:
-                host += (self.requests[r.req].seed, r.rounds)
-        flat = torch.tensor(host, dtype=torch.int64).to(tdev)
-        dflat = flat if ddev == tdev else flat.to(ddev)
-        last = flat[:B]
-        prev = room_t = extra = seeds = None
-        if drafting:
-            prev, room_t = dflat[B: 2 * B], dflat[2 * B: 3 * B]
-            extra = dflat[3 * B: 4 * B] if any(single) else None
-        if draws:
-            seeds = flat[len(host) - 2 * B:].view(B, 2)
+        last, prev, room_t, extra, seeds = self.gen.steps.row_inputs(
+            [r.ctx[-1] for r in live], [r.ctx[-2] if len(r.ctx) > 1 else r.ctx[-1] for r in live] if drafting else None,
+            room if drafting else None, single, [(self.requests[r.req].seed, r.rounds) for r in live] if draws else None,
+            tdev, ddev)
         processor = None
         if self.set.processor is not None:
             bases = [self.requests[r.req].base + r.ctx[r.prompt_len:] for r in live]

@@ -199,7 +199,9 @@ class CandidateLengthPolicy:
 
     def observe(self, result: RoundResult) -> None:
         """After the round (module docstring). Default: :meth:`end_round` with the drafted and accepted counts."""
-        self.end_round(torch.tensor(result.drafted, dtype=torch.int64), torch.tensor(result.accepted, dtype=torch.int64))
+        if type(self).end_round is not CandidateLengthPolicy.end_round:  # the counts as tensors only for an override
+            self.end_round(torch.tensor(result.drafted, dtype=torch.int64),
+                           torch.tensor(result.accepted, dtype=torch.int64))
 
     # ---------------------------------------------------------------- the per-step interface
     def draft_round(self, width: int) -> bool:
