@@ -7,7 +7,8 @@ CUDA, ``cuda_graphs="emulate"``; captured ones on CUDA) and reports per round: t
 dispatched outside them (counted by a ``TorchDispatchMode`` in a second, untimed pass), and the host's time
 outside the replays (the time inside the scheduler's rounds minus the time inside ``StepGraphs.replay``; prefills
 and the draft's reads of a context (``Scheduler._catch_up``) are left out). Off CUDA a replay runs the step eagerly,
-so only what lies outside it is the host's share that a GPU would also pay; on CUDA a replay's time is its launch.
+so only what lies outside it is the host's share that a GPU would also pay; on CUDA a replay is timed with the
+GPU's work it launched (synchronised inside the replay), so the rest of the round is the host's alone.
 
     python bench/host_round.py --prompts 4 --max-new-tokens 64 --out host_round.json
 """
@@ -42,9 +43,9 @@ ARMS = {"plain": dict(policy="autoregressive"), "fixed K=3": dict(policy="fixed"
 class _Inside:
     """Scheduler._round timed, and inside it StepGraphs.replay and Scheduler._catch_up (the draft's reads of a
     context, a prefill) left out: ``seconds`` inside those, ``round_seconds`` inside rounds, ``calls`` replays;
-    ``counting`` while a round runs outside them."""
+    ``counting`` while a round runs outside them. A context manager: the wrapped methods are restored on exit."""
 
-    def __init__(self):
+    def __init__(self, sync: bool):
         self.calls, self.seconds, self.round_seconds, self.left_out, self.in_round = 0, 0.0, 0.0, False, False
         probe = self
 
@@ -65,15 +66,28 @@ class _Inside:
                 probe.left_out = True
                 t0 = time.perf_counter()
                 try:
-                    return fn(*args, **kwargs)
+                    out = fn(*args, **kwargs)
+                    if sync:  # the GPU's work waited for here, so the round's later reads wait for nothing
+                        torch.cuda.synchronize()
+                    return out
                 finally:
                     probe.seconds += time.perf_counter() - t0
                     probe.left_out = False
             return wrapped
 
-        graphs_mod.StepGraphs.replay = left_out(graphs_mod.StepGraphs.replay, True)
-        Scheduler._catch_up = left_out(Scheduler._catch_up, False)
-        Scheduler._round = round_(Scheduler._round)
+        self._saved = [(graphs_mod.StepGraphs, "replay"), (Scheduler, "_catch_up"), (Scheduler, "_round")]
+        self._saved = [(owner, name, getattr(owner, name)) for owner, name in self._saved]
+        self._wrapped = [left_out(graphs_mod.StepGraphs.replay, True), left_out(Scheduler._catch_up, False),
+                         round_(Scheduler._round)]
+
+    def __enter__(self):
+        for (owner, name, _), fn in zip(self._saved, self._wrapped):
+            setattr(owner, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
 
     @property
     def counting(self) -> bool:
@@ -110,48 +124,48 @@ def main(argv=None) -> dict:
     cuda = torch.device(args.device).type == "cuda"
     texts = load_prompts("humaneval")[: args.prompts]
     prompts = [torch.tensor([pair.tokenizer(t)["input_ids"]], device=args.device) for t in texts]
-    inside = _Inside()
-    arms = {n: kw for n, kw in ARMS.items() if not args.arms or any(a in n for a in args.arms.split("|"))}
-    rows = {}
-    for name, kw in arms.items():
-        kw = dict(kw)
-        policy = kw.pop("policy")
-        gen = SpeculativeGenerator(pair.target, pair.draft if policy != "autoregressive" else None, policy=policy,
-                                   head=pair.head if policy == "specdecpp" else None, cuda_graphs=cuda or None,
-                                   **kw)
-        if not cuda:
-            gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
+    with _Inside(cuda) as inside:
+        arms = {n: kw for n, kw in ARMS.items() if not args.arms or any(a in n for a in args.arms.split("|"))}
+        rows = {}
+        for name, kw in arms.items():
+            kw = dict(kw)
+            policy = kw.pop("policy")
+            gen = SpeculativeGenerator(pair.target, pair.draft if policy != "autoregressive" else None, policy=policy,
+                                       head=pair.head if policy == "specdecpp" else None, cuda_graphs=cuda or None,
+                                       **kw)
+            if not cuda:
+                gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
 
-        def run():
-            rounds = 0
-            for ids in prompts:
-                rounds += len(gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0).stats.rounds)
-            if cuda:
-                torch.cuda.synchronize()
-            return rounds
+            def run():
+                rounds = 0
+                for ids in prompts:
+                    rounds += len(gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0).stats.rounds)
+                if cuda:
+                    torch.cuda.synchronize()
+                return rounds
 
-        run()  # capture, cost profiles, caches
-        best = None
-        for _ in range(args.repeats):
-            inside.reset()
-            t0 = time.perf_counter()
-            rounds = run()
-            wall = time.perf_counter() - t0
-            host = (inside.round_seconds - inside.seconds) / rounds
-            if best is None or host < best[0]:
-                best = (host, inside.calls / rounds, wall / rounds, rounds)
-        counter = _Ops(inside)
-        with counter:
-            rounds = run()
-        ops = sum(counter.ops.values()) / rounds
-        top = sorted(counter.ops.items(), key=lambda kv: -kv[1])[:10]
-        rows[name] = {"rounds": best[3], "host_us_per_round": 1e6 * best[0], "replays_per_round": best[1],
-                      "wall_ms_per_round": 1e3 * best[2], "eager_ops_per_round": ops,
-                      "top_ops_per_round": {k: v / rounds for k, v in top}}
-        r = rows[name]
-        print(f"{name}: host {r['host_us_per_round']:.0f} us/round outside replays, {r['replays_per_round']:.2f} "
-              f"replays, {ops:.1f} eager ops/round ({', '.join(f'{k} {v / rounds:.1f}' for k, v in top[:6])})",
-              flush=True)
+            run()  # capture, cost profiles, caches
+            best = None
+            for _ in range(args.repeats):
+                inside.reset()
+                t0 = time.perf_counter()
+                rounds = run()
+                wall = time.perf_counter() - t0
+                host = (inside.round_seconds - inside.seconds) / rounds
+                if best is None or host < best[0]:
+                    best = (host, inside.calls / rounds, wall / rounds, rounds)
+            counter = _Ops(inside)
+            with counter:
+                rounds = run()
+            ops = sum(counter.ops.values()) / rounds
+            top = sorted(counter.ops.items(), key=lambda kv: -kv[1])[:10]
+            rows[name] = {"rounds": best[3], "host_us_per_round": 1e6 * best[0], "replays_per_round": best[1],
+                          "wall_ms_per_round": 1e3 * best[2], "eager_ops_per_round": ops,
+                          "top_ops_per_round": {k: v / rounds for k, v in top}}
+            r = rows[name]
+            print(f"{name}: host {r['host_us_per_round']:.0f} us/round outside replays, {r['replays_per_round']:.2f} "
+                  f"replays, {ops:.1f} eager ops/round ({', '.join(f'{k} {v / rounds:.1f}' for k, v in top[:6])})",
+                  flush=True)
     result = {"machine": machine_description(pair), "command": "python bench/host_round.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "date": time.strftime("%Y-%m-%d"), "rows": rows}
     if args.out:
