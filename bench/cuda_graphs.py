@@ -3,8 +3,8 @@ static-cache compiled ``generate()``, on one GPU, in one run.
 
 Greedy, the bundled pair (bf16 on CUDA), the first N HumanEval prompts. At ``--batch-size 1`` each request runs
 alone and the methods alternate prompt by prompt in a balanced order: our plain decoding, fixed K and SpecDec++
-(``threshold="auto"`` with early exit after every draft step, after steps 1, 3 and 7 only, and drafting to the cap,
-a fixed h), each with ``cuda_graphs`` on and off,
+(``threshold="auto"`` with early exit after every draft step, after steps 1, 3 and 7 only, decided on the device
+by conditional nodes (also with compiled forwards), and drafting to the cap, a fixed h), each with ``cuda_graphs`` on and off,
 plain, fixed K and ``auto`` with graphs of compiled forwards (``compile=True``), and transformers'
 ``generate(cache_implementation="static")`` (compiled on its first calls). At a larger batch size
 the prompts are served by ``generate_continuous`` (plain, fixed K, ``auto``'s batch verification budget; graphs
@@ -51,6 +51,9 @@ def engines(pair, batch_size: int, k: int, h: float) -> dict:
         arms.update({
             "specdec++ auto, graphs, to the cap": gen("specdecpp", threshold="auto", k_max=8, early_exit=False),
             "specdec++ auto, graphs, tiers 1/3/7": gen("specdecpp", threshold="auto", k_max=8, early_exit=(1, 3, 7)),
+            "specdec++ auto, graphs, on device": gen("specdecpp", threshold="auto", k_max=8, early_exit="device"),
+            "specdec++ auto, graphs, on device, compiled": gen("specdecpp", compile=True, threshold="auto", k_max=8,
+                                                               early_exit="device"),
             f"specdec++ h={h:g}, graphs": gen("specdecpp", threshold=h),
             "plain, eager": gen("autoregressive", False), f"fixed K={k}, eager": gen("fixed", False, k=k),
             "specdec++ auto, eager": gen("specdecpp", False, threshold="auto"),

@@ -42,7 +42,9 @@ def main(argv=None) -> dict:
     arms = {"plain": dict(policy="autoregressive"), "fixed K=3": dict(policy="fixed", k=3),
             "specdec++ auto": dict(policy="specdecpp", threshold="auto", head=pair.head),
             "specdec++ auto, to the cap": dict(policy="specdecpp", threshold="auto", head=pair.head, k_max=8,
-                                               early_exit=False)}
+                                               early_exit=False),
+            "specdec++ auto, on device": dict(policy="specdecpp", threshold="auto", head=pair.head, k_max=8,
+                                              early_exit="device")}
     if args.arms:
         arms = {name: kw for name, kw in arms.items() if any(a in name for a in args.arms.split("|"))}
     rows, tables = {}, []

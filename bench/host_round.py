@@ -37,6 +37,7 @@ from specdec_ext.zoo import load_pair  # noqa: E402
 ARMS = {"plain": dict(policy="autoregressive"), "fixed K=3": dict(policy="fixed", k=3),
         "specdec++ auto": dict(policy="specdecpp", threshold="auto"),
         "specdec++ auto, tiers 1/3/7": dict(policy="specdecpp", threshold="auto", k_max=8, early_exit=(1, 3, 7)),
+        "specdec++ auto, on device": dict(policy="specdecpp", threshold="auto", k_max=8, early_exit="device"),
         "specdec++ auto, to the cap": dict(policy="specdecpp", threshold="auto", k_max=8, early_exit=False)}
 
 

@@ -135,3 +135,65 @@ def test_compiled_forwards_in_graphs_give_target_only_greedy_tokens_on_cuda(cuda
             kwargs["attention_mask"] = m.cuda()
         assert gen.generate(x.cuda(), **kwargs).new_tokens == plain.generate(x.cuda(), **kwargs).new_tokens
     assert gen.steps.graphs.captures > 0 and gen.steps.compile
+
+
+def test_a_conditional_node_runs_its_body_only_where_its_predicate_holds_on_cuda():
+    """``graphs.when`` in a captured graph: the body is a conditional node the GPU decides at each replay from the
+    predicate's current value, with no read-back; the body's writes land only when it ran."""
+    from specdec_ext.engine.graphs import StepGraphs, when
+
+    graphs = StepGraphs()
+    flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    x = torch.zeros(4, device="cuda")
+
+    def fn(flag, x):
+        y = x + 1
+        when(flag, lambda: y.mul_(10))
+        return (y,)
+
+    for value, want in ((True, 10.0), (False, 1.0), (True, 10.0)):
+        flag.fill_(value)
+        (y,) = graphs.replay("when", fn, [flag, x], [])
+        torch.cuda.synchronize()
+        assert y.tolist() == [want] * 4, value
+    assert graphs.captures == 1
+
+
+@pytest.mark.parametrize("kw", [{"threshold": 0.3, "k_max": 6}, {"threshold": "auto", "k_max": 8, "_head": "proposal"}],
+                         ids=["h0.3", "auto"])
+def test_steps_decided_on_the_device_give_target_only_tokens_on_cuda(cuda_pair, kw):
+    """``early_exit="device"``: each round one captured graph whose draft steps after the first are conditional
+    nodes; greedy tokens (fp32) for one row and a batch padded to its bucket equal target-only decoding's, and (a
+    fixed h) the rounds draft the candidates a read after every step drafts, in as many draft forwards."""
+    target, draft = cuda_pair
+    gen = make_gen(target, draft, "specdecpp", kw, early_exit="device")
+    every = make_gen(target, draft, "specdecpp", kw, early_exit=True)
+    ps = prompts(target.config.vocab_size, n=3, seed=10)
+    ids, mask = _right_aligned([p.tolist() for p in ps], max(len(p) for p in ps))
+    one = gen.generate(ps[0].view(1, -1).cuda(), max_new_tokens=16, temperature=0)
+    assert one.new_tokens[0] == target_only(target, ps[0], 16)
+    if kw["threshold"] != "auto":  # auto plans from measured times
+        base = every.generate(ps[0].view(1, -1).cuda(), max_new_tokens=16, temperature=0)
+        assert [r.candidates for r in one.stats.rounds] == [r.candidates for r in base.stats.rounds]
+        batch = gen.generate(ids.cuda(), attention_mask=mask.long().cuda(), max_new_tokens=16, temperature=0)
+        assert batch.new_tokens == [target_only(target, p, 16) for p in ps]
+    assert gen.steps.graphs.captures > 0
+
+
+@pytest.mark.slow
+def test_sampling_through_conditional_nodes_is_lossless_on_cuda():
+    """Seeded sampling (T = 1) through captured rounds of 64 rows with ``early_exit="device"``: each of the first
+    three positions follows the target's exact marginal (chi-square, the CPU's enumeration in fp32)."""
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([[0, 5, 7, 3, 9]])
+    marg = exact_marginals(target, prompt, SamplingConfig(1.0), 3)
+    gen = make_gen(target.cuda(), draft.cuda(), "specdecpp", {"threshold": 0.3, "k_max": 4}, early_exit="device")
+    toks, accepted = [], 0
+    for call in range(47):  # 3008 rows, each its own seed
+        out = gen.generate(prompt.expand(64, -1).cuda(), max_new_tokens=3, temperature=1.0, seed=1000 + 64 * call)
+        toks += out.new_tokens
+        accepted += out.stats.accepted
+    toks = torch.tensor(toks)
+    for i in range(3):
+        assert_follows(toks[:, i], marg[i], f"conditional nodes on CUDA, position {i + 1}")
+    assert accepted > 0 and gen.steps.graphs.captures > 0

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from models import make_pair
-from support import PIDS, POLICIES, head_for, make_gen
+from stats import assert_follows
+from support import PIDS, POLICIES, exact_marginals, head_for, make_gen, target_only
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.round import BUCKETS, StepRunner
+from specdec_ext.engine.sampling import SamplingConfig
 
 
 def graphed(gen) -> SpeculativeGenerator:
@@ -21,7 +23,7 @@ def graphed(gen) -> SpeculativeGenerator:
 
 
 @pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
-@pytest.mark.parametrize("early_exit", [True, False, (1, 3)], ids=["early-exit", "to-cap", "tiers"])
+@pytest.mark.parametrize("early_exit", [True, False, (1, 3), "device"], ids=["early-exit", "to-cap", "tiers", "device"])
 def test_replayed_steps_give_the_eager_steps_tokens(name, kw, early_exit):
     """Every policy, greedy and seeded sampling, a batch padded to its bucket and one row: the replayed steps emit
     exactly the eager steps' tokens (fp32), and a second round of the calls captures nothing new. ``threshold="auto"`` plans
@@ -154,15 +156,17 @@ def test_a_graph_reads_the_tensors_it_was_captured_with_and_copies_in_others():
     assert graphs.replay("twice", lambda x, y: (x - y,), [p, q], [])[0].tolist() == [6.0, 5.0]
 
 
-@pytest.mark.parametrize("name,kw", [("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.7, "k_max": 6}),
+@pytest.mark.parametrize("name,kw", [("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.3, "k_max": 6}),
                                      ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "proposal"})],
                          ids=["fixed", "specdecpp", "specdecpp-auto"])
-@pytest.mark.parametrize("early_exit", [False, (1, 3), True], ids=["to-cap", "tiers", "early-exit"])
+@pytest.mark.parametrize("early_exit", [False, (1, 3), True, "device"], ids=["to-cap", "tiers", "early-exit", "device"])
 def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):
     """The draft steps between two reads of the stop flags replay as one graph, and those that reach the round's
     cap together with the verification: a round of fixed K, or drafting to the cap, is one replay; with reads after
     steps R, a round replays one graph per span it ran, and one more for the verification when its rows stopped
-    drafting at a read. Greedy and seeded rows, a batch padded to its bucket (one row for ``auto``, whose batches
+    drafting at a read; with ``early_exit="device"`` every round is one replay whose steps after the first run on
+    the GPU's own reading of the stop flags, so it drafts the steps a read after every step would (fewer than the
+    cap in some rounds). Greedy and seeded rows, a batch padded to its bucket (one row for ``auto``, whose batches
     run the verification budget, a rule that is not captured); the tokens are the eager steps'."""
     from specdec_ext.engine import graphs as graphs_module
 
@@ -193,9 +197,14 @@ def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):
             for t in temperatures:
                 want = eager.generate(ids, max_new_tokens=20, temperature=t, seed=2).new_tokens
                 assert gen.generate(ids, max_new_tokens=20, temperature=t, seed=2).new_tokens == want
+    assert any(steps > 1 for _, steps, _ in rounds)
+    if early_exit == "device":
+        assert all(n == 1 for _, _, n in rounds)
+        if name != "fixed":  # the conditional steps skipped: rounds that ended before their cap
+            assert any(0 < steps < cap for cap, steps, _ in rounds)
+        return
     reads = set() if name == "fixed" or early_exit is False else set(range(1, 64)) if early_exit is True \
         else set(early_exit)
-    assert any(steps > 1 for _, steps, _ in rounds)
     for cap, steps, n in rounds:
         if steps == 0:  # a plain step
             assert n == 1
@@ -231,3 +240,41 @@ def test_a_rounds_row_inputs_are_written_where_its_graphs_read_them():
     again = bucketed.row_inputs([3, 4, 8], [5, 6, 1], [1, 1, 1], [False] * 3, [(1, 2), (3, 4), (5, 6)], cpu, cpu)
     assert again[0].data_ptr() == got[0].data_ptr() and again[3] is None
     assert bucketed._persistent(RoundInputs(*again[:4], rows, rows, again[4], 6, 5), 4).last.tolist() == [3, 4, 8, 0]
+
+
+def test_steps_decided_on_the_device_draft_what_a_read_after_every_step_drafts():
+    """``early_exit="device"`` (SpecDec++ with a fixed h, recorded graphs): each round is one replay, and it drafts
+    the same candidates, in the same number of draft forwards, as a round that reads after every step; the draft's
+    cache is rolled back by the steps that ran, so later rounds stay target-only decoding's (greedy, fp32)."""
+    target, draft = make_pair("llama")
+    ids = torch.randint(2, 48, (1, 7), generator=torch.Generator().manual_seed(8))
+    kw = {"threshold": 0.3, "k_max": 6}  # rows stop before the cap in most rounds
+    device = graphed(make_gen(target, draft, "specdecpp", kw, early_exit="device"))
+    every = graphed(make_gen(target, draft, "specdecpp", kw, early_exit=True))
+    a = device.generate(ids, max_new_tokens=30, temperature=0)
+    b = every.generate(ids, max_new_tokens=30, temperature=0)
+    assert a.new_tokens == b.new_tokens == [target_only(target, ids[0], 30)]
+    assert a.stats.draft_calls == b.stats.draft_calls and [r.candidates for r in a.stats.rounds] == \
+        [r.candidates for r in b.stats.rounds]
+    assert a.stats.draft_calls < 6 * len(a.stats.rounds)  # steps were skipped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("early_exit", ["device", (1, 3)], ids=["device", "tiers"])
+def test_sampling_through_replayed_steps_is_lossless(early_exit):
+    """Seeded sampling (T = 1) through recorded graphs of 64-row rounds, SpecDec++ with a fixed h: with the steps
+    decided on the device (skipped steps' candidates and logits left at 0, the draft rolled back by the steps that
+    ran) and with tiers, each of the first three positions follows the target's exact marginal (chi-square)."""
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([[0, 5, 7, 3, 9]])
+    marg = exact_marginals(target, prompt, SamplingConfig(1.0), 3)
+    gen = graphed(make_gen(target, draft, "specdecpp", {"threshold": 0.3, "k_max": 4}, early_exit=early_exit))
+    rows, toks, accepted, discarded = 64, [], 0, 0
+    for call in range(47):  # 3008 rows, each its own seed
+        out = gen.generate(prompt.expand(rows, -1), max_new_tokens=3, temperature=1.0, seed=1000 + rows * call)
+        toks += out.new_tokens
+        accepted, discarded = accepted + out.stats.accepted, discarded + out.stats.discarded
+    toks = torch.tensor(toks)
+    for i in range(3):
+        assert_follows(toks[:, i], marg[i], f"{early_exit} through recorded graphs, position {i + 1}")
+    assert accepted > 0 and discarded > 0, "speculation was not exercised"

@@ -111,7 +111,7 @@ def test_exit_tiers_read_only_after_their_steps(name, kw):
 @pytest.mark.parametrize("bad", [(), (3, 1), (0, 2), (1.5,), "1,3", (True, 2)])
 def test_exit_tiers_refuse_what_is_not_increasing_steps(bad):
     target, draft = make_pair("llama")
-    with pytest.raises(ValueError, match=r"early_exit: expected True, False or increasing draft steps >= 1"):
+    with pytest.raises(ValueError, match=r"early_exit: expected True, False, 'device' or increasing draft steps >= 1"):
         SpeculativeGenerator(target, draft, policy="fixed", k=2, early_exit=bad)
 
 

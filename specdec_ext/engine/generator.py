@@ -25,6 +25,7 @@ from ..policies import CandidateLengthPolicy, make_policy
 from ..policies.goodput import CostModel
 from .admission import DEFAULT_ADMISSION, AdmissionRule, check_admission
 from .backends import backend_for
+from .graphs import conditional_nodes
 from .model import supports
 from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
 from .round import BUCKETS, StepRunner, exit_steps
@@ -91,8 +92,13 @@ class SpeculativeGenerator:
             round's cap and a round reads back once, the form a CUDA graph replays (``engine/round.py``); a tuple of
             increasing steps, e.g. ``(1, 3, 7)``: read only after those steps (tiers, as SGLang's adaptive speculation
             keeps graphs of 1, 3 and 7 steps), the steps between enqueued without a wait, rows that stopped drafting
-            on masked to the next read. Policies whose rounds are planned whole (plain decoding, fixed K, the
-            heuristic) read back once either way. Raises ValueError for steps that are not increasing integers >= 1.
+            on masked to the next read; ``"device"``: in a captured round (CUDA graphs, a stop rule that can be captured:
+            SpecDec++ at B = 1 or with a fixed h) the GPU reads the stop flags itself, each draft step after the first
+            a conditional node that runs while some row drafts, so the round reads back once and the steps after every
+            row stopped cost nothing (the verification spans the cap); rounds that are not captured read after
+            every step. Policies whose rounds are planned whole (plain decoding, fixed K, the heuristic) read back once
+            either way. Raises ValueError for steps that are not increasing integers >= 1, and for ``"device"`` with
+            CUDA graphs on a torch without conditional nodes (CUDA 12.4+).
         tokenizers: ``(target's, draft's)`` tokenizers: checked to have the same vocabulary and special tokens, and
             ids that both models embed (``engine/models.py``, ``check_vocabularies``).
         cuda_graphs: replay the round's steps from CUDA graphs (``engine/graphs.py``): rows padded to batch buckets
@@ -147,6 +153,10 @@ class SpeculativeGenerator:
             raise ValueError(f"compile: True compiles the forwards that CUDA graphs capture (cuda_graphs on: a lean "
                              f"pair on a CUDA device), got compile={compile!r} with CUDA graphs "
                              f"{'on' if self.cuda_graphs else 'off'}")
+        if self.early_exit == "device" and self.cuda_graphs and not conditional_nodes():
+            raise ValueError(f"early_exit: 'device' needs conditional nodes in CUDA graphs (torch's "
+                             f"CUDAGraph.begin_capture_to_if_node, CUDA 12.4 or later); this torch {torch.__version__} "
+                             f"(CUDA {torch.version.cuda}) has none: use True or a tuple of steps")
         self.steps = StepRunner(BUCKETS, cuda_graphs=True, compile=compile) if self.cuda_graphs else StepRunner()
         self.catch_up_ms = 0.0  # the draft's reads of rows' contexts (_catch_up) over this generator's calls: ms,
         self.catch_up_rows = 0  # and rows read (_draft_overhead's measured mean ms per request)

@@ -30,13 +30,46 @@ again.
 
 What cannot be captured runs eagerly: a ``logits_processor`` (host work) and a host stop rule
 (``StopRule.host``).
+
+:func:`when` lets a graph decide on the device whether a part of it runs: in a captured graph it is a conditional
+node (CUDA 12.4's ``cudaGraphConditionalHandle``, through torch's ``CUDAGraph.begin_capture_to_if_node``) whose
+predicate the GPU reads at each replay, so a round's draft steps past the point where every row stopped are
+skipped without a read-back (``early_exit="device"``, ``engine/round.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional, Sequence
 
 import torch
+
+_warming = threading.local()  # set while a graph's warm-up run executes (every conditional body runs in it)
+
+
+def conditional_nodes() -> bool:
+    """Whether this torch can capture conditional nodes in CUDA graphs: ``CUDAGraph.begin_capture_to_if_node`` and a
+    build for CUDA 12.4 or later (where ``cudaGraphConditionalHandle`` appeared)."""
+    version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and \
+        hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph") and version >= (12, 4)
+
+
+def when(pred: torch.Tensor, body: Callable[[], None]) -> None:
+    """Run ``body`` only where ``pred`` (a one-element bool tensor on the graph's device) holds. ``body`` returns
+    nothing: it writes its results into tensors made before it (what it allocates is undefined where it did not
+    run). In a CUDA graph being captured, ``body`` is captured into a conditional node that the GPU decides at each
+    replay, with no read-back; in a graph's warm-up run it always runs (so the capture meets kernels already
+    initialised); elsewhere (eager steps, recorded graphs) the host reads ``pred`` and runs it or not."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        graph.begin_capture_to_if_node(pred)
+        try:
+            body()
+        finally:
+            graph.end_capture_to_conditional_node()
+    elif getattr(_warming, "on", False) or bool(pred):
+        body()
 
 
 class _Recorded:
@@ -121,7 +154,11 @@ class StepGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles, workspaces and the like outside the graph
-            fn(*static)
+            _warming.on = True
+            try:
+                fn(*static)
+            finally:
+                _warming.on = False
         torch.cuda.current_stream().wait_stream(side)
         for t, before in zip(state, saved):
             t.copy_(before)

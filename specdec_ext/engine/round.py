@@ -27,7 +27,7 @@ import torch
 
 from .. import errors, ops
 from ..policies.base import DraftStep, RoundPlan
-from .graphs import StepGraphs
+from .graphs import StepGraphs, when
 from .runner import sdpa_backends
 from .sampling import RowSampling, draw_tokens, mask_logits, row_probs
 
@@ -108,13 +108,15 @@ def draft_step(forward: Callable, tokens: torch.Tensor, seeds: torch.Tensor, k: 
 
 def verify_step(forward: Callable, last: torch.Tensor, cands: torch.Tensor, draft_logits: Optional[torch.Tensor],
                 sampling: RowSampling, n: torch.Tensor, seeds: torch.Tensor, roll_target: Optional[Callable],
-                roll_draft: Optional[Callable], steps: int, extra: Optional[torch.Tensor], processor=None):
+                roll_draft: Optional[Callable], steps: int, extra: Optional[torch.Tensor], processor=None,
+                ran: Optional[torch.Tensor] = None):
     """The target scores ``[last, cands]`` ``[B, K + 1]`` (``forward(tokens, keep)`` -> logits), one fused op accepts a
     prefix of each row's ``n[b]`` candidates and emits the residual or bonus token (uniforms from each row's Philox
     stream ``seeds[b]``, counter slots :data:`VERIFY_SLOT` + i); K = 0 is a plain step (a draw from the target's
     distribution). Then both caches roll back: the target keeps ``last`` and the accepted candidates
     (``roll_target(K - accepted)``), the draft, which ran ``steps`` steps, the same context but its last token
-    (``roll_draft(steps - accepted + extra)``). Returns ``(out [B, K + 1] int64, num_accepted [B] int64)`` (None for
+    (``roll_draft(steps - accepted + extra)``; ``ran``, a device count, in place of ``steps`` where the device decided
+    how many draft steps ran). Returns ``(out [B, K + 1] int64, num_accepted [B] int64)`` (None for
     a plain step); a negative count is a kernel's error code for that row. Fixed shapes, no host synchronisation (a
     ``processor`` is host work)."""
     B, K = cands.shape
@@ -136,23 +138,25 @@ def verify_step(forward: Callable, last: torch.Tensor, cands: torch.Tensor, draf
     if K:
         roll_target(K - kept)
     if steps:
-        back = steps - kept
+        back = (steps if ran is None else ran) - kept
         roll_draft(back if extra is None else back + extra.to(back.device))
     return out, acc
 
 
 def exit_steps(early_exit) -> Union[bool, frozenset]:
-    """``early_exit`` as :meth:`StepRunner.run` takes it: True (a read after every draft step), False (none), or the
-    frozenset of steps after which the round reads (a tuple or list of increasing integers >= 1).
+    """``early_exit`` as :meth:`StepRunner.run` takes it: True (a read after every draft step), False (none), the
+    frozenset of steps after which the round reads (a tuple or list of increasing integers >= 1), or ``"device"``
+    (the GPU reads the stop flags itself: in a captured round each draft step after the first is a conditional node
+    that runs while some row drafts; a round that is not captured reads after every step).
 
     Raises ValueError for anything else (naming ``early_exit`` and what it takes)."""
-    if isinstance(early_exit, bool):
+    if isinstance(early_exit, bool) or early_exit == "device":
         return early_exit
     steps = list(early_exit) if isinstance(early_exit, (tuple, list)) else None
     if not steps or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in steps) or \
             any(a >= b for a, b in zip(steps, steps[1:])):
-        raise ValueError(f"early_exit: expected True, False or increasing draft steps >= 1 after which the round "
-                         f"reads its stop flags, e.g. (1, 3, 7); got {early_exit!r}")
+        raise ValueError(f"early_exit: expected True, False, 'device' or increasing draft steps >= 1 after which the "
+                         f"round reads its stop flags, e.g. (1, 3, 7); got {early_exit!r}")
     return frozenset(steps)
 
 
@@ -304,10 +308,11 @@ class StepRunner:
             self._steps[fn] = call
         return self._steps[fn]
 
-    def run(self, draft, target, inp: RoundInputs, plan: RoundPlan, early_exit: Union[bool, frozenset]) -> RoundOutput:
+    def run(self, draft, target, inp: RoundInputs, plan: RoundPlan,
+            early_exit: Union[bool, frozenset, str]) -> RoundOutput:
         """One round of the live rows (module docstring) by backends ``draft`` (None for a plain step) and
-        ``target``; the draft runs at most ``plan.cap`` steps (0: a plain step). ``early_exit``: True, False, or
-        the steps after which the round reads whether any row still drafts (:func:`exit_steps`).
+        ``target``; the draft runs at most ``plan.cap`` steps (0: a plain step). ``early_exit``: True, False, the
+        steps after which the round reads whether any row still drafts, or ``"device"`` (:func:`exit_steps`).
 
         Raises ValueError when the verification reports an invalid row (a NaN or +Inf logit, or a fully masked row)."""
         B = inp.last.shape[0]
@@ -388,6 +393,9 @@ class StepRunner:
         W = verified + 1
         accepted = [r[W] for r in rows]
         drafted = [r[W + 1] for r in rows]
+        if fused is not None and early_exit == "device" and rule is not None:  # the draft steps the GPU ran
+            steps = max(drafted)
+            draft.calls += steps
         bad = min(accepted)
         if bad < 0:
             raise ValueError(f"verification: {errors.message(bad, True)}")
@@ -431,18 +439,23 @@ class StepRunner:
         """A round's draft steps with no stop rule or a capturable one, replayed as spans: the steps between two
         reads of the stop flags (``early_exit``; a round without a rule reads none) each one graph, and the span
         that reaches the cap one graph with the verification after it (gpt-fast's and SGLang's whole-round graph
-        where nothing is read between steps: fixed K, or drafting to the cap). Appends each step's candidates and
+        where nothing is read between steps: fixed K, or drafting to the cap). With ``early_exit="device"`` and a stop
+        rule, one span of every step to the cap, each step after the first a conditional node run while some row
+        drafts (:func:`~specdec_ext.engine.graphs.when`): nothing is read until the round's end, and the steps
+        after every row stopped cost the GPU nothing. Appends each step's candidates and
         processed logits to ``out_c`` / ``out_l``; returns (candidates drafted per row ``[P]``, steps run, the
         fused verification's ``(out, acc, packed)`` and the host clock when its graph began, or None and None when
         drafting stopped before the cap)."""
+        on_device = early_exit == "device" and rule is not None  # the steps after the first decided by the GPU
+
         def span(first: int, last: int, state: Optional[tuple], verify: bool) -> tuple:
             t_span = time.perf_counter()
             outs = self._graphed_span(draft, target if verify else None, P, first, last, inp, room, seeds, rule,
-                                      rule_key, state, out_c, out_l)
+                                      rule_key, state, out_c, out_l, on_device)
             n_steps = last - first + 1
             out_c.extend(outs[:n_steps])
             out_l.extend(outs[n_steps: 2 * n_steps])
-            draft.calls += n_steps
+            draft.calls += 0 if on_device else n_steps  # counted from the read-back (StepRunner.run)
             if verify:  # the span's time is the verification's (its draft steps are not timed apart)
                 target.calls += 1
                 target.seconds += time.perf_counter() - t_span
@@ -451,7 +464,7 @@ class StepRunner:
             return outs[2 * n_steps:]
 
         first, state = 1, None
-        for last in [k for k in range(1, cap) if rule is not None and _reads(early_exit, k)]:
+        for last in [k for k in range(1, cap) if rule is not None and not on_device and _reads(early_exit, k)]:
             nd, drafting = span(first, last, state, False)
             if not bool(drafting.any()):
                 return nd, last, None, None
@@ -497,12 +510,15 @@ class StepRunner:
         return forward
 
     def _graphed_span(self, draft, target, P: int, first: int, last: int, inp: RoundInputs, room, seeds, rule,
-                      rule_key, state: Optional[tuple], out_c: list, out_l: list) -> tuple:
+                      rule_key, state: Optional[tuple], out_c: list, out_l: list, on_device: bool = False) -> tuple:
         """Draft steps ``first`` .. ``last``, with no stop rule or a capturable one (``rule_key``), replayed as one graph
         per (bucket, span, sampling mode, rule); with ``target``, the verification of the round's candidates too.
         ``state``: (the last candidate ``[P, 1]``, rows drafting, candidates drafted) after step ``first - 1``, None
         for the round's first span (which reads ``prev`` and ``last``); ``out_c`` / ``out_l``: the candidates and
-        processed logits of the steps before ``first``. Returns the span's candidates, then its processed logits,
+        processed logits of the steps before ``first``. ``on_device``: each step after ``first`` runs only while some
+        row drafts (a conditional node), its candidates 0 and logits 0 where it did not, and the draft's roll-back
+        counts the steps that ran (the most candidates a row drafted). Returns the span's candidates, then its
+        processed logits,
         then (candidates drafted ``[P]``, rows drafting ``[P]``), then with the verification ``(out, acc, packed)``
         (:func:`_pack`)."""
         ds, ts = inp.draft_sampling, inp.sampling
@@ -519,8 +535,19 @@ class StepRunner:
                 tokens, drafting, n = start_a, start_b, start_c
             cands, logits = list(rest[:before]), list(rest[before: 2 * before])
             for k in range(first, last + 1):
-                cand, masked, n, drafting = draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k, rows,
-                                                       rule, drafting, room, n)
+                if on_device and k > first:  # written in place where some row still drafts, else left at 0
+                    cand, masked = torch.zeros_like(cands[-1]), torch.zeros_like(logits[-1])
+
+                    def body(k=k, tokens=tokens, cand=cand, masked=masked, n=n, drafting=drafting):
+                        outs = draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k, rows, rule,
+                                          drafting, room, n)
+                        for kept, new in zip((cand, masked, n, drafting), outs):
+                            kept.copy_(new)
+
+                    when(drafting.any(), body)
+                else:
+                    cand, masked, n, drafting = draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k,
+                                                           rows, rule, drafting, room, n)
                 cands.append(cand)
                 logits.append(masked)
                 tokens = cand.view(P, 1)
@@ -531,7 +558,8 @@ class StepRunner:
             trows = RowSampling(t_temperature, t_top_k, t_top_p, ts.greedy, ts.masks, ts.vocab)
             out, acc = verify_step(lambda t, keep: _attending(target, self._forward(target), t, keep)[0], last_t,
                                    torch.stack(cands, 1), None if ts.greedy else torch.stack(logits, 1), trows, n,
-                                   seeds, target.rollback, draft.rollback, last, extra)
+                                   seeds, target.rollback, draft.rollback, last, extra,
+                                   ran=n.max() if on_device else None)
             return outs + (out, acc, _pack(out, acc, n, rest[2 * before + 4:]))
 
         start = (inp.prev, None, None) if state is None else state
@@ -541,7 +569,7 @@ class StepRunner:
             inputs += [ts.temperature, ts.top_k, ts.top_p, inp.extra] + asked
             written.append(target.cache.lengths)
         key = ("span", id(draft), id(target), P, first, last, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
-               inp.extra is None, len(asked))
+               inp.extra is None, len(asked), on_device)
         return self.graphs.replay(key, fn, inputs, written)
 
     def _graphed_verify(self, draft, target, P: int, cands, draft_logits, inp: RoundInputs, n, steps: int,
@@ -565,9 +593,10 @@ class StepRunner:
                                             inp.seeds, inp.extra] + list(asked), lengths)
 
 
-def _reads(early_exit: Union[bool, frozenset], k: int) -> bool:
-    """Whether a round reads its stop flags after draft step ``k`` (``early_exit`` as :func:`exit_steps` gives it)."""
-    return early_exit is True or (bool(early_exit) and k in early_exit)
+def _reads(early_exit: Union[bool, frozenset, str], k: int) -> bool:
+    """Whether a round whose steps are not decided on the device reads its stop flags after draft step ``k``
+    (``early_exit`` as :func:`exit_steps` gives it; ``"device"``: after every step)."""
+    return early_exit is True or early_exit == "device" or (isinstance(early_exit, frozenset) and k in early_exit)
 
 
 def _pack(out: torch.Tensor, acc: torch.Tensor, n: torch.Tensor, asked=()) -> torch.Tensor:

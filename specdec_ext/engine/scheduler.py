@@ -104,7 +104,7 @@ class Settings:
     processor: Optional[Callable] = None
     admission: str = "eager"
     rule: Optional[AdmissionRule] = None
-    early_exit: Union[bool, frozenset] = True
+    early_exit: Union[bool, frozenset, str] = True
     draft_context: Optional[int] = None
     continuous: bool = False
 

@@ -69,7 +69,7 @@ class RoundContext:
     live rows it has not read, were the round to draft. together: a continuous batch's live rows are in lockstep
     (several rows, each with the same number of tokens left). early_exit: the engine reads, between draft steps,
     whether any row still drafts (False: the draft runs to the cap whatever the rule says; a frozenset of steps:
-    only after those, ``engine.round.exit_steps``)."""
+    only after those; ``"device"``: the GPU decides in a captured round, ``engine.round.exit_steps``)."""
 
     batch_size: int
     width: int = 0
@@ -77,7 +77,7 @@ class RoundContext:
     draft_overhead: float = 0.0
     draft_reads: float = 0.0
     together: bool = False
-    early_exit: Union[bool, frozenset] = True
+    early_exit: Union[bool, frozenset, str] = True
 
 
 @dataclass
