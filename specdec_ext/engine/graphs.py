@@ -128,7 +128,7 @@ class StepGraphs:
             entry = self._graphs[key] = self._capture(fn, inputs, state)
         graph, static, outs = entry
         for buf, t in zip(static, inputs):
-            if buf is not None and not _same(buf, t):
+            if buf is not None and buf is not t and not _same(buf, t):  # most are the very tensors captured
                 buf.copy_(t)
         graph.replay()
         return outs
