@@ -335,7 +335,8 @@ class StepRunner:
         cands = inp.last.new_empty(P, 0) if cap == 0 else None  # a plain step verifies no candidates
         n = nd = None
         draft_logits, steps, rule, verified = None, 0, plan.rule, None
-        fused = None  # a verification replayed in one graph with the draft steps before it: (out, acc, packed)
+        fused = t_fused = None  # a verification replayed in one graph with the draft steps before it: (out, acc,
+        # packed), and the host clock when that graph began
         if cap > 0:
             ddev = inp.prev.device
             room = inp.room if plan.row_caps is None else torch.minimum(
@@ -347,8 +348,8 @@ class StepRunner:
             rule_key = rule.capture_key() if graphed and rule is not None and not rule.host else None
             out_c, out_l = [], []
             if graphed and (rule is None or rule_key is not None):
-                nd, steps, fused, t_fused = self._graphed_spans(draft, target, P, cap, inp, room, seeds, rule, rule_key,
-                                                       early_exit, out_c, out_l)
+                nd, steps, fused, t_fused = self._graphed_spans(draft, target, P, cap, inp, room, seeds, rule,
+                                                                rule_key, early_exit, out_c, out_l)
             else:
                 nd, steps = self._steps_one_by_one(draft, P, cap, inp, room, seeds, rule, early_exit, direct, graphed,
                                                    out_c, out_l)
@@ -442,10 +443,10 @@ class StepRunner:
         where nothing is read between steps: fixed K, or drafting to the cap). With ``early_exit="device"`` and a stop
         rule, one span of every step to the cap, each step after the first a conditional node run while some row
         drafts (:func:`~specdec_ext.engine.graphs.when`): nothing is read until the round's end, and the steps
-        after every row stopped cost the GPU nothing. Appends each step's candidates and
-        processed logits to ``out_c`` / ``out_l``; returns (candidates drafted per row ``[P]``, steps run, the
-        fused verification's ``(out, acc, packed)`` and the host clock when its graph began, or None and None when
-        drafting stopped before the cap)."""
+        after every row stopped cost the GPU nothing. Appends each step's candidates and processed logits to
+        ``out_c`` / ``out_l``; returns (candidates drafted per row ``[P]``, steps run (the cap where the device
+        decided), the fused verification's ``(out, acc, packed)`` and the host clock when its graph began, or None
+        and None when drafting stopped before the cap)."""
         on_device = early_exit == "device" and rule is not None  # the steps after the first decided by the GPU
 
         def span(first: int, last: int, state: Optional[tuple], verify: bool) -> tuple:
