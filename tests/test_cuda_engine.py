@@ -13,6 +13,7 @@ from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
 from specdec_ext import SpeculativeGenerator, ops
 from specdec_ext.engine.backends import LeanBackend, _right_aligned
+from specdec_ext.engine.graphs import conditional_nodes
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
@@ -136,7 +137,11 @@ def test_compiled_forwards_in_graphs_give_target_only_greedy_tokens_on_cuda(cuda
         assert gen.generate(x.cuda(), **kwargs).new_tokens == plain.generate(x.cuda(), **kwargs).new_tokens
     assert gen.steps.graphs.captures > 0 and gen.steps.compile
 
+needs_conditional_nodes = pytest.mark.skipif(not conditional_nodes(),
+                                             reason="this torch has no conditional nodes in CUDA graphs")
 
+
+@needs_conditional_nodes
 def test_a_conditional_node_runs_its_body_only_where_its_predicate_holds_on_cuda():
     """``graphs.when`` in a captured graph: the body is a conditional node the GPU decides at each replay from the
     predicate's current value, with no read-back; the body's writes land only when it ran."""
@@ -159,6 +164,7 @@ def test_a_conditional_node_runs_its_body_only_where_its_predicate_holds_on_cuda
     assert graphs.captures == 1
 
 
+@needs_conditional_nodes
 @pytest.mark.parametrize("kw", [{"threshold": 0.3, "k_max": 6}, {"threshold": "auto", "k_max": 8, "_head": "proposal"}],
                          ids=["h0.3", "auto"])
 def test_steps_decided_on_the_device_give_target_only_tokens_on_cuda(cuda_pair, kw):
@@ -180,6 +186,7 @@ def test_steps_decided_on_the_device_give_target_only_tokens_on_cuda(cuda_pair, 
     assert gen.steps.graphs.captures > 0
 
 
+@needs_conditional_nodes
 @pytest.mark.slow
 def test_sampling_through_conditional_nodes_is_lossless_on_cuda():
     """Seeded sampling (T = 1) through captured rounds of 64 rows with ``early_exit="device"``: each of the first
