@@ -219,7 +219,7 @@ def test_a_rounds_row_inputs_are_written_where_its_graphs_read_them():
     """With buckets, a round's per-row integers land in the bucket's persistent buffer, padding rows 0 (token 0, room
     0, stream 0), the same memory every round, which the round's steps then read without a copy; without buckets,
     one tensor of the live rows with the same values."""
-    from specdec_ext.engine.round import RoundInputs
+    from specdec_ext.engine.steps import RoundInputs
     from specdec_ext.engine.sampling import RowSampling, SamplingConfig
 
     cpu = torch.device("cpu")

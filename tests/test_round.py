@@ -14,6 +14,7 @@ from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine import round as round_module
+from specdec_ext.engine import steps as steps_module
 from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
@@ -183,7 +184,7 @@ def test_a_verifier_that_ignores_rejections_fails_the_engines_check(monkeypatch)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=3)
     real = gen.generate(prompt.expand(3000, -1), max_new_tokens=1, temperature=1.0, seed=5).new_tokens
     assert_follows(torch.tensor(real)[:, 0], marg, "the real verification")
-    ops = round_module.ops
+    ops = steps_module.ops
 
     def accept_all(cands, draft_logits, target_logits, temperature, n, uniforms=None):
         B, K = cands.shape

@@ -2,7 +2,7 @@
 
 A call's requests are served by the scheduler (``engine/scheduler.py``: a slot per request in each model's KV cache,
 admission, prefills, the draft's reads), in rounds of fixed-shape steps with one read-back each
-(``engine/round.py``: draft steps, the verify step with the fused verification op, roll-back by subtraction), over
+(``engine/steps.py``: draft steps, the verify step with the fused verification op, roll-back by subtraction), over
 the lean model and its static cache where the model is a Llama, Qwen2 or Qwen3 on one device, and over
 ``transformers``' forward otherwise (``engine/backends.py``). The policy plans each round
 (``policies/base.py``). Randomness is per request: request i draws from its own Philox stream (seed ``seed + i``),
@@ -28,7 +28,8 @@ from .backends import backend_for
 from .graphs import conditional_nodes
 from .model import supports
 from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
-from .round import BUCKETS, StepRunner, exit_steps
+from .round import BUCKETS, StepRunner
+from .steps import exit_steps
 from .runner import sliding_layout, usable_device
 from .sampling import SamplingConfig
 from .scheduler import ContinuousOutput, Request, Scheduler, Settings

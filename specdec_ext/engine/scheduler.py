@@ -29,7 +29,7 @@ from ..policies.base import RoundContext, RoundPlan, RoundResult
 from .admission import AdmissionRule
 from .cache import check_fits
 from .kv_cache import compaction
-from .round import RoundInputs
+from .steps import RoundInputs
 from .sampling import RowSampling, SamplingConfig
 from .stats import GenerationStats, RoundStats
 from .tensor_parallel import tp_size

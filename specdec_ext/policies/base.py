@@ -69,7 +69,7 @@ class RoundContext:
     live rows it has not read, were the round to draft. together: a continuous batch's live rows are in lockstep
     (several rows, each with the same number of tokens left). early_exit: the engine reads, between draft steps,
     whether any row still drafts (False: the draft runs to the cap whatever the rule says; a frozenset of steps:
-    only after those; ``"device"``: the GPU decides in a captured round, ``engine.round.exit_steps``)."""
+    only after those; ``"device"``: the GPU decides in a captured round, ``engine.steps.exit_steps``)."""
 
     batch_size: int
     width: int = 0
