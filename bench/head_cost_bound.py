@@ -63,10 +63,10 @@ def compare(target, draft, head, ids: list, max_new_tokens: int, ks, k_max: int 
     "lengths": [auto's candidate length per round, per prompt]}``. Arms: ``auto``, ``free-head`` and ``K=<k>`` for
     each of ``ks``. Raises RuntimeError when ``auto`` or ``free-head`` does not repeat the recorded rounds."""
     replay = ReplayedLengths(k_max)
-    # auto without its survivals' calibration, which carries from call to call: the timed pass must repeat the
-    # recorded rounds
+    # auto without its survivals' calibration and its selection, which carry from call to call: the timed pass must
+    # repeat the recorded rounds
     gens = {"auto": SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=k_max,
-                                         costs=costs, calibrate=False),
+                                         costs=costs, calibrate=False, select=False),
             "free-head": SpeculativeGenerator(target, draft, policy=replay)}
     for k in ks:
         gens[f"K={k}"] = SpeculativeGenerator(target, draft, policy="fixed", k=k)

@@ -143,11 +143,12 @@ PAPER_THRESHOLDS = (0.3, 0.7, 0.9)
 def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(1, 20),
                      adaptive=True, oracle=True, auto=True, paper_head=None, paper_thresholds=PAPER_THRESHOLDS,
                      paper_bounds=(2, 20), fp32_plain=False, auto_uncalibrated=False,
-                     hf_static=False, auto_copies=0) -> list[Method]:
+                     hf_static=False, auto_copies=0, auto_rule_only=False) -> list[Method]:
     """The benchmark's methods: plain decoding (ours, ``transformers``', and with ``fp32_plain`` our plain
     decoding of a float32 copy of the target), fixed K for each of ``ks``, SpecDec++ with ``head`` for each
     stop threshold in ``thresholds`` and with ``threshold="auto"`` (bounds ``k_bounds``; with ``auto_uncalibrated``
-    also ``"auto"`` with ``calibrate=False``; with ``auto_copies`` n more arms of ``"auto"`` exactly, each its own
+    also ``"auto"`` with ``calibrate=False``; with ``auto_rule_only`` also ``"auto"`` with ``select=False``, the
+    goodput rule alone; with ``auto_copies`` n more arms of ``"auto"`` exactly, each its own
     policy: how far identical arms fall apart in one run), SpecDec++ with the
     paper-recipe ``paper_head`` at ``paper_thresholds`` (bounds ``paper_bounds``, the paper's [2, 20]),
     the heuristic / confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks``
@@ -177,6 +178,11 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
                             lambda **_: make_policy("specdecpp", head=head, threshold="auto", k_min=k_bounds[0],
                                                     k_max=k_bounds[1], calibrate=False),
                             family="specdecpp-auto-uncalibrated"))
+        if auto and auto_rule_only:
+            m.append(Method("specdec++ auto goodput rule", "ours",
+                            lambda **_: make_policy("specdecpp", head=head, threshold="auto", k_min=k_bounds[0],
+                                                    k_max=k_bounds[1], select=False),
+                            family="specdecpp-auto-rule"))
         for i in range(auto_copies if auto else 0):
             m.append(Method(f"specdec++ auto copy {i + 1}", "ours",
                             lambda **_: make_policy("specdecpp", head=head, threshold="auto", k_min=k_bounds[0],

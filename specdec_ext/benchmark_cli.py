@@ -52,6 +52,9 @@ def add_arguments(p):
                    help="SpecDec++ stop thresholds h; threshold='auto' runs as well")
     p.add_argument("--auto-uncalibrated", action="store_true",
                    help="also threshold='auto' with the head's survivals uncalibrated (calibrate=False)")
+    p.add_argument("--auto-rule-only", action="store_true",
+                   help="also threshold='auto' with select=False: the goodput rule alone, without the choice of stop "
+                        "rule by measured goodput")
     p.add_argument("--paper-thresholds", type=_numbers(float), default=PAPER_THRESHOLDS,
                    help="stop thresholds of the paper-recipe head, bounds [2, 20] (bundled pair)")
     p.add_argument("--no-fp32-plain", action="store_true",
@@ -100,7 +103,7 @@ def _command_line(args) -> str:
         for key in ("ks", "thresholds", "paper_thresholds", "hf_ks"):
             if getattr(args, key) is not None:
                 parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
-    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated"):
+    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only"):
         if getattr(args, key, False):
             parts.append(f"--{key.replace('_', '-')}")
     if getattr(args, "hf_static", None) is not None:
@@ -182,6 +185,49 @@ def plots(rows, out: Path, prefix: str = "") -> list[str]:
     return made
 
 
+def selection(methods, out: Path, prefix: str = "", window: int = 100) -> tuple:
+    """What ``threshold="auto"``'s stop-rule selector did in each auto arm of the run
+    (:class:`~specdec_ext.policies.select.StopSelector`): the arms, the one played in each round, the share of the last
+    quarter of the rounds each took (the arm it settled on first), and its goodput estimates at the end; with a plot
+    of each arm's share of every ``window`` rounds over the run. Returns ``(report, lines, plot file or None)``."""
+    report, lines = {}, []
+    for m in methods:
+        sel = getattr(m._instance, "selector", None) if m.family.startswith("specdecpp-auto") else None
+        if sel is None or not sel.history:
+            continue
+        played = list(sel.history)
+        names = [a.name for a in sel.arms]
+        late = sel.shares(max(1, len(played) // 4))
+        settled = max(late, key=late.get)
+        report[m.name] = {"arms": names, "played": played, "settled": settled, "late_shares": late,
+                          "estimates": [{"arm": n, "tokens_per_ms": r, "sd": sd if sd != float("inf") else None,
+                                         "rounds": w} for n, r, sd, w in sel.estimates()],
+                          "cost_fit_ms": {"round": sel.time.c[0], "draft_step": sel.time.c[1],
+                                          "verified_token": sel.time.c[2]}}
+        lines.append(f"{m.name}: settled on {settled} ({late[settled]:.0%} of its last {max(1, len(played) // 4)} "
+                     f"rounds); over the run " + ", ".join(f"{k} {v:.0%}" for k, v in
+                                                          sorted(sel.shares().items(), key=lambda kv: -kv[1])))
+    if not report:
+        return report, lines, None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = next(iter(report.values()))
+    names, played = first["arms"], first["played"]
+    starts = list(range(0, len(played), window))
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
+    shares = [[played[s: s + window].count(a) / len(played[s: s + window]) for s in starts] for a in range(len(names))]
+    ax.stackplot([s + window / 2 for s in starts], shares, labels=names, alpha=0.85)
+    ax.set_ylim(0, 1)
+    ax.set_xlim(0, len(played))
+    name = _save_plot(fig, ax, f"round (windows of {window})", "share of rounds",
+                      f"threshold='auto': the stop rule it played ({next(iter(report))})",
+                      out / f"{prefix}auto-arms.png")
+    return report, lines, name
+
+
 def run(args, pair):
     """``specdec bench`` with the models the command line loaded (``cli._models``)."""
     from .prompts import load_prompts
@@ -215,7 +261,8 @@ def run(args, pair):
         methods = standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=not args.no_hf,
                                    hf_ks=args.hf_ks, paper_head=paper, paper_thresholds=args.paper_thresholds,
                                    fp32_plain=fp32_plain, auto_uncalibrated=args.auto_uncalibrated,
-                                   hf_static=hf_static, auto_copies=args.auto_copies)
+                                   hf_static=hf_static, auto_copies=args.auto_copies,
+                                   auto_rule_only=args.auto_rule_only)
     print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
           f"draft {pair.draft.dtype}")
@@ -233,14 +280,20 @@ def run(args, pair):
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "processor": machine_description(pair)["processor"],
             "duration_s": time.time() - t0, "command": _command_line(args), "cost_model_replay": replay}
+    chosen, chosen_lines, chosen_plot = selection(methods, args.out, prefix=f"{tag}-")
+    if chosen:
+        meta["auto_selection"] = chosen
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_table(rows)
     rep_lines = ["| method | " + " | ".join(f"speedup at c = {c:g}" for c in ratios) + " |",
                  "|---|" + "---|" * len(ratios)]
     rep_lines += [f"| {r['method']} | " + " | ".join(f"{r[f'c={c:g}']:.2f}×" for c in ratios) + " |" for r in replay]
-    made = plots(rows, args.out, prefix=f"{tag}-")
+    made = plots(rows, args.out, prefix=f"{tag}-") + ([chosen_plot] if chosen_plot else [])
     md = (f"{table}\n\nCost-model replay (draft/target cost ratio c; verification of K+1 tokens = 1 target call):\n\n"
           + "\n".join(rep_lines) + "\n")
+    if chosen_lines:
+        md += "\nthreshold='auto', the stop rule it chose by measured goodput:\n\n" + "\n".join(
+            f"- {line}" for line in chosen_lines) + "\n"
     (args.out / f"bench-{tag}.md").write_text(md)
     print("\n" + md)
     print(f"wrote {args.out / f'bench-{tag}.json.gz'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))

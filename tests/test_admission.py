@@ -99,7 +99,8 @@ def test_grouped_requests_equal_their_output_alone(name, kw, fast_draft, waits_l
     target, draft = make_pair("llama")
     prompts = queue(target.config.vocab_size, n=9)
     limits = [3, 17, 1, 9, 12, 5, 20, 2, 7]  # rows finish at different rounds, so slots go idle one by one
-    sampled_kw = dict(kw, batch_budget=False, calibrate=False) if kw.get("threshold") == "auto" else kw  # rows coupled
+    coupled = kw.get("threshold") == "auto"  # rows coupled by the budget, the calibration and the selection
+    sampled_kw = dict(kw, batch_budget=False, calibrate=False, select=False) if coupled else kw
     for temperature, kwargs in ((0.0, kw), (1.0, sampled_kw)):
         gen = make_gen(target, draft, name, kwargs, fast_draft=fast_draft)
         out = gen.generate_continuous(prompts, batch_size=4, max_new_tokens=limits, temperature=temperature, seed=3,
@@ -145,7 +146,7 @@ def test_requests_prefilled_ahead_equal_their_output_alone(name, kw, fast_draft)
     # the budget's depths from measured round times differ from run to run, and with them the rounds in which rows
     # finish and join (CI once had 7 admissions ahead against 6 eager); from the cost table alone they do not
     greedy_kw = dict(kw, measured_costs=False) if auto else kw
-    sampled_kw = dict(kw, batch_budget=False, calibrate=False) if auto else kw  # rows coupled
+    sampled_kw = dict(kw, batch_budget=False, calibrate=False, select=False) if auto else kw  # rows coupled
     for temperature, kwargs in ((0.0, greedy_kw), (1.0, sampled_kw)):
         gen = make_gen(target, draft, name, kwargs, fast_draft=fast_draft)
         runs = {}

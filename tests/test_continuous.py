@@ -44,7 +44,8 @@ def test_each_request_equals_its_output_alone(name, kw, arch, fast_draft):
     target, draft = make_pair(arch)
     V = target.config.vocab_size
     prompts = queue(V)
-    sampled_kw = dict(kw, batch_budget=False, calibrate=False) if kw.get("threshold") == "auto" else kw  # rows coupled
+    coupled = kw.get("threshold") == "auto"  # rows coupled by the budget, the calibration and the selection
+    sampled_kw = dict(kw, batch_budget=False, calibrate=False, select=False) if coupled else kw
     for temperature, kwargs in ((0.0, kw), (1.0, sampled_kw)):
         gen = make_gen(target, draft, name, kwargs, fast_draft=fast_draft)
         out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=14, temperature=temperature, seed=5)

@@ -60,7 +60,7 @@ def test_batch_equals_rows_alone(name, kw, fast_draft):
     V = target.config.vocab_size
     ids, mask = prompts(4, V, seed=3)
     if kw.get("threshold") == "auto":  # the batch budget and the survivals' calibration couple rows (see SpecDecPP)
-        kw = dict(kw, batch_budget=False, calibrate=False)
+        kw = dict(kw, batch_budget=False, calibrate=False, select=False)
     gen = make_gen(target, draft, name, kw, fast_draft=fast_draft)
     out = gen.generate(ids, attention_mask=mask, max_new_tokens=20, temperature=1.0, seed=11)
     for b in range(4):
@@ -365,7 +365,7 @@ def test_auto_rule_round_lengths_follow_the_goodput_rule(p_accept, calibrate):
     head = constant_head(draft, p_accept, "proposal")
     head.mean_accept = 0.7
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=12,
-                               costs=TEST_COSTS, calibrate=calibrate)
+                               costs=TEST_COSTS, calibrate=calibrate, select=False)
     ids, _ = prompts(1, target.config.vocab_size)
     out = gen.generate(ids, max_new_tokens=60, temperature=0)
     rounds = out.stats.rounds
@@ -395,7 +395,8 @@ def test_auto_rule_follows_the_costs():
     cheap = TEST_COSTS.__class__([10.0] * 30, 1e-4, 0.0, 0.0)
     dear = TEST_COSTS.__class__([10.0] * 30, 50.0, 0.0, 0.0)
     for costs, k in ((cheap, 9), (dear, 1)):
-        gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=9, costs=costs)
+        gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=9, costs=costs,
+                                   select=False)
         out = gen.generate(ids, max_new_tokens=40, temperature=0)
         remaining = 40
         for r in out.stats.rounds:

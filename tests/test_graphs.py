@@ -157,7 +157,8 @@ def test_a_graph_reads_the_tensors_it_was_captured_with_and_copies_in_others():
 
 
 @pytest.mark.parametrize("name,kw", [("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.3, "k_max": 6}),
-                                     ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "proposal"})],
+                                     ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "proposal",
+                                                    "select": False})],
                          ids=["fixed", "specdecpp", "specdecpp-auto"])
 @pytest.mark.parametrize("early_exit", [False, (1, 3), True, "device"], ids=["to-cap", "tiers", "early-exit", "device"])
 def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):

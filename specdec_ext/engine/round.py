@@ -418,13 +418,13 @@ class StepRunner:
                                    torch.stack(cands, 1), None if ts.greedy else torch.stack(logits, 1), trows, n,
                                    seeds, target.rollback, draft.rollback, last, extra,
                                    ran=n.max() if on_device else None)
-            return outs + (out, acc, pack(out, acc, n, rest[2 * before + 4:]))
+            return outs + (out, acc, pack(out, acc, n, asked))  # the rule's kept tensors, as the steps wrote them
 
         start = (inp.prev, None, None) if state is None else state
         inputs = list(start) + [inp.last, seeds, room, ds.temperature, ds.top_k, ds.top_p] + out_c + out_l
         written = [draft.cache.lengths] + (rule.written() if rule is not None else [])
         if target is not None:
-            inputs += [ts.temperature, ts.top_k, ts.top_p, inp.extra] + asked
+            inputs += [ts.temperature, ts.top_k, ts.top_p, inp.extra]
             written.append(target.cache.lengths)
         key = ("span", id(draft), id(target), P, first, last, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
                inp.extra is None, len(asked), on_device)

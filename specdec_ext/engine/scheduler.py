@@ -128,6 +128,7 @@ class Scheduler:
         self._sampling = None
         self.t_start = time.perf_counter()
         self.skipped_ms = 0.0  # idle time skipped while no request had arrived (the clock jumps, nothing sleeps)
+        self._cycle: Optional[tuple] = None  # (perf_counter, prefill ms) when the last round ended (RoundResult.cycle_ms)
         self.token_ms: list = [[] for _ in requests]
 
     def _ms(self, t: Optional[float] = None) -> float:
@@ -352,10 +353,14 @@ class Scheduler:
         inp = self._inputs(cap > 0, room)
         out = self.gen.steps.run(self.draft if cap > 0 else None, self.target, inp,
                         RoundPlan(cap, plan.rule, plan.row_caps), self.set.early_exit)
-        ms = (time.perf_counter() - t0) * 1e3  # the round's time: its steps and read-back (what the budget measures)
+        t1 = time.perf_counter()
+        ms = (t1 - t0) * 1e3  # the round's time: its steps and read-back (what the budget measures)
+        cycle = 0.0 if self._cycle is None else (t1 - self._cycle[0]) * 1e3 - (self.stats.prefill_ms - self._cycle[1])
         if self.pol.speculative:
+            timed = tp_size(self.gen.target) == 1  # a tensor-parallel target's ranks must decide alike: no times
             self.pol.observe(RoundResult(out.drafted, out.accepted, out.steps, out.verified, out.readback,
-                                         0.0 if tp_size(self.gen.target) > 1 else ms))  # ranks must decide alike
+                                         ms if timed else 0.0, max(cycle, 0.0) if timed else 0.0))
+        self._cycle = (t1, self.stats.prefill_ms)
         rs = RoundStats(out.drafted, out.accepted, [0] * B, out.draft_ms, out.verify_ms, ms, [r.req for r in live])
         self.stats.rounds.append(rs)
         emitted_at = self._ms()  # the round's tokens reach the host now

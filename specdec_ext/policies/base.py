@@ -96,7 +96,10 @@ class RoundResult:
     """What a round did (:meth:`CandidateLengthPolicy.observe`): drafted[b] candidates row b verified, accepted[b] of
     them accepted; steps: draft forwards run (0: a plain step); verified: the width the target verified (candidates
     per row; at most ``steps``); readback: the rule's :meth:`StopRule.readback` values, as host lists; ms: the round's
-    wall time."""
+    wall time (its steps and read-back); cycle_ms: the wall time from the end of the call's previous round to the end
+    of this one, the host's work between rounds included (its admissions and the draft's reads of new requests
+    excluded): what a round costs where it runs, 0 for a call's first round. Both 0 for a tensor-parallel target,
+    whose ranks must decide alike."""
 
     drafted: list[int]
     accepted: list[int]
@@ -104,6 +107,7 @@ class RoundResult:
     verified: int = 0
     readback: list = field(default_factory=list)
     ms: float = 0.0
+    cycle_ms: float = 0.0
 
 
 class StopRule:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from typing import Optional
+import struct
+from typing import Callable, Optional
 
 import torch
 
@@ -14,6 +15,7 @@ from ..head import AcceptanceHead
 from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
 from .base import CandidateLengthPolicy, DraftStep, RoundPlan, StopRule, _check_k
 from .goodput import BatchBudget, BatchCosts, CostModel, GoodputRule, SurvivalCalibration
+from .select import DEFAULT_THRESHOLDS, StopSelector
 
 
 class Autoregressive(CandidateLengthPolicy):
@@ -132,11 +134,13 @@ class SpecDecPP(CandidateLengthPolicy):
     Args:
         head: an :class:`~specdec_ext.head.AcceptanceHead`, or a mapping ``{"greedy": head, "sample": head}``
             from which each generation call takes the head for its decoding mode.
-        threshold: h in [0, 1], or ``"auto"``: no hand-set threshold; drafting continues while one more
-            candidate, weighted by the predicted survival S_k = prod_{j<=k} p_hat_j of the round so far, is
-            expected to add more tokens per ms than the pair's goodput: stop after candidate k when
-            S_k < lambda * (draft_ms + step_ms + verify(k+2) - verify(k+1)), with the costs from the pair's
-            profile and lambda the row's running goodput in tokens/ms (:class:`~specdec_ext.policies.goodput.GoodputRule`).
+        threshold: h in [0, 1], or ``"auto"``: no hand-set threshold. Each round plays one of several stop rules,
+            chosen by the goodput the rounds measured (``select``): a fixed h from ``select_thresholds``, or the
+            goodput rule, which drafts while one more candidate, weighted by the predicted survival
+            S_k = prod_{j<=k} p_hat_j of the round so far, is expected to add more tokens per ms than the pair's
+            goodput: stop after candidate k when S_k < lambda * (draft_ms + step_ms + verify(k+2) - verify(k+1)),
+            with the costs from the pair's profile and lambda the row's running goodput in tokens/ms
+            (:class:`~specdec_ext.policies.goodput.GoodputRule`).
             At batch size > 1 (with a ``"proposal"`` head) the rows decide together instead, with a verification
             budget across the batch from a profiled cost table by batch size
             (:class:`~specdec_ext.policies.goodput.BatchBudget`): whether the batch drafts at all this round (if
@@ -150,7 +154,8 @@ class SpecDecPP(CandidateLengthPolicy):
         batch_budget: with ``threshold="auto"``, use the verification budget across the batch at batch size > 1
             (default). Its decisions couple the rows, so a sampled row's tokens then depend on the rest of its
             batch (their distribution does not); ``False`` keeps every row's decisions its own (per-row rule),
-            so a row's seeded output in a batch equals its output alone (with ``calibrate=False`` too).
+            so a row's seeded output in a batch equals its output alone (with ``calibrate=False`` and ``select=False``
+            too).
         measured_costs: once rounds have been measured, the budget corrects the table's cost of each depth by what
             rounds of that depth measured, and the head's survivals by the tokens they turned into, and chooses
             each round's depth cap (0: a plain step) by the goodput expected from both (default; see
@@ -166,6 +171,14 @@ class SpecDecPP(CandidateLengthPolicy):
             all rows, learned from earlier rounds and calls, so a sampled row's draws depend on what came before
             (their distribution does not; greedy tokens do not change). ``False``: the head's survivals as they
             are, decisions reproducible call to call.
+        select: with ``threshold="auto"``'s per-row rule, choose each round's stop rule among a fixed h for each of
+            ``select_thresholds`` and the goodput rule by measured goodput, tokens per ms of the rounds' measured
+            wall time (:class:`~specdec_ext.policies.select.StopSelector`: Thompson sampling over arms that learn
+            from each other's rounds through the survivals read back with the tokens), kept across this policy's
+            calls and forgotten by :meth:`reset_adaptation` (default). The choice depends on measured times, so a
+            sampled row's draws do too (their distribution does not; greedy tokens do not change). ``False``: the
+            goodput rule alone.
+        select_thresholds: the fixed stop thresholds h among which ``select`` chooses (with the goodput rule).
 
     Which candidate a step scores depends on the head (``AcceptanceHead.input_position``): a
     ``"proposal"`` head scores candidate k at step k and may stop at any K >= 1; the paper's
@@ -175,7 +188,8 @@ class SpecDecPP(CandidateLengthPolicy):
     """
 
     def __init__(self, head, threshold=0.7, k_min: int = 1, k_max: int = 20, batch_budget: bool = True,
-                 measured_costs: bool = True, budget_options: Optional[Mapping] = None, calibrate: bool = True):
+                 measured_costs: bool = True, budget_options: Optional[Mapping] = None, calibrate: bool = True,
+                 select: bool = True, select_thresholds=DEFAULT_THRESHOLDS):
         heads = dict(head) if isinstance(head, Mapping) else {"any": head}
         for key, h in heads.items():
             if not isinstance(h, AcceptanceHead):
@@ -213,6 +227,9 @@ class SpecDecPP(CandidateLengthPolicy):
         self.costs: Optional[CostModel] = None
         self.rule: Optional[GoodputRule] = None
         self.calibration = SurvivalCalibration() if self.auto and calibrate else None
+        self.selector = StopSelector(select_thresholds) if self.auto and select else None
+        self._arm: Optional[int] = None  # the selector's arm of the planned round
+        self._planned: Optional[tuple] = None  # (room per row, cap, early_exit, goodput rates) of the planned round
         self._weights = None
         self.history: Optional[torch.Tensor] = None
         self._round = None
@@ -237,6 +254,8 @@ class SpecDecPP(CandidateLengthPolicy):
                 raise ValueError("SpecDecPP(threshold='auto') needs the pair's CostModel (the engine profiles it)")
             self.costs = costs
             self.rule = GoodputRule(costs, self.head.mean_accept, self.max_candidates)
+            if self.selector is not None:
+                self.selector.configure(StopSelector.prior_from(costs))
             # a budget is kept from call to call with the same cost table and head: what it measured (cost ratios
             # per depth, the head's calibration, the probe schedule; BatchBudget.reset) carries over, also past a
             # call of one row (no table given, and the per-row rule decides: use_budget needs batch size > 1)
@@ -248,7 +267,8 @@ class SpecDecPP(CandidateLengthPolicy):
     def _buffers(self, rows: int, device) -> dict:
         """The head rule's per-round tensors for ``rows`` rows on ``device`` (running survival, the previous
         candidate's features, per-row thresholds ``[k_max, rows]`` and their host copy (pinned off the CPU; the same
-        tensor on it), acceptance history and the predicted accepted candidates the calibration reads), kept from
+        tensor on it), acceptance history, and the survivals after each step ``[k_max, rows]`` that the calibration
+        and the selector read back), kept from
         round to round and refilled in place, so a captured draft step reads the same addresses every round
         (``StopRule.capture_key``)."""
         key = (rows, torch.device(device))
@@ -260,7 +280,7 @@ class SpecDecPP(CandidateLengthPolicy):
                 "prev": torch.zeros(rows, F, dtype=torch.float32, device=device),
                 "rows": torch.full((self.max_candidates, rows), -math.inf, dtype=torch.float32, device=device),
                 "history": torch.full((rows,), HISTORY_PRIOR, dtype=torch.float32, device=device),
-                "predicted": torch.zeros(rows, dtype=torch.float32, device=device)}
+                "log": torch.ones(self.max_candidates, rows, dtype=torch.float32, device=device)}
             kept["rows_host"] = kept["rows"] if kept["rows"].device.type == "cpu" else torch.full(
                 (self.max_candidates, rows), -math.inf, dtype=torch.float32,
                 pin_memory=kept["rows"].device.type == "cuda")
@@ -301,9 +321,67 @@ class SpecDecPP(CandidateLengthPolicy):
             budget = [b.go_threshold(B, k) for k in range(1, cap + 1)]
             if not b.score_last:  # the budget stops the batch at its cap whatever the head says: that slot unscored
                 skip_from = max(self.k_min, cap)
-        # the per-row goodput rule (threshold="auto" without the budget): c S_k < lambda_b marginal(k)
-        self._round = _HeadRule(self, budget, self.auto and not self.use_budget, skip_from)
+        # threshold="auto" without the budget: per-row thresholds, the selector's arm or the goodput rule's
+        write = self._plan_thresholds(ctx) if self.auto and not self.use_budget else None
+        self._round = _HeadRule(self, budget, write, skip_from)
         return RoundPlan(cap, self._round)
+
+    def _plan_thresholds(self, ctx) -> Callable:
+        """The per-row rule's round: the selector's arm (``select``), what the round's counterfactuals need later
+        (:meth:`_observe_arms`), and a function writing the arm's thresholds into a ``[k_max, >= B]`` float32 CPU
+        tensor (``stop_below``'s layout, a row per draft step): 1 - h everywhere for a fixed h, or the goodput rule's
+        lambda_b marginal_ms(k) / c (:meth:`GoodputRule.thresholds`)."""
+        scale = self.calibration.scale if self.calibration is not None else 1.0
+        arm = h = None
+        if self.selector is not None:
+            arms = self.selector.arms
+            arm = self.selector.choose(self._depth_order)
+            h = arms[arm].h
+            self._planned = (list(ctx.room), ctx.early_exit, self.rule.rates(scale))
+        self._arm = arm
+        B, k_max = ctx.batch_size, self.max_candidates
+        if h is None:  # the goodput rule
+            return lambda out: self.rule.thresholds(k_max, self.k_min, k_max, scale, out=out)
+        t = _float32(1.0 - h)
+        return lambda out: out[:, :B].fill_(t)
+
+    @property
+    def _depth_order(self) -> list:
+        """The selector's arms, the deepest first (the largest h; the goodput rule's arm last)."""
+        arms = self.selector.arms
+        return sorted(range(len(arms)), key=lambda a: -arms[a].h if arms[a].h is not None else math.inf)
+
+    def _observe_arms(self, result, survivals: list) -> None:
+        """The selector's round (:meth:`StopSelector.observe`): every arm's thresholds per row and their bounds over
+        the depths each row could reach, how the round's reads turn a depth into draft steps and verified tokens."""
+        room, early_exit, rates = self._planned
+        B = len(result.drafted)
+        k_max, lo = self.max_candidates, max(self.k_min, 1 if self.head.input_position == "proposal" else 2)
+        reach = [min(r, k_max) for r in room[:B]]  # a row's stop decisions matter at depths lo .. reach - 1
+        empty = (math.inf, -math.inf)
+        thresholds, bounds = [], []
+        margins = self.rule.margins(k_max, self.k_min, k_max)
+        for arm in self.selector.arms:
+            if arm.h is None:
+                rows = [[m * rate for m in margins] for rate in rates[:B]]
+                spans = [margins[lo - 1: r - 1] for r in reach]
+                bounds.append([(min(sp) * rate, max(sp) * rate) if sp else empty for sp, rate in zip(spans, rates)])
+            else:
+                t = _float32(1.0 - arm.h)
+                rows = [t] * B
+                bounds.append([(t, t) if lo < r else empty for r in reach])
+            thresholds.append(rows)
+        steps, verified, depth = result.steps, result.verified, max(result.drafted)
+        if early_exit is True or early_exit == "device":
+            steps_of = (lambda d: d) if steps == depth else (lambda d: steps)
+        elif isinstance(early_exit, frozenset):  # the first read after which no row drafts, else the round's cap
+            tiers, cap = sorted(early_exit), min(k_max, max(room[:B]))
+            steps_of = lambda d: min([k for k in tiers if k >= d] + [cap])  # noqa: E731
+        else:  # the draft ran to the cap
+            steps_of = lambda d: steps  # noqa: E731
+        verified_of = steps_of if verified == steps else (lambda d: verified)
+        self.selector.observe(self._arm, thresholds, bounds, lo, survivals, result.drafted, result.accepted,
+                              steps_of, verified_of, result.cycle_ms, steps, verified)
 
     def observe(self, result):
         if self._uses_history:
@@ -311,10 +389,17 @@ class SpecDecPP(CandidateLengthPolicy):
                                           torch.tensor(result.accepted, dtype=torch.int64))
         if self.rule is not None and not self.use_budget:  # the per-row rule sits out a budgeted call
             self.rule.update(result.drafted, result.accepted)
-            if self.calibration is not None and result.readback:  # [P] predicted accepted counts, padding rows last
-                scored = result.accepted if self.head.input_position == "proposal" else \
-                    [min(a, max(d - 1, 0)) for a, d in zip(result.accepted, result.drafted)]  # candidate K unscored
-                self.calibration.update(sum(result.readback[0][: len(result.accepted)]), sum(scored))
+            if result.readback:  # per row: its survival after each draft step (padding rows beyond the live ones)
+                survivals = result.readback[0]
+                if self.calibration is not None:  # the predicted accepted count: S_k over the candidates scored
+                    proposal = self.head.input_position == "proposal"
+                    scored = result.accepted if proposal else \
+                        [min(a, max(d - 1, 0)) for a, d in zip(result.accepted, result.drafted)]  # candidate K unscored
+                    first = 0 if proposal else 1
+                    predicted = sum(sum(s[first: d]) for s, d in zip(survivals, result.drafted))
+                    self.calibration.update(predicted, sum(scored))
+                if self._arm is not None and result.steps:
+                    self._observe_arms(result, survivals)
         if not self.use_budget:
             return
         b, B = self.budget, len(result.drafted)
@@ -352,10 +437,15 @@ class SpecDecPP(CandidateLengthPolicy):
         (``calibrate``) and the batch budget's measured costs and calibration (the next call measures anew)."""
         if self.calibration is not None:
             self.calibration.reset()
+        if self.selector is not None:
+            self.selector.reset()
         self.budget = None
 
     def describe(self):
         extra = f", survivals x {self.calibration.scale:.3g}" if self.calibration is not None else ""
+        if self.selector is not None and self.selector.history:
+            shares = sorted(self.selector.shares(256).items(), key=lambda kv: -kv[1])
+            extra += ", stop rule " + " ".join(f"{name} {share:.0%}" for name, share in shares[:3])
         return f"{self.name} ({self.head.describe()}{extra})"
 
 
@@ -363,10 +453,11 @@ class _HeadRule(StopRule):
     """SpecDec++'s stop rule for one round, on the device: the acceptance head's fused step per candidate
     (``ops.acceptance_head_step``: p_hat, the running product S_k, the bounds and the threshold h), and
 
-    - ``threshold="auto"`` at one row, or per-row (``per_row``): stop once c S_k < lambda_b marginal(k), the right
-      side divided by the calibration c written before the round from each row's running goodput
-      (:meth:`GoodputRule.thresholds`) into a kept ``[k_max, B]`` float32 buffer, the op's ``stop_below`` (step k
-      reads row k - 1, contiguous);
+    - ``threshold="auto"`` at one row, or per-row: stop once S_k falls below the round's thresholds, written before
+      the round by ``write`` (the selector's arm: 1 - h, or the goodput rule's lambda_b marginal(k) / c,
+      :meth:`SpecDecPP._plan_thresholds`) into a kept ``[k_max, B]`` float32 buffer, the op's ``stop_below`` (step k
+      reads row k - 1, contiguous); each step's S_k is logged into a kept ``[k_max, B]`` buffer read back with the
+      round's tokens (the calibration's predictions and the selector's counterfactual rounds);
     - the batch verification budget: the batch stops once the summed survivals of the rows with room fall below
       ``budget[k - 1]`` (:meth:`BatchBudget.go_threshold`), the head skipped from slot ``skip_from`` on (an
       unscored capped slot), and after drafting one depth for every row (:meth:`BatchBudget.depth`, computed on the
@@ -376,7 +467,7 @@ class _HeadRule(StopRule):
     scores candidate k at step k; the paper's ``"candidate"`` head reads the hidden state at candidate k - 1, so a
     stop at step k ends the round with one candidate beyond those scored, and its smallest K is 2."""
 
-    def __init__(self, policy: SpecDecPP, budget: Optional[list], per_row: bool, skip_from: Optional[int]):
+    def __init__(self, policy: SpecDecPP, budget: Optional[list], write: Optional[Callable], skip_from: Optional[int]):
         head = policy.head
         self.head, self.weights = head, policy._weights
         self.k_min, self.k_max = policy.k_min, policy.max_candidates
@@ -384,10 +475,11 @@ class _HeadRule(StopRule):
         self.columns = [CONFIDENCE_FEATURES.index(n) if n in CONFIDENCE_FEATURES else None for n in head.features]
         self.conf_only = tuple(head.features) == CONFIDENCE_FEATURES
         self.history = policy.history
-        self.budget, self.per_row, self.skip_from = budget, per_row, skip_from
+        self.budget, self.write, self.skip_from = budget, write, skip_from
         self.rows: Optional[torch.Tensor] = None  # [k_max, B] float32: the per-row rule's thresholds
         self.policy = policy
-        self.predicted: Optional[torch.Tensor] = None  # [B]: sum of S_k over each row's scored candidates
+        self.logs = write is not None and (policy.calibration is not None or policy.selector is not None)
+        self.log: Optional[torch.Tensor] = None  # [k_max, B] float32: S_k after each step (per-row rule)
         self.needs_hidden = bool(head.use_hidden)
         self.unscored = False
 
@@ -401,15 +493,13 @@ class _HeadRule(StopRule):
             kept = self.policy._buffers(batch_size, dev)
             self.cum = kept["cum"].fill_(1.0)
             self.prev = kept["prev"]
-            if self.per_row:  # the live rows' columns rewritten (a padding row's stale ones decide nothing read)
-                p = self.policy
-                scale = p.calibration.scale if p.calibration is not None else 1.0
-                p.rule.thresholds(self.k_max, self.k_min, self.k_max, scale, out=kept["rows_host"])
+            if self.write is not None:  # the live rows' columns rewritten (a padding row's stale ones decide nothing
+                self.write(kept["rows_host"])  # that is read)
                 self.rows = kept["rows"]
                 if kept["rows_host"] is not self.rows:  # pinned: no wait for the device
                     self.rows.copy_(kept["rows_host"], non_blocking=True)
-                if p.calibration is not None:
-                    self.predicted = kept["predicted"].zero_()
+                if self.logs:  # entries past a row's last step are stale: the host reads its drafted ones only
+                    self.log = kept["log"]
             if any(c is None for c in self.columns):
                 kept["history"].fill_(HISTORY_PRIOR)[: self.history.shape[0]].copy_(self.history)
                 self.history = kept["history"]
@@ -422,14 +512,14 @@ class _HeadRule(StopRule):
     def written(self):
         if self.budget is not None:
             return []
-        return [self.cum, self.prev] + ([self.predicted] if self.predicted is not None else [])
+        return [self.cum, self.prev] + ([self.log] if self.log is not None else [])
 
     def capture_key(self):
         if self.budget is not None:  # the budget's thresholds are host numbers and its survivals a host list
             return None
         tensors = [t for t in self.weights if t is not None] + [self.cum, self.prev]
         tensors += [self.rows] if self.rows is not None else []
-        tensors += [self.predicted] if self.predicted is not None else []
+        tensors += [self.log] if self.log is not None else []
         tensors += [self.history] if any(c is None for c in self.columns) else []  # the history feature reads it
         return (type(self), self.head.input_position, self.head.use_hidden, tuple(self.columns), self.conf_only,
                 self.k_min, self.k_max, self.h, self.rows is not None, self.skip_from,
@@ -470,8 +560,8 @@ class _HeadRule(StopRule):
         below = self.rows[k - 1] if self.rows is not None else None  # k <= k_max: a row per step
         _, stop = ops.acceptance_head_step(hidden, features, *self.weights, self.cum, k, self.k_min, self.k_max,
                                            self.h, below, check=False)  # no read-back: a NaN p_hat stops its row
-        if self.predicted is not None:  # S_k of the rows whose candidate this step scored
-            self.predicted.addcmul_(self.cum, info.drafting.to(dev))
+        if self.log is not None:  # S_k after this step
+            self.log[k - 1].copy_(self.cum)
         if self.budget is not None:  # rows stop together, when the batch's next slots do not pay (BatchBudget)
             S = self.cum * info.drafting.to(dev)  # a row that stopped has no slot here
             self.survivals.append(S)
@@ -492,12 +582,17 @@ class _HeadRule(StopRule):
         return torch.minimum(drafted, self.depth_value.to(drafted.device))
 
     def readback(self):
-        if self.predicted is not None:
-            return [self.predicted]
+        if self.log is not None:
+            return [self.log.t()]  # rows first: per row its S_k after each step
         if self.budget is None or not self.survivals:
             return []
         S = torch.stack(self.survivals, 1)
         return [S] if self.depth_value is None else [S, self.depth_value.view(1)]
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, as a threshold is when the op compares a survival with it."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def make_policy(name: str, head: Optional[AcceptanceHead] = None, **kwargs) -> CandidateLengthPolicy:

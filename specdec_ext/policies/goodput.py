@@ -167,6 +167,15 @@ class GoodputRule:
             return margins * rate
         return torch.mul(margins, rate, out=out[:cap, :B])
 
+    def rates(self, scale: float = 1.0) -> list:
+        """Each row's lambda_b / ``scale`` in tokens/ms (the factor :meth:`thresholds` multiplies the margins by)."""
+        return [t / (m * scale) for t, m in zip(self.tokens, self.time)]
+
+    def margins(self, cap: int, k_lo: int, k_hi: int) -> list:
+        """``marginal_ms(k)`` for k = 1 .. ``cap`` where ``k_lo <= k < k_hi``, -inf elsewhere (ms): :meth:`thresholds`
+        before its multiplication, as host numbers."""
+        return [self._marginal_ms(k) if k_lo <= k < k_hi else -math.inf for k in range(1, cap + 1)]
+
     def update(self, num_drafted, num_accepted, emitted=None) -> None:
         """After verification: rows drafted ``num_drafted`` and emitted ``num_accepted + 1`` tokens (or ``emitted``
         when given); each ``[B]`` int64 tensors or lists of ints."""
