@@ -6,6 +6,10 @@ the prompts' own differences in length and difficulty that a ratio of medians ke
 
     python bench/paired.py docs/results/bench-humaneval.json.gz --baseline "fixed K=6"
     python bench/paired.py docs/results/bench-humaneval.json.gz --best-fixed   # against the best fixed K
+    python bench/paired.py docs/results/bench-*.json.gz --auto   # each auto arm against the best fixed h and K
+
+``--auto``: per results file, each ``specdec++ auto`` arm (and its copies) against the fixed stop threshold h and the
+fixed K of the highest total tokens/s in that run (chosen in hindsight, on the same prompts).
 """
 
 from __future__ import annotations
@@ -41,14 +45,48 @@ def paired(a: dict, b: dict, reps: int = 2000, seed: int = 0) -> dict:
             "faster_on": sum(r > 1 for r in ratios), "total_ratio": total}
 
 
+def total(runs: dict) -> float:
+    """Total tokens/s of one method's runs ``{prompt: (tokens, seconds)}``."""
+    return sum(t for t, _ in runs.values()) / sum(s for _, s in runs.values())
+
+
+def against_best(path: str) -> list[str]:
+    """The ``--auto`` lines of one results file."""
+    runs = per_prompt(load_results(path)["runs"])
+    best = {}
+    for family, prefix in (("h", "specdec++ h="), ("K", "fixed K=")):
+        arms = [m for m in runs if m.startswith(prefix)]
+        if arms:
+            best[family] = max(arms, key=lambda m: total(runs[m]))
+    lines = [f"{path}: best h {best.get('h')}, best K {best.get('K')} (by total tokens/s)"]
+    for method in [m for m in runs if m.startswith("specdec++ auto")]:
+        parts = [f"{method:30s} {total(runs[method]):7.1f} tok/s"]
+        for family, other in best.items():
+            p = paired(runs[method], runs[other])
+            parts.append(f"/ best {family}: total {p['total_ratio']:.3f}x, paired {p['median_ratio']:.3f}x "
+                         f"[{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]")
+        lines.append("  " + " ".join(parts))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", help="a .json or .json.gz written by specdec bench")
+    ap.add_argument("results", nargs="+", help="a .json or .json.gz written by specdec bench (several with --auto)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--baseline", default="plain", help="the method every other is compared with")
     group.add_argument("--best-fixed", action="store_true",
-                       help="compare with the fixed K of the highest median speedup over plain decoding in the file's summary")
+                       help="compare with the fixed K of the highest median speedup over plain decoding in the file's "
+                            "summary")
+    group.add_argument("--auto", action="store_true",
+                       help="each auto arm against the best fixed h and the best fixed K of its run (total tokens/s)")
     args = ap.parse_args()
+    if args.auto:
+        for path in args.results:
+            print("\n".join(against_best(path)))
+        return
+    if len(args.results) != 1:
+        raise SystemExit("give one results file (several only with --auto)")
+    args.results = args.results[0]
     data = load_results(args.results)
     runs = per_prompt(data["runs"])
     baseline = args.baseline

@@ -264,7 +264,3 @@ def batch_plot(rows: list[dict], path: Path) -> str:
     plt.close(fig)
     return path.name
 
-
-def best_of(rows: list[dict], B: int, family: str) -> Optional[dict]:
-    rs = [r for r in rows if r["batch_size"] == B and r["family"] == family]
-    return max(rs, key=lambda r: r["tokens_per_s"]) if rs else None

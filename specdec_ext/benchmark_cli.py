@@ -55,6 +55,9 @@ def add_arguments(p):
     p.add_argument("--auto-rule-only", action="store_true",
                    help="also threshold='auto' with select=False: the goodput rule alone, without the choice of stop "
                         "rule by measured goodput")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="skip the adaptive baselines (heuristic, confidence, AdaEDL)")
+    p.add_argument("--no-paper", action="store_true", help="skip the paper-recipe head's arms")
     p.add_argument("--paper-thresholds", type=_numbers(float), default=PAPER_THRESHOLDS,
                    help="stop thresholds of the paper-recipe head, bounds [2, 20] (bundled pair)")
     p.add_argument("--no-fp32-plain", action="store_true",
@@ -103,7 +106,7 @@ def _command_line(args) -> str:
         for key in ("ks", "thresholds", "paper_thresholds", "hf_ks"):
             if getattr(args, key) is not None:
                 parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
-    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only"):
+    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only", "no_adaptive", "no_paper"):
         if getattr(args, key, False):
             parts.append(f"--{key.replace('_', '-')}")
     if getattr(args, "hf_static", None) is not None:
@@ -259,7 +262,8 @@ def run(args, pair):
         methods = [m for m in methods if m.family not in ("hf-heuristic", "hf-confidence")]
     else:
         methods = standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=not args.no_hf,
-                                   hf_ks=args.hf_ks, paper_head=paper, paper_thresholds=args.paper_thresholds,
+                                   hf_ks=args.hf_ks, paper_head=None if args.no_paper else paper,
+                                   paper_thresholds=args.paper_thresholds, adaptive=not args.no_adaptive,
                                    fp32_plain=fp32_plain, auto_uncalibrated=args.auto_uncalibrated,
                                    hf_static=hf_static, auto_copies=args.auto_copies,
                                    auto_rule_only=args.auto_rule_only)

@@ -126,10 +126,10 @@ def test_a_generator_learns_the_fit_from_its_own_admissions():
     prompts = queue(target.config.vocab_size, n=7)
     out = gen.generate_continuous(prompts, batch_size=3, max_new_tokens=[2, 9, 4, 6, 3, 8, 5], temperature=0,
                                   admission="eager")
-    assert len(gen.admission_points) == 1 + out.stats.admissions and out.stats.admissions >= 2
-    assert all(rows >= 1 and tokens >= rows and ms > 0 for rows, tokens, ms in gen.admission_points)
-    assert gen.admission_points[0][0] == 3  # the first fill: three requests
-    assert AdmissionRule(True, gen.admission_points).fit() is not None
+    assert len(gen.measured.admissions) == 1 + out.stats.admissions and out.stats.admissions >= 2
+    assert all(rows >= 1 and tokens >= rows and ms > 0 for rows, tokens, ms in gen.measured.admissions)
+    assert gen.measured.admissions[0][0] == 3  # the first fill: three requests
+    assert AdmissionRule(True, gen.measured.admissions).fit() is not None
     assert out.stats.summary()["admissions"] == out.stats.admissions
 
 
@@ -151,10 +151,10 @@ def test_requests_prefilled_ahead_equal_their_output_alone(name, kw, fast_draft)
         gen = make_gen(target, draft, name, kwargs, fast_draft=fast_draft)
         runs = {}
         for admission in ("ahead", "eager"):
-            before = len(gen.admission_points)
+            before = len(gen.measured.admissions)
             runs[admission] = (gen.generate_continuous(prompts, batch_size=4, max_new_tokens=limits,
                                                        temperature=temperature, seed=3, admission=admission),
-                               len(gen.admission_points) - before)
+                               len(gen.measured.admissions) - before)
         out, prefills = runs["ahead"]
         for i, (p, n) in enumerate(zip(prompts, limits)):
             ref = (target_only(target, p, n) if temperature == 0 else

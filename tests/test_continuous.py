@@ -526,8 +526,8 @@ def test_a_drafting_batch_reads_new_requests_with_their_prefill(fast_draft, monk
         out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=9, temperature=0, admission=admission)
         drafted = [r for r in out.stats.rounds if sum(r.candidates)]
         assert drafted and all(r.accepted == r.candidates for r in drafted), "the draft read a context wrongly"
-        assert sum(lazy) == lazily_read and gen.catch_up_rows == len(prompts), (admission, lazy)
-        assert out.stats.draft_prefill_ms > 0 and gen.catch_up_ms == pytest.approx(out.stats.draft_prefill_ms)
+        assert sum(lazy) == lazily_read and gen.measured.read_rows == len(prompts), (admission, lazy)
+        assert out.stats.draft_prefill_ms > 0 and gen.measured.read_ms == pytest.approx(out.stats.draft_prefill_ms)
         for i, p in enumerate(prompts):
             assert out.new_tokens[i] == target_only(target, p, 9)
     # a window of the context (draft_context): the same tokens the lazy read would take
@@ -563,18 +563,20 @@ def test_a_round_after_plain_steps_starts_from_the_last_two_tokens(monkeypatch):
 
 class OverheadRecorder(Intermittent):
     """Intermittent, keeping per round what the engine reports before it (RoundContext.draft_overhead's ms per
-    token) beside the generator's measured reads at that moment (catch_up_ms, catch_up_rows), the target's measured
+    token) beside the scheduler's measured reads at that moment (Measured.read_ms, read_rows), the target's measured
     prefill ms per request then (``prefills``: None before one), RoundContext.together (``together``, continuous
-    batching only) and RoundContext.draft_reads (``reads``)."""
+    batching only) and RoundContext.draft_reads (``reads``). ``running``: a list whose last entry is the running
+    scheduler (:func:`running_schedulers`)."""
 
-    def __init__(self, drafting, gen):
+    def __init__(self, drafting, running):
         super().__init__(drafting)
-        self.gen, self.seen, self.reads, self.prefills, self.together = gen, [], [], [], []
+        self.running, self.seen, self.reads, self.prefills, self.together = running, [], [], [], []
         self.continuous = True
 
     def plan(self, ctx):
-        self.seen.append((ctx.draft_overhead, self.gen.catch_up_ms, self.gen.catch_up_rows))
-        points = self.gen.admission_points
+        m = self.running[-1].measured
+        self.seen.append((ctx.draft_overhead, m.read_ms, m.read_rows))
+        points = m.admissions
         self.prefills.append(sum(p[2] for p in points) / sum(p[0] for p in points) if points else None)
         if self.continuous:
             self.together.append(ctx.together)
@@ -582,7 +584,21 @@ class OverheadRecorder(Intermittent):
         return super().plan(ctx)
 
 
-def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come():
+def running_schedulers(monkeypatch) -> list:
+    """The schedulers made from now on, appended as they are made (the last one is the running call's)."""
+    from specdec_ext.engine.scheduler import Scheduler
+
+    made, init = [], Scheduler.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Scheduler, "__init__", record)
+    return made
+
+
+def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come(monkeypatch):
     """draft_overhead: until a read of a row's context (_catch_up) has been measured, the target's measured prefill
     ms per request times the draft's share of the pair's parameters, over max_new_tokens; then the mean ms per row
     read over max_new_tokens while a live row is unread or requests wait; 0 once every live row is read and the
@@ -591,7 +607,8 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
     target, draft = make_pair("llama")
     prompts = queue(target.config.vocab_size, n=7, longest=10)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
-    pol = OverheadRecorder(lambda r: r >= 2, gen)
+    running = running_schedulers(monkeypatch)
+    pol = OverheadRecorder(lambda r: r >= 2, running)
     out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=10, temperature=0, policy=pol,
                                   admission="eager")
     seen = pol.seen
@@ -603,8 +620,8 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
         pol.prefills[1] * share / 10)
     # the draft's reads: each request's context once (every row is read when it first drafts, after the plain
     # steps, and the batch drafts from then on: nothing is deferred), and their time
-    assert gen.catch_up_rows == len(prompts) and gen.catch_up_ms > 0
-    assert gen.catch_up_ms + out.stats.draft_deferred_ms == pytest.approx(out.stats.draft_prefill_ms)
+    assert gen.measured.read_rows == len(prompts) and gen.measured.read_ms > 0
+    assert gen.measured.read_ms + out.stats.draft_deferred_ms == pytest.approx(out.stats.draft_prefill_ms)
     later = seen[3:]
     for (o, ms, rows) in later:  # rows read so far over the tokens a request emits, while the queue is not empty
         assert o == 0.0 or o == pytest.approx(ms / rows / 10)
@@ -622,12 +639,12 @@ def test_the_engine_reports_the_drafts_reads_per_token_while_reads_are_to_come()
         assert out.new_tokens[i] == target_only(target, p, 10)
 
     ids = torch.stack([p[:1] for p in prompts[:3]])  # generate(): every row unread until the first drafting round
-    pol = OverheadRecorder(lambda r: r >= 1, gen)
+    pol = OverheadRecorder(lambda r: r >= 1, running)
     pol.continuous = False
-    rows_before = gen.catch_up_rows
+    rows_before = gen.measured.read_rows
     gen.generate(ids, max_new_tokens=6, temperature=0, policy=pol)
     assert pol.seen[0][0] > 0  # measured in the earlier call, and this call's rows are unread
-    assert gen.catch_up_rows == rows_before + 3
+    assert gen.measured.read_rows == rows_before + 3
     # read in round 1: nothing left to read, and no queue
     assert len(pol.seen) > 2 and all(o == 0.0 for o, _, _ in pol.seen[2:])
 
@@ -645,7 +662,7 @@ def _in_lockstep(rounds, limits) -> list:
     return out
 
 
-def test_the_engine_tells_the_policy_when_its_rows_are_in_lockstep():
+def test_the_engine_tells_the_policy_when_its_rows_are_in_lockstep(monkeypatch):
     """rows_together, before each round: True exactly when the batch has several live rows with as many tokens left
     each. Plain steps keep requests of one length together, refills included (the odd last request runs alone);
     requests of their own lengths are never together; drafting rounds part rows that accept different numbers of
@@ -653,9 +670,10 @@ def test_the_engine_tells_the_policy_when_its_rows_are_in_lockstep():
     target, draft = make_pair("llama", noise=0.3)
     prompts = queue(target.config.vocab_size, n=5, longest=8)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=2)
+    running = running_schedulers(monkeypatch)
     for drafting, limits in ((lambda r: False, [4] * 5), (lambda r: False, [3, 5, 4, 6, 2]),
                              (lambda r: True, [6] * 5)):
-        pol = OverheadRecorder(drafting, gen)
+        pol = OverheadRecorder(drafting, running)
         out = gen.generate_continuous(prompts, batch_size=2, max_new_tokens=limits, temperature=0, policy=pol)
         assert pol.together == _in_lockstep(out.stats.rounds, limits)
         if limits == [4] * 5:  # two waves of two together, then the fifth request alone
@@ -664,7 +682,7 @@ def test_the_engine_tells_the_policy_when_its_rows_are_in_lockstep():
             assert not any(pol.together)
         else:  # fixed K = 3 on a noisy pair: some round parts the rows
             assert pol.together[0] and not all(pol.together)
-    pol = OverheadRecorder(lambda r: True, gen)
+    pol = OverheadRecorder(lambda r: True, running)
     out = gen.generate(torch.stack([p[:1] for p in prompts[:3]]), max_new_tokens=5, temperature=0, policy=pol)
     assert out.stats.rounds and not any(pol.together)
 

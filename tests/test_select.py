@@ -63,8 +63,10 @@ def test_a_played_arm_teaches_the_arms_it_dominates_and_no_other():
     d = _round(sel, 1, S, accepted=5)  # h = 0.8 stops at S < 0.2: candidate 4
     assert d == 4
     half, eight, nine = sel.arms
-    assert eight.w == 1 and eight.y == 5  # 4 accepted + the bonus token
-    assert half.w == 1 and half.y == 4 and half.x == [1.0, 3.0, 3.0]  # stops at S < 0.5: candidate 3, 3 + 1 tokens
+    fit = sel.time
+    assert eight.w == 1 and eight.s[:2] == [5, fit.ms(4, 4)]  # 4 accepted + the bonus token, priced by the fit
+    assert half.w == 1 and half.s[:2] == [4, fit.ms(3, 3)]  # stops at S < 0.5: candidate 3, 3 + 1 tokens
+    assert eight.s[2:] == half.s[:2] == half.s[2:]  # each paired with the reference, h = 0.5, on the same round
     assert nine.w == 0
     _round(sel, 0, S, accepted=1)  # h = 0.5 played: teaches no deeper arm
     assert (half.w, eight.w, nine.w) == (pytest.approx(1 + sel.discount), 1, 0)  # the first round decayed once
@@ -100,8 +102,8 @@ class _Env:
 @pytest.mark.parametrize("alpha,q", [(0.9, 0.6), (0.5, 0.85), (0.75, 0.75)], ids=["under", "over", "calibrated"])
 def test_the_bandit_plays_the_best_threshold_of_a_miscalibrated_head(alpha, q):
     """Over 3,000 rounds of a head that under- or over-predicts acceptance, the arms' goodput from the rounds it
-    played is within 3% of the best fixed h's (whose h differs from case to case), and it plays that arm or one
-    within 5% of it in at least 80% of the last 1,000 rounds; the worst arm alone (a negative control) is not."""
+    played is within 2.5% of the best fixed h's (whose h differs from case to case), and it plays that arm or one
+    within 5% of it in at least 90% of the last 1,000 rounds."""
     hs = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
     env = _Env(alpha, q)
     best = max(env.goodput(h) for h in hs)
@@ -122,8 +124,8 @@ def test_the_bandit_plays_the_best_threshold_of_a_miscalibrated_head(alpha, q):
                     d, d)
         if r >= 2000:
             late.append(a in good)
-    assert tokens / ms >= 0.97 * best, (tokens / ms, best, sel.estimates())
-    assert sum(late) >= 0.8 * len(late), sel.shares(1000)
+    assert tokens / ms >= 0.975 * best, (tokens / ms, best, sel.estimates())
+    assert sum(late) >= 0.9 * len(late), sel.shares(1000)
     assert sel.time.c[0] + sel.time.c[1] == pytest.approx(13.0 * math.exp(0.005), rel=0.08)
     assert min(env.goodput(h) for h in hs) < 0.95 * best  # the checks above can fail: the arms differ
 
@@ -186,9 +188,11 @@ def test_counterfactual_lengths_follow_the_read_back_survivals():
     sel.discount = 1.0  # plain sums, to compare with the sums counted here
     ids = prompts(target.config.vocab_size)
     gen.generate(ids, max_new_tokens=60, temperature=0)
-    credited = {a.name: [0, 0.0] for a in sel.arms}  # rounds, tokens (undiscounted: recomputed below)
+    credited = {a.name: [0, 0] for a in sel.arms}  # rounds, tokens (undiscounted: recomputed below)
     for played, thresholds, bounds, lo, survivals, drafted, accepted, *_ in seen:
         top = bounds[played][0][1]
+        if played != sel.ref and top > bounds[sel.ref][0][0]:
+            continue  # the reference not shown: no arm is credited
         for a, arm in enumerate(sel.arms):
             if a != played and top > bounds[a][0][0]:
                 continue
@@ -197,7 +201,7 @@ def test_counterfactual_lengths_follow_the_read_back_survivals():
             credited[arm.name][0] += 1
             credited[arm.name][1] += min(accepted[0], k) + 1
     for arm in sel.arms:
-        assert (arm.w, arm.y) == (credited[arm.name][0], credited[arm.name][1]), arm.name
+        assert (arm.w, arm.s[0]) == (credited[arm.name][0], credited[arm.name][1]), arm.name
     assert credited[GOODPUT][0] >= 1 and sum(c[0] for c in credited.values()) > len(seen)
 
 

@@ -170,6 +170,10 @@ class LeanBackend(_Timed):
         """Drop the last ``n_remove[b]`` positions of live row b (``[B]`` int64)."""
         self.cache.rollback(n_remove.to(self.device), n_remove.shape[0])
 
+    def empty_rows(self, start: int, stop: int) -> None:
+        """Rows ``start .. stop - 1`` hold nothing: a batch bucket's padding rows, read as empty by a round."""
+        self.cache.lengths[start:stop] = 0
+
     def append(self, slots: Sequence[int], seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> None:
         """Feed each ``seqs[i]`` (token ids) to slot ``slots[i]`` after its first ``starts[i]`` columns (prefill: 0;
         catch-up: the columns the row holds): rows of similar length together (:func:`length_groups`), right-padded to the group's longest and

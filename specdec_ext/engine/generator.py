@@ -23,7 +23,7 @@ import torch
 from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, make_policy
 from ..policies.goodput import CostModel
-from .admission import DEFAULT_ADMISSION, AdmissionRule, check_admission
+from .admission import DEFAULT_ADMISSION, check_admission
 from .backends import backend_for
 from .graphs import conditional_nodes
 from .model import supports
@@ -32,7 +32,7 @@ from .round import BUCKETS, StepRunner
 from .steps import exit_steps
 from .runner import sliding_layout, usable_device
 from .sampling import SamplingConfig
-from .scheduler import ContinuousOutput, Request, Scheduler, Settings
+from .scheduler import ContinuousOutput, Measured, Request, Scheduler, Settings
 from .stats import GenerationStats
 from .tensor_parallel import check_same_output, tp_size
 
@@ -159,10 +159,8 @@ class SpeculativeGenerator:
                              f"CUDAGraph.begin_capture_to_if_node, CUDA 12.4 or later); this torch {torch.__version__} "
                              f"(CUDA {torch.version.cuda}) has none: use True or a tuple of steps")
         self.steps = StepRunner(BUCKETS, cuda_graphs=True, compile=compile) if self.cuda_graphs else StepRunner()
-        self.catch_up_ms = 0.0  # the draft's reads of rows' contexts (_catch_up) over this generator's calls: ms,
-        self.catch_up_rows = 0  # and rows read (_draft_overhead's measured mean ms per request)
-        self.admission_points: list = []  # continuous batching's admissions (rows, prompt tokens, ms): AdmissionRule
-        self._draft_share: Optional[float] = None  # the draft's parameters over the target's (_draft_overhead)
+        self.measured = Measured()  # the draft's reads and the admissions over this generator's calls (the scheduler's)
+        self._draft_share: Optional[float] = None  # the draft's parameters over the target's (Settings.draft_share)
         self.policy = self._make_policy(policy, head, policy_kwargs)
 
     def _wants_graphs(self, asked: Optional[bool]) -> bool:
@@ -450,18 +448,21 @@ class SpeculativeGenerator:
         """Serve ``requests`` through the scheduler with at most ``batch_size`` live (``engine/scheduler.py``)."""
         self.steps.bucket(batch_size)  # refused up front when larger than the largest batch bucket
         first = min(batch_size, len(requests))
-        stats = GenerationStats(policy=pol.describe(), batch_size=batch_size)
         self._configure(pol, cfg, first)  # costs profiled on first use: not part of this call's time
         target = self._backend("target")
         draft = self._backend("draft") if pol.speculative else None
         staging = None
         if admission == "ahead" and continuous and len(requests) > batch_size:
             staging = (self._backend("target", True), self._backend("draft", True) if pol.speculative else None)
-        settings = Settings(eos, streamer, processor, admission,
-                            AdmissionRule(admission == "grouped", self.admission_points) if continuous else None,
-                            self.early_exit, self.draft_context, continuous)
+        if self._draft_share is None and self.draft is not None:
+            self._draft_share = param_count(self.draft) / max(1, param_count(self.target))
+        settings = Settings(eos, streamer, processor, admission, self.early_exit, self.draft_context, continuous,
+                            timed=tp_size(self.target) == 1, draft_share=self._draft_share)
         before = {k: (b.calls, b.seconds) for k, b in self._backends.items()}
-        served = Scheduler(self, pol, target, draft, requests, batch_size, settings, stats, staging).run()
+        served = Scheduler(self.steps, pol, target, draft, requests, batch_size, settings, self.vocab, self.measured,
+                           staging).run()
+        self.measured = served.measured
+        stats = served.stats
         for key, b in self._backends.items():  # forward calls and time of this call
             calls, secs = b.calls - before.get(key, (0, 0.0))[0], b.seconds - before.get(key, (0, 0.0))[1]
             if key[0] == "target":
@@ -495,33 +496,6 @@ class SpeculativeGenerator:
                             f"{', '.join(_GENERATE_ARGS)}, and policy keyword arguments (k, threshold, k_min, k_max, "
                             "...) only together with policy=")
         return self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
-
-    def _draft_overhead(self, sched, live: list) -> float:
-        """ms per emitted token that drafting adds outside the rounds (:class:`~specdec_ext.policies.base.RoundContext`):
-        the draft's measured mean ms to read a request's context (over this generator's calls) over the tokens a
-        request emits (the requests' mean ``max_new_tokens``), while reads are still to come (a live row unread, or
-        requests queued); else 0. Before any read was measured, the target's measured mean prefill ms per request
-        (continuous batching's admissions) times the draft's share of the pair's parameters, and 0 without either
-        (docs/design.md, The batch verification budget). 0 for a tensor-parallel target, whose ranks decide alike."""
-        if tp_size(self.target) > 1 or not (any(r.draft_from is None for r in live) or sched.queue or sched.staged):
-            return 0.0
-        mean_limit = sum(r.limit for r in sched.requests) / len(sched.requests)
-        if self.catch_up_rows:
-            return self.catch_up_ms / self.catch_up_rows / mean_limit
-        points = self.admission_points
-        if not points or self.draft is None:
-            return 0.0
-        if self._draft_share is None:  # counted once: a round reads it until the draft's first read
-            self._draft_share = param_count(self.draft) / max(1, param_count(self.target))
-        per_request = sum(ms for _, _, ms in points) / max(1, sum(rows for rows, _, _ in points))
-        return per_request * self._draft_share / mean_limit
-
-    def _draft_reads(self, live: list) -> float:
-        """ms the draft would spend reading the live rows it has not read if this round drafted: the measured mean
-        ms per request times those rows (0 before any read was measured, and for a tensor-parallel target)."""
-        if tp_size(self.target) > 1 or not self.catch_up_rows:
-            return 0.0
-        return self.catch_up_ms / self.catch_up_rows * sum(r.draft_from is None for r in live)
 
 
 def _arrivals(arrival_ms, n: int) -> list:

@@ -32,18 +32,16 @@ class StepRunner:
     Philox seeds and offsets) copied into the bucket's persistent tensors, each forward reading the whole cache, so
     each step has one shape per (bucket, step) and a graph can be replayed for it.
 
-    - ``compile=True`` alone compiles each step with ``torch.compile(fullgraph=True)`` (``backend`` and ``mode`` its
-      own; ``mode="reduce-overhead"`` on CUDA replays torch's CUDA graphs), the CPU's proxy for CUDA-graph capture;
-      the compiled steps are kept from round to round and call to call.
     - ``cuda_graphs=True`` captures the steps on CUDA (``engine/graphs.py``): the verify step whole, a draft step
       whole without a stop rule or with one that can be captured (``StopRule.capture_key``), else its forward alone;
       rounds with a ``logits_processor``, and rounds off CUDA, run eagerly (``cuda_graphs="emulate"``: recorded
-      steps on any device, the tests' check of the graphs' buffers). With ``compile=True`` the models' forwards are
-      compiled before capture (:meth:`_forward`), so the graphs replay fused kernels; the rest of each step, and
-      rounds that are not captured, run eagerly.
+      steps on any device, the tests' check of the graphs' buffers).
+    - ``compile=True`` (with ``cuda_graphs``) compiles the models' forwards with ``torch.compile(fullgraph=True)``
+      (``backend`` and ``mode`` its own) before capture (:meth:`_forward`), so the graphs replay fused kernels; the
+      rest of each step, and rounds that are not captured, run eagerly.
 
     Raises ValueError for a batch larger than the largest bucket (with ``cuda_graphs``, such a batch runs eager steps
-    over its rows), ``cuda_graphs`` without ``buckets``, or ``cuda_graphs`` and ``compile`` with a ``mode`` that
+    over its rows), ``cuda_graphs`` without ``buckets``, ``compile`` without ``cuda_graphs``, or a ``mode`` that
     captures torch's own CUDA graphs."""
 
     def __init__(self, buckets: Optional[tuple] = None, compile: bool = False, backend: str = "inductor",
@@ -51,12 +49,15 @@ class StepRunner:
         self.buckets = tuple(sorted(buckets)) if buckets else None
         if cuda_graphs and self.buckets is None:
             raise ValueError("cuda_graphs: CUDA graphs replay bucketed steps (buckets=...)")
-        if cuda_graphs and compile and mode in ("reduce-overhead", "max-autotune"):
+        if compile and not cuda_graphs:
+            raise ValueError("compile: the forwards are compiled for the CUDA graphs that capture them "
+                             "(cuda_graphs=True or 'emulate')")
+        if compile and mode in ("reduce-overhead", "max-autotune"):
             raise ValueError(f"mode: the steps are captured in this runner's CUDA graphs, not torch.compile's (a mode "
                              f"without cudagraphs, e.g. None or 'max-autotune-no-cudagraphs'), got {mode!r}")
         self.compile, self.backend, self.mode = bool(compile), backend, mode
         self.graphs = StepGraphs(emulate=cuda_graphs == "emulate") if cuda_graphs else None
-        self._steps: dict = {}
+        self._forwards: dict = {}  # id(backend) -> (backend, its compiled forward) (compile=True)
         self._buffers: dict = {}  # bucket -> its persistent input tensors by name
 
     def _persistent(self, inp: RoundInputs, P: int) -> RoundInputs:
@@ -151,21 +152,6 @@ class StepRunner:
             return B
         raise ValueError(f"batch_size: {B} rows are more than the largest batch bucket {self.buckets[-1]}")
 
-    def _step(self, fn: Callable) -> Callable:
-        """``fn`` as the round calls it: itself, or compiled with one graph per shape (``dynamic=False``: a graph per
-        bucket and step, as captured graphs are; the recompile limit raised to hold them all)."""
-        if not self.compile or self.graphs is not None:  # with CUDA graphs only the forwards compile (_forward)
-            return fn
-        if fn not in self._steps:
-            compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend, mode=self.mode)
-
-            def call(*args, **kwargs):
-                with torch._dynamo.config.patch(recompile_limit=GRAPHS, accumulated_recompile_limit=GRAPHS):
-                    return compiled(*args, **kwargs)
-
-            self._steps[fn] = call
-        return self._steps[fn]
-
     def run(self, draft, target, inp: RoundInputs, plan: RoundPlan,
             early_exit: Union[bool, frozenset, str]) -> RoundOutput:
         """One round of the live rows (module docstring) by backends ``draft`` (None for a plain step) and
@@ -179,14 +165,15 @@ class StepRunner:
             inp = self._persistent(inp, P)
             for b in (draft, target):
                 if b is not None and P > B:
-                    b.cache.lengths[B:P] = 0
+                    b.empty_rows(B, P)
         wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
         graphed = (self.graphs is not None and P in self.buckets and inp.processor is None
                    and (inp.last.device.type == "cuda" or self.graphs.emulate) and getattr(target, "lean", False)
                    and (draft is None or (getattr(draft, "lean", False) and draft.device == target.device)))
         if graphed:
             self.graphs.check((draft, target))
-        direct = (self.compile and self.graphs is None) or graphed  # steps call uncounted forwards: counted here
+        direct = graphed  # steps call uncounted forwards: counted here, returned in the round's output
+        counted = [0, 0.0, 0, 0.0]  # draft calls, draft s, target calls, target s
         cap = plan.cap
         t0 = time.perf_counter()
         tdev = inp.last.device
@@ -207,10 +194,10 @@ class StepRunner:
             out_c, out_l = [], []
             if graphed and (rule is None or rule_key is not None):
                 nd, steps, fused, t_fused = self._graphed_spans(draft, target, P, cap, inp, room, seeds, rule,
-                                                                rule_key, early_exit, out_c, out_l)
+                                                                rule_key, early_exit, out_c, out_l, counted)
             else:
                 nd, steps = self._steps_one_by_one(draft, P, cap, inp, room, seeds, rule, early_exit, direct, graphed,
-                                                   out_c, out_l)
+                                                   out_c, out_l, counted)
             n = nd.to(tdev)
             if fused is None:
                 cands = torch.stack(out_c, 1).to(tdev)
@@ -236,17 +223,17 @@ class StepRunner:
             out, acc, packed = self._graphed_verify(draft if steps else None, target, P, cands, draft_logits, inp, n,
                                                     steps, asked)
         else:
-            out, acc = self._step(verify_step)(
+            out, acc = verify_step(
                 lambda t, keep: forward(t, keep, width, None, at)[0], inp.last, cands, draft_logits, inp.sampling, n,
                 inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra, inp.processor)
             packed = None if acc is None else pack(out, acc, n, asked)
         if direct and fused is None:
-            target.calls += 1
-            target.seconds += time.perf_counter() - t1
+            counted[2] += 1
+            counted[3] += time.perf_counter() - t1
         if not steps:  # a plain step: one token per row, the whole read-back
             toks = out[:B, 0].tolist()
             t2 = time.perf_counter()
-            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0, (t2 - t1) * 1e3)
+            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0, (t2 - t1) * 1e3, tuple(counted))
         rows, readback = unpack(packed, B, verified + 1, asked)
         t2 = time.perf_counter()
         W = verified + 1
@@ -254,16 +241,16 @@ class StepRunner:
         drafted = [r[W + 1] for r in rows]
         if fused is not None and early_exit == "device" and rule is not None:  # the draft steps the GPU ran
             steps = max(drafted)
-            draft.calls += steps
+            counted[0] += steps
         bad = min(accepted)
         if bad < 0:
             raise ValueError(f"verification: {errors.message(bad, True)}")
         emitted = [rows[b][: accepted[b] + 1] for b in range(B)]
         return RoundOutput(emitted, drafted, accepted, steps, verified, readback, (t1 - t0) * 1e3 if steps else 0.0,
-                           (t2 - t1) * 1e3)
+                           (t2 - t1) * 1e3, tuple(counted))
 
     def _steps_one_by_one(self, draft, P: int, cap: int, inp: RoundInputs, room, seeds, rule, early_exit, direct: bool,
-                          graphed: bool, out_c: list, out_l: list):
+                          graphed: bool, out_c: list, out_l: list, counted: list):
         """The draft steps of a round one call each (eager, compiled, or with the forward alone replayed under a stop
         rule that cannot be captured), reading after the steps ``early_exit`` names whether any row still drafts.
         Appends each step's candidates and processed logits to ``out_c`` / ``out_l``; returns (candidates drafted
@@ -273,18 +260,18 @@ class StepRunner:
         tokens = torch.stack([inp.prev, inp.last.to(ddev)], 1)
         drafting = room > 0
         nd = torch.zeros(P, dtype=torch.int64, device=ddev)
-        step = self._step(draft_step)
         forward = self._graphed_forward(draft, P) if graphed else draft.step if direct else draft.forward
         steps = 0
         for k in range(1, cap + 1):
             width = None if wide else inp.draft_width + 1 + k
             at = None if wide or inp.draft_start is None else inp.draft_start + (k if k > 1 else 0)
             t_step = time.perf_counter()
-            cand, masked, nd, drafting = step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens, seeds, k,
-                                              inp.draft_sampling, rule, drafting, room, nd, inp.processor, out_c)
-            if direct:  # the compiled or captured step's forward is counted here
-                draft.calls += 1
-                draft.seconds += time.perf_counter() - t_step
+            cand, masked, nd, drafting = draft_step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens, seeds,
+                                                    k, inp.draft_sampling, rule, drafting, room, nd, inp.processor,
+                                                    out_c)
+            if direct:  # the captured step's forward is counted here
+                counted[0] += 1
+                counted[1] += time.perf_counter() - t_step
             out_c.append(cand)
             out_l.append(masked)
             steps = k
@@ -294,7 +281,7 @@ class StepRunner:
         return nd, steps
 
     def _graphed_spans(self, draft, target, P: int, cap: int, inp: RoundInputs, room, seeds, rule, rule_key,
-                       early_exit, out_c: list, out_l: list):
+                       early_exit, out_c: list, out_l: list, counted: list):
         """A round's draft steps with no stop rule or a capturable one, replayed as spans: the steps between two
         reads of the stop flags (``early_exit``; a round without a rule reads none) each one graph, and the span
         that reaches the cap one graph with the verification after it (gpt-fast's and SGLang's whole-round graph
@@ -314,12 +301,12 @@ class StepRunner:
             n_steps = last - first + 1
             out_c.extend(outs[:n_steps])
             out_l.extend(outs[n_steps: 2 * n_steps])
-            draft.calls += 0 if on_device else n_steps  # counted from the read-back (StepRunner.run)
+            counted[0] += 0 if on_device else n_steps  # on the device: counted from the read-back (StepRunner.run)
             if verify:  # the span's time is the verification's (its draft steps are not timed apart)
-                target.calls += 1
-                target.seconds += time.perf_counter() - t_span
+                counted[2] += 1
+                counted[3] += time.perf_counter() - t_span
             else:
-                draft.seconds += time.perf_counter() - t_span
+                counted[1] += time.perf_counter() - t_span
             return outs[2 * n_steps:]
 
         first, state = 1, None
@@ -338,7 +325,7 @@ class StepRunner:
         few compilations per model, not one per step) before it is captured, so a graph replays fused kernels."""
         if not self.compile:
             return backend.step
-        entry = self._steps.get(("forward", id(backend)))
+        entry = self._forwards.get(id(backend))
         if entry is None or entry[0] is not backend:
             # a code object of its own per model: torch.compile keeps its graphs and its record of which sizes
             # changed per code object, so the draft's forward would otherwise make the target's head counts dynamic
@@ -352,7 +339,7 @@ class StepRunner:
                 with torch._dynamo.config.patch(recompile_limit=GRAPHS, accumulated_recompile_limit=GRAPHS):
                     return backend.map.logits(compiled(backend.cache, backend.map.tokens(tokens), None, keep))
 
-            entry = self._steps[("forward", id(backend))] = (backend, step)
+            entry = self._forwards[id(backend)] = (backend, step)
         return entry[1]
 
     def _graphed_forward(self, backend, P: int) -> Callable:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
@@ -32,7 +32,6 @@ from .kv_cache import compaction
 from .steps import RoundInputs
 from .sampling import RowSampling, SamplingConfig
 from .stats import GenerationStats, RoundStats
-from .tensor_parallel import tp_size
 
 # admission="ahead": the most requests the target prefills together ahead of their admission. On the bundled pair
 # in bf16 (2-core Intel Xeon with AMX, HumanEval prompts) a prefill's cost per prompt token was lowest in groups of
@@ -72,6 +71,21 @@ class Row:
 
 
 @dataclass
+class Measured:
+    """What the scheduler measured that later rounds and calls decide from, carried by the generator from call to
+    call: the draft's reads of requests' contexts (``read_ms`` in all over ``read_rows`` requests: what drafting adds
+    outside the rounds, :meth:`Scheduler._draft_overhead`) and continuous batching's admissions ``(rows, prompt tokens,
+    ms)``, the last :attr:`AdmissionRule.MAX_POINTS` (its fit). A call starts from a copy and returns its own."""
+
+    read_ms: float = 0.0
+    read_rows: int = 0
+    admissions: list = field(default_factory=list)
+
+    def copy(self) -> "Measured":
+        return Measured(self.read_ms, self.read_rows, list(self.admissions))
+
+
+@dataclass
 class ContinuousOutput:
     """What :meth:`SpeculativeGenerator.generate_continuous` returns. new_tokens: each request's generated
     token ids, in the order of the prompts; admitted_ms / finished_ms: per request, ms from the call's
@@ -87,6 +101,7 @@ class ContinuousOutput:
     stats: GenerationStats
     arrival_ms: list = None
     token_ms: list = None
+    measured: Optional[Measured] = None  # what the call measured, with what earlier calls had (Measured)
 
     def tokens_per_s(self) -> list[float]:
         """Per request: its tokens over the time from its admission to its last round (tokens/s)."""
@@ -97,27 +112,36 @@ class ContinuousOutput:
 @dataclass
 class Settings:
     """A run's settings: the end-of-sequence ids, the streamer (one request), the logits processor, the admission
-    mode and its rule, ``early_exit`` (:class:`~specdec_ext.engine.round.StepRunner`), the draft's context window."""
+    mode, ``early_exit`` (:class:`~specdec_ext.engine.round.StepRunner`), the draft's context window, whether requests
+    join mid-call (continuous batching), whether the rounds are timed for the policy (not for a tensor-parallel
+    target, whose ranks must decide alike), and the draft's parameters over the target's (the estimate of a draft read
+    before one was measured; None: unknown)."""
 
     eos: set
     streamer: object = None
     processor: Optional[Callable] = None
     admission: str = "eager"
-    rule: Optional[AdmissionRule] = None
     early_exit: Union[bool, frozenset, str] = True
     draft_context: Optional[int] = None
     continuous: bool = False
+    timed: bool = True
+    draft_share: Optional[float] = None
 
 
 class Scheduler:
     """Serves ``requests`` with at most ``batch_size`` live, through backends ``target`` and ``draft`` (None for plain
-    decoding) and ``policy`` (module docstring). ``gen`` is the :class:`~specdec_ext.engine.generator.SpeculativeGenerator`,
-    whose measured draft reads and admissions it updates (they carry over from call to call)."""
+    decoding), the step ``runner`` (:class:`~specdec_ext.engine.round.StepRunner`) and ``policy`` (module docstring),
+    the target's vocabulary having ``vocab`` ids. ``measured``: what earlier calls measured (:class:`Measured`; the run
+    works on a copy and returns it in its output)."""
 
-    def __init__(self, gen, policy, target, draft, requests: list, batch_size: int, settings: Settings, stats,
-                 staging: Optional[tuple] = None):
-        self.gen, self.pol, self.target, self.draft = gen, policy, target, draft
-        self.requests, self.batch_size, self.set, self.stats = requests, batch_size, settings, stats
+    def __init__(self, runner, policy, target, draft, requests: list, batch_size: int, settings: Settings, vocab: int,
+                 measured: Optional[Measured] = None, staging: Optional[tuple] = None):
+        self.runner, self.pol, self.target, self.draft, self.vocab = runner, policy, target, draft, vocab
+        self.requests, self.batch_size, self.set = requests, batch_size, settings
+        self.stats = GenerationStats(policy=policy.describe(), batch_size=batch_size)
+        self.measured = (measured or Measured()).copy()
+        self.rule = AdmissionRule(settings.admission == "grouped", self.measured.admissions) \
+            if settings.continuous else None
         self.queue = list(range(len(requests)))
         self.live: list[Row] = []
         self.tokens: list = [[] for _ in requests]
@@ -150,7 +174,7 @@ class Scheduler:
         self._skip_to_arrival()
         n = min(self.batch_size, self._arrived())
         columns = max(len(r.prompt) + r.limit for r in self.requests)
-        slots = self.gen.steps.bucket(self.batch_size)
+        slots = self.runner.bucket(self.batch_size)
         starts = [(b, slots) for b in (self.target, self.draft) if b is not None]
         starts += [(b, min(self.batch_size, AHEAD_ROWS)) for b in self.staging or () if b is not None]
         needed: dict = {}
@@ -173,7 +197,7 @@ class Scheduler:
             free = self.batch_size - (len(self.live) - len(done))
             waiting = self._arrived() + len(self.staged)
             take = min(free, waiting)
-            if take and (self.set.rule is None or self.set.rule.ready(
+            if take and (self.rule is None or self.rule.ready(
                     self.batch_size - len(self.live), waiting, len(self.live) - len(done), self.batch_size,
                     self.stats.rounds[-1].total_ms)):
                 self._leave(done)
@@ -185,7 +209,7 @@ class Scheduler:
             if b is not None:
                 b.close()
         return ContinuousOutput(self.tokens, self.admitted_ms, self.finished_ms, self.stats,
-                                [r.arrival_ms for r in self.requests], self.token_ms)
+                                [r.arrival_ms for r in self.requests], self.token_ms, self.measured)
 
     # ------------------------------------------------------------------------ rows
     def _leave(self, done: list) -> None:
@@ -287,9 +311,8 @@ class Scheduler:
     def _observe_admission(self, ids: list, t0: float) -> None:
         """Record a continuous batch's admission of requests ``ids`` that began at ``t0`` (its rows, prompt tokens and
         ms): the admission rule's fit, and the engine's estimate of a draft read before one is measured."""
-        if self.set.rule is not None:  # continuous batching: the rule records into the generator's admissions
-            self.set.rule.observe(len(ids), sum(len(self.requests[r].prompt) for r in ids),
-                                  (time.perf_counter() - t0) * 1e3)
+        if self.rule is not None:  # continuous batching: the rule records into the measured admissions
+            self.rule.observe(len(ids), sum(len(self.requests[r].prompt) for r in ids), (time.perf_counter() - t0) * 1e3)
 
     def _window(self, length: int) -> tuple:
         """The span ``(from, to)`` of a context of ``length`` tokens the draft reads first: all of it but the last two
@@ -304,9 +327,36 @@ class Scheduler:
         self.stats.prefill_ms += ms
         self.stats.draft_prefill_ms += ms
         if requests:
-            self.gen.catch_up_ms += ms
-            self.gen.catch_up_rows += requests
+            self.measured.read_ms += ms
+            self.measured.read_rows += requests
         return ms
+
+    def _draft_overhead(self, live: list) -> float:
+        """ms per emitted token that drafting adds outside the rounds (:class:`~specdec_ext.policies.base.RoundContext`):
+        the draft's measured mean ms to read a request's context (over this generator's calls) over the tokens a
+        request emits (the requests' mean ``max_new_tokens``), while reads are still to come (a live row unread, or
+        requests queued); else 0. Before any read was measured, the target's measured mean prefill ms per request
+        (continuous batching's admissions) times the draft's share of the pair's parameters, and 0 without either
+        (docs/design.md, The batch verification budget). 0 where the rounds are not timed (a tensor-parallel target,
+        whose ranks decide alike)."""
+        if not self.set.timed or not (any(r.draft_from is None for r in live) or self.queue or self.staged):
+            return 0.0
+        mean_limit = sum(r.limit for r in self.requests) / len(self.requests)
+        m = self.measured
+        if m.read_rows:
+            return m.read_ms / m.read_rows / mean_limit
+        if not m.admissions or self.draft is None or self.set.draft_share is None:
+            return 0.0
+        per_request = sum(ms for _, _, ms in m.admissions) / max(1, sum(rows for rows, _, _ in m.admissions))
+        return per_request * self.set.draft_share / mean_limit
+
+    def _draft_reads(self, live: list) -> float:
+        """ms the draft would spend reading the live rows it has not read if this round drafted: the measured mean
+        ms per request times those rows (0 before any read was measured, and where the rounds are not timed)."""
+        m = self.measured
+        if not self.set.timed or not m.read_rows:
+            return 0.0
+        return m.read_ms / m.read_rows * sum(r.draft_from is None for r in live)
 
     def _catch_up(self) -> None:
         """Before a round that drafts: the draft reads each unread row's context and the tokens plain steps
@@ -343,7 +393,7 @@ class Scheduler:
             room = [self._room(r) for r in live]
             left = {self.requests[r.req].limit - r.generated for r in live}
             plan = self.pol.plan(RoundContext(B, max(len(r.ctx) for r in live) - 1, room,
-                                              self.gen._draft_overhead(self, live), self.gen._draft_reads(live),
+                                              self._draft_overhead(live), self._draft_reads(live),
                                               self.set.continuous and B > 1 and len(left) == 1, self.set.early_exit))
             caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
             cap = min(plan.cap, max(caps))
@@ -351,18 +401,23 @@ class Scheduler:
             self._catch_up()
         t0 = time.perf_counter()
         inp = self._inputs(cap > 0, room)
-        out = self.gen.steps.run(self.draft if cap > 0 else None, self.target, inp,
+        out = self.runner.run(self.draft if cap > 0 else None, self.target, inp,
                         RoundPlan(cap, plan.rule, plan.row_caps), self.set.early_exit)
         t1 = time.perf_counter()
         ms = (t1 - t0) * 1e3  # the round's time: its steps and read-back (what the budget measures)
         cycle = 0.0 if self._cycle is None else (t1 - self._cycle[0]) * 1e3 - (self.stats.prefill_ms - self._cycle[1])
         if self.pol.speculative:
-            timed = tp_size(self.gen.target) == 1  # a tensor-parallel target's ranks must decide alike: no times
+            timed = self.set.timed  # a tensor-parallel target's ranks must decide alike: no times
             self.pol.observe(RoundResult(out.drafted, out.accepted, out.steps, out.verified, out.readback,
                                          ms if timed else 0.0, max(cycle, 0.0) if timed else 0.0))
         self._cycle = (t1, self.stats.prefill_ms)
         rs = RoundStats(out.drafted, out.accepted, [0] * B, out.draft_ms, out.verify_ms, ms, [r.req for r in live])
         self.stats.rounds.append(rs)
+        draft_calls, draft_s, target_calls, target_s = out.counted  # forwards the backends did not count
+        self.stats.draft_calls += draft_calls
+        self.stats.draft_forward_ms += draft_s * 1e3
+        self.stats.target_calls += target_calls
+        self.stats.target_forward_ms += target_s * 1e3
         emitted_at = self._ms()  # the round's tokens reach the host now
         done = []
         for b, row in enumerate(live):
@@ -395,11 +450,11 @@ class Scheduler:
         ddev = self.draft.device if self.draft is not None else tdev
         cfgs = tuple(self.requests[r.req].sampling for r in live)
         if self._sampling is None or self._sampling[0] != cfgs:
-            V = self.gen.vocab
+            V = self.vocab
             self._sampling = (cfgs, RowSampling.of(list(cfgs), V, tdev), RowSampling.of(list(cfgs), V, ddev))
         single = [len(r.ctx) < 2 for r in live] if drafting else None
         draws = drafting or not self._sampling[1].greedy  # greedy plain steps draw nothing
-        last, prev, room_t, extra, seeds = self.gen.steps.row_inputs(
+        last, prev, room_t, extra, seeds = self.runner.row_inputs(
             [r.ctx[-1] for r in live], [r.ctx[-2] if len(r.ctx) > 1 else r.ctx[-1] for r in live] if drafting else None,
             room if drafting else None, single, [(self.requests[r.req].seed, r.rounds) for r in live] if draws else None,
             tdev, ddev)

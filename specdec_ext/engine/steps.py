@@ -65,7 +65,9 @@ class RoundOutput:
     """What a round returns to the host: per row the tokens it emitted (accepted candidates, then the residual or
     bonus token), the candidates it verified and accepted; steps: draft forwards run; verified: the verification's
     width; readback: the stop rule's values; the ms of the draft phase and of the verification (host clock; a
-    verification replayed in one graph with the draft steps before it counts that graph's time as its own)."""
+    verification replayed in one graph with the draft steps before it counts that graph's time as its own); counted:
+    (draft calls, draft s, target calls, target s) of the forwards the runner ran itself, captured or replayed, which
+    the backends do not count (their eager forwards count themselves)."""
 
     tokens: list
     drafted: list
@@ -75,6 +77,7 @@ class RoundOutput:
     readback: list
     draft_ms: float
     verify_ms: float
+    counted: tuple = (0, 0.0, 0, 0.0)
 
 
 def draft_step(forward: Callable, tokens: torch.Tensor, seeds: torch.Tensor, k: int, sampling: RowSampling, rule,

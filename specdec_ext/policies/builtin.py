@@ -13,7 +13,7 @@ import torch
 from .. import ops
 from ..head import AcceptanceHead
 from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
-from .base import CandidateLengthPolicy, DraftStep, RoundPlan, StopRule, _check_k
+from .base import CandidateLengthPolicy, RoundPlan, StopRule, _check_k
 from .goodput import BatchBudget, BatchCosts, CostModel, GoodputRule, SurvivalCalibration
 from .select import DEFAULT_THRESHOLDS, StopSelector
 
@@ -39,9 +39,6 @@ class FixedK(CandidateLengthPolicy):
 
     def plan(self, ctx):
         return RoundPlan(self.k)
-
-    def should_stop(self, info: DraftStep) -> torch.Tensor:
-        return torch.full((info.batch_size,), info.step >= self.k, dtype=torch.bool)
 
 
 class Heuristic(CandidateLengthPolicy):
@@ -323,7 +320,10 @@ class SpecDecPP(CandidateLengthPolicy):
                 skip_from = max(self.k_min, cap)
         # threshold="auto" without the budget: per-row thresholds, the selector's arm or the goodput rule's
         write = self._plan_thresholds(ctx) if self.auto and not self.use_budget else None
-        self._round = _HeadRule(self, budget, write, skip_from)
+        self._round = _HeadRule(self.head, self._weights, self.k_min, self.max_candidates,
+                                1.0 if self.auto else float(self.threshold), self.history, self._buffers, write,
+                                write is not None and (self.calibration is not None or self.selector is not None),
+                                self.budget if budget is not None else None, budget, skip_from)
         return RoundPlan(cap, self._round)
 
     def _plan_thresholds(self, ctx) -> Callable:
@@ -467,18 +467,22 @@ class _HeadRule(StopRule):
     scores candidate k at step k; the paper's ``"candidate"`` head reads the hidden state at candidate k - 1, so a
     stop at step k ends the round with one candidate beyond those scored, and its smallest K is 2."""
 
-    def __init__(self, policy: SpecDecPP, budget: Optional[list], write: Optional[Callable], skip_from: Optional[int]):
-        head = policy.head
-        self.head, self.weights = head, policy._weights
-        self.k_min, self.k_max = policy.k_min, policy.max_candidates
-        self.h = 1.0 if policy.auto else float(policy.threshold)  # the auto rules keep only the op's bounds
+    def __init__(self, head: AcceptanceHead, weights: tuple, k_min: int, k_max: int, h: float, history: torch.Tensor,
+                 buffers: Callable, write: Optional[Callable] = None, logs: bool = False,
+                 batch: Optional[BatchBudget] = None, budget: Optional[list] = None, skip_from: Optional[int] = None):
+        """``head`` and its fused ``weights``; bounds ``k_min``, ``k_max`` and threshold ``h`` (1 for the auto rules,
+        which stop by their thresholds alone); the rows' acceptance ``history``; ``buffers(rows, device)``: the
+        policy's kept tensors (:meth:`SpecDecPP._buffers`); ``write``: the per-row rule's thresholds' writer, and
+        ``logs``: whether its survivals are read back; ``batch``, ``budget``, ``skip_from``: the batch verification
+        budget, its per-slot thresholds and the slot from which its cap stops the batch unscored."""
+        self.head, self.weights = head, weights
+        self.k_min, self.k_max, self.h = k_min, k_max, h
         self.columns = [CONFIDENCE_FEATURES.index(n) if n in CONFIDENCE_FEATURES else None for n in head.features]
         self.conf_only = tuple(head.features) == CONFIDENCE_FEATURES
-        self.history = policy.history
-        self.budget, self.write, self.skip_from = budget, write, skip_from
+        self.history = history
+        self.buffers, self.write, self.logs = buffers, write, logs
+        self.batch, self.budget, self.skip_from = batch, budget, skip_from
         self.rows: Optional[torch.Tensor] = None  # [k_max, B] float32: the per-row rule's thresholds
-        self.policy = policy
-        self.logs = write is not None and (policy.calibration is not None or policy.selector is not None)
         self.log: Optional[torch.Tensor] = None  # [k_max, B] float32: S_k after each step (per-row rule)
         self.needs_hidden = bool(head.use_hidden)
         self.unscored = False
@@ -490,7 +494,7 @@ class _HeadRule(StopRule):
         self.depth_value = None
         pad = batch_size - self.history.shape[0]  # rows padded to a batch bucket: never drafting, decisions unread
         if self.budget is None:  # the policy's buffers, refilled in place: the steps can be captured (capture_key)
-            kept = self.policy._buffers(batch_size, dev)
+            kept = self.buffers(batch_size, dev)
             self.cum = kept["cum"].fill_(1.0)
             self.prev = kept["prev"]
             if self.write is not None:  # the live rows' columns rewritten (a padding row's stale ones decide nothing
@@ -574,7 +578,7 @@ class _HeadRule(StopRule):
         if self.budget is None or self.unscored or not self.survivals:
             return None
         S = torch.stack(self.survivals, 1)  # [B, j]: S_bj, 0 past a row's own candidates
-        b = self.policy.budget
+        b = self.batch
         gain = torch.cat([S.new_zeros(1, dtype=torch.float64), S.double().sum(0).cumsum(0)])
         values = b.head_scale * gain - torch.tensor(b.depth_costs(S.shape[0], S.shape[1]), dtype=torch.float64,
                                                     device=S.device)

@@ -24,11 +24,14 @@ chooses a speculative configuration per round the same way; here the arms share 
 - **Forgetting.** Every sum decays by ``discount`` per round (a window of about 1 / (1 - discount) rounds), so the
   choice follows the prompts as they change.
 
-An arm's goodput estimate is the ratio of its discounted sums, r = sum(tokens) / sum(modelled ms), with the variance of
-a ratio estimator (the delta method: the residuals tokens - r * ms over the effective number of rounds); each round
-draws r from N(r_hat, var) per arm and plays the largest draw. An arm with fewer than ``min_rounds`` effective rounds
-is played first (the deepest of those first, which teaches the rest). Only the candidate length changes: every arm's
-rounds are verified by the same lossless rejection sampling.
+The shallowest arm (the smallest h) stops no later than any other, so every round shows it: it is the reference, and
+each arm is judged on the rounds that showed both, by rho = (its tokens / its ms) / (the reference's tokens / ms) over
+those rounds (discounted sums). Paired so, the rounds' own spread (easy and hard stretches of text, which move every
+arm alike) cancels, and arms a few percent apart are told apart in tens of rounds rather than thousands. The variance
+of log rho comes from the delta method on the four sums; each round draws log rho from N(estimate, variance) per arm
+(the reference draws 0) and plays the largest draw. An arm with fewer than ``min_rounds`` effective rounds is played
+first (the deepest of those first, which teaches the rest). Only the candidate length changes: every arm's rounds are
+verified by the same lossless rejection sampling.
 """
 
 from __future__ import annotations
@@ -59,64 +62,63 @@ def first_stop(survivals: Sequence[float], drafted: int, lo: int, thresholds: Un
 
 
 class _Arm:
-    """One stop rule's discounted sums: rounds (w and w^2), tokens, their squares, the round's features
-    x = (1, draft steps, verified tokens), tokens * x and x x^T (upper triangle), as of round ``at``."""
+    """One stop rule's discounted sums, paired with the reference arm's on the same rounds: per round
+    v = (tokens, ms, the reference's tokens, its ms), ms the round's modelled time when observed; w, w^2, sum w v and
+    sum w^2 v_i v_j (upper triangle), as of round ``at``."""
 
-    __slots__ = ("name", "h", "at", "w", "w2", "y", "yy", "x", "yx", "xx")
+    __slots__ = ("name", "h", "at", "w", "w2", "s", "m")
 
     def __init__(self, name: str, h: Optional[float]):
         self.name, self.h = name, h
         self.at = 0
-        self.w = self.w2 = self.y = self.yy = 0.0
-        self.x = [0.0, 0.0, 0.0]
-        self.yx = [0.0, 0.0, 0.0]
-        self.xx = [0.0] * 6  # (0,0) (0,1) (0,2) (1,1) (1,2) (2,2)
+        self.w = self.w2 = 0.0
+        self.s = [0.0] * 4
+        self.m = [0.0] * 10  # (0,0) (0,1) (0,2) (0,3) (1,1) (1,2) (1,3) (2,2) (2,3) (3,3)
 
-    def add(self, now: int, g: float, tokens: float, steps: float, verified: float) -> None:
+    def add(self, now: int, g: float, tokens: float, ms: float, ref_tokens: float, ref_ms: float) -> None:
         if self.w:
             f = g ** (now - self.at)
             if f != 1.0:
                 f2 = f * f
-                self.w, self.w2, self.y, self.yy = self.w * f, self.w2 * f2, self.y * f, self.yy * f
-                self.x = [v * f for v in self.x]
-                self.yx = [v * f for v in self.yx]
-                self.xx = [v * f for v in self.xx]
+                self.w, self.w2 = self.w * f, self.w2 * f2
+                self.s = [v * f for v in self.s]
+                self.m = [v * f2 for v in self.m]
         self.at = now
+        v = (tokens, ms, ref_tokens, ref_ms)
         self.w += 1.0
         self.w2 += 1.0
-        self.y += tokens
-        self.yy += tokens * tokens
-        x, yx, xx = self.x, self.yx, self.xx
-        x[0] += 1.0
-        x[1] += steps
-        x[2] += verified
-        yx[0] += tokens
-        yx[1] += tokens * steps
-        yx[2] += tokens * verified
-        xx[0] += 1.0
-        xx[1] += steps
-        xx[2] += verified
-        xx[3] += steps * steps
-        xx[4] += steps * verified
-        xx[5] += verified * verified
+        s, m = self.s, self.m
+        k = 0
+        for i in range(4):
+            s[i] += v[i]
+            for j in range(i, 4):
+                m[k] += v[i] * v[j]
+                k += 1
 
     @property
     def rounds(self) -> float:
         """The effective number of rounds, (sum w)^2 / sum w^2."""
         return self.w * self.w / self.w2 if self.w2 else 0.0
 
-    def estimate(self, c: Sequence[float]) -> tuple:
-        """(goodput in tokens/ms, its variance) under the cost fit ``c``."""
-        ms = c[0] * self.x[0] + c[1] * self.x[1] + c[2] * self.x[2]
-        if self.w <= 0.0 or ms <= 0.0:
+    @property
+    def goodput(self) -> float:
+        """tokens / ms over the rounds it was observed in."""
+        return self.s[0] / self.s[1] if self.s[1] > 0 else 0.0
+
+    def relative(self) -> tuple:
+        """(log of its goodput over the reference's on the same rounds, that log's variance): the delta method on
+        the four ratios' means, from the rounds' paired values (the rounds' own spread, common to both, cancels)."""
+        s, m = self.s, self.m
+        if self.w <= 0.0 or min(s) <= 0.0:
             return 0.0, math.inf
-        r = self.y / ms
-        xx = self.xx
-        cxxc = (c[0] * c[0] * xx[0] + c[1] * c[1] * xx[3] + c[2] * c[2] * xx[5]
-                + 2.0 * (c[0] * c[1] * xx[1] + c[0] * c[2] * xx[2] + c[1] * c[2] * xx[4]))
-        cyx = c[0] * self.yx[0] + c[1] * self.yx[1] + c[2] * self.yx[2]
-        resid = max(self.yy - 2.0 * r * cyx + r * r * cxxc, 0.0)  # sum w (tokens - r ms)^2
-        return r, resid / self.w * self.w2 / (ms * ms)
+        a = (1.0 / s[0], -1.0 / s[1], -1.0 / s[2], 1.0 / s[3])  # d log(rho) / d(sum v_i)
+        var = 0.0
+        k = 0
+        for i in range(4):
+            for j in range(i, 4):
+                var += (1.0 if i == j else 2.0) * a[i] * a[j] * m[k]
+                k += 1
+        return math.log(s[0] / s[1] * s[3] / s[2]), max(var, 0.0)
 
 
 class RoundTime:
@@ -131,7 +133,7 @@ class RoundTime:
         self.reset()
 
     def reset(self) -> None:
-        self.a = [0.0] * 6  # sum w x x^T, upper triangle as _Arm.xx
+        self.a = [0.0] * 6  # sum w x x^T, upper triangle: (0,0) (0,1) (0,2) (1,1) (1,2) (2,2)
         self.b = [0.0, 0.0, 0.0]  # sum w x ms
         self.c = list(self.prior)
         self.rounds = 0
@@ -222,6 +224,7 @@ class StopSelector:
     def reset(self) -> None:
         """Forget every round: arms, cost fit and the record of choices."""
         self.arms = [_Arm(f"h={h:g}", h) for h in self.thresholds] + ([_Arm(GOODPUT, None)] if self.goodput_arm else [])
+        self.ref = 0  # the reference arm: the shallowest (the smallest h), which any other arm's round shows
         self.time.reset()
         self.rng = random.Random(self.seed)
         self.now = 0
@@ -236,15 +239,19 @@ class StopSelector:
 
     def choose(self, depth_order: Sequence[int]) -> int:
         """The arm to play this round: the first of ``depth_order`` (arm indices, the deepest first) whose effective
-        rounds are below ``min_rounds``, else the largest of the arms' goodput draws (Thompson sampling)."""
+        rounds are below ``min_rounds``, else the largest of the arms' draws of their goodput relative to the
+        reference arm's (Thompson sampling on the paired log-ratio; the reference arm draws 0)."""
         for a in depth_order:
             if self.arms[a].rounds < self.min_rounds:
                 self.played = a
                 return a
-        c, best, pick = self.time.c, -math.inf, 0
+        best, pick = -math.inf, self.ref
         for i, arm in enumerate(self.arms):
-            r, var = arm.estimate(c)
-            draw = r + math.sqrt(var) * self.rng.gauss(0.0, 1.0) if var < math.inf else math.inf
+            if i == self.ref:
+                draw = 0.0
+            else:
+                mean, var = arm.relative()
+                draw = mean + math.sqrt(var) * self.rng.gauss(0.0, 1.0) if var < math.inf else math.inf
             if draw > best:
                 best, pick = draw, i
         self.played = pick
@@ -265,8 +272,9 @@ class StopSelector:
         if ms > 0.0:
             self.time.add(played_steps, played_verified, ms)
         top = [bp[1] for bp in bounds[played]]  # the played arm's greatest threshold per row
-        g, now = self.discount, self.now
-        for a, arm in enumerate(self.arms):
+        g, now, fit = self.discount, self.now, self.time
+        seen = {}
+        for a in range(len(self.arms)):
             if a != played and any(hi > ba[0] for hi, ba in zip(top, bounds[a])):
                 continue  # not dominated: this arm could have drafted deeper than the round did
             tokens, depth = 0, 0
@@ -274,18 +282,22 @@ class StopSelector:
                 k = first_stop(survivals[b], d, lo, thresholds[a][b]) if d and a != played else d
                 tokens += min(accepted[b], k) + 1
                 depth = max(depth, k)
-            if a == played:
-                arm.add(now, g, tokens, played_steps, played_verified)
-            else:
-                arm.add(now, g, tokens, steps_of(depth), verified_of(depth))
+            took = fit.ms(played_steps, played_verified) if a == played else fit.ms(steps_of(depth), verified_of(depth))
+            seen[a] = (tokens, max(took, 1e-3))
+        ref = seen.get(self.ref)
+        if ref is None:  # the reference could have drafted deeper than the round: no paired sample
+            return
+        for a, (tokens, took) in seen.items():
+            self.arms[a].add(now, g, tokens, took, ref[0], ref[1])
 
     def estimates(self) -> list:
-        """Per arm: (name, goodput in tokens/ms, its standard deviation, effective rounds), under the current cost
-        fit."""
+        """Per arm: (name, goodput in tokens/ms over the rounds it was observed in, its goodput over the reference
+        arm's on those rounds, that ratio's standard deviation (delta method), effective rounds)."""
         out = []
         for arm in self.arms:
-            r, var = arm.estimate(self.time.c)
-            out.append((arm.name, r, math.sqrt(var) if var < math.inf else math.inf, arm.rounds))
+            mean, var = arm.relative()
+            out.append((arm.name, arm.goodput, math.exp(mean), math.exp(mean) * math.sqrt(var) if var < math.inf
+                        else math.inf, arm.rounds))
         return out
 
     def shares(self, last: Optional[int] = None) -> dict:
