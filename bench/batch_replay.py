@@ -1,7 +1,7 @@
 """What deciding the depth per round from the rows' survivals can gain over the best fixed depth, in a batch.
 
 A batch's round verifies every row to the deepest row's depth, so the verification budget chooses one depth
-per round (``policies/goodput.BatchBudget``). This replays that choice offline. Every round of one
+per round (``policies/budget.BatchBudget``). This replays that choice offline. Every round of one
 ``generate_continuous`` call drafts D candidates per row (greedy, the bundled pair, continuous batching at batch
 size B) and records the head's survivals S_bj and each row's accepted candidates; greedy acceptance of slot j
 depends only on the prefix, so the tokens any depth c <= D would have emitted in that round are known:

@@ -203,8 +203,9 @@ def selection(methods, out: Path, prefix: str = "", window: int = 100) -> tuple:
         late = sel.shares(max(1, len(played) // 4))
         settled = max(late, key=late.get)
         report[m.name] = {"arms": names, "played": played, "settled": settled, "late_shares": late,
-                          "estimates": [{"arm": n, "tokens_per_ms": r, "sd": sd if sd != float("inf") else None,
-                                         "rounds": w} for n, r, sd, w in sel.estimates()],
+                          "estimates": [{"arm": n, "tokens_per_ms": r, "over_reference": rel,
+                                         "sd": sd if sd != float("inf") else None, "rounds": w}
+                                        for n, r, rel, sd, w in sel.estimates()],
                           "cost_fit_ms": {"round": sel.time.c[0], "draft_step": sel.time.c[1],
                                           "verified_token": sel.time.c[2]}}
         lines.append(f"{m.name}: settled on {settled} ({late[settled]:.0%} of its last {max(1, len(played) // 4)} "

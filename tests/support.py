@@ -10,7 +10,7 @@ import torch
 from specdec_ext import AcceptanceHead, SpeculativeGenerator
 from specdec_ext.head.features import FEATURES
 from specdec_ext.engine.sampling import SamplingConfig, process_logits
-from specdec_ext.policies.goodput import BatchCosts, CostModel
+from specdec_ext.policies.costs import BatchCosts, CostModel
 from specdec_ext.zoo import unpacked_pair
 from stats import assert_follows
 

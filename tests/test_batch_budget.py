@@ -16,13 +16,20 @@ from stats import assert_follows
 from support import TEST_BATCH_COSTS, TEST_COSTS, constant_head, exact_marginals, head_for
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig
-from specdec_ext.policies.goodput import (EARLY_ROUNDS, LONG_SAMPLES, READS_FREE_STEPS, BatchBudget, BatchCosts,
-                                         DriftFilter)
+from specdec_ext.policies.budget import EARLY_ROUNDS, LONG_SAMPLES, READS_FREE_STEPS, BatchBudget
+from specdec_ext.policies.costs import BatchCosts
+from specdec_ext.policies.drift import DriftFilter
 
 # verification that grows fast with tokens (a CPU with many rows): slots rarely pay
 DEAR = BatchCosts([1, 8192], [[10.0 + 10.5 * k for k in range(9)]] * 2, [[10.0 * n for n in range(1, 10)]] * 2)
 # in between: the batch drafts a few candidates and drops the slots whose survival does not pay
 MID = BatchCosts([1, 8192], [[10.0 + 2.5 * k for k in range(9)]] * 2, [[10.0 + 2.0 * (n - 1) for n in range(1, 10)]] * 2)
+
+
+def go_on(budget, k: int, survival: torch.Tensor) -> bool:
+    """The one-step rule as the round's head rule applies it (``policies/specdecpp.py``): the batch drafts candidate
+    k + 1 while its rows' summed survivals S_bk ``[B]`` reach :meth:`BatchBudget.go_threshold`."""
+    return float(survival.double().sum()) >= budget.go_threshold(survival.shape[0], k)
 
 
 def test_batch_costs_interpolate_by_rows_and_tokens():
@@ -407,10 +414,10 @@ def test_calibration_scales_speculative_costs_by_what_was_measured():
     # the head's calibration: 3 accepted tokens for survivals summing to 3.0 over the verified slots
     assert b.head_scale == pytest.approx(1.0) and twin.head_scale == 1.0
     # the twin: lambda 5 / 19 tokens/ms, slot 3 pays for its 1 ms of verification, slot 2 for its 3 ms round cost
-    assert twin.depth(S) == 3 and twin.go_on(1, torch.tensor([0.9, 0.9]))
+    assert int(twin.depth(S)) == 3 and go_on(twin, 1, torch.tensor([0.9, 0.9]))
     # calibrated: lambda at plain decoding's 0.2 tokens per plain-step ms (the rounds, 5 tokens in 38, do worse),
     # every speculative ms counted twice
-    assert b.depth(S) == 2 and not b.go_on(1, torch.tensor([0.9, 0.9]))
+    assert int(b.depth(S)) == 2 and not go_on(b, 1, torch.tensor([0.9, 0.9]))
     b.observe(10.0 ** 6)                             # nothing to attribute it to (no round updated since): ignored
     assert b.calibration(3) == pytest.approx(2.0)
 
@@ -439,11 +446,11 @@ def test_budget_depth_and_go_on_by_hand():
     # slot k + 1 costs T(k + 1) - T(k) = 5.5 ms: worth 1.1 tokens at lambda = 0.2; it is expected to add
     # sum_b S_b1 * rho_1, rho_1 = g_2 / g_1 = 0.7 from the prior mean survivals 0.7, 0.49
     assert b._next_ratio(1) == pytest.approx(0.7)
-    assert b.go_on(1, torch.tensor([0.8, 0.8])) and not b.go_on(1, torch.tensor([0.75, 0.75]))
+    assert go_on(b, 1, torch.tensor([0.8, 0.8])) and not go_on(b, 1, torch.tensor([0.75, 0.75]))
     # depth: gains 0, 1.5, 2.1, 2.3 against lambda * verify = 2.0, 2.8, 3.6, 4.4 -> values -2, -1.3, -1.5, -2.1
     S = torch.tensor([[0.9, 0.4, 0.1], [0.6, 0.2, 0.1]])
-    assert b.depth(S) == 1
-    assert b.depth(torch.full((2, 3), 0.05)) == 0  # nothing pays for its verification: plain decoding
+    assert int(b.depth(S)) == 1
+    assert int(b.depth(torch.full((2, 3), 0.05))) == 0  # nothing pays for its verification: plain decoding
     b.update(2, drafted=3, depth=1, emitted=4)  # the round cost T(3) less the verification it did not do
     assert b.rate == pytest.approx((0.8 * 10 + 0.2 * 4) / (0.8 * 50 + 0.2 * (26.5 - (22.0 - 14.0))))
 
@@ -619,8 +626,8 @@ def test_rounds_that_measure_a_depth_reach_it_and_an_unreachable_depth_is_tried_
     b.update(4, b.cap, b.cap, 8, torch.full((4, b.cap), 0.9))
     b.observe(20.0)
     b.plan(4, 64)
-    assert b.forced and b.cap >= 2 and b.go_on(1, nothing)   # exploring: on to the cap despite zero survivals
-    assert not b.go_on(b.cap, torch.ones(4))
+    assert b.forced and b.cap >= 2 and go_on(b, 1, nothing)   # exploring: on to the cap despite zero survivals
+    assert not go_on(b, b.cap, torch.ones(4))
     # every round drafts only 2 candidates (the rows' room): depths 3 and 4 stay unmeasured, each tried twice
     caps = []
     for _ in range(12):
@@ -630,7 +637,7 @@ def test_rounds_that_measure_a_depth_reach_it_and_an_unreachable_depth_is_tried_
         b.update(4, d, d, 4 + 2 * d, torch.full((4, d), 0.9) if d else None)
         b.observe(10.0 + 2.0 * d)
     assert caps.count(3) <= 2 and caps.count(4) <= 2 and b.log_ratio[3] is None and b.log_ratio[4] is None, caps
-    assert not b.forced and b.cap == caps[-1] and not b.go_on(1, nothing)  # settled: the rule decides below the cap
+    assert not b.forced and b.cap == caps[-1] and not go_on(b, 1, nothing)  # settled: the rule decides below the cap
 
 
 def test_steady_rounds_score_the_capped_slot_one_round_in_score_every():
@@ -839,8 +846,8 @@ def test_headroom_lets_the_one_step_rule_decide_the_slot_past_a_tied_best_depth(
         assert b.cap == (2 if deeper else 1)
         if deeper:  # slot 2 is expected to add a rho_1 sum_b S_b1 = 0.7 sum_b S_b1 tokens, at lambda (T(2) - T(1))
             cut = values[1] * (b._round(4, 2) - b._round(4, 1)) / (b.head_scale * b._next_ratio(1)) / 4
-            assert b.go_on(1, torch.full((4,), cut * 1.05)) and not b.go_on(1, torch.full((4,), cut * 0.95))
-            assert not b.go_on(2, torch.ones(4))
+            assert go_on(b, 1, torch.full((4,), cut * 1.05)) and not go_on(b, 1, torch.full((4,), cut * 0.95))
+            assert not go_on(b, 2, torch.ones(4))
     clear = BatchBudget(BatchCosts([1, 64], [[10.0, 14.0, 22.0] + tied.round_ms[0][3:]] * 2, tied.verify_ms),
                         probe=100, score_every=1000)
     clear.reset(4)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_ext.benchmark import (Oracle, arms_line, balanced_order, format_table, load_results, run_benchmark,
+from specdec_ext.benchmark import (Oracle, balanced_order, format_table, load_results, run_benchmark,
                                    save_json, standard_methods, summarize)
 from specdec_ext.benchmark_cli import cost_model_replay
 from specdec_ext.zoo import ModelPair
@@ -72,6 +72,29 @@ def test_table_json_and_cost_model(run, tmp_path):
     assert len(data["runs"]) == len(records) and data["summary"][0]["method"] == rows[0]["method"]
     save_json(tmp_path / "b.json.gz", records, rows, {"x": 1})
     assert load_results(tmp_path / "b.json.gz") == load_results(tmp_path / "b.json") == data
+
+
+def test_the_run_reports_the_stop_rule_auto_chose(run, tmp_path):
+    """``specdec bench``'s report of auto's choice: its arms, the one played in each round (as many as its rounds
+    over the run, warm-up included), the arm of the last quarter's largest share, each arm's estimates and the cost
+    fit, one line per auto arm and a plot; a method without a selector is not in it."""
+    import math
+
+    from specdec_ext.benchmark_cli import selection
+
+    _, _, methods, records = run
+    report, lines, plot = selection(methods, tmp_path, prefix="t-")
+    auto = next(m for m in methods if m.name == "specdec++ auto")
+    sel = auto.instance().selector
+    assert list(report) == ["specdec++ auto"] and len(lines) == 1 and lines[0].startswith("specdec++ auto: settled on")
+    got = report["specdec++ auto"]
+    assert got["arms"] == [a.name for a in sel.arms] and got["played"] == list(sel.history)
+    assert len(got["played"]) >= sum(len(r.rounds) for r in records if r.method == "specdec++ auto")
+    assert got["settled"] == max(got["late_shares"], key=got["late_shares"].get)
+    assert math.isclose(sum(got["late_shares"].values()), 1.0)
+    assert [e["arm"] for e in got["estimates"]] == got["arms"] and got["cost_fit_ms"]["round"] == sel.time.c[0]
+    assert plot == "t-auto-arms.png" and (tmp_path / plot).stat().st_size > 0
+    json.dumps(report)  # it goes into the results' JSON
 
 
 def test_mismatch_replaces_speed_in_table(run):
@@ -387,98 +410,6 @@ def test_batch_replay_slot_calibration_by_hand():
     # slot 2 was reached (slot 1 accepted) by the first row only: p_hat 0.4 / 0.8, and it was accepted
     assert two["rows_reached"] == 1 and two["step_acceptance"] == 1.0 and two["mean_p_hat"] == pytest.approx(0.5)
     assert mod.slot_calibration([]) == []
-
-
-def _tiny_stream_pair():
-    """A tiny fp32 pair as the A/B stream scripts take it (target, draft, tokenizer without EOS), and six prompts."""
-    from types import SimpleNamespace
-
-    target, draft = make_pair("llama", noise=0.3)
-    pair = SimpleNamespace(target=target, draft=draft, tokenizer=SimpleNamespace(eos_token_id=None))
-    g = torch.Generator().manual_seed(0)
-    return pair, [torch.randint(2, target.config.vocab_size, (int(n),), generator=g) for n in (5, 9, 3, 7, 6, 4)]
-
-
-def _two_arm_rows(compare, pair, prompts, arms: tuple, ratio: str, ks=(0, 2)) -> list:
-    """Rows of a two-arm bench script's ``compare`` on the tiny pair, checked: every request ran under both arms with
-    the same tokens (fp32: the arms' differences are far below the tiny models' logit margins), both arms have a
-    speed, and the ratio is arms[0] over arms[1]."""
-    rows = []
-    for k in ks:
-        row = compare(pair, prompts, batch_size=2, k=k, max_new_tokens=6, rows_per_stream=1)
-        assert row["same_tokens"] == 1.0 and row["batch_size"] == 2 and row["k"] == k
-        assert set(row["tokens_per_s"]) == set(arms) and min(row["tokens_per_s"].values()) > 0
-        assert row[ratio] == pytest.approx(row["tokens_per_s"][arms[0]] / row["tokens_per_s"][arms[1]])
-        streams = row.get(ratio + "_by_stream")
-        if streams is not None:  # compare_switched_arms: a ratio per stream of B requests, the pooled one among them
-            assert len(streams) == -(-len(prompts) // 2) and min(streams) > 0
-            assert min(streams) * (1 - 1e-9) <= row[ratio] <= max(streams) * (1 + 1e-9)
-            assert f"{row[ratio]:.3f}x, streams {min(streams):.3f}-{max(streams):.3f}x" in arms_line(row, ratio)
-        rows.append(row)
-    return rows
-
-
-def test_kv_cache_script_compares_the_two_caches_on_the_same_requests():
-    """bench/kv_cache.py on a tiny pair: both target caches run every request, with the same tokens (they hold the
-    same numbers), for plain decoding and fixed K; and the runner's class-wide cache is back to the default."""
-    from specdec_ext.engine.kv_cache import GrowingCache
-    from specdec_ext.engine.runner import CausalLMRunner
-
-    mod = _bench_script("kv_cache")
-    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("in-place", "cat"), "in_place_over_cat")
-    assert CausalLMRunner.cache_class is GrowingCache
-
-
-def test_target_linear_script_compares_packed_and_f_linear_layers_on_the_same_requests(monkeypatch):
-    """bench/target_linear.py on a tiny float32 pair: the packed arm's target runners pack their layers and the
-    F.linear arm's do not, both run every request with the same tokens, and the runners' default is back to None."""
-    from specdec_ext.engine import runner
-    from specdec_ext.engine.onednn_linear import PackedLinears, available
-
-    if not available(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch has no oneDNN linear with packed weights")
-    made = []
-
-    class Counted(PackedLinears):
-        def __init__(self, model):
-            made.append(runner.CausalLMRunner.packed_default)
-            super().__init__(model)
-
-    monkeypatch.setattr(runner, "PackedLinears", Counted)
-    mod = _bench_script("target_linear")
-    _two_arm_rows(mod.compare, *_tiny_stream_pair(), ("packed", "F.linear"), "packed_over_linear")
-    assert made and set(made) == {True}  # only the packed arm packs
-    assert runner.CausalLMRunner.packed_default is None
-
-
-def test_target_runner_script_compares_the_lean_and_transformers_backends_on_the_same_requests(monkeypatch):
-    """bench/target_runner.py on a tiny float32 pair: the lean arm's target runs as the lean model and the other arm's
-    through transformers' forward, both run every request with the same tokens (fp32), the process-wide switch is
-    back to the lean default, and the forward timings are positive."""
-    from specdec_ext.engine import backends
-
-    made = []
-    real = backends.backend_for
-
-    def counted(model, name, lean=True, vocab=None):
-        b = real(model, name, lean, vocab)
-        if name == "target":
-            made.append(type(b).__name__)
-        return b
-
-    monkeypatch.setattr(backends, "backend_for", counted)
-    from specdec_ext.engine import generator, profile
-    monkeypatch.setattr(generator, "backend_for", counted)
-    monkeypatch.setattr(profile, "backend_for", counted)
-    mod = _bench_script("target_runner")
-    pair = _tiny_stream_pair()
-    _two_arm_rows(mod.compare, *pair, ("lean", "transformers"), "lean_over_transformers")
-    assert set(made) == {"LeanBackend", "HFBackend"}
-    assert backends.LeanBackend.targets is True
-    made.clear()
-    f = mod.forwards(pair[0], context=8, reps=2)["forward"]
-    assert f["lean_ms"] > 0 and f["transformers_ms"] > 0 and f["weight_read_ms"] > 0
-    assert made == ["LeanBackend", "HFBackend"]  # each backend timed once
 
 
 def test_head_cost_bound_script_replays_auto_rounds_without_the_head(monkeypatch):

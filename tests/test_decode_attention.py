@@ -181,7 +181,7 @@ def test_greedy_speculative_equals_target_only(arch):
 
 @needs_ext
 @torch.inference_mode()
-def test_lean_model_kernel_matches_sdpa(monkeypatch):
+def test_lean_model_kernel_matches_sdpa():
     """The lean model's attention through the kernel gives the logits of its SDPA path, over ragged rows of a static
     cache and the whole cache's width as well as a narrow one."""
     with torch.inference_mode(False):
@@ -190,8 +190,7 @@ def test_lean_model_kernel_matches_sdpa(monkeypatch):
     tokens = [torch.randint(2, 48, (2, n), generator=g) for n in (9, 1, 3)]
     out = {}
     for use in (True, False):
-        monkeypatch.setattr(LeanModel, "attention_kernel", use)
-        lean = LeanModel(draft, "draft")
+        lean = LeanModel(draft, "draft", attention_kernel=use)
         cache = lean.cache(2, 32)
         got = [lean.forward(cache, tokens[0], keep=9)[0]]
         cache.rollback(torch.tensor([0, 3]), 2)  # rows of different lengths

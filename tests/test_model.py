@@ -184,22 +184,6 @@ def test_a_bfloat16_model_packs_only_where_onednn_has_a_bf16_path():
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@needs_packed
-def test_profile_key_tells_the_packed_lean_model_from_f_linear():
-    """The two cost differently, so a cost profile cached for one is not read for the other."""
-    from specdec_ext.engine.profile import profile_key
-
-    target, draft = make_target("llama"), make_target("llama")
-    packed = profile_key(target, draft, True, 8)
-    try:
-        LeanModel.packed_default = False
-        linear = profile_key(target, draft, True, 8)
-    finally:
-        LeanModel.packed_default = None
-    assert packed != linear and profile_key(target, draft, True, 8) == packed
-    assert profile_key(target, draft, False, 8) != packed  # transformers' runner, whose packing is its own
-
-
 def test_the_target_runs_as_the_lean_model_where_it_is_supported():
     """SpeculativeGenerator(fast_target=True), the default, runs a Llama target on one device as the lean model
     over a static cache, other architectures and fast_target=False through transformers' forward; the profile keys

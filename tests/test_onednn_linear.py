@@ -111,9 +111,6 @@ def test_when_a_runner_packs(monkeypatch):
     model = make_target("llama")
     assert CausalLMRunner(model, "target").packed  # CPU float32, small: packed by default
     assert not CausalLMRunner(model, "target", packed=False).packed
-    monkeypatch.setattr(CausalLMRunner, "packed_default", False)
-    assert not CausalLMRunner(model, "target").packed and CausalLMRunner(model, "target", packed=True).packed
-    monkeypatch.setattr(CausalLMRunner, "packed_default", None)
     bf16 = make_target("llama").to(torch.bfloat16)  # packed by default exactly where oneDNN has a bf16 path
     assert CausalLMRunner(bf16, "target").packed == onednn_linear.available(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(onednn_linear, "AUTO_MAX_BYTES", 1000)  # packing copies the weights: not for large models
@@ -132,20 +129,10 @@ def test_greedy_tokens_do_not_depend_on_packing(arch, monkeypatch):
     prompts = [IDS[i, : 3 + 2 * i] for i in range(3)]
     out = {}
     for packed in (None, False):
-        monkeypatch.setattr(CausalLMRunner, "packed_default", packed)
+        if packed is False:  # every runner the generators make: F.linear
+            monkeypatch.setattr(onednn_linear, "wanted", lambda model, packed: False)
         for name, d, kw in (("plain", None, {"policy": "autoregressive"}), ("fixed", draft, {"policy": "fixed", "k": 3})):
             gen = SpeculativeGenerator(target, d, fast_draft=False, **kw)
             out[packed, name] = gen.generate_continuous(prompts, 2, max_new_tokens=12, temperature=0).new_tokens
     assert out[None, "plain"] == out[False, "plain"] == out[None, "fixed"] == out[False, "fixed"]
     assert all(len(t) == 12 for t in out[None, "plain"])
-
-
-@needs_onednn
-def test_profile_key_tells_packed_target_layers_from_f_linear(monkeypatch):
-    """The two cost differently, so a cost profile cached for one is not read for the other."""
-    from specdec_ext.engine.profile import profile_key
-
-    target, draft = make_target("llama"), make_target("llama")
-    packed = profile_key(target, draft, True, 8)
-    monkeypatch.setattr(CausalLMRunner, "packed_default", False)
-    assert profile_key(target, draft, True, 8) != packed

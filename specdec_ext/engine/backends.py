@@ -329,12 +329,9 @@ def _right_aligned(seqs: Sequence[Sequence[int]], width: int) -> tuple[torch.Ten
 
 
 def uses_lean(model, name: str, lean: bool = True) -> bool:
-    """Whether :func:`backend_for` gives ``model`` a :class:`LeanBackend`: where ``lean`` and :func:`supports`, and
-    for the ``"target"`` while :attr:`LeanBackend.targets`."""
-    return bool(lean) and supports(model) and (name != "target" or LeanBackend.targets)
-
-
-LeanBackend.targets = True  # False: every target runs through transformers' forward (process-wide; bench scripts)
+    """Whether :func:`backend_for` gives ``model`` (in the ``name`` role) a :class:`LeanBackend`: where ``lean`` and
+    :func:`supports`."""
+    return bool(lean) and supports(model)
 
 
 def backend_for(model, name: str, lean: bool = True, vocab: Optional[int] = None):

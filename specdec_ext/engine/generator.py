@@ -22,7 +22,7 @@ import torch
 
 from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, make_policy
-from ..policies.goodput import CostModel
+from ..policies.costs import CostModel
 from .admission import DEFAULT_ADMISSION, check_admission
 from .backends import backend_for
 from .graphs import conditional_nodes
@@ -80,10 +80,10 @@ class SpeculativeGenerator:
             CUDA graph can capture); other drafts, or ``False``, use ``transformers``' forward.
         fast_target: likewise for the target (Llama, Qwen2, Qwen3 on one device, in one process); ``False`` runs it
             through ``transformers``' forward.
-        costs: the pair's :class:`~specdec_ext.policies.goodput.CostModel` for cost-aware policies
+        costs: the pair's :class:`~specdec_ext.policies.costs.CostModel` for cost-aware policies
             (``threshold="auto"``); default: profiled on first use and cached (see :meth:`costs`).
         allow_other_draft: accept (with a warning) a head whose recorded draft fingerprint is not this draft's.
-        batch_costs: the pair's :class:`~specdec_ext.policies.goodput.BatchCosts` for the batch verification
+        batch_costs: the pair's :class:`~specdec_ext.policies.costs.BatchCosts` for the batch verification
             budget of ``threshold="auto"`` at batch size > 1; default: profiled on first use and cached.
         draft_context: the most tokens of a request's context the draft reads when it first drafts for it: its last
             ``draft_context`` (at least the two each round feeds; None: all), a read the rounds must repay; the
@@ -194,7 +194,7 @@ class SpeculativeGenerator:
 
     @_one_call_at_a_time
     def costs(self, policy: Optional[CandidateLengthPolicy] = None) -> CostModel:
-        """The pair's :class:`~specdec_ext.policies.goodput.CostModel` (ms per draft step, per verification of
+        """The pair's :class:`~specdec_ext.policies.costs.CostModel` (ms per draft step, per verification of
         n tokens, per round): the one given to the constructor, or measured once where the pair runs and
         cached on disk (``engine/profile.py``; a progress line on stderr while it runs)."""
         if self._costs is None:
@@ -207,7 +207,7 @@ class SpeculativeGenerator:
 
     @_one_call_at_a_time
     def batch_costs(self, batch_size: int = 64):
-        """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` (whole-round ms by batch size and K, target
+        """The pair's :class:`~specdec_ext.policies.costs.BatchCosts` (whole-round ms by batch size and K, target
         forward ms by batch size and tokens) for the batch verification budget, covering calls of up to
         ``batch_size`` rows: the one given to the constructor, or measured where the pair runs at the batch sizes
         such a call needs (``engine/profile.sizes_for``) and cached on disk (``engine/profile.py``; a progress

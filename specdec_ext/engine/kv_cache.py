@@ -3,9 +3,10 @@
 transformers' ``DynamicLayer.update`` appends a forward's keys and values with ``torch.cat``: every forward copies the
 whole cache of every layer. At batch size 1 that copy is small; in a batch it is not: on the bundled pair at B = 64
 (bf16 target, 2-core CPU, a cache of about 380 columns) the torch profiler put ``aten::cat`` at about half of a target
-forward's CPU time over 4 tokens (under the profiler, which inflates it). End to end (``bench/kv_cache.py``, HumanEval,
-greedy, continuous batching, the two caches alternating per stream; ``docs/results/kv_cache.json``) appending in place
-ran plain decoding 1.06x / 1.00x / 1.16x and fixed K = 3 1.01x / 1.04x / 1.03x as fast at B = 4 / 16 / 64.
+forward's CPU time over 4 tokens (under the profiler, which inflates it). End to end (HumanEval, greedy, continuous
+batching, the two caches alternating per stream; ``git show 4214d06:docs/results/kv_cache.json``, by that tree's
+``bench/kv_cache.py``) appending in place ran plain decoding 1.06x / 1.00x / 1.16x and fixed K = 3 1.01x / 1.04x /
+1.03x as fast at B = 4 / 16 / 64.
 
 :class:`GrowingLayer` keeps each layer's keys and values in a buffer with spare columns, writes a forward's new
 columns into it, and exposes ``keys`` / ``values`` as views of the filled prefix, so a forward copies only its

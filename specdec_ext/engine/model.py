@@ -92,8 +92,6 @@ packed_linear_available = onednn_linear.available
 def uses_packed(device: torch.device, dtype: torch.dtype, packed: Optional[bool] = None) -> bool:
     """Whether a :class:`LeanModel` made with ``packed`` for a model of ``dtype`` on ``device`` uses packed weights
     (the profile's cache key records it: the two cost differently)."""
-    if packed is None:
-        packed = LeanModel.packed_default
     return packed_linear_available(device, dtype) if packed is None else bool(packed)
 
 
@@ -118,17 +116,15 @@ class Layer(NamedTuple):
 
 class LeanModel:
     """A Llama, Qwen2 or Qwen3 model's prepared weights and its forward over a static cache (module docstring).
-    ``packed``: run the matmuls through oneDNN with packed weights (False: ``F.linear``; None: :attr:`packed_default`,
-    and where that is None wherever oneDNN has a packed path for the model's dtype).
+    ``packed``: run the matmuls through oneDNN with packed weights (False: ``F.linear``; None: wherever oneDNN has a
+    packed path for the model's dtype). ``attention_kernel``: attention through ``ops.decode_attention`` where it can
+    serve (False: SDPA everywhere).
 
     Raises:
         ValueError: a model it does not reproduce (:func:`supports`), a model on the meta device, or ``packed=True``
             where packed weights are not available."""
 
-    packed_default: Optional[bool] = None  # what packed=None means, for every lean model (e.g. False to compare)
-    attention_kernel: bool = True  # ops.decode_attention where it can serve; False: SDPA
-
-    def __init__(self, model, name: str = "draft", packed: Optional[bool] = None):
+    def __init__(self, model, name: str = "draft", packed: Optional[bool] = None, attention_kernel: bool = True):
         if not supports(model):
             raise ValueError(f"the {name} model ({type(model).__name__}) is not a Llama, Qwen2 or Qwen3 model the lean "
                              "forward reproduces (one device, no sliding-window layers)")
@@ -141,6 +137,7 @@ class LeanModel:
             raise ValueError(f"LeanModel: packed=True needs a CPU float32/bfloat16 model and a torch with oneDNN "
                              f"(bfloat16: a CPU with oneDNN's bf16 path) (got {self.dtype} on {self.device}, oneDNN "
                              f"available: {torch.backends.mkldnn.is_available()})")
+        self.attention_kernel = bool(attention_kernel)
         self.packed = uses_packed(self.device, self.dtype, packed)
         self._linear: Callable = onednn_linear.linear if self.packed else F.linear
         self.n_heads = cfg.num_attention_heads

@@ -7,7 +7,7 @@ weight packed for oneDNN (``torch.ops.mkldnn._reorder_linear_weight`` once, then
 ``torch.ops.mkldnn._linear_pointwise``); the layers' projections 1.3-1.7x less at M = 4-16; at M >= 600 (a
 prefill) the two are level. End to end (128 HumanEval prompts, 48 tokens, greedy, continuous batching at B = 4,
 one process, the arms interleaved): plain decoding 1.50x faster, fixed K = 2 1.28x, the same tokens in every
-request (``bench/target_linear.py``).
+request (``bench/target_linear.py`` of commit 465d27a).
 
 :class:`PackedLinears` holds the packed weights of every ``torch.nn.Linear`` of a model (kept per model while its
 weights stay the same tensors at the same version), and :meth:`PackedLinears.applied` routes those layers' calls to
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .tensor_parallel import tp_size
 
 # Packing duplicates the weights: by default a model is packed only if its linear weights take at most this many bytes
-# (the bundled target: 118 MB); CausalLMRunner.packed_default = True packs any size.
+# (the bundled target: 118 MB); CausalLMRunner(packed=True) packs any size.
 AUTO_MAX_BYTES = 2 << 30
 
 # model -> (fingerprint of its weights, {layer: its forward with the packed weight})
@@ -75,7 +75,7 @@ def wanted(model, packed: Optional[bool]) -> bool:
     (:func:`available`), not split over processes (tensor parallelism) or devices, and linear weights of at most
     :data:`AUTO_MAX_BYTES` (packing copies them). bfloat16 packed since 2026-11-25: on a 2-core Intel Xeon with AMX,
     bundled bf16 target, 1.09-1.17x end to end for plain decoding and 1.01-1.15x for fixed K = 2 at B = 1-64
-    (``bench/target_linear.py``, ``docs/results/target_linear_bf16_amx.json``)."""
+    (``git show 4214d06:docs/results/target_linear_bf16_amx.json``, by that tree's ``bench/target_linear.py``)."""
     p = next(model.parameters())
     if packed is not None:
         if packed and not available(p.device, p.dtype):

@@ -22,10 +22,10 @@ from typing import Optional
 
 import torch
 
-from ..policies.goodput import CostModel, isotonic
+from ..policies.costs import CostModel, isotonic
 from . import onednn_linear
 from .backends import backend_for, uses_lean
-from .model import LeanModel, supports, uses_packed
+from .model import supports, uses_packed
 from .tensor_parallel import from_rank0, is_main_process, tp_size
 
 
@@ -55,16 +55,14 @@ def _model_key(model) -> dict:
 
 def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool = True) -> str:
     p = next(draft.parameters())  # the lean runner's matmuls (packed oneDNN weights or F.linear) change its costs
-    from .runner import CausalLMRunner
-
     lean = bool(fast_draft) and supports(draft)
-    packed = uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, CausalLMRunner.packed_default)
+    packed = uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, None)
     desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
-            "target_linear": "onednn-packed" if onednn_linear.wanted(target, CausalLMRunner.packed_default) else "torch",
+            "target_linear": "onednn-packed" if onednn_linear.wanted(target, None) else "torch",
             "target_runner": "lean" if uses_lean(target, "target", fast_target) else "transformers",
             "target_attention": getattr(target.config, "_attn_implementation", None),
-            "draft_attention": "decode_attention" if LeanModel.attention_kernel and p.device.type == "cpu" else "sdpa",
+            "draft_attention": "decode_attention" if lean and p.device.type == "cpu" else "sdpa",
             "engine": "static",
             "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tp": tp_size(target)}
@@ -104,7 +102,7 @@ def _interpolate(measured: dict, n_max: int) -> list[float]:
 @torch.inference_mode()
 def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: int = 5, context: int = 128,
                  log=None, generator_cls=None, fast_target: bool = True) -> CostModel:
-    """Measure a :class:`~specdec_ext.policies.goodput.CostModel` for this pair (see the module docstring);
+    """Measure a :class:`~specdec_ext.policies.costs.CostModel` for this pair (see the module docstring);
     ``generator_cls``: the engine's :class:`~specdec_ext.engine.generator.SpeculativeGenerator` (passed in by its
     caller, so that this module does not import the generator that imports it)."""
     from .models import vocab_size
@@ -228,7 +226,7 @@ ROUND_KS = (0, 1, 2, 4)  # k >= 1 lie on a fitted line (_round_row), continued p
 def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, ks=ROUND_KS, reps: int = 3,
                     context: int = 128, tokens: int = 8, wide_context: int = 512, log=None, generator_cls=None,
                     fast_target: bool = True):
-    """Measure a :class:`~specdec_ext.policies.goodput.BatchCosts` at each batch size B of ``sizes``:
+    """Measure a :class:`~specdec_ext.policies.costs.BatchCosts` at each batch size B of ``sizes``:
 
     - whole rounds as the engine runs them: greedy generations of ``tokens`` tokens from B random
       ``context``-token prompts with fixed K = k for each k of ``ks`` (k = 0: plain decoding); the median
@@ -238,7 +236,7 @@ def profile_batches(target, draft, fast_draft: bool = True, sizes=BATCH_SIZES, k
       ``context`` columns and again of ``wide_context`` columns (attention over the cache grows with it),
       both capped by the target's context length.
     """
-    from ..policies.goodput import BatchCosts
+    from ..policies.costs import BatchCosts
     from .models import context_length, vocab_size
 
     V = vocab_size(target)
@@ -326,9 +324,9 @@ def sizes_for(batch_size: int) -> list[int]:
 
 
 def merge_batch_costs(old, new):
-    """One :class:`~specdec_ext.policies.goodput.BatchCosts` with the sizes of both (``new``'s rows where both have
+    """One :class:`~specdec_ext.policies.costs.BatchCosts` with the sizes of both (``new``'s rows where both have
     a size); ``old`` None, or measured at other cache widths: ``new``."""
-    from ..policies.goodput import BatchCosts
+    from ..policies.costs import BatchCosts
 
     if old is None or (old.context, old.wide_context) != (new.context, new.wide_context) \
             or bool(old.verify_wide_ms) != bool(new.verify_wide_ms):
@@ -347,12 +345,12 @@ def merge_batch_costs(old, new):
 def cached_batch_profile(target, draft, fast_draft: bool = True, refresh: bool = False, progress: bool = True,
                          directory: Optional[Path] = None, *, generator_cls, fast_target: bool = True,
                          sizes=BATCH_SIZES):
-    """The pair's :class:`~specdec_ext.policies.goodput.BatchCosts` at (at least) the batch sizes ``sizes``, cached
+    """The pair's :class:`~specdec_ext.policies.costs.BatchCosts` at (at least) the batch sizes ``sizes``, cached
     as JSON beside the single-row profile (the key of :func:`profile_key`): sizes the cache lacks are measured and
     added, so a first call measures only the sizes it can use (:func:`sizes_for`; about 1-2 s a size for the
     bundled pair on a 2-core CPU) and a later, larger call adds its own. A tensor-parallel target: the ranks
     measure together and all use rank 0's table."""
-    from ..policies.goodput import BatchCosts
+    from ..policies.costs import BatchCosts
 
     key = profile_key(target, draft, fast_draft, max(ROUND_KS), fast_target)
     path = (directory or cache_dir()) / "profiles" / f"{key}-batch4.json"  # 4: sizes measured on demand

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import types
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
@@ -58,6 +59,7 @@ class StepRunner:
         self.compile, self.backend, self.mode = bool(compile), backend, mode
         self.graphs = StepGraphs(emulate=cuda_graphs == "emulate") if cuda_graphs else None
         self._forwards: dict = {}  # id(backend) -> (backend, its compiled forward) (compile=True)
+        self._counted = [0, 0.0, 0, 0.0]  # the round's forwards run here: RoundOutput.counted
         self._buffers: dict = {}  # bucket -> its persistent input tensors by name
 
     def _persistent(self, inp: RoundInputs, P: int) -> RoundInputs:
@@ -166,91 +168,108 @@ class StepRunner:
             for b in (draft, target):
                 if b is not None and P > B:
                     b.empty_rows(B, P)
-        wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
+        graphed = self._replays(draft, target, inp, P)
+        self._counted = [0, 0.0, 0, 0.0]  # draft calls, draft s, target calls, target s (this round's)
+        t0 = time.perf_counter()
+        drafted = self._draft(draft, target, inp, plan, early_exit, P, graphed) if plan.cap > 0 else \
+            _Drafted(cands=inp.last.new_empty(P, 0))  # a plain step verifies no candidates
+        t1 = time.perf_counter() if drafted.fused is None else drafted.t_fused  # a fused span's time: the verification
+        asked = plan.rule.readback() if plan.rule is not None and drafted.steps else []
+        if drafted.fused is not None:
+            out, _, packed = drafted.fused
+        else:
+            out, packed = self._verify(draft, target, inp, drafted, P, graphed, asked)
+            if graphed:
+                self._counted[2] += 1
+                self._counted[3] += time.perf_counter() - t1
+        on_device = drafted.fused is not None and early_exit == "device" and plan.rule is not None
+        return self._output(out, packed, drafted, B, asked, on_device, t0, t1)
+
+    def _replays(self, draft, target, inp: RoundInputs, P: int) -> bool:
+        """Whether the round's steps replay graphs (SGLang's ``can_run``): a captured bucket, no host logits
+        processor, on CUDA (or recorded graphs), both models lean on one device. Drops the graphs of a replaced
+        cache (``StepGraphs.check``)."""
         graphed = (self.graphs is not None and P in self.buckets and inp.processor is None
                    and (inp.last.device.type == "cuda" or self.graphs.emulate) and getattr(target, "lean", False)
                    and (draft is None or (getattr(draft, "lean", False) and draft.device == target.device)))
         if graphed:
             self.graphs.check((draft, target))
-        direct = graphed  # steps call uncounted forwards: counted here, returned in the round's output
-        counted = [0, 0.0, 0, 0.0]  # draft calls, draft s, target calls, target s
-        cap = plan.cap
-        t0 = time.perf_counter()
-        tdev = inp.last.device
-        cands = inp.last.new_empty(P, 0) if cap == 0 else None  # a plain step verifies no candidates
-        n = nd = None
-        draft_logits, steps, rule, verified = None, 0, plan.rule, None
-        fused = t_fused = None  # a verification replayed in one graph with the draft steps before it: (out, acc,
-        # packed), and the host clock when that graph began
-        if cap > 0:
-            ddev = inp.prev.device
-            room = inp.room if plan.row_caps is None else torch.minimum(
-                inp.room, _pad_rows(torch.tensor(list(plan.row_caps), dtype=torch.int64), P).to(ddev))
-            seeds = inp.seeds.to(ddev)
-            if rule is not None:
-                rule.begin(P, ddev)
-            # a draft step is replayed whole without a rule, or with a rule that can be captured (StopRule.capture_key)
-            rule_key = rule.capture_key() if graphed and rule is not None and not rule.host else None
-            out_c, out_l = [], []
-            if graphed and (rule is None or rule_key is not None):
-                nd, steps, fused, t_fused = self._graphed_spans(draft, target, P, cap, inp, room, seeds, rule,
-                                                                rule_key, early_exit, out_c, out_l, counted)
-            else:
-                nd, steps = self._steps_one_by_one(draft, P, cap, inp, room, seeds, rule, early_exit, direct, graphed,
-                                                   out_c, out_l, counted)
-            n = nd.to(tdev)
-            if fused is None:
-                cands = torch.stack(out_c, 1).to(tdev)
-                if not inp.sampling.greedy:
-                    draft_logits = torch.stack(out_l, 1).to(tdev)
-                if rule is not None:
-                    trimmed = rule.depth(nd, steps)
-                    if trimmed is not None:
-                        n = trimmed.to(tdev)
-                        if early_exit:  # the budget verifies fewer slots than were drafted: a narrower forward
-                            verified = int(n.max())
-                            cands = cands[:, :verified]
-                            draft_logits = draft_logits[:, :verified] if draft_logits is not None else None
-        verified = steps if verified is None else verified
-        t1 = time.perf_counter() if fused is None else t_fused  # a fused span's time is the verification's
-        width = None if wide else inp.target_width + verified + 1
+        return graphed
+
+    def _draft(self, draft, target, inp: RoundInputs, plan: RoundPlan, early_exit, P: int, graphed: bool) -> "_Drafted":
+        """The round's draft steps (at most ``plan.cap``) under the plan's stop rule: replayed as spans where the rule
+        can be captured, else one call each; then, where the rule asks, the depth it verifies (the batch budget's)."""
+        ddev, tdev, rule = inp.prev.device, inp.last.device, plan.rule
+        room = inp.room if plan.row_caps is None else torch.minimum(
+            inp.room, _pad_rows(torch.tensor(list(plan.row_caps), dtype=torch.int64), P).to(ddev))
+        seeds = inp.seeds.to(ddev)
+        if rule is not None:
+            rule.begin(P, ddev)
+        # a draft step is replayed whole without a rule, or with a rule that can be captured (StopRule.capture_key)
+        rule_key = rule.capture_key() if graphed and rule is not None and not rule.host else None
+        out_c, out_l = [], []
+        if graphed and (rule is None or rule_key is not None):
+            nd, steps, fused, t_fused = self._graphed_spans(draft, target, P, plan.cap, inp, room, seeds, rule,
+                                                            rule_key, early_exit, out_c, out_l)
+            return _Drafted(nd.to(tdev), steps, None, None, steps, fused, t_fused)
+        nd, steps = self._steps_one_by_one(draft, P, plan.cap, inp, room, seeds, rule, early_exit, graphed, out_c,
+                                           out_l)
+        drafted = _Drafted(nd.to(tdev), steps, torch.stack(out_c, 1).to(tdev),
+                           None if inp.sampling.greedy else torch.stack(out_l, 1).to(tdev), steps)
+        trimmed = rule.depth(nd, steps) if rule is not None else None
+        if trimmed is not None:
+            drafted.n = trimmed.to(tdev)
+            if early_exit:  # the budget verifies fewer slots than were drafted: a narrower forward
+                drafted.verified = int(drafted.n.max())
+                drafted.cands = drafted.cands[:, :drafted.verified]
+                if drafted.logits is not None:
+                    drafted.logits = drafted.logits[:, :drafted.verified]
+        return drafted
+
+    def _verify(self, draft, target, inp: RoundInputs, drafted: "_Drafted", P: int, graphed: bool,
+                asked: list) -> tuple:
+        """The verify step, replayed from a graph or run eagerly over the columns the widest row needs: the emitted
+        tokens ``out`` and the round's packed read-back (None for a plain step)."""
+        steps = drafted.steps
+        if graphed:
+            out, _, packed = self._graphed_verify(draft if steps else None, target, P, drafted.cands, drafted.logits,
+                                                  inp, drafted.n, steps, asked)
+            return out, packed
+        wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
+        width = None if wide else inp.target_width + drafted.verified + 1
         at = None if wide else inp.target_start
-        forward = target.step if direct else target.forward
-        asked = rule.readback() if rule is not None and steps else []
-        if fused is not None:
-            out, acc, packed = fused
-        elif graphed:
-            out, acc, packed = self._graphed_verify(draft if steps else None, target, P, cands, draft_logits, inp, n,
-                                                    steps, asked)
-        else:
-            out, acc = verify_step(
-                lambda t, keep: forward(t, keep, width, None, at)[0], inp.last, cands, draft_logits, inp.sampling, n,
-                inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra, inp.processor)
-            packed = None if acc is None else pack(out, acc, n, asked)
-        if direct and fused is None:
-            counted[2] += 1
-            counted[3] += time.perf_counter() - t1
-        if not steps:  # a plain step: one token per row, the whole read-back
+        out, acc = verify_step(
+            lambda t, keep: target.forward(t, keep, width, None, at)[0], inp.last, drafted.cands, drafted.logits,
+            inp.sampling, drafted.n, inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra,
+            inp.processor)
+        return out, None if acc is None else pack(out, acc, drafted.n, asked)
+
+    def _output(self, out, packed, drafted: "_Drafted", B: int, asked: list, on_device: bool, t0: float,
+                t1: float) -> RoundOutput:
+        """The round's one read-back, unpacked (:func:`~specdec_ext.engine.steps.unpack`) into its output; where the
+        device decided how many draft steps ran, their count is the most candidates a row drafted."""
+        counted = self._counted
+        if not drafted.steps:  # a plain step: one token per row, the whole read-back
             toks = out[:B, 0].tolist()
-            t2 = time.perf_counter()
-            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0, (t2 - t1) * 1e3, tuple(counted))
-        rows, readback = unpack(packed, B, verified + 1, asked)
+            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0,
+                               (time.perf_counter() - t1) * 1e3, tuple(counted))
+        W = drafted.verified + 1
+        rows, readback = unpack(packed, B, W, asked)
         t2 = time.perf_counter()
-        W = verified + 1
         accepted = [r[W] for r in rows]
-        drafted = [r[W + 1] for r in rows]
-        if fused is not None and early_exit == "device" and rule is not None:  # the draft steps the GPU ran
-            steps = max(drafted)
+        counts = [r[W + 1] for r in rows]
+        steps = drafted.steps
+        if on_device:  # the draft steps the GPU ran
+            steps = max(counts)
             counted[0] += steps
-        bad = min(accepted)
-        if bad < 0:
-            raise ValueError(f"verification: {errors.message(bad, True)}")
+        if min(accepted) < 0:
+            raise ValueError(f"verification: {errors.message(min(accepted), True)}")
         emitted = [rows[b][: accepted[b] + 1] for b in range(B)]
-        return RoundOutput(emitted, drafted, accepted, steps, verified, readback, (t1 - t0) * 1e3 if steps else 0.0,
+        return RoundOutput(emitted, counts, accepted, steps, drafted.verified, readback, (t1 - t0) * 1e3,
                            (t2 - t1) * 1e3, tuple(counted))
 
-    def _steps_one_by_one(self, draft, P: int, cap: int, inp: RoundInputs, room, seeds, rule, early_exit, direct: bool,
-                          graphed: bool, out_c: list, out_l: list, counted: list):
+    def _steps_one_by_one(self, draft, P: int, cap: int, inp: RoundInputs, room, seeds, rule, early_exit,
+                          graphed: bool, out_c: list, out_l: list):
         """The draft steps of a round one call each (eager, compiled, or with the forward alone replayed under a stop
         rule that cannot be captured), reading after the steps ``early_exit`` names whether any row still drafts.
         Appends each step's candidates and processed logits to ``out_c`` / ``out_l``; returns (candidates drafted
@@ -260,7 +279,7 @@ class StepRunner:
         tokens = torch.stack([inp.prev, inp.last.to(ddev)], 1)
         drafting = room > 0
         nd = torch.zeros(P, dtype=torch.int64, device=ddev)
-        forward = self._graphed_forward(draft, P) if graphed else draft.step if direct else draft.forward
+        forward = self._graphed_forward(draft, P) if graphed else draft.forward
         steps = 0
         for k in range(1, cap + 1):
             width = None if wide else inp.draft_width + 1 + k
@@ -269,9 +288,9 @@ class StepRunner:
             cand, masked, nd, drafting = draft_step(lambda t, w=width, a=at: forward(t, 1, w, None, a), tokens, seeds,
                                                     k, inp.draft_sampling, rule, drafting, room, nd, inp.processor,
                                                     out_c)
-            if direct:  # the captured step's forward is counted here
-                counted[0] += 1
-                counted[1] += time.perf_counter() - t_step
+            if graphed:  # the replayed forward is counted here
+                self._counted[0] += 1
+                self._counted[1] += time.perf_counter() - t_step
             out_c.append(cand)
             out_l.append(masked)
             steps = k
@@ -281,7 +300,7 @@ class StepRunner:
         return nd, steps
 
     def _graphed_spans(self, draft, target, P: int, cap: int, inp: RoundInputs, room, seeds, rule, rule_key,
-                       early_exit, out_c: list, out_l: list, counted: list):
+                       early_exit, out_c: list, out_l: list):
         """A round's draft steps with no stop rule or a capturable one, replayed as spans: the steps between two
         reads of the stop flags (``early_exit``; a round without a rule reads none) each one graph, and the span
         that reaches the cap one graph with the verification after it (gpt-fast's and SGLang's whole-round graph
@@ -301,6 +320,7 @@ class StepRunner:
             n_steps = last - first + 1
             out_c.extend(outs[:n_steps])
             out_l.extend(outs[n_steps: 2 * n_steps])
+            counted = self._counted
             counted[0] += 0 if on_device else n_steps  # on the device: counted from the read-back (StepRunner.run)
             if verify:  # the span's time is the verification's (its draft steps are not timed apart)
                 counted[2] += 1
@@ -436,6 +456,24 @@ class StepRunner:
         lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
                                             inp.seeds, inp.extra] + list(asked), lengths)
+
+
+@dataclass
+class _Drafted:
+    """What a round's draft phase leaves its verification: ``n`` ``[P]`` int64, the candidates each row drafted (or
+    verifies, where a budget trimmed them), on the target's device; ``steps``, draft forwards run; ``cands``
+    ``[P, K]`` and ``logits`` ``[P, K, V]`` (None when greedy) the candidates and their processed draft logits, on the
+    target's device; ``verified``, the width K the target verifies; ``fused``, where the verification already ran in one
+    graph with the last span of draft steps, its ``(out, acc, packed)``, and ``t_fused`` the host clock when that graph
+    began."""
+
+    n: Optional[torch.Tensor] = None
+    steps: int = 0
+    cands: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    verified: int = 0
+    fused: Optional[tuple] = None
+    t_fused: Optional[float] = None
 
 
 def _attending(backend, fn: Callable, *args):

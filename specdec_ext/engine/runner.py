@@ -129,21 +129,17 @@ class CausalLMRunner:
     (nonzero = valid position; its width is the cache length) and ``next_pos`` ``[B]`` (each row's count of valid
     positions, i.e. its next position id). ``packed``: run its
     ``torch.nn.Linear`` layers through oneDNN with weights packed once (``engine/onednn_linear.py``; False:
-    ``F.linear``; None: :attr:`packed_default`, and where that is None as ``onednn_linear.wanted`` decides: a CPU
-    float32 model of at most 2 GiB of linear weights).
+    ``F.linear``; None: as ``onednn_linear.wanted`` decides: a CPU float32 model of at most 2 GiB of linear weights).
 
     Raises:
         ValueError: ``model``'s weights are not loaded (meta device), or ``packed=True`` where oneDNN cannot."""
 
-    cache_class = GrowingCache  # transformers' DynamicCache to compare (bench/kv_cache.py): the same API, by torch.cat
-    packed_default: Optional[bool] = None  # what packed=None means, for every runner (e.g. False to compare)
     _state = ("cache", "mask", "next_pos", "col_pos")
 
     def __init__(self, model, name: str, packed: Optional[bool] = None):
         self.model = model
         self.name = name
         self.device = usable_device(model, name)
-        packed = self.packed_default if packed is None else packed
         self.linears = PackedLinears(model) if onednn_linear.wanted(model, packed) else None
         self.layout = sliding_layout(model)
         self.cache_keyword = cache_keyword(model)
@@ -157,7 +153,7 @@ class CausalLMRunner:
     # ------------------------------------------------------------------------------------
     def start(self, batch_size: int) -> None:
         # sliding-window models: full layers, which can be cropped; the masks impose the window
-        self.cache = self.cache_class() if self.layout else self.cache_class(config=self.model.config)
+        self.cache = GrowingCache() if self.layout else GrowingCache(config=self.model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
         self.col_pos = torch.zeros(batch_size, 0, dtype=torch.int64, device=self.device)

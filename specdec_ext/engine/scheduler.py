@@ -152,7 +152,7 @@ class Scheduler:
         self._sampling = None
         self.t_start = time.perf_counter()
         self.skipped_ms = 0.0  # idle time skipped while no request had arrived (the clock jumps, nothing sleeps)
-        self._cycle: Optional[tuple] = None  # (perf_counter, prefill ms) when the last round ended (RoundResult.cycle_ms)
+        self._cycle: Optional[tuple] = None  # (perf_counter, prefill ms) at the last round's end (RoundResult.cycle_ms)
         self.token_ms: list = [[] for _ in requests]
 
     def _ms(self, t: Optional[float] = None) -> float:
@@ -312,7 +312,8 @@ class Scheduler:
         """Record a continuous batch's admission of requests ``ids`` that began at ``t0`` (its rows, prompt tokens and
         ms): the admission rule's fit, and the engine's estimate of a draft read before one is measured."""
         if self.rule is not None:  # continuous batching: the rule records into the measured admissions
-            self.rule.observe(len(ids), sum(len(self.requests[r].prompt) for r in ids), (time.perf_counter() - t0) * 1e3)
+            tokens = sum(len(self.requests[r].prompt) for r in ids)
+            self.rule.observe(len(ids), tokens, (time.perf_counter() - t0) * 1e3)
 
     def _window(self, length: int) -> tuple:
         """The span ``(from, to)`` of a context of ``length`` tokens the draft reads first: all of it but the last two
@@ -332,10 +333,10 @@ class Scheduler:
         return ms
 
     def _draft_overhead(self, live: list) -> float:
-        """ms per emitted token that drafting adds outside the rounds (:class:`~specdec_ext.policies.base.RoundContext`):
-        the draft's measured mean ms to read a request's context (over this generator's calls) over the tokens a
-        request emits (the requests' mean ``max_new_tokens``), while reads are still to come (a live row unread, or
-        requests queued); else 0. Before any read was measured, the target's measured mean prefill ms per request
+        """ms per emitted token that drafting adds outside the rounds (``RoundContext.draft_overhead``): the draft's
+        measured mean ms to read a request's context (over this generator's calls) over the tokens a request emits (the
+        requests' mean ``max_new_tokens``), while reads are still to come (a live row unread, or requests queued); else
+        0. Before any read was measured, the target's measured mean prefill ms per request
         (continuous batching's admissions) times the draft's share of the pair's parameters, and 0 without either
         (docs/design.md, The batch verification budget). 0 where the rounds are not timed (a tensor-parallel target,
         whose ranks decide alike)."""

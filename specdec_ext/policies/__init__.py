@@ -1,7 +1,8 @@
 """Candidate-length policies: how many tokens the draft proposes per round."""
 
 from .base import CandidateLengthPolicy, DraftStep
-from .builtin import AdaEDL, Autoregressive, Confidence, FixedK, Heuristic, SpecDecPP, make_policy
+from .builtin import AdaEDL, Autoregressive, Confidence, FixedK, Heuristic, make_policy
+from .specdecpp import SpecDecPP
 
 __all__ = ["CandidateLengthPolicy", "DraftStep", "Autoregressive", "FixedK", "Heuristic", "Confidence", "AdaEDL",
            "SpecDecPP", "make_policy"]

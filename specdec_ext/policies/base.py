@@ -182,14 +182,14 @@ class CandidateLengthPolicy:
     speculative = True      # False: plain target-only decoding
     needs_hidden = False    # True: DraftStep.hidden is needed (per-step interface)
     needs_probs = False     # True: token_prob / probs are needed even when decoding greedily (per-step interface)
-    needs_costs = False     # True: configure() must receive the pair's CostModel (policies/goodput.py)
+    needs_costs = False     # True: configure() must receive the pair's CostModel (policies/costs.py)
     needs_batch_costs = False  # True: configure() receives batch_costs= (BatchCosts) for calls of several rows
     max_candidates = 1      # an upper bound on the candidates per round (K_max)
 
     def configure(self, sampling, costs=None) -> None:
         """Called once per generation call before ``reset``: the decoding settings
         (:class:`~specdec_ext.engine.SamplingConfig`) and, for ``needs_costs`` policies, the pair's
-        :class:`~specdec_ext.policies.goodput.CostModel` (and ``batch_costs=`` for ``needs_batch_costs`` policies)."""
+        :class:`~specdec_ext.policies.costs.CostModel` (and ``batch_costs=`` for ``needs_batch_costs`` policies)."""
 
     def reset(self, batch_size: int, device: torch.device) -> None:
         """Start a generation call with ``batch_size`` rows."""

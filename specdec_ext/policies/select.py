@@ -18,7 +18,7 @@ chooses a speculative configuration per round the same way; here the arms share 
   how the round went: its samples stay unbiased. A deep arm played teaches every shallower one.
 - **Measured time.** A round's cost is fitted online, ms = c0 + c1 * draft steps + c2 * verified tokens, by
   discounted ridge regression on each round's measured wall time (the host's work between rounds included), from a
-  prior of the profiled :class:`~specdec_ext.policies.goodput.CostModel`; every arm's rounds are priced by the same
+  prior of the profiled :class:`~specdec_ext.policies.costs.CostModel`; every arm's rounds are priced by the same
   fit, so the comparison is paired. Eager forwards, CUDA graphs, compiled forwards, a CPU or a GPU: the fit is what
   the rounds cost where they run.
 - **Forgetting.** Every sum decays by ``discount`` per round (a window of about 1 / (1 - discount) rounds), so the
@@ -190,7 +190,7 @@ class StopSelector:
         thresholds: the stop thresholds h of the fixed arms, each in [0, 1].
         goodput_arm: also an arm for the goodput rule.
         prior: the cost fit's prior (c0, c1, c2) in ms (:class:`RoundTime`; :meth:`prior_from` makes it from a
-            profiled :class:`~specdec_ext.policies.goodput.CostModel`).
+            profiled :class:`~specdec_ext.policies.costs.CostModel`).
         discount: the arms' forgetting per round.
         min_rounds: effective rounds an arm needs before its estimate decides.
         seed: the draws' seed (the choice is reproducible for equal rounds and times).

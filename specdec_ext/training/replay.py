@@ -22,7 +22,8 @@ import torch
 
 from ..head.features import HISTORY_PRIOR, history_after_accepts, history_update
 from ..head.module import AcceptanceHead
-from ..policies.goodput import CostModel, GoodputRule
+from ..policies.costs import CostModel
+from ..policies.goodput import GoodputRule
 from .head_features import select_features
 
 
