@@ -211,9 +211,11 @@ class StepRunner:
         if graphed and (rule is None or rule_key is not None):
             nd, steps, fused, t_fused = self._graphed_spans(draft, target, P, plan.cap, inp, room, seeds, rule,
                                                             rule_key, early_exit, out_c, out_l)
-            return _Drafted(nd.to(tdev), steps, None, None, steps, fused, t_fused)
-        nd, steps = self._steps_one_by_one(draft, P, plan.cap, inp, room, seeds, rule, early_exit, graphed, out_c,
-                                           out_l)
+            if fused is not None:  # verified in the last span's graph
+                return _Drafted(nd.to(tdev), steps, None, None, steps, fused, t_fused)
+        else:
+            nd, steps = self._steps_one_by_one(draft, P, plan.cap, inp, room, seeds, rule, early_exit, graphed,
+                                               out_c, out_l)
         drafted = _Drafted(nd.to(tdev), steps, torch.stack(out_c, 1).to(tdev),
                            None if inp.sampling.greedy else torch.stack(out_l, 1).to(tdev), steps)
         trimmed = rule.depth(nd, steps) if rule is not None else None
