@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <vector>
 
 #include "cuda/launchers.h"
 #include "ops_common.h"
@@ -90,9 +91,45 @@ at::Tensor philox_uniforms_cuda(const at::Tensor& seed_offsets, int64_t slots, i
   return t.out;
 }
 
+int64_t graph_chain_cuda(const at::Tensor& anchor, at::IntArrayRef pieces, at::TensorList flags) {
+  SPECDEC_CHK_VALUE(pieces.size() >= 2 && flags.size() + 2 == pieces.size(), "graph_chain: needs n >= 2 pieces and "
+                    "n - 2 flags, got ", pieces.size(), " pieces and ", flags.size(), " flags");
+  std::vector<cudaGraph_t> graphs;
+  std::vector<const bool*> conds;
+  for (int64_t p : pieces) {
+    SPECDEC_CHK_VALUE(p != 0, "graph_chain: a piece is a null cudaGraph_t (capture with keep_graph=True)");
+    graphs.push_back(reinterpret_cast<cudaGraph_t>(static_cast<intptr_t>(p)));
+  }
+  for (const at::Tensor& f : flags) {
+    SPECDEC_CHK_TYPE(f.scalar_type() == at::kBool, "graph_chain: flags must be bool, got ", f.scalar_type());
+    SPECDEC_CHK_VALUE(f.numel() == 1 && f.device() == anchor.device(), "graph_chain: each flag is one bool on ",
+                      anchor.device(), ", got ", f.sizes(), " on ", f.device());
+    conds.push_back(f.data_ptr<bool>());
+  }
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  cudaGraphExec_t exec = nullptr;
+  check_launch(cuda::compose_if_chain(graphs.data(), static_cast<int>(graphs.size()), conds.data(), &exec),
+               "graph_chain");
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(exec));
+}
+
+void graph_launch_cuda(const at::Tensor& anchor, int64_t graph) {
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  check_launch(cuda::launch_graph(reinterpret_cast<cudaGraphExec_t>(static_cast<intptr_t>(graph)),
+                                  at::cuda::getCurrentCUDAStream()), "graph_launch");
+}
+
+void graph_destroy_cuda(const at::Tensor& anchor, int64_t graph) {
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  check_launch(cuda::destroy_graph(reinterpret_cast<cudaGraphExec_t>(static_cast<intptr_t>(graph))), "graph_destroy");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
+  m.impl("graph_chain", &graph_chain_cuda);
+  m.impl("graph_launch", &graph_launch_cuda);
+  m.impl("graph_destroy", &graph_destroy_cuda);
   m.impl("chain_verify", &chain_verify_cuda);
   m.impl("chain_verify_logits", &chain_verify_logits_cuda);
   m.impl("chain_verify_greedy", &chain_verify_greedy_cuda);

@@ -105,6 +105,11 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("argmax_tokens(Tensor logits) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   m.def("philox_uniforms(Tensor seed_offsets, int slots, int first_slot=0) -> Tensor");
+  // CUDA graphs with conditional nodes, composed from pieces torch captured (csrc/cuda/graphs.cu; CUDA only): the
+  // device tensor `anchor` names the device; graphs are cudaGraph_t / cudaGraphExec_t handles as integers
+  m.def("graph_chain(Tensor anchor, int[] pieces, Tensor[] flags) -> int");
+  m.def("graph_launch(Tensor anchor, int graph) -> ()");
+  m.def("graph_destroy(Tensor anchor, int graph) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {

@@ -13,7 +13,7 @@ from stats import assert_follows
 from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
 from specdec_ext import SpeculativeGenerator, ops
 from specdec_ext.engine.backends import LeanBackend, _right_aligned
-from specdec_ext.engine.graphs import conditional_nodes
+from specdec_ext.engine.graphs import chain_nodes
 from specdec_ext.engine.runner import CausalLMRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
@@ -137,34 +137,45 @@ def test_compiled_forwards_in_graphs_give_target_only_greedy_tokens_on_cuda(cuda
         assert gen.generate(x.cuda(), **kwargs).new_tokens == plain.generate(x.cuda(), **kwargs).new_tokens
     assert gen.steps.graphs.captures > 0 and gen.steps.compile
 
-needs_conditional_nodes = pytest.mark.skipif(not conditional_nodes(),
-                                             reason="this torch has no conditional nodes in CUDA graphs")
+needs_chain = pytest.mark.skipif(not chain_nodes(), reason="the extension was not built for CUDA")
 
 
-@needs_conditional_nodes
-def test_a_conditional_node_runs_its_body_only_where_its_predicate_holds_on_cuda():
-    """``graphs.when`` in a captured graph: the body is a conditional node the GPU decides at each replay from the
-    predicate's current value, with no read-back; the body's writes land only when it ran."""
-    from specdec_ext.engine.graphs import StepGraphs, when
+@needs_chain
+def test_a_composed_graph_runs_its_middle_pieces_only_where_their_flags_hold_on_cuda():
+    """``StepGraphs.replay_chain`` on a GPU: pieces captured apart and composed under conditional nodes; at each
+    replay the GPU reads each flag, written by the pieces before it, with no read-back: a piece's writes land only
+    where it ran, and a skipped piece's flag leaves the next one skipped."""
+    from specdec_ext.engine.graphs import StepGraphs
 
     graphs = StepGraphs()
-    flag = torch.zeros((), dtype=torch.bool, device="cuda")
     x = torch.zeros(4, device="cuda")
+    gate = torch.zeros(2, dtype=torch.bool, device="cuda")  # the inputs' flags: for piece 1, and piece 1's for 2
 
-    def fn(flag, x):
+    def first(x, gate):
         y = x + 1
-        when(flag, lambda: y.mul_(10))
-        return (y,)
+        flags = torch.zeros(2, dtype=torch.bool, device="cuda")
+        flags[0].copy_(gate[0])
+        return y, flags
 
-    for value, want in ((True, 10.0), (False, 1.0), (True, 10.0)):
-        flag.fill_(value)
-        (y,) = graphs.replay("when", fn, [flag, x], [])
+    def times_ten(x, gate, y, flags):
+        y.mul_(10)
+        flags[1].copy_(gate[1])
+
+    def plus_five(x, gate, y, flags):
+        y.add_(5)
+
+    def last(x, gate, y, flags):
+        return (y * 2,)
+
+    for (a, b), want in (((True, True), 30.0), ((True, False), 20.0), ((False, True), 2.0), ((True, True), 30.0)):
+        gate.copy_(torch.tensor([a, b]))
+        _, (out,) = graphs.replay_chain("chain", [first, times_ten, plus_five, last], [x, gate], [])
         torch.cuda.synchronize()
-        assert y.tolist() == [want] * 4, value
+        assert out.tolist() == [want] * 4, (a, b)
     assert graphs.captures == 1
 
 
-@needs_conditional_nodes
+@needs_chain
 @pytest.mark.parametrize("kw", [{"threshold": 0.3, "k_max": 6}, {"threshold": "auto", "k_max": 8, "_head": "proposal"}],
                          ids=["h0.3", "auto"])
 def test_steps_decided_on_the_device_give_target_only_tokens_on_cuda(cuda_pair, kw):
@@ -186,7 +197,7 @@ def test_steps_decided_on_the_device_give_target_only_tokens_on_cuda(cuda_pair, 
     assert gen.steps.graphs.captures > 0
 
 
-@needs_conditional_nodes
+@needs_chain
 @pytest.mark.slow
 def test_sampling_through_conditional_nodes_is_lossless_on_cuda():
     """Seeded sampling (T = 1) through captured rounds of 64 rows with ``early_exit="device"``: each of the first

@@ -175,7 +175,7 @@ def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):
     gen = graphed(make_gen(target, draft, name, kw, early_exit=early_exit))
     eager = make_gen(target, draft, name, kw, early_exit=early_exit)
     rounds, replays = [], [0]
-    run, replay = gen.steps.run, graphs_module.StepGraphs.replay
+    run, replay, chain = gen.steps.run, graphs_module.StepGraphs.replay, graphs_module.StepGraphs.replay_chain
 
     def counted(draft_, target_, inp, plan, ee):
         before = replays[0]
@@ -187,11 +187,16 @@ def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):
         replays[0] += 1
         return replay(self, *args, **kwargs)
 
+    def counting_chains(self, *args, **kwargs):  # a composed graph: one replay
+        replays[0] += 1
+        return chain(self, *args, **kwargs)
+
     gen.steps.run = counted
     g = torch.Generator().manual_seed(6)
     temperatures = (0.0,) if kw.get("threshold") == "auto" else (0.0, 1.0)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(graphs_module.StepGraphs, "replay", counting)
+        m.setattr(graphs_module.StepGraphs, "replay_chain", counting_chains)
         for ids in (torch.randint(2, 48, (3, 6), generator=g), torch.randint(2, 48, (1, 9), generator=g)):
             if kw.get("threshold") == "auto" and ids.shape[0] > 1:
                 continue
@@ -241,6 +246,50 @@ def test_a_rounds_row_inputs_are_written_where_its_graphs_read_them():
     again = bucketed.row_inputs([3, 4, 8], [5, 6, 1], [1, 1, 1], [False] * 3, [(1, 2), (3, 4), (5, 6)], cpu, cpu)
     assert again[0].data_ptr() == got[0].data_ptr() and again[3] is None
     assert bucketed._persistent(RoundInputs(*again[:4], rows, rows, again[4], 6, 5), 4).last.tolist() == [3, 4, 8, 0]
+
+
+def test_a_recorded_chain_runs_its_middle_pieces_only_where_their_flags_hold():
+    """``StepGraphs.replay_chain`` recorded (the CPU's stand-in for the composed graph of conditional nodes): each
+    middle piece runs where the flag the pieces before it wrote holds, on the shared tensors the first piece made,
+    kept at their addresses from replay to replay; a negative control that ignores the flags is told apart."""
+    from specdec_ext.engine import graphs as graphs_module
+
+    x = torch.zeros(4)
+    gate = torch.zeros(2, dtype=torch.bool)  # the inputs' flags: for piece 1, and piece 1's for piece 2
+
+    def first(x, gate):
+        flags = torch.zeros(2, dtype=torch.bool)
+        flags[0].copy_(gate[0])
+        return x + 1, flags
+
+    def times_ten(x, gate, y, flags):
+        y.mul_(10)
+        flags[1].copy_(gate[1])
+
+    def plus_five(x, gate, y, flags):
+        y.add_(5)
+
+    def last(x, gate, y, flags):
+        return (y * 2,)
+
+    cases = (((True, True), 30.0), ((True, False), 20.0), ((False, True), 2.0), ((True, True), 30.0))
+
+    def run(graphs):
+        got, kept = [], None
+        for (a, b), _ in cases:
+            gate.copy_(torch.tensor([a, b]))
+            shared, (out,) = graphs.replay_chain("chain", [first, times_ten, plus_five, last], [x, gate], [])
+            kept = kept or [t.data_ptr() for t in shared]
+            assert [t.data_ptr() for t in shared] == kept
+            got.append(out[0].item())
+        return got
+
+    graphs = graphs_module.StepGraphs(emulate=True)
+    assert run(graphs) == [want for _, want in cases] and graphs.captures == 1
+    with pytest.MonkeyPatch.context() as m:  # every middle piece run, whatever the flags
+        m.setattr(graphs_module, "_run_middle",
+                  lambda pieces, static, shared, every: [p(*static, *shared) for p in pieces[1:-1]])
+        assert run(graphs_module.StepGraphs(emulate=True)) != [want for _, want in cases]
 
 
 def test_steps_decided_on_the_device_draft_what_a_read_after_every_step_drafts():

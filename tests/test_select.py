@@ -63,13 +63,13 @@ def test_a_played_arm_teaches_the_arms_it_dominates_and_no_other():
     d = _round(sel, 1, S, accepted=5)  # h = 0.8 stops at S < 0.2: candidate 4
     assert d == 4
     half, eight, nine = sel.arms
-    fit = sel.time
-    assert eight.w == 1 and eight.s[:2] == [5, fit.ms(4, 4)]  # 4 accepted + the bonus token, priced by the fit
-    assert half.w == 1 and half.s[:2] == [4, fit.ms(3, 3)]  # stops at S < 0.5: candidate 3, 3 + 1 tokens
+    fit, w = sel.time, eight.w  # one round each, of weight w
+    assert [v / w for v in eight.s[:2]] == pytest.approx([5, fit.ms(4, 4)])  # 4 accepted + the bonus, priced by the fit
+    assert half.w == w and [v / w for v in half.s[:2]] == pytest.approx([4, fit.ms(3, 3)])  # S < 0.5: candidate 3
     assert eight.s[2:] == half.s[:2] == half.s[2:]  # each paired with the reference, h = 0.5, on the same round
     assert nine.w == 0
     _round(sel, 0, S, accepted=1)  # h = 0.5 played: teaches no deeper arm
-    assert (half.w, eight.w, nine.w) == (pytest.approx(1 + sel.discount), 1, 0)  # the first round decayed once
+    assert (half.w, eight.w, nine.w) == (pytest.approx(w * (1 + 1 / sel.discount)), w, 0)  # a later round weighs more
 
 
 class _Env:

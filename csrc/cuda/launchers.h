@@ -24,5 +24,12 @@ int64_t acceptance_head_workspace(int64_t batch, int64_t hidden_size, int64_t nu
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t stream);
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t stream);
 cudaError_t philox_uniforms(const PhiloxArgs& a, cudaStream_t stream);
+// A graph of num_pieces captured pieces (graphs.cu): pieces[0], then pieces[i] (0 < i < num_pieces - 1) under a
+// conditional IF node that runs it where the device bool *flags[i - 1] holds, then pieces[num_pieces - 1];
+// instantiated into *exec (the pieces are cloned: the caller keeps owning them and what they point to).
+cudaError_t compose_if_chain(const cudaGraph_t* pieces, int num_pieces, const bool* const* flags,
+                             cudaGraphExec_t* exec);
+cudaError_t launch_graph(cudaGraphExec_t exec, cudaStream_t stream);
+cudaError_t destroy_graph(cudaGraphExec_t exec);
 }  // namespace cuda
 }  // namespace specdec

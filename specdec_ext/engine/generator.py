@@ -25,7 +25,7 @@ from ..policies import CandidateLengthPolicy, make_policy
 from ..policies.costs import CostModel
 from .admission import DEFAULT_ADMISSION, check_admission
 from .backends import backend_for
-from .graphs import conditional_nodes
+from .graphs import chain_nodes
 from .model import supports
 from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
 from .round import BUCKETS, StepRunner
@@ -99,7 +99,8 @@ class SpeculativeGenerator:
             row stopped cost nothing (the verification spans the cap); rounds that are not captured read after
             every step. Policies whose rounds are planned whole (plain decoding, fixed K, the heuristic) read back once
             either way. Raises ValueError for steps that are not increasing integers >= 1, and for ``"device"`` with
-            CUDA graphs on a torch without conditional nodes (CUDA 12.4+).
+            CUDA graphs where the extension was not built for CUDA 12.4+ (it composes the conditional nodes itself,
+            ``engine/graphs.py``, so any torch with ``CUDAGraph(keep_graph=True)`` serves).
         tokenizers: ``(target's, draft's)`` tokenizers: checked to have the same vocabulary and special tokens, and
             ids that both models embed (``engine/models.py``, ``check_vocabularies``).
         cuda_graphs: replay the round's steps from CUDA graphs (``engine/graphs.py``): rows padded to batch buckets
@@ -154,10 +155,10 @@ class SpeculativeGenerator:
             raise ValueError(f"compile: True compiles the forwards that CUDA graphs capture (cuda_graphs on: a lean "
                              f"pair on a CUDA device), got compile={compile!r} with CUDA graphs "
                              f"{'on' if self.cuda_graphs else 'off'}")
-        if self.early_exit == "device" and self.cuda_graphs and not conditional_nodes():
-            raise ValueError(f"early_exit: 'device' needs conditional nodes in CUDA graphs (torch's "
-                             f"CUDAGraph.begin_capture_to_if_node, CUDA 12.4 or later); this torch {torch.__version__} "
-                             f"(CUDA {torch.version.cuda}) has none: use True or a tuple of steps")
+        if self.early_exit == "device" and self.cuda_graphs and not chain_nodes():
+            raise ValueError("early_exit: 'device' needs conditional nodes in CUDA graphs, which this build of "
+                             "specdec_ext composes only when compiled for CUDA (12.4 or later); it was built without: "
+                             "use True or a tuple of steps")
         self.steps = StepRunner(BUCKETS, cuda_graphs=True, compile=compile) if self.cuda_graphs else StepRunner()
         self.measured = Measured()  # the draft's reads and the admissions over this generator's calls (the scheduler's)
         self._draft_share: Optional[float] = None  # the draft's parameters over the target's (Settings.draft_share)

@@ -31,45 +31,29 @@ again.
 What cannot be captured runs eagerly: a ``logits_processor`` (host work) and a host stop rule
 (``StopRule.host``).
 
-:func:`when` lets a graph decide on the device whether a part of it runs: in a captured graph it is a conditional
-node (CUDA 12.4's ``cudaGraphConditionalHandle``, through torch's ``CUDAGraph.begin_capture_to_if_node``) whose
-predicate the GPU reads at each replay, so a round's draft steps past the point where every row stopped are
-skipped without a read-back (``early_exit="device"``, ``engine/round.py``).
+:meth:`StepGraphs.replay_chain` lets a graph decide on the device whether its parts run: pieces captured one by one
+(``torch.cuda.CUDAGraph(keep_graph=True)``) and composed by the extension into one graph in which each piece between
+the first and the last sits under a conditional IF node (CUDA 12.4's ``cudaGraphConditionalHandle``,
+``csrc/cuda/graphs.cu``) whose flag the GPU reads at each replay, so a round's draft steps past the point where every
+row stopped are skipped without a read-back (``early_exit="device"``, ``engine/round.py``). Torch's own
+``CUDAGraph.begin_capture_to_if_node`` reached it only in 2026, after the torch the lent GPU machines run (2.11); the
+pieces, captured by torch into its graph pool and kept alive beside the composed graph, own their memory as any other
+graph does.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Optional, Sequence
 
 import torch
 
-_warming = threading.local()  # set while a graph's warm-up run executes (every conditional body runs in it)
-
-
-def conditional_nodes() -> bool:
-    """Whether this torch can capture conditional nodes in CUDA graphs: ``CUDAGraph.begin_capture_to_if_node`` and a
-    build for CUDA 12.4 or later (where ``cudaGraphConditionalHandle`` appeared)."""
-    version = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
-    return hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and \
-        hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph") and version >= (12, 4)
-
-
-def when(pred: torch.Tensor, body: Callable[[], None]) -> None:
-    """Run ``body`` only where ``pred`` (a one-element bool tensor on the graph's device) holds. ``body`` returns
-    nothing: it writes its results into tensors made before it (what it allocates is undefined where it did not
-    run). In a CUDA graph being captured, ``body`` is captured into a conditional node that the GPU decides at each
-    replay, with no read-back; in a graph's warm-up run it always runs (so the capture meets kernels already
-    initialised); elsewhere (eager steps, recorded graphs) the host reads ``pred`` and runs it or not."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-        graph.begin_capture_to_if_node(pred)
-        try:
-            body()
-        finally:
-            graph.end_capture_to_conditional_node()
-    elif getattr(_warming, "on", False) or bool(pred):
-        body()
+def chain_nodes() -> bool:
+    """Whether this build composes graphs with conditional nodes (:meth:`StepGraphs.replay_chain` on CUDA): the
+    extension compiled for CUDA, where the ``graph_chain`` op has a CUDA kernel."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("specdec_ext::graph_chain", "CUDA")
+    except RuntimeError:  # the op is not registered: the extension is absent
+        return False
 
 
 class _Recorded:
@@ -84,6 +68,56 @@ class _Recorded:
         for kept, new in zip(self.outs, self.fn(*self.static)):
             if kept is not None:
                 kept.copy_(new)
+
+
+class _RecordedChain:
+    """:class:`_Recorded` for :meth:`StepGraphs.replay_chain`: the pieces run eagerly, piece i (0 < i < n - 1) only
+    where its flag holds (read by the host), on the kept inputs and the kept shared tensors of the first piece."""
+
+    def __init__(self, pieces: Sequence[Callable], static: list, shared: tuple, outs):
+        self.pieces, self.static, self.shared, self.outs = pieces, static, shared, outs
+
+    def replay(self) -> None:
+        for kept, new in zip(self.shared, self.pieces[0](*self.static)):
+            kept.copy_(new)
+        _run_middle(self.pieces, self.static, self.shared, every=False)
+        for kept, new in zip(self.outs, self.pieces[-1](*self.static, *self.shared)):
+            if kept is not None:
+                kept.copy_(new)
+
+
+def _run_middle(pieces: Sequence[Callable], static: list, shared: tuple, every: bool) -> None:
+    """The chain's middle pieces, eagerly: piece i where ``shared[-1][i - 1]`` holds (``every``: all of them, as a
+    capture's warm-up runs every kernel once)."""
+    for i in range(1, len(pieces) - 1):
+        if every or bool(shared[-1][i - 1]):
+            pieces[i](*static, *shared)
+
+
+def _run_chain(pieces: Sequence[Callable], static: list, every: bool) -> tuple:
+    """The chain's pieces run eagerly in order (the middle ones where their flags hold, or ``every`` one): returns
+    ``(shared, outputs)``."""
+    shared = pieces[0](*static)
+    _run_middle(pieces, static, shared, every)
+    return shared, pieces[-1](*static, *shared)
+
+
+class _Chain:
+    """An instantiated composed graph (``ops.graph_chain``) with the torch graphs of its pieces, which own the memory
+    its kernels read and write: they live as long as it does."""
+
+    def __init__(self, anchor: torch.Tensor, pieces: list, flags: torch.Tensor):
+        from .. import ops
+
+        self.ops, self.anchor, self.pieces = ops, anchor, pieces
+        self.exec = ops.graph_chain(anchor, [g.raw_cuda_graph() for g in pieces], [f.view(1) for f in flags])
+
+    def replay(self) -> None:
+        self.ops.graph_launch(self.anchor, self.exec)
+
+    def __del__(self):
+        if getattr(self, "exec", None):
+            self.ops.graph_destroy(self.anchor, self.exec)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -133,7 +167,25 @@ class StepGraphs:
         graph.replay()
         return outs
 
-    def _capture(self, fn: Callable, inputs: Sequence[Optional[torch.Tensor]], state: Sequence):
+    def replay_chain(self, key: tuple, pieces: Sequence[Callable], inputs: Sequence[Optional[torch.Tensor]],
+                     state: Sequence) -> tuple:
+        """Pieces replayed as one graph whose middle ones run where the device says (module docstring):
+        ``pieces[0](*inputs)`` returns the tensors the pieces share, the last of them a ``[n - 2]`` bool tensor of
+        flags; ``pieces[i](*inputs, *shared)`` (0 < i < n - 1) runs where ``flags[i - 1]`` holds, writing in place
+        (the flags after its own among them); ``pieces[-1](*inputs, *shared)`` always, returning the outputs.
+        Captured at its first call as :meth:`replay` captures (``state`` restored after the warm-up, in which every
+        piece runs); returns ``(shared, outputs)``, valid until the next replay."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(pieces, inputs, state, chain=True)
+        graph, static, outs = entry
+        for buf, t in zip(static, inputs):
+            if buf is not None and buf is not t and not _same(buf, t):
+                buf.copy_(t)
+        graph.replay()
+        return outs
+
+    def _capture(self, fn, inputs: Sequence[Optional[torch.Tensor]], state: Sequence, chain: bool = False):
         # the graph reads the tensors it was captured with: a later call passing the same memory (a runner's
         # persistent inputs, an earlier graph's outputs) copies nothing; other tensors are copied in. A tensor passed
         # twice, or one a step writes in place, gets a buffer of its own.
@@ -146,25 +198,34 @@ class StepGraphs:
                 seen.add(t.data_ptr())
         saved = [t.clone() for t in state]
         self.captures += 1
+        run = (lambda: _run_chain(fn, static, every=False)) if chain else (lambda: fn(*static))
         if self.emulate:
-            outs = fn(*static)
+            outs = run()
             for t, before in zip(state, saved):
                 t.copy_(before)
+            if chain:
+                return _RecordedChain(fn, static, outs[0], outs[1]), static, outs
             return _Recorded(fn, static, outs), static, outs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles, workspaces and the like outside the graph
-            _warming.on = True
-            try:
-                fn(*static)
-            finally:
-                _warming.on = False
+            _run_chain(fn, static, every=True) if chain else fn(*static)
         torch.cuda.current_stream().wait_stream(side)
         for t, before in zip(state, saved):
             t.copy_(before)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outs = fn(*static)
-        return graph, static, outs
+        if not chain:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outs = fn(*static)
+            return graph, static, outs
+        pieces = [torch.cuda.CUDAGraph(keep_graph=True) for _ in fn]  # each captured apart, composed after
+        with torch.cuda.graph(pieces[0], pool=self._pool):
+            shared = fn[0](*static)
+        for graph, piece in zip(pieces[1:-1], fn[1:-1]):
+            with torch.cuda.graph(graph, pool=self._pool):
+                piece(*static, *shared)
+        with torch.cuda.graph(pieces[-1], pool=self._pool):
+            outs = fn[-1](*static, *shared)
+        return _Chain(shared[-1], pieces, shared[-1]), static, (shared, outs)

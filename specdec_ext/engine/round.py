@@ -14,7 +14,7 @@ import torch
 
 from .. import errors
 from ..policies.base import RoundPlan
-from .graphs import StepGraphs, when
+from .graphs import StepGraphs
 from .runner import sdpa_backends
 from .sampling import RowSampling
 from .steps import RoundInputs, RoundOutput, draft_step, pack, reads_after, unpack, verify_step
@@ -307,9 +307,9 @@ class StepRunner:
         reads of the stop flags (``early_exit``; a round without a rule reads none) each one graph, and the span
         that reaches the cap one graph with the verification after it (gpt-fast's and SGLang's whole-round graph
         where nothing is read between steps: fixed K, or drafting to the cap). With ``early_exit="device"`` and a stop
-        rule, one span of every step to the cap, each step after the first a conditional node run while some row
-        drafts (:func:`~specdec_ext.engine.graphs.when`): nothing is read until the round's end, and the steps
-        after every row stopped cost the GPU nothing. Appends each step's candidates and processed logits to
+        rule, one composed graph of every step to the cap and the verification, each step after the first under a
+        conditional node run while some row drafts (:meth:`_graphed_chain`): nothing is read until the round's end,
+        and the steps after every row stopped cost the GPU nothing. Appends each step's candidates and processed logits to
         ``out_c`` / ``out_l``; returns (candidates drafted per row ``[P]``, steps run (the cap where the device
         decided), the fused verification's ``(out, acc, packed)`` and the host clock when its graph began, or None
         and None when drafting stopped before the cap)."""
@@ -317,8 +317,11 @@ class StepRunner:
 
         def span(first: int, last: int, state: Optional[tuple], verify: bool) -> tuple:
             t_span = time.perf_counter()
-            outs = self._graphed_span(draft, target if verify else None, P, first, last, inp, room, seeds, rule,
-                                      rule_key, state, out_c, out_l, on_device)
+            if on_device:
+                outs = self._graphed_chain(draft, target, P, cap, inp, room, seeds, rule, rule_key)
+            else:
+                outs = self._graphed_span(draft, target if verify else None, P, first, last, inp, room, seeds, rule,
+                                          rule_key, state, out_c, out_l)
             n_steps = last - first + 1
             out_c.extend(outs[:n_steps])
             out_l.extend(outs[n_steps: 2 * n_steps])
@@ -378,14 +381,12 @@ class StepRunner:
         return forward
 
     def _graphed_span(self, draft, target, P: int, first: int, last: int, inp: RoundInputs, room, seeds, rule,
-                      rule_key, state: Optional[tuple], out_c: list, out_l: list, on_device: bool = False) -> tuple:
+                      rule_key, state: Optional[tuple], out_c: list, out_l: list) -> tuple:
         """Draft steps ``first`` .. ``last``, with no stop rule or a capturable one (``rule_key``), replayed as one
         graph per (bucket, span, sampling mode, rule); with ``target``, the verification of the round's candidates
         too. ``state``: (the last candidate ``[P, 1]``, rows drafting, candidates drafted) after step ``first - 1``,
         None for the round's first span (which reads ``prev`` and ``last``); ``out_c`` / ``out_l``: the candidates
-        and processed logits of the steps before ``first``. ``on_device``: each step after ``first`` runs only while
-        some row drafts (a conditional node), its candidates 0 and logits 0 where it did not, and the draft's
-        roll-back counts the steps that ran (the most candidates a row drafted). Returns the span's candidates, then
+        and processed logits of the steps before ``first``. Returns the span's candidates, then
         its processed logits, then (candidates drafted ``[P]``, rows drafting ``[P]``), then with the verification
         ``(out, acc, packed)`` (:func:`~specdec_ext.engine.steps.pack`)."""
         ds, ts = inp.draft_sampling, inp.sampling
@@ -402,19 +403,8 @@ class StepRunner:
                 tokens, drafting, n = start_a, start_b, start_c
             cands, logits = list(rest[:before]), list(rest[before: 2 * before])
             for k in range(first, last + 1):
-                if on_device and k > first:  # written in place where some row still drafts, else left at 0
-                    cand, masked = torch.zeros_like(cands[-1]), torch.zeros_like(logits[-1])
-
-                    def body(k=k, tokens=tokens, cand=cand, masked=masked, n=n, drafting=drafting):
-                        outs = draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k, rows, rule,
-                                          drafting, room, n)
-                        for kept, new in zip((cand, masked, n, drafting), outs):
-                            kept.copy_(new)
-
-                    when(drafting.any(), body)
-                else:
-                    cand, masked, n, drafting = draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k,
-                                                           rows, rule, drafting, room, n)
+                cand, masked, n, drafting = draft_step(lambda t: _attending(draft, step, t, 1), tokens, seeds, k,
+                                                       rows, rule, drafting, room, n)
                 cands.append(cand)
                 logits.append(masked)
                 tokens = cand.view(P, 1)
@@ -425,8 +415,7 @@ class StepRunner:
             trows = RowSampling(t_temperature, t_top_k, t_top_p, ts.greedy, ts.masks, ts.vocab)
             out, acc = verify_step(lambda t, keep: _attending(target, self._forward(target), t, keep)[0], last_t,
                                    torch.stack(cands, 1), None if ts.greedy else torch.stack(logits, 1), trows, n,
-                                   seeds, target.rollback, draft.rollback, last, extra,
-                                   ran=n.max() if on_device else None)
+                                   seeds, target.rollback, draft.rollback, last, extra)
             return outs + (out, acc, pack(out, acc, n, asked))  # the rule's kept tensors, as the steps wrote them
 
         start = (inp.prev, None, None) if state is None else state
@@ -436,8 +425,66 @@ class StepRunner:
             inputs += [ts.temperature, ts.top_k, ts.top_p, inp.extra]
             written.append(target.cache.lengths)
         key = ("span", id(draft), id(target), P, first, last, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
-               inp.extra is None, len(asked), on_device)
+               inp.extra is None, len(asked))
         return self.graphs.replay(key, fn, inputs, written)
+
+    def _graphed_chain(self, draft, target, P: int, cap: int, inp: RoundInputs, room, seeds, rule, rule_key) -> tuple:
+        """A round whose draft steps after the first the GPU decides (``early_exit="device"``), replayed as one
+        composed graph (:meth:`StepGraphs.replay_chain`, per bucket, cap, sampling mode and rule): the first step,
+        which also makes the round's buffers (every step's candidates and logits, 0 until a step writes them, and a
+        flag per later step); step k (1 < k <= cap) under a conditional node that runs it where some row still
+        drafts, writing its candidate and logits, the candidates drafted and the rows drafting in place and the flag
+        of the step after it; the verification of the cap's candidates, the draft rolled back by the steps that ran
+        (the most candidates a row drafted), the read-back packed. Returns what :meth:`_graphed_span` returns for a
+        span of every step with the verification."""
+        ds, ts = inp.draft_sampling, inp.sampling
+        asked = rule.readback()
+
+        def first(prev, last_t, seeds, room, d_temperature, d_top_k, d_top_p, *_):
+            rows = RowSampling(d_temperature, d_top_k, d_top_p, ds.greedy, ds.masks, ds.vocab)
+            n = torch.zeros(P, dtype=torch.int64, device=room.device)
+            cand, masked, n, drafting = draft_step(lambda t: _attending(draft, self._forward(draft), t, 1),
+                                                   torch.stack([prev, last_t], 1), seeds, 1, rows, rule, room > 0,
+                                                   room, n)
+            cands = torch.zeros((cap,) + tuple(cand.shape), dtype=cand.dtype, device=cand.device)
+            logits = torch.zeros((cap,) + tuple(masked.shape), dtype=masked.dtype, device=masked.device)
+            cands[0].copy_(cand)
+            logits[0].copy_(masked)
+            flags = torch.zeros(cap - 1, dtype=torch.bool, device=cand.device)
+            if cap > 1:
+                flags[0].copy_(drafting.any())
+            return cands, logits, n, drafting, flags
+
+        def later(k: int) -> Callable:
+            def step(prev, last_t, seeds, room, d_temperature, d_top_k, d_top_p, t_temperature, t_top_k, t_top_p,
+                     extra, cands, logits, n, drafting, flags):
+                rows = RowSampling(d_temperature, d_top_k, d_top_p, ds.greedy, ds.masks, ds.vocab)
+                outs = draft_step(lambda t: _attending(draft, self._forward(draft), t, 1), cands[k - 2].view(P, 1),
+                                  seeds, k, rows, rule, drafting, room, n)
+                for kept, new in zip((cands[k - 1], logits[k - 1], n, drafting), outs):
+                    kept.copy_(new)
+                if k < cap:
+                    flags[k - 1].copy_(drafting.any())
+
+            return step
+
+        def verify(prev, last_t, seeds, room, d_temperature, d_top_k, d_top_p, t_temperature, t_top_k, t_top_p,
+                   extra, cands, logits, n, drafting, flags):
+            trows = RowSampling(t_temperature, t_top_k, t_top_p, ts.greedy, ts.masks, ts.vocab)
+            out, acc = verify_step(lambda t, keep: _attending(target, self._forward(target), t, keep)[0], last_t,
+                                   cands.t().contiguous(), None if ts.greedy else logits.transpose(0, 1).contiguous(),
+                                   trows, n, seeds,
+                                   target.rollback, draft.rollback, cap, extra, ran=n.max())
+            return out, acc, pack(out, acc, n, asked)  # the rule's kept tensors, as the steps wrote them
+
+        inputs = [inp.prev, inp.last, seeds, room, ds.temperature, ds.top_k, ds.top_p, ts.temperature, ts.top_k,
+                  ts.top_p, inp.extra]
+        written = [draft.cache.lengths, target.cache.lengths] + rule.written()
+        key = ("chain", id(draft), id(target), P, cap, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
+               inp.extra is None, len(asked))
+        (cands, logits, n, drafting, _), fused = self.graphs.replay_chain(
+            key, [first] + [later(k) for k in range(2, cap + 1)] + [verify], inputs, written)
+        return tuple(cands.unbind(0)) + tuple(logits.unbind(0)) + (n, drafting) + tuple(fused)
 
     def _graphed_verify(self, draft, target, P: int, cands, draft_logits, inp: RoundInputs, n, steps: int,
                         asked: list):

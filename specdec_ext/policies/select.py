@@ -62,38 +62,45 @@ def first_stop(survivals: Sequence[float], drafted: int, lo: int, thresholds: Un
 
 
 class _Arm:
-    """One stop rule's discounted sums, paired with the reference arm's on the same rounds: per round
-    v = (tokens, ms, the reference's tokens, its ms), ms the round's modelled time when observed; w, w^2, sum w v and
-    sum w^2 v_i v_j (upper triangle), as of round ``at``."""
+    """One stop rule's sums, paired with the reference arm's on the same rounds: per round v = (tokens, ms, the
+    reference's tokens, its ms), ms the round's modelled time when observed; w, w^2, sum w v and sum w^2 v_i v_j
+    (upper triangle), each round's weight w growing by 1 / discount per round (:class:`StopSelector`'s forgetting:
+    every estimate is a ratio of these sums, so a common scale cancels)."""
 
-    __slots__ = ("name", "h", "at", "w", "w2", "s", "m")
+    __slots__ = ("name", "h", "w", "w2", "s", "m")
 
     def __init__(self, name: str, h: Optional[float]):
         self.name, self.h = name, h
-        self.at = 0
         self.w = self.w2 = 0.0
         self.s = [0.0] * 4
         self.m = [0.0] * 10  # (0,0) (0,1) (0,2) (0,3) (1,1) (1,2) (1,3) (2,2) (2,3) (3,3)
 
-    def add(self, now: int, g: float, tokens: float, ms: float, ref_tokens: float, ref_ms: float) -> None:
-        if self.w:
-            f = g ** (now - self.at)
-            if f != 1.0:
-                f2 = f * f
-                self.w, self.w2 = self.w * f, self.w2 * f2
-                self.s = [v * f for v in self.s]
-                self.m = [v * f2 for v in self.m]
-        self.at = now
-        v = (tokens, ms, ref_tokens, ref_ms)
-        self.w += 1.0
-        self.w2 += 1.0
+    def add(self, w: float, tokens: float, ms: float, ref_tokens: float, ref_ms: float) -> None:
+        w2 = w * w
+        self.w += w
+        self.w2 += w2
         s, m = self.s, self.m
-        k = 0
-        for i in range(4):
-            s[i] += v[i]
-            for j in range(i, 4):
-                m[k] += v[i] * v[j]
-                k += 1
+        s[0] += w * tokens
+        s[1] += w * ms
+        s[2] += w * ref_tokens
+        s[3] += w * ref_ms
+        m[0] += w2 * tokens * tokens
+        m[1] += w2 * tokens * ms
+        m[2] += w2 * tokens * ref_tokens
+        m[3] += w2 * tokens * ref_ms
+        m[4] += w2 * ms * ms
+        m[5] += w2 * ms * ref_tokens
+        m[6] += w2 * ms * ref_ms
+        m[7] += w2 * ref_tokens * ref_tokens
+        m[8] += w2 * ref_tokens * ref_ms
+        m[9] += w2 * ref_ms * ref_ms
+
+    def rescale(self, f: float) -> None:
+        """Every sum times ``f`` (``f``^2 for the second moments): the weights brought back near 1."""
+        f2 = f * f
+        self.w, self.w2 = self.w * f, self.w2 * f2
+        self.s = [v * f for v in self.s]
+        self.m = [v * f2 for v in self.m]
 
     @property
     def rounds(self) -> float:
@@ -107,18 +114,16 @@ class _Arm:
 
     def relative(self) -> tuple:
         """(log of its goodput over the reference's on the same rounds, that log's variance): the delta method on
-        the four ratios' means, from the rounds' paired values (the rounds' own spread, common to both, cancels)."""
-        s, m = self.s, self.m
-        if self.w <= 0.0 or min(s) <= 0.0:
+        the four sums, a = d log(rho) / d(sum w v_i) = (1/S0, -1/S1, -1/S2, 1/S3), var = a^T (sum w^2 v v^T) a (the
+        centring term vanishes: a . mean = 0); the rounds' own spread, common to both arms, cancels."""
+        s0, s1, s2, s3 = self.s
+        if self.w <= 0.0 or s0 <= 0.0 or s1 <= 0.0 or s2 <= 0.0 or s3 <= 0.0:
             return 0.0, math.inf
-        a = (1.0 / s[0], -1.0 / s[1], -1.0 / s[2], 1.0 / s[3])  # d log(rho) / d(sum v_i)
-        var = 0.0
-        k = 0
-        for i in range(4):
-            for j in range(i, 4):
-                var += (1.0 if i == j else 2.0) * a[i] * a[j] * m[k]
-                k += 1
-        return math.log(s[0] / s[1] * s[3] / s[2]), max(var, 0.0)
+        a0, a1, a2, a3 = 1.0 / s0, -1.0 / s1, -1.0 / s2, 1.0 / s3
+        m = self.m
+        var = (a0 * a0 * m[0] + a1 * a1 * m[4] + a2 * a2 * m[7] + a3 * a3 * m[9]
+               + 2.0 * (a0 * (a1 * m[1] + a2 * m[2] + a3 * m[3]) + a1 * (a2 * m[5] + a3 * m[6]) + a2 * a3 * m[8]))
+        return math.log(s0 * s3 / (s1 * s2)), max(var, 0.0)
 
 
 class RoundTime:
@@ -225,6 +230,7 @@ class StopSelector:
         """Forget every round: arms, cost fit and the record of choices."""
         self.arms = [_Arm(f"h={h:g}", h) for h in self.thresholds] + ([_Arm(GOODPUT, None)] if self.goodput_arm else [])
         self.ref = 0  # the reference arm: the shallowest (the smallest h), which any other arm's round shows
+        self.weight = 1.0  # this round's weight: 1 / discount per round since the last rescale (_Arm)
         self.time.reset()
         self.rng = random.Random(self.seed)
         self.now = 0
@@ -271,8 +277,13 @@ class StopSelector:
         self.history.append(played)
         if ms > 0.0:
             self.time.add(played_steps, played_verified, ms)
+        self.weight /= self.discount
+        if self.weight > 1e30:  # every arm's sums brought back near 1 (a common scale cancels in every ratio)
+            for arm in self.arms:
+                arm.rescale(1.0 / self.weight)
+            self.weight = 1.0
         top = [bp[1] for bp in bounds[played]]  # the played arm's greatest threshold per row
-        g, now, fit = self.discount, self.now, self.time
+        fit = self.time
         seen = {}
         for a in range(len(self.arms)):
             if a != played and any(hi > ba[0] for hi, ba in zip(top, bounds[a])):
@@ -287,8 +298,9 @@ class StopSelector:
         ref = seen.get(self.ref)
         if ref is None:  # the reference could have drafted deeper than the round: no paired sample
             return
+        w = self.weight
         for a, (tokens, took) in seen.items():
-            self.arms[a].add(now, g, tokens, took, ref[0], ref[1])
+            self.arms[a].add(w, tokens, took, ref[0], ref[1])
 
     def estimates(self) -> list:
         """Per arm: (name, goodput in tokens/ms over the rounds it was observed in, its goodput over the reference
