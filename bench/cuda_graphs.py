@@ -6,7 +6,8 @@ alone and the methods alternate prompt by prompt in a balanced order: our plain 
 (``threshold="auto"`` with early exit after every draft step, after steps 1, 3 and 7 only, decided on the device
 by conditional nodes (also with compiled forwards), and drafting to the cap, a fixed h), each with ``cuda_graphs`` on and off,
 plain, fixed K and ``auto`` with graphs of compiled forwards (``compile=True``), and transformers'
-``generate(cache_implementation="static")`` (compiled on its first calls). At a larger batch size
+``generate(cache_implementation="static")`` (compiled on its first calls) and assisted generation with the same draft (fixed K, each transformers arm on a copy
+of the target of its own: the static cache's compilation changes the model's forward). At a larger batch size
 the prompts are served by ``generate_continuous`` (plain, fixed K, ``auto``'s batch verification budget; graphs
 on, with and without compiled forwards). Per method: tokens/s over all prompts, ms per round, draft forwards per round, the warm-up's seconds (caches,
 cost profiles, graph capture, compilation), graphs captured, and the share of prompts whose tokens equal plain
@@ -14,11 +15,14 @@ decoding's (greedy: all of ours, bar bf16 near-ties between batch shapes). A met
 error and the others run on.
 
     python bench/cuda_graphs.py --device cuda --prompts 16 --max-new-tokens 64 --out gpu_check/cuda_graphs_b1.json
+    python bench/cuda_graphs.py --device cuda --dataset bench/data/thirdparty_headers.jsonl --prompts 12 --ks 2,3,4 \
+        --arms "compiled|transformers"     # the GPU table: fixed K, every early_exit form, transformers' arms
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -35,17 +39,18 @@ from specdec_ext.prompts import load_prompts  # noqa: E402
 from specdec_ext.zoo import load_pair  # noqa: E402
 
 
-def engines(pair, batch_size: int, k: int, h: float) -> dict:
-    """The engine's arms by name: ``(generator factory, whether it is ours)``."""
+def engines(pair, batch_size: int, ks: tuple, h: float) -> dict:
+    """The engine's arms by name: generator factories (fixed K for each of ``ks``)."""
     def gen(policy, graphs=None, **kw):
         return lambda: SpeculativeGenerator(pair.target, pair.draft if policy != "autoregressive" else None,
                                             policy=policy, head=pair.head if policy == "specdecpp" else None,
                                             cuda_graphs=graphs, **kw)
 
-    arms = {"plain, graphs": gen("autoregressive"), f"fixed K={k}, graphs": gen("fixed", k=k),
+    k = ks[0]
+    arms = {"plain, graphs": gen("autoregressive"), **{f"fixed K={k}, graphs": gen("fixed", k=k) for k in ks},
             "specdec++ auto, graphs": gen("specdecpp", threshold="auto"),
             "plain, graphs, compiled": gen("autoregressive", compile=True),
-            f"fixed K={k}, graphs, compiled": gen("fixed", compile=True, k=k),
+            **{f"fixed K={k}, graphs, compiled": gen("fixed", compile=True, k=k) for k in ks},
             "specdec++ auto, graphs, compiled": gen("specdecpp", compile=True, threshold="auto")}
     if batch_size == 1:
         arms.update({
@@ -54,6 +59,9 @@ def engines(pair, batch_size: int, k: int, h: float) -> dict:
             "specdec++ auto, graphs, on device": gen("specdecpp", threshold="auto", k_max=8, early_exit="device"),
             "specdec++ auto, graphs, on device, compiled": gen("specdecpp", compile=True, threshold="auto", k_max=8,
                                                                early_exit="device"),
+            "specdec++ auto, graphs, tiers 1/3/7, compiled": gen("specdecpp", compile=True, threshold="auto", k_max=8,
+                                                                 early_exit=(1, 3, 7)),
+            f"specdec++ h={h:g}, graphs, compiled": gen("specdecpp", compile=True, threshold=h),
             f"specdec++ h={h:g}, graphs": gen("specdecpp", threshold=h),
             "plain, eager": gen("autoregressive", False), f"fixed K={k}, eager": gen("fixed", False, k=k),
             "specdec++ auto, eager": gen("specdecpp", False, threshold="auto"),
@@ -64,12 +72,14 @@ def engines(pair, batch_size: int, k: int, h: float) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=16, help="the first N HumanEval prompts")
+    ap.add_argument("--dataset", default="humaneval", help="humaneval, stdlib or a .jsonl file of prompts")
+    ap.add_argument("--prompts", type=int, default=16, help="the first N prompts of --dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=1, help="1: one request at a time; more: continuous batching")
-    ap.add_argument("--k", type=int, default=3, help="the fixed candidate length K")
+    ap.add_argument("--ks", default="3", help="comma-separated fixed candidate lengths K (the first: the draft's K in "
+                                             "transformers' assisted generation)")
     ap.add_argument("--threshold", type=float, default=0.8, help="SpecDec++'s fixed stop threshold h")
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers' static-cache generate()")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' arms (static-cache and assisted generate)")
     ap.add_argument("--arms", help="'|'-separated: run only the arms whose names contain one of these; an entry "
                                    "with a leading '-' drops the arms that contain the rest")
     ap.add_argument("--label", default="", help="a prefix for the arms' names (another build of the package)")
@@ -78,7 +88,8 @@ def main(argv=None) -> dict:
     pair = load_pair(device=args.device)
     cuda = torch.device(args.device).type == "cuda"
     n, B = args.max_new_tokens, args.batch_size
-    prompts = [torch.tensor([pair.tokenizer(t)["input_ids"]]) for t in load_prompts("humaneval")[: args.prompts]]
+    ks = tuple(int(k) for k in args.ks.split(","))
+    prompts = [torch.tensor([pair.tokenizer(t)["input_ids"]]) for t in load_prompts(args.dataset)[: args.prompts]]
     longest = max(prompts, key=lambda p: p.shape[1])  # sizes every cache for good: no graph captured twice
 
     def sync():
@@ -86,7 +97,7 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
 
     rows, texts, gens = {}, {}, {}
-    arms = engines(pair, B, args.k, args.threshold)
+    arms = engines(pair, B, ks, args.threshold)
     if args.arms:
         take = [a for a in args.arms.split("|") if not a.startswith("-")]
         drop = [a[1:] for a in args.arms.split("|") if a.startswith("-")]
@@ -111,21 +122,34 @@ def main(argv=None) -> dict:
             rows[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
             print(f"{name}: {rows[name]['error']}", flush=True)
     if B == 1 and not args.no_hf:
-        def hf_static(ids):
-            out = pair.target.generate(ids.to(args.device), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                                       cache_implementation="static", pad_token_id=pair.tokenizer.eos_token_id)
-            return out[0, ids.shape[1]:].tolist()
+        static_target, assisted_target = copy.deepcopy(pair.target), copy.deepcopy(pair.target)
+        for attr, value in (("num_assistant_tokens", ks[0]), ("num_assistant_tokens_schedule", "constant"),
+                            ("assistant_confidence_threshold", 0.0)):
+            setattr(pair.draft.generation_config, attr, value)
 
-        t0 = time.perf_counter()
-        try:
-            hf_static(longest)  # its static cache sized for the longest request: later calls reuse it
-            hf_static(prompts[0])
-            sync()
-            gens["transformers generate, static cache, compiled"] = hf_static
-            rows["transformers generate, static cache, compiled"] = {
-                "warm_up_seconds": time.perf_counter() - t0, "tokens": 0, "seconds": 0.0}
-        except Exception as e:  # noqa: BLE001
-            rows["transformers generate, static cache, compiled"] = {"error": f"{type(e).__name__}: {e}"}
+        def hf(model, **kw):
+            def run(ids):
+                out = model.generate(ids.to(args.device), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                                     pad_token_id=pair.tokenizer.eos_token_id, **kw)
+                return out[0, ids.shape[1]:].tolist()
+            return run
+
+        for name, run in (("transformers generate, static cache, compiled", hf(static_target,
+                                                                               cache_implementation="static")),
+                          (f"transformers assisted generation, K={ks[0]}", hf(assisted_target,
+                                                                                assistant_model=pair.draft))):
+            if args.arms and name not in arms and not any(a in name for a in args.arms.split("|")
+                                                          if not a.startswith("-")):
+                continue
+            t0 = time.perf_counter()
+            try:
+                run(longest)  # a static cache sized for the longest request: later calls reuse it
+                run(prompts[0])
+                sync()
+                gens[name] = run
+                rows[name] = {"warm_up_seconds": time.perf_counter() - t0, "tokens": 0, "seconds": 0.0}
+            except Exception as e:  # noqa: BLE001
+                rows[name] = {"error": f"{type(e).__name__}: {e}"}
     names = list(gens)
     if B == 1:
         for i, ids in enumerate(prompts):

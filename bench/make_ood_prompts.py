@@ -37,21 +37,11 @@ DISTRIBUTIONS = {"PIL": "pillow", "fontTools": "fonttools", "markdown_it": "mark
 
 def headers(package: str) -> list[dict]:
     """Every top-level function of ``package``'s modules with a docstring, as a prompt and its source."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    root = Path(list(spec.submodule_search_locations)[0])
-    version = importlib.metadata.version(DISTRIBUTIONS.get(package, package))
     found = []
-    for path in sorted(root.rglob("*.py")):
-        if "test" in path.parts[-1] or any(p in ("tests", "testing", "_vendor", "vendor") for p in path.parts):
+    skip = ("tests", "testing", "_vendor", "vendor")
+    for file, version, lines, tree in _modules(package, "*.py"):
+        if "test" in Path(file).name or any(p in skip for p in Path(file).parts):
             continue
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = text.splitlines()
         for node in tree.body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue
@@ -61,10 +51,26 @@ def headers(package: str) -> list[dict]:
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
             prompt = "\n".join(lines[start - 1: node.body[0].end_lineno]) + "\n"
             if 200 <= len(prompt) <= 900:
-                found.append({"prompt": prompt, "source": {"package": package, "version": version,
-                                                            "file": str(path.relative_to(root.parent)),
+                found.append({"prompt": prompt, "source": {"package": package, "version": version, "file": file,
                                                             "line": start}})
     return found
+
+
+def _modules(package: str, pattern: str):
+    """Each module of ``package`` (as installed) whose path matches ``pattern`` and that parses: (its path from the
+    package's parent, the package's version, its lines, its syntax tree), in path order."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return
+    root = Path(list(spec.submodule_search_locations)[0])
+    version = _version(package)
+    for path in sorted(root.rglob(pattern)):
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        yield str(path.relative_to(root.parent)), version, text.splitlines(), tree
 
 
 TEST_PACKAGES = ("sympy", "scipy", "networkx", "numpy", "libcst", "IPython", "mpmath", "jsonschema")
@@ -81,19 +87,8 @@ def _version(package: str) -> str:
 def tests(package: str, lines_max: int = 3) -> list[dict]:
     """Every top-level ``test_*`` function of ``package``'s ``tests/test_*.py`` files: its header (decorators
     included) and up to ``lines_max`` statements of its body, as a prompt of 120-600 characters."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    root = Path(list(spec.submodule_search_locations)[0])
-    version = _version(package)
     found = []
-    for path in sorted(root.rglob("tests/test_*.py")):
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = text.splitlines()
+    for file, version, lines, tree in _modules(package, "tests/test_*.py"):
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_") or len(node.body) < 2:
                 continue
@@ -104,8 +99,7 @@ def tests(package: str, lines_max: int = 3) -> list[dict]:
             end = body[min(lines_max, len(body)) - 1].end_lineno
             prompt = "\n".join(lines[start - 1: end]) + "\n"
             if 120 <= len(prompt) <= 600:
-                found.append({"prompt": prompt, "source": {"package": package, "version": version,
-                                                            "file": str(path.relative_to(root.parent)),
+                found.append({"prompt": prompt, "source": {"package": package, "version": version, "file": file,
                                                             "line": start}})
     return found
 

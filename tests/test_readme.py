@@ -67,3 +67,21 @@ def test_the_parse_check_catches_a_bad_line():
     [argv] = specdec_lines(["specdec generate --prompt x --no-such-flag 3\n"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
+
+
+def test_every_kept_result_is_listed_with_its_command():
+    """docs/results/README.md lists each file of docs/results (with its command, commit, machine and date) and no file
+    that is not there, at most 30; the README and docs/ cite as ``docs/results/NAME`` only files that are there
+    (earlier ones as ``COMMIT:docs/results/NAME``, ``git show COMMIT:PATH``)."""
+    root = Path(__file__).resolve().parents[1]
+    results = root / "docs" / "results"
+    index = (results / "README.md").read_text()
+    listed = set()
+    for row in re.findall(r"^\| ([^|]+) \|", index, re.M):
+        listed.update(re.findall(r"`([^`]+)`", row))
+    present = {p.name for p in results.iterdir()} - {"README.md"}
+    assert listed == present, (sorted(present - listed), sorted(listed - present))
+    assert len(present) <= 30
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        cited = re.findall(r"(?<![0-9a-f]:)docs/results/([\w.-]+\w)", doc.read_text())
+        assert set(cited) - {"README.md"} <= present, (doc.name, sorted(set(cited) - present))
