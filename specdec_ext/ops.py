@@ -132,6 +132,7 @@ def chain_verify(
     philox_seed_offset: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
     validate: bool = False,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused chain verification: rejection sampling, residual resampling and bonus token, in one op.
 
@@ -147,6 +148,9 @@ def chain_verify(
         validate: check every row the op may read (target rows 0..n_b, draft rows 0..n_b - 1) in full,
             for debugging; by default (see "Checked" below) an accepted candidate's rows are read, and
             checked, only at its token.
+        check: on CUDA, read the kernel's error codes back and raise (a synchronisation); False leaves a row's
+            negative code in ``num_accepted`` for the caller to read with its results (the engine's round reads
+            them in its one read-back). The CPU kernel raises either way.
 
     Returns:
         ``(output_token_ids [B, K+1] int64, num_accepted [B] int64)``: row b holds its accepted prefix
@@ -172,7 +176,8 @@ def chain_verify(
                                       philox_seed_offset, validate)
     out, num = torch.ops.specdec_ext.chain_verify(draft_token_ids, draft_probs, target_probs, num_draft_tokens,
                                                   uniforms, philox_seed_offset, validate)
-    _raise_device_codes(num, "chain_verify")
+    if check:
+        _raise_device_codes(num, "chain_verify")
     return out, num
 
 
@@ -187,6 +192,7 @@ def chain_verify_logits(
     philox_seed_offset: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
     validate: bool = False,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain verification from logits with the softmax fused in (no [B, K+1, V] probabilities written).
 
@@ -202,7 +208,7 @@ def chain_verify_logits(
         target_logits: ``[B, K+1, V]``, same dtype.
         temperature: ``[B]`` float32: 0 (greedy) or >= 1e-6 (``errors.MIN_TEMPERATURE``; float32 cannot
             sample at a smaller one, which is refused rather than silently treated as greedy).
-        num_draft_tokens, uniforms, philox_seed_offset, generator, validate: as in :func:`chain_verify`.
+        num_draft_tokens, uniforms, philox_seed_offset, generator, validate, check: as in :func:`chain_verify`.
 
     Logits may be ``-inf`` (masked tokens: top-k, top-p, grammars); NaN and ``+inf`` are refused, and so is
     a row that is ``-inf`` everywhere. The softmax is computed as exp((x - max) / T), stable at any allowed T.
@@ -216,7 +222,8 @@ def chain_verify_logits(
                                              num_draft_tokens, uniforms, philox_seed_offset, validate)
     out, num = torch.ops.specdec_ext.chain_verify_logits(draft_token_ids, draft_logits, target_logits, temperature,
                                                          num_draft_tokens, uniforms, philox_seed_offset, validate)
-    _raise_device_codes(num, "chain_verify_logits", logits=True)
+    if check:
+        _raise_device_codes(num, "chain_verify_logits", logits=True)
     return out, num
 
 
@@ -224,6 +231,7 @@ def chain_verify_greedy(
     draft_token_ids: torch.Tensor,
     target_logits: torch.Tensor,
     num_draft_tokens: Optional[torch.Tensor] = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy chain verification: candidate i is accepted iff it is the argmax of ``target_logits[b, i]``
     (first index on ties), and the target's argmax is emitted at the first mismatch or as the bonus token.
@@ -234,13 +242,15 @@ def chain_verify_greedy(
         draft_token_ids: ``[B, K]`` int32/int64.
         target_logits: ``[B, K+1, V]`` float32/bfloat16/float16; ``-inf`` entries are masked tokens.
         num_draft_tokens: optional ``[B]`` in [0, K] (ragged rows).
+        check: as in :func:`chain_verify`.
 
     Returns / Raises: as :func:`chain_verify` (NaN/+Inf logits, a fully masked row read, ids or n_b out of range).
     """
     if not HAS_EXTENSION:
         return reference.chain_verify_greedy(draft_token_ids, target_logits, num_draft_tokens)
     out, num = torch.ops.specdec_ext.chain_verify_greedy(draft_token_ids, target_logits, num_draft_tokens)
-    _raise_device_codes(num, "chain_verify_greedy", logits=True)
+    if check:
+        _raise_device_codes(num, "chain_verify_greedy", logits=True)
     return out, num
 
 
@@ -431,6 +441,30 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ValueError(f"decode_attention has a CPU kernel only (query is on {query.device}); on GPUs use "
                          "torch.nn.functional.scaled_dot_product_attention")
     return torch.ops.specdec_ext.decode_attention(query, key, value, mask, scale)
+
+
+def graph_chain(anchor: torch.Tensor, pieces: list, flags: list) -> int:
+    """One CUDA graph of ``pieces`` (cudaGraph_t handles, as integers: ``torch.cuda.CUDAGraph(keep_graph=True)``'s
+    ``raw_cuda_graph()``), the middle ones each under a conditional IF node: ``pieces[0]``, then ``pieces[i]``
+    (0 < i < n - 1) where the one-element bool ``flags[i - 1]`` on the GPU holds when its turn comes, then
+    ``pieces[-1]`` (``csrc/cuda/graphs.cu``; CUDA 12.4's conditional nodes, set by a one-thread kernel with
+    ``cudaGraphSetConditional``). The pieces are cloned; what they point to must outlive the graph. ``anchor``: a
+    tensor on the graph's device. Returns the instantiated graph's handle, for :func:`graph_launch` and
+    :func:`graph_destroy`.
+
+    Raises ValueError (n < 2 pieces, a flag count other than n - 2, a flag that is not one bool on ``anchor``'s
+    device) or RuntimeError (CUDA refused the graph; a build without CUDA has no such op)."""
+    return torch.ops.specdec_ext.graph_chain(anchor, [int(p) for p in pieces], list(flags))
+
+
+def graph_launch(anchor: torch.Tensor, graph: int) -> None:
+    """Launch a :func:`graph_chain` graph on the current stream of ``anchor``'s device."""
+    torch.ops.specdec_ext.graph_launch(anchor, graph)
+
+
+def graph_destroy(anchor: torch.Tensor, graph: int) -> None:
+    """Free a :func:`graph_chain` graph (not the pieces it was made from)."""
+    torch.ops.specdec_ext.graph_destroy(anchor, graph)
 
 
 if HAS_EXTENSION:

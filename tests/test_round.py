@@ -158,7 +158,7 @@ def test_a_verifier_that_ignores_rejections_fails_the_engines_check(monkeypatch)
     assert_follows(torch.tensor(real)[:, 0], marg, "the real verification")
     ops = steps_module.ops
 
-    def accept_all(cands, draft_logits, target_logits, temperature, n, uniforms=None):
+    def accept_all(cands, draft_logits, target_logits, temperature, n, uniforms=None, check=True):
         B, K = cands.shape
         return torch.cat([cands, cands[:, -1:]], 1), n.clone()
 
