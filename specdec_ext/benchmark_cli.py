@@ -207,10 +207,13 @@ def selection(methods, out: Path, prefix: str = "", window: int = 100) -> tuple:
                                          "sd": sd if sd != float("inf") else None, "rounds": w}
                                         for n, r, rel, sd, w in sel.estimates()],
                           "cost_fit_ms": {"round": sel.time.c[0], "draft_step": sel.time.c[1],
-                                          "verified_token": sel.time.c[2]}}
+                                          "verified_token": sel.time.c[2]},
+                          "selection_us_per_round": sel.cost()[0], "selection_share_of_round": sel.cost()[1]}
+        us, share = sel.cost()
         lines.append(f"{m.name}: settled on {settled} ({late[settled]:.0%} of its last {max(1, len(played) // 4)} "
                      f"rounds); over the run " + ", ".join(f"{k} {v:.0%}" for k, v in
-                                                          sorted(sel.shares().items(), key=lambda kv: -kv[1])))
+                                                          sorted(sel.shares().items(), key=lambda kv: -kv[1]))
+                     + f"; the selection's own cost {us:.0f} us per round, {share:.2%} of a round")
     if not report:
         return report, lines, None
     import matplotlib

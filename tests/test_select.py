@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.policies.select import GOODPUT, RoundTime, StopSelector, first_stop
+from specdec_ext.policies.select import GOODPUT, RoundTime, StopSelector, first_stop, threshold_at
 from models import make_pair
 from support import TEST_COSTS, head_for
 
@@ -28,6 +28,8 @@ def test_first_stop_is_the_first_depth_below_the_threshold():
     assert first_stop(S, 5, 1, [0.95, 0.0, 0.0, 0.0, 0.0]) == 1  # one threshold per depth
     assert first_stop(S, 5, 2, [0.95, 0.0, 0.5, 0.0, 0.0]) == 3
     assert first_stop(S, 0, 1, 0.5) == 0
+    assert first_stop(S, 5, 1, ([0.5, 0.5, 1.0, 1.0, 1.0], 0.5)) == 3  # the goodput rule's: margins times a rate
+    assert threshold_at(([0.5, 0.5, 1.0], 0.5), 3) == 0.5 and threshold_at([0.1, 0.2], 2) == 0.2
 
 
 def test_round_time_recovers_the_costs_it_measures():
@@ -126,7 +128,9 @@ def test_the_bandit_plays_the_best_threshold_of_a_miscalibrated_head(alpha, q):
             late.append(a in good)
     assert tokens / ms >= 0.975 * best, (tokens / ms, best, sel.estimates())
     assert sum(late) >= 0.9 * len(late), sel.shares(1000)
-    assert sel.time.c[0] + sel.time.c[1] == pytest.approx(13.0 * math.exp(0.005), rel=0.08)
+    depths = [first_stop(env.survivals(20), 20, 1, 1.0 - hs[a]) for a in list(sel.history)[-1000:]]
+    d = max(set(depths), key=depths.count)  # the depth most played: the fit prices it within 5%
+    assert sel.time.ms(d, d) == pytest.approx((10.0 + 3.0 * d) * math.exp(0.005), rel=0.05)
     assert min(env.goodput(h) for h in hs) < 0.95 * best  # the checks above can fail: the arms differ
 
 
@@ -167,7 +171,7 @@ def test_read_back_survivals_are_the_ones_the_round_stopped_on(graphs):
         for b, d in enumerate(drafted):
             t, S = thresholds[played][b], survivals[b]
             lengths.add(d)
-            at = (lambda k: t) if isinstance(t, float) else (lambda k: t[k - 1])
+            at = lambda k: threshold_at(t, k)  # noqa: E731
             assert all(S[k - 1] >= at(k) for k in range(lo, d)), (played, S, t, d)
             if bounds[played][b][0] != math.inf and S[d - 1] < at(d):
                 stopped_inside += 1
@@ -238,3 +242,44 @@ def test_bad_selector_arguments_are_named():
         StopSelector(discount=0.0)
     with pytest.raises(ValueError, match="min_rounds"):
         StopSelector(min_rounds=0)
+    with pytest.raises(ValueError, match="hold must be an integer >= 1"):
+        StopSelector(hold=0)
+
+
+def test_the_goodput_rule_takes_the_measured_costs():
+    """GoodputRule.measured: a round of k candidates priced c0 + (c1 + c2) k ms, one more candidate c1 + c2, in the
+    thresholds and in lambda's averages; with the selector, the policy hands the rule its fit every 32 measured rounds
+    (and at a call's start once it has them)."""
+    from specdec_ext.policies.goodput import GoodputRule
+
+    rule = GoodputRule(TEST_COSTS, 0.7, 6)
+    rule.reset(1)
+    before = rule.thresholds(6, 1, 6)[:, 0].tolist()
+    rule.measured((4.0, 1.5, 0.5))
+    assert rule.margins(6, 1, 6)[:5] == [2.0] * 5 and rule.margins(6, 1, 6)[5] == -math.inf
+    rate = rule.rates()[0]
+    assert rule.thresholds(6, 1, 6)[:5, 0].tolist() == pytest.approx([2.0 * rate] * 5) and before[0] != 2.0 * rate
+    time_before = rule.time[0]
+    rule.update([3], [2])
+    assert rule.time[0] == pytest.approx(0.8 * time_before + 0.2 * (4.0 + 2.0 * 3))
+    rule.measured((1.0, -2.0, 0.5))  # a fit gone wrong: never free, never below 1 us
+    assert rule.margins(2, 1, 3) == [1e-3, 1e-3]
+
+    target, draft = make_pair("llama")
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head_for(draft, kind="proposal"),
+                               threshold="auto", k_max=6, costs=TEST_COSTS)
+    calls, real = [], GoodputRule.measured
+
+    def recording(self, c):
+        calls.append((gen.policy.selector.time.rounds, tuple(c)))
+        return real(self, c)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(GoodputRule, "measured", recording)
+        gen.generate(prompts(target.config.vocab_size), max_new_tokens=120, temperature=0)
+        assert calls and all(n % 32 == 0 and n >= 32 for n, _ in calls)
+        per = max(calls[-1][1][1] + calls[-1][1][2], 1e-3)
+        assert gen.policy.rule.margins(3, 1, 4) == [per] * 3
+        before, rounds = len(calls), gen.policy.selector.time.rounds
+        gen.generate(prompts(target.config.vocab_size, seed=1), max_new_tokens=8, temperature=0)
+        assert calls[before][0] == rounds  # the next call's rule starts from the fit, before its first round

@@ -309,8 +309,8 @@ class StepRunner:
         where nothing is read between steps: fixed K, or drafting to the cap). With ``early_exit="device"`` and a stop
         rule, one composed graph of every step to the cap and the verification, each step after the first under a
         conditional node run while some row drafts (:meth:`_graphed_chain`): nothing is read until the round's end,
-        and the steps after every row stopped cost the GPU nothing. Appends each step's candidates and processed logits to
-        ``out_c`` / ``out_l``; returns (candidates drafted per row ``[P]``, steps run (the cap where the device
+        and the steps after every row stopped cost the GPU nothing. Appends each step's candidates and processed logits
+        to ``out_c`` / ``out_l``; returns (candidates drafted per row ``[P]``, steps run (the cap where the device
         decided), the fused verification's ``(out, acc, packed)`` and the host clock when its graph began, or None
         and None when drafting stopped before the cap)."""
         on_device = early_exit == "device" and rule is not None  # the steps after the first decided by the GPU

@@ -42,11 +42,22 @@ class GoodputRule:
         self._marginal = [costs.marginal_ms(k) for k in range(0, k_max + 1)]
         self._round = [costs.round_time(k) for k in range(0, k_max + 1)]
         self._margins: dict = {}  # (cap, k_lo, k_hi) -> [cap, 1] float32 marginal ms (thresholds)
+        self._margin_lists: dict = {}  # (cap, k_lo, k_hi) -> the same as host numbers (margins)
         self.tokens = self.time = None
 
     def reset(self, batch_size: int) -> None:
         self.tokens = [self.prior * self.prior_ms] * batch_size  # per-row floats: B is small, tensors cost more
         self.time = [self.prior_ms] * batch_size
+
+    def measured(self, c: tuple) -> None:
+        """Price rounds by measured costs from now on: a round of k candidates takes ``c[0] + (c[1] + c[2]) k`` ms and
+        one more candidate ``c[1] + c[2]`` (``StopSelector``'s fit of the rounds' wall time on draft steps and
+        verified tokens, :class:`~specdec_ext.policies.select.RoundTime`), each at least 1 us."""
+        per = max(c[1] + c[2], 1e-3)
+        self._marginal = [per] * len(self._marginal)
+        self._round = [max(c[0] + per * k, 1e-3) for k in range(len(self._round))]
+        self._margins.clear()
+        self._margin_lists.clear()
 
     def _marginal_ms(self, k: int) -> float:
         """``costs.marginal_ms(k)``, from the table kept up to ``k_max``."""
@@ -83,7 +94,12 @@ class GoodputRule:
     def margins(self, cap: int, k_lo: int, k_hi: int) -> list:
         """``marginal_ms(k)`` for k = 1 .. ``cap`` where ``k_lo <= k < k_hi``, -inf elsewhere (ms): :meth:`thresholds`
         before its multiplication, as host numbers."""
-        return [self._marginal_ms(k) if k_lo <= k < k_hi else -math.inf for k in range(1, cap + 1)]
+        key = (cap, k_lo, k_hi)
+        hit = self._margin_lists.get(key)
+        if hit is None:
+            hit = self._margin_lists[key] = [self._marginal_ms(k) if k_lo <= k < k_hi else -math.inf
+                                             for k in range(1, cap + 1)]
+        return hit
 
     def update(self, num_drafted, num_accepted, emitted=None) -> None:
         """After verification: rows drafted ``num_drafted`` and emitted ``num_accepted + 1`` tokens (or ``emitted``

@@ -41,24 +41,42 @@ import random
 from collections import deque
 from typing import Optional, Sequence, Union
 
-DEFAULT_THRESHOLDS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # the fixed-h arms of threshold="auto"
+# the fixed-h arms of threshold="auto". h = 0.9 is left out: on none of four prompt sets was it the best h (0.95-0.98x
+# the best, paired), and a deep arm is learned only by playing it; the goodput rule's arm drafts deep where that pays
+DEFAULT_THRESHOLDS = (0.4, 0.5, 0.6, 0.7, 0.8)
 GOODPUT = "goodput"  # the name of the goodput rule's arm
 
 
-def first_stop(survivals: Sequence[float], drafted: int, lo: int, thresholds: Union[float, Sequence[float]]) -> int:
-    """The candidate length a rule with ``thresholds`` (one for every depth, or ``t[k - 1]`` per depth k) chooses in a
-    round that drafted ``drafted`` candidates with survivals ``survivals[k - 1]`` after candidate k: the first
-    k >= ``lo`` with S_k < t_k, else ``drafted`` (the round's own length: the rule stops no later where the played one
-    dominates)."""
+def first_stop(survivals: Sequence[float], drafted: int, lo: int,
+               thresholds: Union[float, Sequence[float], tuple]) -> int:
+    """The candidate length a rule with ``thresholds`` chooses in a round that drafted ``drafted`` candidates with
+    survivals ``survivals[k - 1]`` after candidate k: the first k >= ``lo`` with S_k < t_k, else ``drafted`` (the
+    round's own length: the rule stops no later where the played one dominates). ``thresholds``: one t for every
+    depth, ``t[k - 1]`` per depth k, or ``(margins, rate)`` for t_k = margins[k - 1] * rate (the goodput rule's)."""
     if isinstance(thresholds, (int, float)):
         for k in range(lo, drafted + 1):
             if survivals[k - 1] < thresholds:
+                return k
+        return drafted
+    if isinstance(thresholds, tuple):
+        margins, rate = thresholds
+        for k in range(lo, drafted + 1):
+            if survivals[k - 1] < margins[k - 1] * rate:
                 return k
         return drafted
     for k in range(lo, drafted + 1):
         if survivals[k - 1] < thresholds[k - 1]:
             return k
     return drafted
+
+
+def threshold_at(thresholds: Union[float, Sequence[float], tuple], k: int) -> float:
+    """t_k of ``thresholds`` in any of :func:`first_stop`'s forms."""
+    if isinstance(thresholds, (int, float)):
+        return thresholds
+    if isinstance(thresholds, tuple):
+        return thresholds[0][k - 1] * thresholds[1]
+    return thresholds[k - 1]
 
 
 class _Arm:
@@ -198,13 +216,15 @@ class StopSelector:
             profiled :class:`~specdec_ext.policies.costs.CostModel`).
         discount: the arms' forgetting per round.
         min_rounds: effective rounds an arm needs before its estimate decides.
+        hold: rounds an arm is played for between two draws (the draws' host work spread over them).
         seed: the draws' seed (the choice is reproducible for equal rounds and times).
 
-    Raises ValueError for no arm, a threshold outside [0, 1], a discount outside (0, 1] or ``min_rounds`` < 1."""
+    Raises ValueError for no arm, a threshold outside [0, 1], a discount outside (0, 1], ``min_rounds`` < 1 or
+    ``hold`` < 1."""
 
     def __init__(self, thresholds: Sequence[float] = DEFAULT_THRESHOLDS, goodput_arm: bool = True,
                  prior: Sequence[float] = (10.0, 1.0, 0.0), discount: float = 0.997, min_rounds: float = 3.0,
-                 seed: int = 0):
+                 hold: int = 2, seed: int = 0):
         hs = [float(h) for h in thresholds]
         if any(not 0.0 <= h <= 1.0 for h in hs):
             raise ValueError(f"StopSelector: thresholds must lie in [0, 1], got {list(thresholds)!r}")
@@ -214,8 +234,10 @@ class StopSelector:
             raise ValueError(f"StopSelector: discount must lie in (0, 1], got {discount!r}")
         if not min_rounds >= 1.0:
             raise ValueError(f"StopSelector: min_rounds must be >= 1, got {min_rounds!r}")
+        if isinstance(hold, bool) or not isinstance(hold, int) or hold < 1:
+            raise ValueError(f"StopSelector: hold must be an integer >= 1 (rounds), got {hold!r}")
         self.thresholds, self.goodput_arm = tuple(sorted(set(hs))), bool(goodput_arm)
-        self.discount, self.min_rounds, self.seed = discount, min_rounds, seed
+        self.discount, self.min_rounds, self.hold, self.seed = discount, min_rounds, hold, seed
         self.time = RoundTime(prior)
         self.reset()
 
@@ -236,6 +258,8 @@ class StopSelector:
         self.now = 0
         self.played: Optional[int] = None
         self.history: deque = deque(maxlen=1 << 16)  # the arm played in each round, the latest rounds
+        self.spent_s = 0.0  # the host's time choosing and crediting arms (the policy's share counted in too)
+        self.measured_ms = 0.0  # the rounds' measured time (RoundResult.cycle_ms) over the rounds that had one
 
     def configure(self, prior: Sequence[float]) -> None:
         """A new prior for the cost fit (the pair's profile); the fit restarts only where nothing was measured yet."""
@@ -246,7 +270,10 @@ class StopSelector:
     def choose(self, depth_order: Sequence[int]) -> int:
         """The arm to play this round: the first of ``depth_order`` (arm indices, the deepest first) whose effective
         rounds are below ``min_rounds``, else the largest of the arms' draws of their goodput relative to the
-        reference arm's (Thompson sampling on the paired log-ratio; the reference arm draws 0)."""
+        reference arm's (Thompson sampling on the paired log-ratio; the reference arm draws 0), drawn anew every
+        ``hold`` rounds."""
+        if self.played is not None and self.now % self.hold and self.arms[self.played].rounds >= self.min_rounds:
+            return self.played
         for a in depth_order:
             if self.arms[a].rounds < self.min_rounds:
                 self.played = a
@@ -277,6 +304,7 @@ class StopSelector:
         self.history.append(played)
         if ms > 0.0:
             self.time.add(played_steps, played_verified, ms)
+            self.measured_ms += ms
         self.weight /= self.discount
         if self.weight > 1e30:  # every arm's sums brought back near 1 (a common scale cancels in every ratio)
             for arm in self.arms:
@@ -311,6 +339,12 @@ class StopSelector:
             out.append((arm.name, arm.goodput, math.exp(mean), math.exp(mean) * math.sqrt(var) if var < math.inf
                         else math.inf, arm.rounds))
         return out
+
+    def cost(self) -> tuple:
+        """The selection's own cost: (µs per round, its share of the rounds' measured time)."""
+        rounds = max(1, self.now)
+        share = self.spent_s * 1e3 / self.measured_ms if self.measured_ms > 0 else 0.0
+        return self.spent_s * 1e6 / rounds, share
 
     def shares(self, last: Optional[int] = None) -> dict:
         """The share of the latest ``last`` rounds (all kept ones by default) each arm was played in, by name."""

@@ -4,9 +4,11 @@ budget)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import struct
+import time
 from collections.abc import Mapping
 from typing import Callable, Optional
 
@@ -20,6 +22,8 @@ from .budget import BatchBudget
 from .costs import BatchCosts, CostModel
 from .goodput import GoodputRule, SurvivalCalibration
 from .select import DEFAULT_THRESHOLDS, StopSelector
+
+MEASURED_ROUNDS = 32  # with the selector, the goodput rule takes the measured round costs every this many rounds
 
 
 class SpecDecPP(CandidateLengthPolicy):
@@ -36,7 +40,8 @@ class SpecDecPP(CandidateLengthPolicy):
             goodput rule, which drafts while one more candidate, weighted by the predicted survival
             S_k = prod_{j<=k} p_hat_j of the round so far, is expected to add more tokens per ms than the pair's
             goodput: stop after candidate k when S_k < lambda * (draft_ms + step_ms + verify(k+2) - verify(k+1)),
-            with the costs from the pair's profile and lambda the row's running goodput in tokens/ms
+            with the costs from the pair's profile (with ``select``, from the rounds' measured times once 32 were
+            measured) and lambda the row's running goodput in tokens/ms
             (:class:`~specdec_ext.policies.goodput.GoodputRule`).
             At batch size > 1 (with a ``"proposal"`` head) the rows decide together instead, with a verification
             budget across the batch from a profiled cost table by batch size
@@ -126,7 +131,8 @@ class SpecDecPP(CandidateLengthPolicy):
         self.calibration = SurvivalCalibration() if self.auto and calibrate else None
         self.selector = StopSelector(select_thresholds) if self.auto and select else None
         self._arm: Optional[int] = None  # the selector's arm of the planned round
-        self._planned: Optional[tuple] = None  # (room per row, cap, early_exit, goodput rates) of the planned round
+        self._planned: Optional[tuple] = None  # (room per row, early_exit, goodput rates) of the planned round
+        self._fixed_arms: dict = {}  # (depths the rows reach, first depth) -> the fixed arms' thresholds and bounds
         self._weights = None
         self.history: Optional[torch.Tensor] = None
         self._round = None
@@ -151,8 +157,11 @@ class SpecDecPP(CandidateLengthPolicy):
                 raise ValueError("SpecDecPP(threshold='auto') needs the pair's CostModel (the engine profiles it)")
             self.costs = costs
             self.rule = GoodputRule(costs, self.head.mean_accept, self.max_candidates)
+            self._fixed_arms.clear()
             if self.selector is not None:
                 self.selector.configure(StopSelector.prior_from(costs))
+                if self.selector.time.rounds >= MEASURED_ROUNDS:  # what earlier calls measured
+                    self._measured_costs()
             # a budget is kept from call to call with the same cost table and head: what it measured (cost ratios
             # per depth, the head's calibration, the probe schedule; BatchBudget.reset) carries over, also past a
             # call of one row (no table given, and the per-row rule decides: use_budget needs batch size > 1)
@@ -234,10 +243,11 @@ class SpecDecPP(CandidateLengthPolicy):
         scale = self.calibration.scale if self.calibration is not None else 1.0
         arm = h = None
         if self.selector is not None:
-            arms = self.selector.arms
+            t0 = time.perf_counter()
             arm = self.selector.choose(self._depth_order)
-            h = arms[arm].h
+            h = self.selector.arms[arm].h
             self._planned = (list(ctx.room), ctx.early_exit, self.rule.rates(scale))
+            self.selector.spent_s += time.perf_counter() - t0
         self._arm = arm
         B, k_max = ctx.batch_size, self.max_candidates
         if h is None:  # the goodput rule
@@ -245,7 +255,12 @@ class SpecDecPP(CandidateLengthPolicy):
         t = _float32(1.0 - h)
         return lambda out: out[:, :B].fill_(t)
 
-    @property
+    def _measured_costs(self) -> None:
+        """The goodput rule priced by what the rounds cost where they run (the selector's fit)."""
+        self.rule.measured(self.selector.time.c)
+        self._fixed_arms.clear()
+
+    @functools.cached_property
     def _depth_order(self) -> list:
         """The selector's arms, the deepest first (the largest h; the goodput rule's arm last)."""
         arms = self.selector.arms
@@ -257,20 +272,29 @@ class SpecDecPP(CandidateLengthPolicy):
         room, early_exit, rates = self._planned
         B = len(result.drafted)
         k_max, lo = self.max_candidates, max(self.k_min, 1 if self.head.input_position == "proposal" else 2)
-        reach = [min(r, k_max) for r in room[:B]]  # a row's stop decisions matter at depths lo .. reach - 1
-        empty = (math.inf, -math.inf)
-        thresholds, bounds = [], []
+        reach = tuple(min(r, k_max) for r in room[:B])
         margins = self.rule.margins(k_max, self.k_min, k_max)
-        for arm in self.selector.arms:
-            if arm.h is None:
-                rows = [[m * rate for m in margins] for rate in rates[:B]]
-                spans = [margins[lo - 1: r - 1] for r in reach]
-                bounds.append([(min(sp) * rate, max(sp) * rate) if sp else empty for sp, rate in zip(spans, rates)])
+        key = (reach, lo)
+        fixed = self._fixed_arms.get(key)  # the fixed arms' thresholds and bounds, the margins' range per row
+        # (cleared where the goodput rule's margins change: _measured_costs, configure)
+        if fixed is None:
+            if len(self._fixed_arms) >= 256:  # rows' rooms of every kind (a batch's ends): kept small
+                self._fixed_arms.clear()
+            empty = (math.inf, -math.inf)
+            fixed = self._fixed_arms[key] = {
+                a: ([t] * B, [(t, t) if lo < r else empty for r in reach])
+                for a, t in ((a, _float32(1.0 - arm.h)) for a, arm in enumerate(self.selector.arms)
+                             if arm.h is not None)}
+            fixed[None] = [(min(margins[lo - 1: r - 1]), max(margins[lo - 1: r - 1])) if lo < r else empty
+                           for r in reach]
+        thresholds, bounds = [], []
+        for a, arm in enumerate(self.selector.arms):
+            if arm.h is None:  # the goodput rule: t_k = margins[k - 1] * rate_b, bounded over the depths rows reach
+                thresholds.append([(margins, rate) for rate in rates[:B]])
+                bounds.append([(lo_m * rate, hi_m * rate) for (lo_m, hi_m), rate in zip(fixed[None], rates)])
             else:
-                t = _float32(1.0 - arm.h)
-                rows = [t] * B
-                bounds.append([(t, t) if lo < r else empty for r in reach])
-            thresholds.append(rows)
+                thresholds.append(fixed[a][0])
+                bounds.append(fixed[a][1])
         steps, verified, depth = result.steps, result.verified, max(result.drafted)
         if early_exit is True or early_exit == "device":
             steps_of = (lambda d: d) if steps == depth else (lambda d: steps)
@@ -299,7 +323,12 @@ class SpecDecPP(CandidateLengthPolicy):
                     predicted = sum(sum(s[first: d]) for s, d in zip(survivals, result.drafted))
                     self.calibration.update(predicted, sum(scored))
                 if self._arm is not None and result.steps:
+                    t0 = time.perf_counter()
                     self._observe_arms(result, survivals)
+                    self.selector.spent_s += time.perf_counter() - t0
+                    fit = self.selector.time
+                    if fit.rounds >= MEASURED_ROUNDS and fit.rounds % MEASURED_ROUNDS == 0:
+                        self._measured_costs()
         if not self.use_budget:
             return
         b, B = self.budget, len(result.drafted)
