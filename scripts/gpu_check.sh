@@ -56,6 +56,8 @@ if [ -d "${BASE:-}/specdec_ext" ]; then  # another build of the package's Python
 fi
 stage device-b1 200 python bench/cuda_graphs.py --device cuda --prompts 16 --max-new-tokens 64 --no-hf \
     --arms "K=3, graphs, compiled|specdec++ auto, graphs, compiled|on device" --out "$WORK/cuda_graphs_b1_device.json"
+stage table 360 python bench/cuda_graphs.py --device cuda --dataset bench/data/thirdparty_headers.jsonl --prompts 12 \
+    --max-new-tokens 64 --ks 2,3,4 --arms "compiled|transformers" --out "$WORK/cuda_graphs_table.json"
 stage host 60 python bench/host_round.py --device cuda --prompts 4 --max-new-tokens 64 --out "$WORK/host_round.json"
 if [ -d "${BASE:-}/specdec_ext" ]; then  # the same probe on the other build's Python
   stage base-host 60 env PYTHONPATH="$BASE" python bench/host_round.py --device cuda --prompts 4 --max-new-tokens 64 \
@@ -80,6 +82,6 @@ stage scale-compiled 150 python bench/scale_probe.py --device cuda --shapes 1b,8
 tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude=./cache .
 cp "$WORK/stages.txt" "$OUT/stages.txt"
 echo "results in $OUT/gpu_check.tar.gz (stages: $OUT/stages.txt)"
-for f in graphs-b1 base-b1 device-b1 host base-host graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-compiled; do grep -E "tokens/s|ms/round|us/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
+for f in graphs-b1 base-b1 device-b1 table host base-host graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-compiled; do grep -E "tokens/s|ms/round|us/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
 tail -n 3 "$WORK/cuda-tests.log" 2>/dev/null
 cat "$OUT/stages.txt"

@@ -207,3 +207,30 @@ def spy_draft_reads(monkeypatch) -> list:
 def bundled(name: str):
     """The bundled pair's model directory ``name`` (target or draft), its weights unpacked."""
     return unpacked_pair() / name
+
+
+# StepGraphs.replay_chain's check (tests/test_graphs.py recorded, tests/test_cuda_engine.py on a GPU): each gate's pair
+# of flags (piece 1 runs, piece 1 lets piece 2 run) and what the chain returns, y = 2 * (((0 + 1) * 10) + 5)
+CHAIN_CASES = (((True, True), 30.0), ((True, False), 20.0), ((False, True), 2.0), ((True, True), 30.0))
+
+
+def chain_pieces(device: str) -> list:
+    """Four pieces for StepGraphs.replay_chain over inputs ``(x, gate)``: the first makes y = x + 1 and the flags
+    (the first from ``gate[0]``); piece 1 multiplies y by 10 and sets the second flag from ``gate[1]``; piece 2 adds 5;
+    the last returns ``(2 y,)``."""
+    def first(x, gate):
+        flags = torch.zeros(2, dtype=torch.bool, device=device)
+        flags[0].copy_(gate[0])
+        return x + 1, flags
+
+    def times_ten(x, gate, y, flags):
+        y.mul_(10)
+        flags[1].copy_(gate[1])
+
+    def plus_five(x, gate, y, flags):
+        y.add_(5)
+
+    def last(x, gate, y, flags):
+        return (y * 2,)
+
+    return [first, times_ten, plus_five, last]

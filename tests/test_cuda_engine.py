@@ -10,7 +10,7 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
+from support import CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, make_gen, target_only
 from specdec_ext import SpeculativeGenerator, ops
 from specdec_ext.engine.backends import LeanBackend, _right_aligned
 from specdec_ext.engine.graphs import chain_nodes
@@ -150,26 +150,9 @@ def test_a_composed_graph_runs_its_middle_pieces_only_where_their_flags_hold_on_
     graphs = StepGraphs()
     x = torch.zeros(4, device="cuda")
     gate = torch.zeros(2, dtype=torch.bool, device="cuda")  # the inputs' flags: for piece 1, and piece 1's for 2
-
-    def first(x, gate):
-        y = x + 1
-        flags = torch.zeros(2, dtype=torch.bool, device="cuda")
-        flags[0].copy_(gate[0])
-        return y, flags
-
-    def times_ten(x, gate, y, flags):
-        y.mul_(10)
-        flags[1].copy_(gate[1])
-
-    def plus_five(x, gate, y, flags):
-        y.add_(5)
-
-    def last(x, gate, y, flags):
-        return (y * 2,)
-
-    for (a, b), want in (((True, True), 30.0), ((True, False), 20.0), ((False, True), 2.0), ((True, True), 30.0)):
+    for (a, b), want in CHAIN_CASES:
         gate.copy_(torch.tensor([a, b]))
-        _, (out,) = graphs.replay_chain("chain", [first, times_ten, plus_five, last], [x, gate], [])
+        _, (out,) = graphs.replay_chain("chain", chain_pieces("cuda"), [x, gate], [])
         torch.cuda.synchronize()
         assert out.tolist() == [want] * 4, (a, b)
     assert graphs.captures == 1

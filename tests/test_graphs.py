@@ -11,7 +11,7 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, exact_marginals, head_for, make_gen, target_only
+from support import CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, head_for, make_gen, target_only
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
@@ -257,39 +257,22 @@ def test_a_recorded_chain_runs_its_middle_pieces_only_where_their_flags_hold():
     x = torch.zeros(4)
     gate = torch.zeros(2, dtype=torch.bool)  # the inputs' flags: for piece 1, and piece 1's for piece 2
 
-    def first(x, gate):
-        flags = torch.zeros(2, dtype=torch.bool)
-        flags[0].copy_(gate[0])
-        return x + 1, flags
-
-    def times_ten(x, gate, y, flags):
-        y.mul_(10)
-        flags[1].copy_(gate[1])
-
-    def plus_five(x, gate, y, flags):
-        y.add_(5)
-
-    def last(x, gate, y, flags):
-        return (y * 2,)
-
-    cases = (((True, True), 30.0), ((True, False), 20.0), ((False, True), 2.0), ((True, True), 30.0))
-
     def run(graphs):
         got, kept = [], None
-        for (a, b), _ in cases:
+        for (a, b), _ in CHAIN_CASES:
             gate.copy_(torch.tensor([a, b]))
-            shared, (out,) = graphs.replay_chain("chain", [first, times_ten, plus_five, last], [x, gate], [])
+            shared, (out,) = graphs.replay_chain("chain", chain_pieces("cpu"), [x, gate], [])
             kept = kept or [t.data_ptr() for t in shared]
             assert [t.data_ptr() for t in shared] == kept
             got.append(out[0].item())
         return got
 
     graphs = graphs_module.StepGraphs(emulate=True)
-    assert run(graphs) == [want for _, want in cases] and graphs.captures == 1
+    assert run(graphs) == [want for _, want in CHAIN_CASES] and graphs.captures == 1
     with pytest.MonkeyPatch.context() as m:  # every middle piece run, whatever the flags
         m.setattr(graphs_module, "_run_middle",
                   lambda pieces, static, shared, every: [p(*static, *shared) for p in pieces[1:-1]])
-        assert run(graphs_module.StepGraphs(emulate=True)) != [want for _, want in cases]
+        assert run(graphs_module.StepGraphs(emulate=True)) != [want for _, want in CHAIN_CASES]
 
 
 def test_steps_decided_on_the_device_draft_what_a_read_after_every_step_drafts():
