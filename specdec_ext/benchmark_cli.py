@@ -291,6 +291,10 @@ def run(args, pair):
     chosen, chosen_lines, chosen_plot = selection(methods, args.out, prefix=f"{tag}-")
     if chosen:
         meta["auto_selection"] = chosen
+    if any(m.kind == "ours" and m.policy is not None and m.instance().needs_costs for m in methods):
+        from .engine import SpeculativeGenerator  # the profile the cost-aware arms started from (cached on disk)
+
+        meta["cost_model"] = json.loads(SpeculativeGenerator(pair.target, pair.draft).costs().to_json())
     save_json(args.out / f"bench-{tag}.json.gz", records, rows, meta)
     table = format_table(rows)
     rep_lines = ["| method | " + " | ".join(f"speedup at c = {c:g}" for c in ratios) + " |",
@@ -302,6 +306,11 @@ def run(args, pair):
     if chosen_lines:
         md += "\nthreshold='auto', the stop rule it chose by measured goodput:\n\n" + "\n".join(
             f"- {line}" for line in chosen_lines) + "\n"
+    if "cost_model" in meta:
+        c = meta["cost_model"]
+        md += (f"\nThe profiled costs the cost-aware arms started from (ms): draft step {c['draft_ms']:.2f}, per candidate "
+               f"{c['step_ms']:.2f}, per round {c['round_ms']:.2f}, verification of 1 / 2 / 5 tokens "
+               + " / ".join(f"{c['verify_ms'][n - 1]:.2f}" for n in (1, 2, 5) if n <= len(c["verify_ms"])) + "\n")
     (args.out / f"bench-{tag}.md").write_text(md)
     print("\n" + md)
     print(f"wrote {args.out / f'bench-{tag}.json.gz'}, {args.out / f'bench-{tag}.md'}" + "".join(f", {args.out / m}" for m in made))

@@ -231,3 +231,29 @@ def test_draft_dtype_flag_defaults_to_the_targets_rule():
                        (["--draft-dtype", "bfloat16"], torch.bfloat16)):
         pair = cli._models(parser.parse_args(["generate", *flag, "--prompt", "x"]), need_head=False)
         assert pair.draft.dtype == want, flag
+
+
+@needs_pair
+def test_bench_runs_end_to_end_and_records_auto_and_its_costs(capsys, tmp_path, monkeypatch):
+    """`specdec bench` on one prompt with the bundled pair: every arm ran, and the results' JSON records the command,
+    what auto chose (its arms, the rounds it played, its measured cost fit and its own cost) and the profile the
+    cost-aware arms started from; the Markdown table says so too."""
+    from specdec_ext.benchmark import load_results
+    from specdec_ext.policies.costs import CostModel
+
+    monkeypatch.setattr(SpeculativeGenerator, "costs", lambda self, policy=None: CostModel([8.0, 8.5, 9.0], 1.0, 0.1,
+                                                                                         0.5))
+    code, out, err = run(["bench", "--prompts", "1", "--max-new-tokens", "8", "--ks", "2", "--thresholds", "0.7",
+                          "--no-hf", "--no-fp32-plain", "--no-adaptive", "--no-paper", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    data = load_results(tmp_path / "bench-humaneval.json.gz")
+    assert {r["method"] for r in data["summary"]} == {"plain", "fixed K=2", "specdec++ h=0.7", "specdec++ auto",
+                                                       "oracle"}
+    assert data["meta"]["command"].endswith("--no-adaptive --no-paper")
+    chosen = data["meta"]["auto_selection"]["specdec++ auto"]
+    assert chosen["arms"] == ["h=0.4", "h=0.5", "h=0.6", "h=0.7", "h=0.8", "goodput"] and chosen["played"]
+    assert chosen["selection_us_per_round"] > 0 and set(chosen["cost_fit_ms"]) == {"round", "draft_step",
+                                                                                   "verified_token"}
+    assert data["meta"]["cost_model"]["verify_ms"] == [8.0, 8.5, 9.0]
+    assert "the stop rule it chose by measured goodput" in out and "settled on" in out
+    assert (tmp_path / "humaneval-auto-arms.png").is_file()
