@@ -99,12 +99,13 @@ def _timed(fn, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_backend: Optional[str] = None) -> dict:
+def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_backend: Optional[str] = None,
+          attention: str = "auto") -> dict:
     """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run. With
     ``compile_backend`` (``"inductor"`` on a GPU) also a graph of the forward compiled as the step runner compiles it
     (``StepRunner(compile=True)``: ``torch.compile(fullgraph=True)`` before capture), ``graph_compiled_ms``."""
     model = random_llama(shape, device, max_positions=max(4096, 2 * (context + k + 2)))
-    backend = LeanBackend(model, "target")
+    backend = LeanBackend(model, "target", attention=attention)
     graphs = StepGraphs(emulate=not device.startswith("cuda"))
     compiled = None
     if compile_backend is not None:
@@ -113,7 +114,7 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_b
         compiled = runner._forward(backend)
     g = torch.Generator().manual_seed(0)
     vocab = SHAPES[shape][5]
-    row = {"shape": shape, "parameters": sum(p.numel() for p in model.parameters()),
+    row = {"shape": shape, "attention": attention, "parameters": sum(p.numel() for p in model.parameters()),
            "weight_bytes": weight_bytes(model), "context": context, "k": k, "steps": {}}
     with torch.inference_mode():
         backend.start(1, context + k + 2)  # the cache's tensors made here, as a call's are
@@ -173,6 +174,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="also a graph of the forward compiled by torch.compile with this backend (inductor on a GPU; "
                          "minutes per shape there), as StepRunner(compile=True) compiles it")
+    ap.add_argument("--attention", default="auto", choices=("auto", "cache", "sdpa"),
+                    help="the lean model's attention: auto (the CPU kernel, SDPA on a GPU), cache (ops.cache_attention: "
+                         "each row's live columns, the flash-decoding kernel on a GPU), sdpa")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -186,7 +190,7 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.device, mib << 20)
     rows = []
     for s in shapes:
-        r = probe(s, args.device, args.context, args.k, args.repeats, args.compile)
+        r = probe(s, args.device, args.context, args.k, args.repeats, args.compile, args.attention)
         r["weight_read_ms"] = r["weight_bytes"] / bandwidth * 1e3
         one, wide = r["steps"]["1-token"], r["steps"][f"{args.k + 1}-token"]
         r["graph_1_over_weight_read"] = one["graph_ms"] / r["weight_read_ms"]

@@ -91,6 +91,18 @@ at::Tensor philox_uniforms_cuda(const at::Tensor& seed_offsets, int64_t slots, i
   return t.out;
 }
 
+at::Tensor cache_attention_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& starts, double scale) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  CacheAttentionTensors t = prepare_cache_attention(query, key, value, starts, scale);
+  const CacheAttentionArgs& a = t.args;
+  at::Tensor workspace = at::empty({cuda::cache_attention_workspace(a.batch, a.q_heads, a.queries, a.columns,
+                                                                    a.head_dim)}, query.options().dtype(at::kFloat));
+  t.args.workspace = workspace.data_ptr<float>();
+  check_launch(cuda::cache_attention(t.args, at::cuda::getCurrentCUDAStream()), "cache_attention");
+  return t.out;
+}
+
 int64_t graph_chain_cuda(const at::Tensor& anchor, at::IntArrayRef pieces, at::TensorList flags) {
   SPECDEC_CHK_VALUE(pieces.size() >= 2 && flags.size() + 2 == pieces.size(), "graph_chain: needs n >= 2 pieces and "
                     "n - 2 flags, got ", pieces.size(), " pieces and ", flags.size(), " flags");
@@ -127,6 +139,7 @@ void graph_destroy_cuda(const at::Tensor& anchor, int64_t graph) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
+  m.impl("cache_attention", &cache_attention_cuda);
   m.impl("graph_chain", &graph_chain_cuda);
   m.impl("graph_launch", &graph_launch_cuda);
   m.impl("graph_destroy", &graph_destroy_cuda);

@@ -75,6 +75,12 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key, 
   return t.out;
 }
 
+at::Tensor cache_attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               const at::Tensor& starts, double scale) {
+  CacheAttentionTensors c = prepare_cache_attention(query, key, value, starts, scale);  // the checks, named for this op
+  return decode_attention_cpu(c.q, c.k, c.v, cache_attention_mask(c.starts, c.args.queries, c.args.columns), scale);
+}
+
 at::Tensor philox_uniforms_cpu(const at::Tensor& seed_offsets, int64_t slots, int64_t first_slot) {
   PhiloxTensors t = prepare_philox(seed_offsets, slots, first_slot);
   cpu::philox_uniforms(t.args);
@@ -104,6 +110,7 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("confidence_features(Tensor dist, Tensor tokens, bool logits) -> (Tensor features, Tensor code)");
   m.def("argmax_tokens(Tensor logits) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
+  m.def("cache_attention(Tensor query, Tensor key, Tensor value, Tensor starts, float scale) -> Tensor");
   m.def("philox_uniforms(Tensor seed_offsets, int slots, int first_slot=0) -> Tensor");
   // CUDA graphs with conditional nodes, composed from pieces torch captured (csrc/cuda/graphs.cu; CUDA only): the
   // device tensor `anchor` names the device; graphs are cudaGraph_t / cudaGraphExec_t handles as integers
@@ -121,6 +128,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("confidence_features", &confidence_features_cpu);
   m.impl("argmax_tokens", &argmax_tokens_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("cache_attention", &cache_attention_cpu);
   m.impl("philox_uniforms", &philox_uniforms_cpu);
 }
 

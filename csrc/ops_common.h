@@ -443,4 +443,66 @@ inline AttentionTensors prepare_attention(const at::Tensor& query, const at::Ten
   return t;
 }
 
+struct CacheAttentionTensors {
+  at::Tensor q, k, v, starts, out;
+  CacheAttentionArgs args;
+};
+
+// cache_attention: query [B, Hq, n, D], key and value [B, Hkv, C, D] as decode_attention takes them, starts [B] int64
+// on query's device (each row's first query's position; query i sees the columns 0 .. starts[b] + i), D <= 256.
+inline CacheAttentionTensors prepare_cache_attention(const at::Tensor& query, const at::Tensor& key,
+                                                     const at::Tensor& value, const at::Tensor& starts, double scale) {
+  const char* op = "cache_attention";
+  const DType dt = float_dtype(query, "query");
+  SPECDEC_CHK_TYPE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), op,
+                   ": key and value must have query's dtype ", query.scalar_type(), ", got ", key.scalar_type(), " and ",
+                   value.scalar_type());
+  SPECDEC_CHK_VALUE(query.dim() == 4 && query.size(2) >= 1 && query.size(3) >= 1 && query.size(3) <= 256, op,
+                    ": query must be [B, Hq, n, D] with n >= 1 and 1 <= D <= 256, got ", query.sizes());
+  const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3);
+  SPECDEC_CHK_VALUE(key.dim() == 4 && key.size(0) == B && key.size(1) >= 1 && key.size(2) >= 1 && key.size(3) == D, op,
+                    ": key must be [B, Hkv, C, D] = [", B, ", Hkv, C, ", D, "] with Hkv, C >= 1, got ", key.sizes());
+  SPECDEC_CHK_VALUE(value.sizes() == key.sizes(), op, ": value must have key's shape ", key.sizes(), ", got ",
+                    value.sizes());
+  const int64_t Hkv = key.size(1), C = key.size(2);
+  SPECDEC_CHK_VALUE(Hq % Hkv == 0, op, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
+  SPECDEC_CHK_TYPE(starts.scalar_type() == at::kLong, op, ": starts must be int64 (positions), got ",
+                   starts.scalar_type());
+  SPECDEC_CHK_VALUE(starts.dim() == 1 && starts.size(0) == B, op, ": starts must be [B] = [", B, "], got ",
+                    starts.sizes());
+  SPECDEC_CHK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_device(key, query, "key", "query");
+  check_device(value, query, "value", "query");
+  check_device(starts, query, "starts", "query");
+  CacheAttentionTensors t;
+  t.q = query.stride(3) == 1 ? query : query.contiguous();
+  t.k = key.stride(3) == 1 ? key : key.contiguous();
+  t.v = value.stride(3) == 1 ? value : value.contiguous();
+  t.starts = starts.contiguous();
+  t.out = at::empty({B, n, Hq, D}, query.options());
+  CacheAttentionArgs& a = t.args;
+  a = CacheAttentionArgs{};
+  a.dtype = dt;
+  a.batch = B; a.q_heads = Hq; a.kv_heads = Hkv; a.queries = n; a.columns = C; a.head_dim = D;
+  a.q = t.q.data_ptr();
+  a.k = t.k.data_ptr();
+  a.v = t.v.data_ptr();
+  for (int d = 0; d < 3; ++d) {
+    a.q_stride[d] = t.q.stride(d);
+    a.k_stride[d] = t.k.stride(d);
+    a.v_stride[d] = t.v.stride(d);
+  }
+  a.starts = t.starts.data_ptr<int64_t>();
+  a.scale = static_cast<float>(scale);
+  a.out = t.out.data_ptr();
+  return t;
+}
+
+// cache_attention's visibility as decode_attention's mask [B, 1, n, C]: column c for query i of row b where
+// c <= starts[b] + i (the CPU runs the masked kernel, which skips the columns no query sees).
+inline at::Tensor cache_attention_mask(const at::Tensor& starts, int64_t n, int64_t C) {
+  const at::Tensor pos = starts.view({-1, 1}) + at::arange(n, starts.options());  // [B, n]
+  return (at::arange(C, starts.options()).view({1, 1, C}) <= pos.unsqueeze(2)).unsqueeze(1);
+}
+
 }  // namespace specdec

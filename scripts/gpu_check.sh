@@ -77,11 +77,14 @@ stage graphs-b16 120 python bench/cuda_graphs.py --device cuda --prompts 64 --ma
     --out "$WORK/cuda_graphs_b16.json"
 stage ops 60 python bench/bench_ops.py --quick --device cuda --out "$WORK"
 stage scale 120 python bench/scale_probe.py --device cuda --shapes 1b,8b --out "$WORK/scale_probe.json"
+stage scale-cache 120 python bench/scale_probe.py --device cuda --shapes 1b,8b --attention cache \
+    --out "$WORK/scale_probe_cache.json"
+stage cuda-attention 90 python -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py -k cache_attention
 stage scale-compiled 150 python bench/scale_probe.py --device cuda --shapes 1b,8b --compile inductor \
     --out "$WORK/scale_probe_compiled.json"
 tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude=./cache .
 cp "$WORK/stages.txt" "$OUT/stages.txt"
 echo "results in $OUT/gpu_check.tar.gz (stages: $OUT/stages.txt)"
-for f in graphs-b1 base-b1 device-b1 table host base-host graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-compiled; do grep -E "tokens/s|ms/round|us/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
+for f in graphs-b1 base-b1 device-b1 table host base-host graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-cache cuda-attention scale-compiled; do grep -E "tokens/s|ms/round|us/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
 tail -n 3 "$WORK/cuda-tests.log" 2>/dev/null
 cat "$OUT/stages.txt"

@@ -230,13 +230,13 @@ def argmax_shapes(logits) -> tuple:
     return tuple(logits.shape[:-1])
 
 
-def attention_shapes(query, key, value, mask) -> tuple[int, int, int, int]:
-    """Shape, dtype and device checks of ``decode_attention``; returns (B, n, Hq, D), the output's shape."""
-    op = "decode_attention"
+def attention_shapes(query, key, value, mask, op: str = "decode_attention") -> tuple[int, int, int, int]:
+    """Shape, dtype and device checks of ``decode_attention`` (of query, key and value alone for ``mask`` None, named
+    ``op``); returns (B, n, Hq, D), the output's shape."""
     _float(query, "query", op)
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(f"{op}: key and value must have query's dtype {query.dtype}, got {key.dtype} and {value.dtype}")
-    if mask.dtype != torch.bool:
+    if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"{op}: mask must be bool (true where a query sees a column), got {mask.dtype}")
     if query.dim() != 4 or query.shape[2] < 1 or query.shape[3] < 1:
         raise ValueError(f"{op}: query must be [B, Hq, n, D] with n, D >= 1, got {list(query.shape)}")
@@ -248,11 +248,28 @@ def attention_shapes(query, key, value, mask) -> tuple[int, int, int, int]:
     Hkv, C = key.shape[1], key.shape[2]
     if Hq % Hkv:
         raise ValueError(f"{op}: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    if mask.dim() != 4 or mask.shape[0] not in (B, 1) or mask.shape[1] not in (Hq, 1) or tuple(mask.shape[2:]) != (n, C):
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (B, 1) or mask.shape[1] not in (Hq, 1)
+                             or tuple(mask.shape[2:]) != (n, C)):
         raise ValueError(f"{op}: mask must be [B or 1, Hq or 1, n, C] = [{B}, {Hq}, {n}, {C}], got {list(mask.shape)}")
     for t, name in ((key, "key"), (value, "value"), (mask, "mask")):
-        _same_device(t, query, name, "query", op)
+        if t is not None:
+            _same_device(t, query, name, "query", op)
     return B, n, Hq, D
+
+
+def cache_attention_shapes(query, key, value, starts) -> tuple[int, int, int, int]:
+    """Checks of ``cache_attention`` (``decode_attention``'s, with ``starts`` in place of a mask, D <= 256); returns
+    (B, n, Hq, D), the output's shape."""
+    op = "cache_attention"
+    B = attention_shapes(query, key, value, None, op)[0]
+    if query.shape[3] > 256:
+        raise ValueError(f"{op}: query must be [B, Hq, n, D] with n >= 1 and 1 <= D <= 256, got {list(query.shape)}")
+    if starts.dtype != torch.int64:
+        raise TypeError(f"{op}: starts must be int64 (positions), got {starts.dtype}")
+    if starts.dim() != 1 or starts.shape[0] != B:
+        raise ValueError(f"{op}: starts must be [B] = [{B}], got {list(starts.shape)}")
+    _same_device(starts, query, "starts", "query", op)
+    return B, query.shape[2], query.shape[1], query.shape[3]
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -439,8 +439,37 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return reference.decode_attention(query, key, value, mask, scale)
     if query.device.type != "cpu" and not checks._is_fake(query):
         raise ValueError(f"decode_attention has a CPU kernel only (query is on {query.device}); on GPUs use "
-                         "torch.nn.functional.scaled_dot_product_attention")
+                         "cache_attention (a static cache's rows) or torch.nn.functional.scaled_dot_product_attention")
     return torch.ops.specdec_ext.decode_attention(query, key, value, mask, scale)
+
+
+def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention of a few queries per row over a static KV cache, each row read up to its live length only:
+    :func:`decode_attention` where query i of row b sits at position ``starts[b] + i`` and sees the columns
+    ``0 .. min(starts[b] + i, C - 1)`` (causal, as a decode step or a verification of K + 1 positions sees its row;
+    no mask to build or read). On a GPU a flash-decoding kernel (``csrc/cuda/attention.cu``): the columns in chunks of
+    128, one block per (row, key/value head, chunk) reading its keys and values once for every query of the query
+    heads that share them (grouped-query attention), chunks past a row's length ending at once, the chunks' partial
+    softmaxes merged by a second kernel; float32 accumulation. On a CPU the masked :func:`decode_attention` kernel.
+
+    Args:
+        query: ``[B, Hq, n, D]`` float32/bfloat16/float16, 1 <= D <= 256.
+        key, value: ``[B, Hkv, C, D]`` in query's dtype (e.g. views of a cache's first B slots), ``Hq`` a multiple
+            of ``Hkv``.
+        starts: ``[B]`` int64 on query's device: each row's first query's position (its cache length before the
+            forward that wrote the queries' keys); a position below 0 sees no column.
+        scale: multiplies ``q . k``.
+
+    Returns:
+        ``[B, n, Hq, D]`` in query's dtype; a query that sees no column gets zeros.
+
+    Raises:
+        ValueError: shapes (naming the argument), D > 256, a non-finite scale. TypeError: dtypes.
+    """
+    if not HAS_EXTENSION:
+        return reference.cache_attention(query, key, value, starts, scale)
+    return torch.ops.specdec_ext.cache_attention(query, key, value, starts, scale)
 
 
 def graph_chain(anchor: torch.Tensor, pieces: list, flags: list) -> int:
@@ -468,6 +497,11 @@ def graph_destroy(anchor: torch.Tensor, graph: int) -> None:
 
 
 if HAS_EXTENSION:
+
+    @torch.library.register_fake("specdec_ext::cache_attention")
+    def _cache_attention_fake(query, key, value, starts, scale):
+        B, n, Hq, D = checks.cache_attention_shapes(query, key, value, starts)
+        return query.new_empty(B, n, Hq, D)
 
     @torch.library.register_fake("specdec_ext::confidence_features")
     def _confidence_features_fake(dist, tokens, logits):

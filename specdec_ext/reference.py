@@ -414,6 +414,16 @@ def argmax_tokens(logits):
     return torch.argmax(logits, -1)
 
 
+def cache_attention(query, key, value, starts, scale):
+    """Reference of ``ops.cache_attention``: :func:`decode_attention` with query i of row b seeing the columns
+    c <= starts[b] + i."""
+    checks.cache_attention_shapes(query, key, value, starts)
+    n, C = query.shape[2], key.shape[2]
+    pos = starts.view(-1, 1) + torch.arange(n, device=starts.device)  # [B, n]
+    mask = (torch.arange(C, device=starts.device).view(1, 1, C) <= pos.unsqueeze(2)).unsqueeze(1)
+    return decode_attention(query, key, value, mask, scale)
+
+
 def decode_attention(query, key, value, mask, scale):
     """Reference of ``ops.decode_attention``: softmax(q k^T * scale, masked) v in float32, per query head with
     the key/value head it shares (grouped-query attention); a query that sees no column gets zeros."""

@@ -234,3 +234,14 @@ def chain_pieces(device: str) -> list:
         return (y * 2,)
 
     return [first, times_ten, plus_five, last]
+
+
+def cache_case(B=3, Hq=8, Hkv=2, n=3, C=40, D=64, dtype=torch.float32, starts=(0, 17, 37), seed=1, device="cpu"):
+    """query [B, Hq, n, D] (a transposed view), key and value views of the first B slots of a cache with spare slots
+    and columns (as the lean model passes them), starts [B]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, n, Hq, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B + 2, Hkv, C + 3, D, generator=g).to(dtype)[:B, :, :C]
+    v = torch.randn(B + 2, Hkv, C + 3, D, generator=g).to(dtype)[:B, :, :C]
+    s = torch.tensor(list(starts)[:B], dtype=torch.int64)
+    return [t.to(device) for t in (q, k, v, s)]

@@ -8,7 +8,7 @@ import torch
 
 from specdec_ext import ops, reference
 from stats import assert_follows
-from support import case, check_positions, head_args, logits_case, make_case
+from support import cache_case, case, check_positions, head_args, logits_case, make_case
 
 pytestmark = [
     pytest.mark.cuda,
@@ -222,3 +222,38 @@ def test_philox_uniforms_cuda_equals_the_cpu_kernel():
     buf[:, 1] += 1
     graph.replay()
     assert torch.equal(out.cpu(), ops.philox_uniforms(buf.cpu(), 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,Hq,Hkv,n,C,D,starts", [(1, 4, 4, 1, 17, 64, (16,)), (3, 8, 2, 5, 33, 128, (0, 11, 28)),
+                                                   (2, 8, 1, 3, 129, 64, (127, -1)),
+                                                   (3, 32, 8, 1, 1030, 64, (1029, 600, 3))])
+def test_cache_attention_cuda_matches_the_reference(dtype, B, Hq, Hkv, n, C, D, starts):
+    """The flash-decoding kernel against the CPU reference: one to five queries, grouped-query ratios 1/4/8, head
+    dims 64 and 128, rows whose live columns end in any chunk of 128 (chunks past a row's length write nothing that
+    counts), a row that sees nothing (zeros), a Llama-3.2-1B-shaped layer over 1,030 columns."""
+    q, k, v, s = cache_case(B, Hq, Hkv, n, C, D, dtype, starts)
+    want = reference.cache_attention(q.float(), k.float(), v.float(), s, D ** -0.5)
+    got = ops.cache_attention(q.cuda(), k.cuda(), v.cuda(), s.cuda(), D ** -0.5)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.float().cpu(), want, atol=tol, rtol=tol)
+
+
+def test_cache_attention_cuda_captured_in_a_graph_reads_the_lengths_at_each_replay():
+    """Captured once, replayed with the rows' positions changed in place: each replay reads them on the device."""
+    q, k, v, s = [t.cuda() for t in cache_case(3, 8, 2, 2, 300, 64, torch.bfloat16, (10, 200, 299))]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.cache_attention(q, k, v, s, 0.125)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.cache_attention(q, k, v, s, 0.125)
+    for starts in ((10, 200, 299), (0, 5, 130), (299, -1, 64)):
+        s.copy_(torch.tensor(starts))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.cache_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), s.cpu(), 0.125)
+        torch.testing.assert_close(out.float().cpu(), want, atol=2e-2, rtol=2e-2)

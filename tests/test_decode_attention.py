@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import make_pair, make_target
+from support import cache_case
 from specdec_ext import SpeculativeGenerator, make_policy, ops, reference
 from specdec_ext.engine import attention
 from specdec_ext.engine.model import LeanModel
@@ -182,22 +183,28 @@ def test_greedy_speculative_equals_target_only(arch):
 @needs_ext
 @torch.inference_mode()
 def test_lean_model_kernel_matches_sdpa():
-    """The lean model's attention through the kernel gives the logits of its SDPA path, over ragged rows of a static
-    cache and the whole cache's width as well as a narrow one."""
+    """The lean model's attention through the decode-attention kernel (``"auto"`` on a CPU) and through
+    ``cache_attention`` (each row's first position as ``starts``) gives the logits of its SDPA path, over ragged
+    rows of a static cache, the whole cache's width as well as a narrow one, and rows of one length given by the
+    host (``start``: slices)."""
     with torch.inference_mode(False):
         _, draft = make_pair("llama")
     g = torch.Generator().manual_seed(5)
-    tokens = [torch.randint(2, 48, (2, n), generator=g) for n in (9, 1, 3)]
+    tokens = [torch.randint(2, 48, (2, n), generator=g) for n in (9, 1, 3, 2)]
     out = {}
-    for use in (True, False):
-        lean = LeanModel(draft, "draft", attention_kernel=use)
+    for kind in ("auto", "cache", "sdpa"):
+        lean = LeanModel(draft, "draft", attention=kind)
         cache = lean.cache(2, 32)
         got = [lean.forward(cache, tokens[0], keep=9)[0]]
+        same = [lean.forward(cache, tokens[3], keep=2, start=9)[0]]  # both rows at 9: slices
         cache.rollback(torch.tensor([0, 3]), 2)  # rows of different lengths
-        got += [lean.forward(cache, t, keep=t.shape[1], width=w)[0] for t, w in zip(tokens[1:], (10, None))]
-        out[use] = got
-    for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        got += [lean.forward(cache, t, keep=t.shape[1], width=w)[0] for t, w in zip(tokens[1:3], (10, None))]
+        out[kind] = got + same
+    for kind in ("auto", "cache"):
+        for a, b in zip(out[kind], out["sdpa"]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="attention must be one of 'auto', 'cache', 'sdpa'"):
+        LeanModel(draft, "draft", attention="flash")
     assert attention.kernel_takes(torch.device("cpu"), attention.MAX_QUERIES) == ops.HAS_EXTENSION
     assert not attention.kernel_takes(torch.device("cpu"), attention.MAX_QUERIES + 1)
 
@@ -208,3 +215,61 @@ def test_default_attn_implementation():
     assert default_attn_implementation("cpu") == ("specdec_decode" if ops.HAS_EXTENSION else None)
     assert default_attn_implementation("cuda") is None
     assert default_attn_implementation("cpu", device_map="auto") is None
+
+
+# ------------------------------------------------------------------------------------------- cache_attention
+def live_sdpa(q, k, v, starts, scale):
+    """The oracle from torch's SDPA alone: each query over its row's columns 0 .. starts[b] + i (clamped to the
+    cache), the key/value heads repeated; zeros where it sees none."""
+    B, Hq, n, D = q.shape
+    group = Hq // k.shape[1]
+    out = torch.zeros(B, n, Hq, D)
+    for b in range(B):
+        for i in range(n):
+            last = min(int(starts[b]) + i, k.shape[2] - 1)
+            if last < 0:
+                continue
+            kk = k[b, :, : last + 1].float().repeat_interleave(group, 0)
+            vv = v[b, :, : last + 1].float().repeat_interleave(group, 0)
+            out[b, i] = F.scaled_dot_product_attention(q[b, :, i: i + 1].float(), kk, vv, scale=scale)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,Hq,Hkv,n,C,D,starts", [
+    (1, 4, 4, 1, 17, 64, (16,)),               # one token, no GQA, the cache's last column
+    (3, 8, 2, 5, 33, 128, (0, 11, 28)),        # K + 1 = 5 queries, group 4, a row at the start
+    (2, 8, 1, 3, 129, 64, (127, -1)),          # group 8, queries past the cache (clamped), a row that sees nothing
+    (3, 2, 2, 2, 300, 64, (299, 150, 3)),      # more than two chunks of 128 columns on a GPU
+])
+def test_cache_attention_sees_each_rows_live_columns(dtype, B, Hq, Hkv, n, C, D, starts):
+    """cache_attention (the op, its reference, and SDPA over each row's live prefix alone) for one to five queries per
+    row, grouped-query ratios 1, 4 and 8, head dims 64 and 128, positions at 0, odd, at and past the cache's end, and
+    below 0 (zeros)."""
+    q, k, v, s = cache_case(B, Hq, Hkv, n, C, D, dtype, starts)
+    want = live_sdpa(q, k, v, s, D ** -0.5)
+    got = ops.cache_attention(q, k, v, s, D ** -0.5)
+    ref = reference.cache_attention(q, k, v, s, D ** -0.5)
+    assert got.shape == (B, n, Hq, D) and got.dtype == dtype
+    torch.testing.assert_close(ref.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    if min(starts) < 0:
+        assert not got[1, 0].any()  # position -1: no column
+
+
+def test_cache_attention_checks_and_fake_kernel():
+    q, k, v, s = cache_case()
+    for fn in (ops.cache_attention, reference.cache_attention):
+        with pytest.raises(ValueError, match="cache_attention: starts must be \\[B\\] = \\[3\\]"):
+            fn(q, k, v, s[:2], 0.1)
+        with pytest.raises(TypeError, match="cache_attention: starts must be int64"):
+            fn(q, k, v, s.int(), 0.1)
+        with pytest.raises(ValueError, match="cache_attention: query must be \\[B, Hq, n, D\\]"):
+            fn(torch.randn(3, 8, 1, 300), torch.randn(3, 2, 4, 300), torch.randn(3, 2, 4, 300), s, 0.1)
+        with pytest.raises(ValueError, match="cache_attention: query heads \\(8\\) must be a multiple"):
+            fn(q, k[:, :1].expand(3, 3, 40, 64), v[:, :1].expand(3, 3, 40, 64), s, 0.1)
+    if ops.HAS_EXTENSION:
+        torch.library.opcheck(torch.ops.specdec_ext.cache_attention.default, (q, k, v, s, 0.125))
+        out = torch.compile(lambda *a: torch.ops.specdec_ext.cache_attention(*a, 0.125), fullgraph=True,
+                            backend="aot_eager")(q, k, v, s)
+        torch.testing.assert_close(out, reference.cache_attention(q, k, v, s, 0.125))

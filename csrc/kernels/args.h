@@ -111,4 +111,25 @@ struct DecodeAttentionArgs {
   void* out;                           // [B, n, Hq, D], contiguous (the layout attention layers reshape from)
 };
 
+// cache_attention: decode_attention over a static KV cache whose rows are read only up to their live length: query i
+// of row b sits at position starts[b] + i and sees the columns 0 .. min(starts[b] + i, C - 1) (causal, without a
+// mask; a row whose position is negative sees none). The CUDA kernel splits the columns into chunks of `chunk` (one
+// block per row, KV head and chunk: flash-decoding), each block reading its columns once for every query of the
+// heads that share the KV head, and merges the chunks' partial softmaxes; chunks past a row's length exit at once.
+struct CacheAttentionArgs {
+  DType dtype;                         // of q, k, v and out
+  int64_t batch, q_heads, kv_heads;    // B, Hq, Hkv (Hq a multiple of Hkv)
+  int64_t queries, columns, head_dim;  // n, C, D
+  const void* q;                       // [B, Hq, n, D]
+  int64_t q_stride[3];                 // of b, h, i
+  const void* k;                       // [B, Hkv, C, D]
+  int64_t k_stride[3];                 // of b, h, c
+  const void* v;                       // [B, Hkv, C, D]
+  int64_t v_stride[3];                 // of b, h, c
+  const int64_t* starts;               // [B]: each row's first query's position
+  float scale;                         // multiplies q.k
+  void* out;                           // [B, n, Hq, D], contiguous
+  float* workspace;                    // the chunks' partial softmaxes (cache_attention_workspace() floats)
+};
+
 }  // namespace specdec

@@ -106,14 +106,15 @@ class VocabMap:
 
 
 class LeanBackend(_Timed):
-    """A lean model over a static KV cache (module docstring). ``packed``: :class:`LeanModel`'s."""
+    """A lean model over a static KV cache (module docstring). ``packed``, ``attention``: :class:`LeanModel`'s."""
 
     lean = True
 
-    def __init__(self, model, name: str, packed: Optional[bool] = None, vocab: Optional[int] = None):
+    def __init__(self, model, name: str, packed: Optional[bool] = None, vocab: Optional[int] = None,
+                 attention: str = "auto"):
         self.model, self.name = model, name
         self.map = VocabMap(model, vocab)
-        self.lean_model = LeanModel(model, name, packed)
+        self.lean_model = LeanModel(model, name, packed, attention)
         self.device = self.lean_model.device
         self.max_pos = self.lean_model.max_pos
         self.cache: Optional[StaticCache] = None

@@ -99,6 +99,9 @@ def _fingerprint(model) -> tuple:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
 
+ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
+
+
 class Layer(NamedTuple):
     """One decoder layer's weights as the lean model reads them (QKV and gate/up concatenated; packed for oneDNN
     where it packs): ``qkv_bias`` (Qwen2) and ``q_norm`` / ``k_norm`` (Qwen3) are None where absent."""
@@ -117,14 +120,16 @@ class Layer(NamedTuple):
 class LeanModel:
     """A Llama, Qwen2 or Qwen3 model's prepared weights and its forward over a static cache (module docstring).
     ``packed``: run the matmuls through oneDNN with packed weights (False: ``F.linear``; None: wherever oneDNN has a
-    packed path for the model's dtype). ``attention_kernel``: attention through ``ops.decode_attention`` where it can
-    serve (False: SDPA everywhere).
+    packed path for the model's dtype). ``attention``: ``"auto"``, the CPU's decode-attention kernel
+    (``ops.decode_attention``) where it can serve and SDPA elsewhere; ``"cache"``, ``ops.cache_attention`` (each
+    row's live columns only; the flash-decoding kernel on a GPU, not yet the default there: unmeasured on one);
+    ``"sdpa"``, torch's ``scaled_dot_product_attention`` everywhere.
 
     Raises:
         ValueError: a model it does not reproduce (:func:`supports`), a model on the meta device, or ``packed=True``
             where packed weights are not available."""
 
-    def __init__(self, model, name: str = "draft", packed: Optional[bool] = None, attention_kernel: bool = True):
+    def __init__(self, model, name: str = "draft", packed: Optional[bool] = None, attention: str = "auto"):
         if not supports(model):
             raise ValueError(f"the {name} model ({type(model).__name__}) is not a Llama, Qwen2 or Qwen3 model the lean "
                              "forward reproduces (one device, no sliding-window layers)")
@@ -137,7 +142,9 @@ class LeanModel:
             raise ValueError(f"LeanModel: packed=True needs a CPU float32/bfloat16 model and a torch with oneDNN "
                              f"(bfloat16: a CPU with oneDNN's bf16 path) (got {self.dtype} on {self.device}, oneDNN "
                              f"available: {torch.backends.mkldnn.is_available()})")
-        self.attention_kernel = bool(attention_kernel)
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {attention!r}")
+        self.attention = attention
         self.packed = uses_packed(self.device, self.dtype, packed)
         self._linear: Callable = onednn_linear.linear if self.packed else F.linear
         self.n_heads = cfg.num_attention_heads
@@ -271,7 +278,10 @@ class LeanModel:
             # each (row, kv head, position)'s row in the cache seen as [slots * kv_heads * columns, head_dim]
             heads = torch.arange(self.n_kv, device=dev).view(1, -1, 1)
             flat = ((slot.view(b, 1, 1) * self.n_kv + heads) * (M + 1) + at.view(b, 1, n)).reshape(-1)
-        kernel = self.attention_kernel and kernel_takes(dev, n)
+        kernel = self.attention == "auto" and kernel_takes(dev, n)
+        starts = None
+        if self.attention == "cache":  # each row's first position, on the device
+            starts = pos[:, 0].contiguous() if pos.dim() == 2 else torch.full((b,), start, dtype=torch.int64, device=dev)
         x = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv(layer, x, cos, sin)
@@ -284,7 +294,9 @@ class LeanModel:
                 vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
             keys = (kc[index] if index is not None else kc[span])[:, :, :W]
             values = (vc[index] if index is not None else vc[span])[:, :, :W]
-            if kernel:  # [b, n, hq, d]
+            if starts is not None:  # [b, n, hq, d]
+                o = ops.cache_attention(q, keys, values, starts, self.head_dim ** -0.5)
+            elif kernel:
                 o = ops.decode_attention(q, keys, values, mask, self.head_dim ** -0.5)
             else:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
