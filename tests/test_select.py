@@ -60,7 +60,7 @@ def _round(selector, played, S, accepted, lo=1, k_max=20):
 def test_a_played_arm_teaches_the_arms_it_dominates_and_no_other():
     """A round played with h = 0.8 (threshold 0.2) updates h = 0.5 (0.5 >= 0.2: it stops no later) with the tokens it
     would have emitted, and leaves h = 0.9 (threshold 0.1: it could have drafted deeper) untouched."""
-    sel = StopSelector((0.5, 0.8, 0.9), goodput_arm=False)
+    sel = StopSelector((0.5, 0.8, 0.9), goodput_arm=False, every=1)
     S = [0.9, 0.6, 0.4, 0.15, 0.05]
     d = _round(sel, 1, S, accepted=5)  # h = 0.8 stops at S < 0.2: candidate 4
     assert d == 4
@@ -134,17 +134,30 @@ def test_the_bandit_plays_the_best_threshold_of_a_miscalibrated_head(alpha, q):
     assert min(env.goodput(h) for h in hs) < 0.95 * best  # the checks above can fail: the arms differ
 
 
-def _recording(gen):
-    """Wrap the policy's selector so that every round's arguments are kept."""
+class _Seen(list):
+    """The rounds an arm learned from (their credit's arguments), with ``times``: every round's measured ms."""
+
+    times: list
+
+
+def _recording(gen, every: int = 1):
+    """Wrap the policy's selector so that the arguments of every round it learns from are kept (``every``: one round
+    in ``every``; 1: all of them), and each round's measured time."""
     sel = gen.policy.selector
-    seen = []
-    observe = sel.observe
+    sel.every = every
+    seen, times = _Seen(), []
+    credit, tick = sel.credit, sel.tick
 
     def record(*args):
         seen.append(args)
-        return observe(*args)
+        return credit(*args)
 
-    sel.observe = record
+    def ticking(played, ms, steps, verified):
+        times.append(ms)
+        return tick(played, ms, steps, verified)
+
+    sel.credit, sel.tick = record, ticking
+    seen.times = times
     return seen
 
 
@@ -210,22 +223,23 @@ def test_counterfactual_lengths_follow_the_read_back_survivals():
 
 
 def test_rounds_carry_their_measured_time_and_the_choice_carries_across_calls():
-    """A round's cycle time is measured from the end of the call's previous round (0 for a call's first); the selector
-    keeps what it learned from call to call and forgets it with reset_adaptation; select=False plays the goodput
-    rule alone (no selector)."""
+    """A round's cycle time is measured from the end of the call's previous round (0 for a call's first); every round
+    goes into the cost fit and the record, the arms learn from one round in four (``every``, by the round's index);
+    the selector keeps what it learned from call to call and forgets it with reset_adaptation; select=False plays
+    the goodput rule alone (no selector)."""
     target, draft = make_pair("llama")
     head = head_for(draft, kind="proposal")
     gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=8,
                                costs=TEST_COSTS)
-    seen = _recording(gen)
+    seen = _recording(gen, every=4)
     ids = prompts(target.config.vocab_size)
     gen.generate(ids, max_new_tokens=30, temperature=0)
-    first = len(seen)
+    first = len(seen.times)
     gen.generate(ids, max_new_tokens=30, temperature=0)
-    times = [args[9] for args in seen]
+    times = seen.times
     assert times[0] == 0.0 and times[first] == 0.0 and all(t > 0 for i, t in enumerate(times) if i not in (0, first))
     sel = gen.policy.selector
-    assert sel.now == len(seen) and sel.time.rounds == len(seen) - 2
+    assert sel.now == len(times) and sel.time.rounds == len(times) - 2 and len(seen) == len(times) // 4
     assert "stop rule" in gen.policy.describe()
     gen.policy.reset_adaptation()
     assert sel.now == 0 and all(a.w == 0 for a in sel.arms) and sel.time.rounds == 0

@@ -217,14 +217,17 @@ class StopSelector:
         discount: the arms' forgetting per round.
         min_rounds: effective rounds an arm needs before its estimate decides.
         hold: rounds an arm is played for between two draws (the draws' host work spread over them).
+        every: the arms learn from one round in ``every`` (:meth:`credit`: a round chosen by its index, so the
+            samples stay unbiased; the crediting's host work spread over the rounds); every round's time goes into
+            the cost fit.
         seed: the draws' seed (the choice is reproducible for equal rounds and times).
 
-    Raises ValueError for no arm, a threshold outside [0, 1], a discount outside (0, 1], ``min_rounds`` < 1 or
-    ``hold`` < 1."""
+    Raises ValueError for no arm, a threshold outside [0, 1], a discount outside (0, 1], ``min_rounds`` < 1, or
+    ``hold`` or ``every`` below 1."""
 
     def __init__(self, thresholds: Sequence[float] = DEFAULT_THRESHOLDS, goodput_arm: bool = True,
                  prior: Sequence[float] = (10.0, 1.0, 0.0), discount: float = 0.997, min_rounds: float = 3.0,
-                 hold: int = 2, seed: int = 0):
+                 hold: int = 4, every: int = 4, seed: int = 0):
         hs = [float(h) for h in thresholds]
         if any(not 0.0 <= h <= 1.0 for h in hs):
             raise ValueError(f"StopSelector: thresholds must lie in [0, 1], got {list(thresholds)!r}")
@@ -234,10 +237,11 @@ class StopSelector:
             raise ValueError(f"StopSelector: discount must lie in (0, 1], got {discount!r}")
         if not min_rounds >= 1.0:
             raise ValueError(f"StopSelector: min_rounds must be >= 1, got {min_rounds!r}")
-        if isinstance(hold, bool) or not isinstance(hold, int) or hold < 1:
-            raise ValueError(f"StopSelector: hold must be an integer >= 1 (rounds), got {hold!r}")
+        for name, value in (("hold", hold), ("every", every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"StopSelector: {name} must be an integer >= 1 (rounds), got {value!r}")
         self.thresholds, self.goodput_arm = tuple(sorted(set(hs))), bool(goodput_arm)
-        self.discount, self.min_rounds, self.hold, self.seed = discount, min_rounds, hold, seed
+        self.discount, self.min_rounds, self.hold, self.every, self.seed = discount, min_rounds, hold, every, seed
         self.time = RoundTime(prior)
         self.reset()
 
@@ -293,23 +297,37 @@ class StopSelector:
     def observe(self, played: int, thresholds: Sequence[Sequence], bounds: Sequence[Sequence[tuple]], lo: int,
                 survivals: Sequence[Sequence[float]], drafted: Sequence[int], accepted: Sequence[int],
                 steps_of, verified_of, ms: float, played_steps: int, played_verified: int) -> None:
-        """One round. ``thresholds[a][b]``: arm a's thresholds for row b (a number, or one per depth); ``bounds[a][b]``:
-        their (least, greatest) over the depths row b could reach; ``lo``: the first depth a rule may stop at;
-        ``survivals[b]``: row b's S_k after each candidate it drafted; ``drafted`` / ``accepted``: per row;
-        ``steps_of(depth)`` / ``verified_of(depth)``: the draft steps and verified tokens of a round whose deepest row
-        drafted ``depth`` (how the round's reads of its stop flags turn depth into work); ``ms``: the round's measured
-        time (0: not measured, e.g. a call's first round or a tensor-parallel target); ``played_steps`` /
-        ``played_verified``: what the played round ran."""
+        """One round (:meth:`tick`, then :meth:`credit` where due). ``thresholds[a][b]``: arm a's thresholds for row b
+        (any form :func:`first_stop` takes); ``bounds[a][b]``: their (least, greatest) over the depths row b could
+        reach; ``lo``: the first depth a rule may stop at; ``survivals[b]``: row b's S_k after each candidate it
+        drafted; ``drafted`` / ``accepted``: per row; ``steps_of(depth)`` / ``verified_of(depth)``: the draft steps and
+        verified tokens of a round whose deepest row drafted ``depth`` (how the round's reads of its stop flags turn
+        depth into work); ``ms``: the round's measured time (0: not measured, e.g. a call's first round or a
+        tensor-parallel target); ``played_steps`` / ``played_verified``: what the played round ran."""
+        if self.tick(played, ms, played_steps, played_verified):
+            self.credit(played, thresholds, bounds, lo, survivals, drafted, accepted, steps_of, verified_of,
+                        played_steps, played_verified)
+
+    def tick(self, played: int, ms: float, steps: int, verified: int) -> bool:
+        """Every round: its arm into the record, its measured time (0: none) into the cost fit, the weights one round
+        on; returns whether the arms learn from this round (one in ``every``: :meth:`credit`)."""
         self.now += 1
         self.history.append(played)
         if ms > 0.0:
-            self.time.add(played_steps, played_verified, ms)
+            self.time.add(steps, verified, ms)
             self.measured_ms += ms
         self.weight /= self.discount
         if self.weight > 1e30:  # every arm's sums brought back near 1 (a common scale cancels in every ratio)
             for arm in self.arms:
                 arm.rescale(1.0 / self.weight)
             self.weight = 1.0
+        return self.now % self.every == 0
+
+    def credit(self, played: int, thresholds: Sequence[Sequence], bounds: Sequence[Sequence[tuple]], lo: int,
+               survivals: Sequence[Sequence[float]], drafted: Sequence[int], accepted: Sequence[int], steps_of,
+               verified_of, played_steps: int, played_verified: int) -> None:
+        """The arms' part of :meth:`observe`: every arm the played one dominates credited with the round's
+        counterfactual tokens and modelled time, paired with the reference's."""
         top = [bp[1] for bp in bounds[played]]  # the played arm's greatest threshold per row
         fit = self.time
         seen = {}

@@ -267,8 +267,11 @@ class SpecDecPP(CandidateLengthPolicy):
         return sorted(range(len(arms)), key=lambda a: -arms[a].h if arms[a].h is not None else math.inf)
 
     def _observe_arms(self, result, survivals: list) -> None:
-        """The selector's round (:meth:`StopSelector.observe`): every arm's thresholds per row and their bounds over
-        the depths each row could reach, how the round's reads turn a depth into draft steps and verified tokens."""
+        """The selector's round (:meth:`StopSelector.tick`) and, where the arms learn from it
+        (:meth:`StopSelector.credit`), every arm's thresholds per row and their bounds over the depths each row could
+        reach, and how the round's reads turn a depth into draft steps and verified tokens."""
+        if not self.selector.tick(self._arm, result.cycle_ms, result.steps, result.verified):
+            return
         room, early_exit, rates = self._planned
         B = len(result.drafted)
         k_max, lo = self.max_candidates, max(self.k_min, 1 if self.head.input_position == "proposal" else 2)
@@ -304,8 +307,8 @@ class SpecDecPP(CandidateLengthPolicy):
         else:  # the draft ran to the cap
             steps_of = lambda d: steps  # noqa: E731
         verified_of = steps_of if verified == steps else (lambda d: verified)
-        self.selector.observe(self._arm, thresholds, bounds, lo, survivals, result.drafted, result.accepted,
-                              steps_of, verified_of, result.cycle_ms, steps, verified)
+        self.selector.credit(self._arm, thresholds, bounds, lo, survivals, result.drafted, result.accepted, steps_of,
+                             verified_of, steps, verified)
 
     def observe(self, result):
         if self._uses_history:
