@@ -5,10 +5,11 @@ op outside them (a kernel launch and a dispatcher call each, about 5-10 us), the
 policy and the round. This probe runs the bundled pair through the rounds that replay graphs (recorded steps off
 CUDA, ``cuda_graphs="emulate"``; captured ones on CUDA) and reports per round: the graphs replayed, the eager ops
 dispatched outside them (counted by a ``TorchDispatchMode`` in a second, untimed pass), and the host's time
-outside the replays (the time inside the scheduler's rounds minus the time inside ``StepGraphs.replay``; prefills
-and the draft's reads of a context (``Scheduler._catch_up``) are left out). Off CUDA a replay runs the step eagerly,
-so only what lies outside it is the host's share that a GPU would also pay; on CUDA a replay is timed with the
-GPU's work it launched (synchronised inside the replay), so the rest of the round is the host's alone.
+outside the replays (the time inside the scheduler's rounds minus the time inside ``StepGraphs.replay`` and
+``replay_chain``; prefills and the draft's reads of a context (``Scheduler._catch_up``) are left out). Off CUDA a
+replay runs the step eagerly (a chain's flags read by the host), so only what lies outside it is the host's share
+that a GPU would also pay; on CUDA a replay is timed with the GPU's work it launched (synchronised inside the
+replay), so the rest of the round is the host's alone.
 
     python bench/host_round.py --prompts 4 --max-new-tokens 64 --out host_round.json
 """
@@ -76,10 +77,12 @@ class _Inside:
                     probe.left_out = False
             return wrapped
 
-        self._saved = [(graphs_mod.StepGraphs, "replay"), (Scheduler, "_catch_up"), (Scheduler, "_round")]
+        self._saved = [(graphs_mod.StepGraphs, "replay"), (graphs_mod.StepGraphs, "replay_chain"),
+                       (Scheduler, "_catch_up"), (Scheduler, "_round")]
         self._saved = [(owner, name, getattr(owner, name)) for owner, name in self._saved]
-        self._wrapped = [left_out(graphs_mod.StepGraphs.replay, True), left_out(Scheduler._catch_up, False),
-                         round_(Scheduler._round)]
+        steps = graphs_mod.StepGraphs
+        self._wrapped = [left_out(steps.replay, True), left_out(steps.replay_chain, True),
+                         left_out(Scheduler._catch_up, False), round_(Scheduler._round)]
 
     def __enter__(self):
         for (owner, name, _), fn in zip(self._saved, self._wrapped):
