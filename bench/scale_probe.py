@@ -11,10 +11,18 @@ time (bytes / bandwidth, ms), each step's median ms (CUDA events around ``--repe
 back before each; on a CPU the host clock), and the ratios ``graph_1 / weight_read`` and ``graph_K+1 / graph_1``.
 The logits of a replay are checked against the eager step's on the same cache (``max_abs_diff``). ``--compile
 BACKEND`` adds a graph of the forward compiled as ``StepRunner(compile=True)`` compiles it (``graph_compiled_ms``).
+Each step's launches, counted by torch's profiler over one call of each arm (``<arm>_launches``, and per layer):
+on CUDA the kernels and copies the device ran, elsewhere the top-level aten ops dispatched (what would each be a
+launch). ``--round DRAFT,TARGET`` (default ``1b,8b`` where both are probed) adds a speculative round at those
+shapes: K one-token steps of the draft and the target's (K + 1)-token verification, from graphs
+(``round_ms``), against K + 1 plain steps of the target (``k1_plain_ms``); ``draft_over_target`` is the cost ratio c
+of one draft step to one target step (Leviathan et al. 2023, Sec. 3.4) and ``break_even_tokens`` the tokens a
+round must emit to match plain decoding (``round_ms`` over one target step).
 
     python bench/scale_probe.py --device cuda --shapes 1b,8b --out gpu_check/scale_probe.json
     python bench/scale_probe.py --device cuda --shapes 1b --compile inductor
     python bench/scale_probe.py --shapes tiny          # a CPU, seconds
+    python bench/scale_probe.py --shapes tiny --round tiny,tiny   # the round's row too
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from specdec_ext.engine.backends import LeanBackend
 from specdec_ext.engine.graphs import StepGraphs
@@ -99,6 +108,19 @@ def _timed(fn, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def launches(fn, device: str) -> int:
+    """What one call of ``fn`` launches: on CUDA the kernels and copies the device ran (torch's profiler, graph
+    replays included), elsewhere the top-level aten ops it dispatched."""
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    return sum(e.name.startswith("aten::") and e.cpu_parent is None for e in prof.events())
+
+
 def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_backend: Optional[str] = None,
           attention: str = "auto") -> dict:
     """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run. With
@@ -152,6 +174,9 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_b
                 for name, fn in arms[i % len(arms):] + arms[: i % len(arms)]:
                     times[name].append(_timed(fn, device))
             entry = {f"{name}_ms": statistics.median(t) for name, t in times.items()}
+            for name, fn in arms:
+                entry[f"{name}_launches"] = launches(fn, device)
+                entry[f"{name}_launches_per_layer"] = entry[f"{name}_launches"] / SHAPES[shape][1]
             entry["max_abs_diff"] = float((got["graph"] - want).abs().max())
             if compiled:  # compiled kernels round in their own order: reported, not required to be 0
                 entry["compiled_max_abs_diff"] = float((got["graph_compiled"] - want).abs().max())
@@ -160,6 +185,21 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_b
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return row
+
+
+def speculative_round(draft: dict, target: dict, k: int, compiled: bool) -> dict:
+    """A round of ``k`` draft steps and the target's (k + 1)-token verification, from the probed steps' graphs
+    (module docstring), and with compiled forwards where they were probed."""
+    out = {"draft": draft["shape"], "target": target["shape"], "k": k}
+    for arm in ("graph",) + (("graph_compiled",) if compiled else ()):
+        one = target["steps"]["1-token"][f"{arm}_ms"]
+        step = draft["steps"]["1-token"][f"{arm}_ms"]
+        prefix = "" if arm == "graph" else "compiled_"
+        out[prefix + "round_ms"] = k * step + target["steps"][f"{k + 1}-token"][f"{arm}_ms"]
+        out[prefix + "k1_plain_ms"] = (k + 1) * one
+        out[prefix + "draft_over_target"] = step / one
+        out[prefix + "break_even_tokens"] = out[prefix + "round_ms"] / one
+    return out
 
 
 def main(argv=None) -> dict:
@@ -177,6 +217,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--attention", default="auto", choices=("auto", "cache", "sdpa"),
                     help="the lean model's attention: auto (the CPU kernel, SDPA on a GPU), cache (ops.cache_attention: "
                          "each row's live columns, the flash-decoding kernel on a GPU), sdpa")
+    ap.add_argument("--round", default=None, metavar="DRAFT,TARGET",
+                    help="a speculative round at these two probed shapes (default 1b,8b where both are probed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -185,6 +227,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--shapes: expected some of {sorted(SHAPES)}, got {args.shapes!r}")
     if args.context < 1 or args.k < 1 or args.repeats < 1:
         raise SystemExit("--context, --k and --repeats: expected integers >= 1")
+    pair = args.round.split(",") if args.round else (["1b", "8b"] if {"1b", "8b"} <= set(shapes) else None)
+    if pair is not None and (len(pair) != 2 or not set(pair) <= set(shapes)):
+        raise SystemExit(f"--round: expected DRAFT,TARGET among the probed --shapes {shapes}, got {args.round!r}")
     cuda = args.device.startswith("cuda")
     mib = args.copy_mib if args.copy_mib is not None else (2048 if cuda else 64)
     bandwidth = copy_bandwidth(args.device, mib << 20)
@@ -205,11 +250,19 @@ def main(argv=None) -> dict:
               + (f"; compiled graphs {one['graph_compiled_ms']:.3f} / {wide['graph_compiled_ms']:.3f} ms "
                  f"({r['graph_compiled_1_over_weight_read']:.2f}x the read)" if args.compile else ""), flush=True)
         rows.append(r)
+    result_round = None if pair is None else speculative_round(*(next(r for r in rows if r["shape"] == s)
+                                                                 for s in pair), args.k, bool(args.compile))
+    if result_round is not None:
+        print(f"round: {args.k} {pair[0]} draft steps and a {pair[1]} verification {result_round['round_ms']:.3f} ms "
+              f"against {args.k + 1} plain steps {result_round['k1_plain_ms']:.3f} ms; c = "
+              f"{result_round['draft_over_target']:.3f}, break-even {result_round['break_even_tokens']:.2f} tokens "
+              "a round", flush=True)
     meta = {"device": torch.cuda.get_device_name(args.device) if cuda else platform.processor() or platform.machine(),
             "torch": torch.__version__, "dtype": "bfloat16", "batch_size": 1, "copy_bandwidth_GBps": bandwidth / 1e9,
             "graphs": "captured" if cuda else "recorded (no CUDA)",
+            "launches": "CUDA kernels and copies" if cuda else "top-level aten ops (no CUDA)",
             "command": "python bench/scale_probe.py " + " ".join(argv if argv is not None else [])}
-    result = {"meta": meta, "rows": rows}
+    result = {"meta": meta, "rows": rows} | ({"round": result_round} if result_round is not None else {})
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

@@ -478,7 +478,8 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
     """bench/scale_probe.py on the CPU (tiny shape, recorded graphs): the bytes a step reads are every weight but the
     untied input embedding, by hand; a replay gives the eager step's logits on the same cache, and the compiled
     forward's replay (as StepRunner(compile=True) compiles it) the same up to rounding; the ratios are those of the
-    timings reported; bad arguments are refused."""
+    timings reported; each step's launches are counted (a wider step dispatches as many ops), per layer too; the
+    speculative round's row adds K draft steps to a verification; bad arguments are refused."""
     mod = _bench_script("scale_probe")
     h, layers, heads, kv, mlp, vocab, tied = mod.SHAPES["tiny"]
     d = h // heads
@@ -486,19 +487,28 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
     model = mod.random_llama("tiny", "cpu")
     assert not tied and mod.weight_bytes(model) == 2 * (layers * per_layer + h + vocab * h)  # bf16; LM head, final norm
     out = mod.main(["--shapes", "tiny", "--context", "24", "--k", "3", "--repeats", "2", "--copy-mib", "4",
-                    "--compile", "aot_eager", "--out", str(tmp_path / "probe.json")])
+                    "--compile", "aot_eager", "--round", "tiny,tiny", "--out", str(tmp_path / "probe.json")])
     assert json.loads((tmp_path / "probe.json").read_text()) == out
     (row,) = out["rows"]
     assert set(row["steps"]) == {"1-token", "4-token"}
     for step in row["steps"].values():
         assert step["max_abs_diff"] == 0.0 and step["eager_ms"] > 0 and step["graph_ms"] > 0
         assert step["graph_compiled_ms"] > 0 and step["compiled_max_abs_diff"] < 1e-2  # the forward compiled, bf16
+        assert step["eager_launches"] >= 6 * layers and step["graph_launches"] >= 6 * layers  # norms, matmuls, ...
+        assert step["eager_launches_per_layer"] == step["eager_launches"] / layers
+    assert row["steps"]["1-token"]["eager_launches"] == row["steps"]["4-token"]["eager_launches"]
     bandwidth = out["meta"]["copy_bandwidth_GBps"] * 1e9
     assert row["weight_read_ms"] == pytest.approx(row["weight_bytes"] / bandwidth * 1e3)
     one, wide = row["steps"]["1-token"], row["steps"]["4-token"]
     assert row["graph_k1_over_graph_1"] == pytest.approx(wide["graph_ms"] / one["graph_ms"])
     assert row["graph_1_over_weight_read"] == pytest.approx(one["graph_ms"] / row["weight_read_ms"])
-    for bad in (["--shapes", "70b"], ["--k", "0"]):
+    rnd = out["round"]
+    assert (rnd["draft"], rnd["target"], rnd["k"]) == ("tiny", "tiny", 3)
+    assert rnd["round_ms"] == pytest.approx(3 * one["graph_ms"] + wide["graph_ms"])
+    assert rnd["k1_plain_ms"] == pytest.approx(4 * one["graph_ms"]) and rnd["draft_over_target"] == pytest.approx(1.0)
+    assert rnd["break_even_tokens"] == pytest.approx(3 + wide["graph_ms"] / one["graph_ms"])
+    assert rnd["compiled_round_ms"] == pytest.approx(3 * one["graph_compiled_ms"] + wide["graph_compiled_ms"])
+    for bad in (["--shapes", "70b"], ["--k", "0"], ["--shapes", "tiny", "--round", "tiny,1b"]):
         with pytest.raises(SystemExit):
             mod.main(bad)
 
