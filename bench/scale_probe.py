@@ -20,7 +20,7 @@ of one draft step to one target step (Leviathan et al. 2023, Sec. 3.4) and ``bre
 round must emit to match plain decoding (``round_ms`` over one target step).
 
     python bench/scale_probe.py --device cuda --shapes 1b,8b --out gpu_check/scale_probe.json
-    python bench/scale_probe.py --device cuda --shapes 1b --compile inductor
+    python bench/scale_probe.py --device cuda --shapes 1b --compile inductor [--coordinate-descent]
     python bench/scale_probe.py --shapes tiny          # a CPU, seconds
     python bench/scale_probe.py --shapes tiny --round tiny,tiny   # the round's row too
 """
@@ -214,6 +214,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="also a graph of the forward compiled by torch.compile with this backend (inductor on a GPU; "
                          "minutes per shape there), as StepRunner(compile=True) compiles it")
+    ap.add_argument("--coordinate-descent", action="store_true",
+                    help="with --compile inductor: inductor's coordinate_descent_tuning on (each kernel's launch "
+                         "configuration tuned by search; longer compiles)")
     ap.add_argument("--attention", default="auto", choices=("auto", "cache", "sdpa"),
                     help="the lean model's attention: auto (the CPU kernel, SDPA on a GPU), cache (ops.cache_attention: "
                          "each row's live columns, the flash-decoding kernel on a GPU), sdpa")
@@ -230,6 +233,12 @@ def main(argv=None) -> dict:
     pair = args.round.split(",") if args.round else (["1b", "8b"] if {"1b", "8b"} <= set(shapes) else None)
     if pair is not None and (len(pair) != 2 or not set(pair) <= set(shapes)):
         raise SystemExit(f"--round: expected DRAFT,TARGET among the probed --shapes {shapes}, got {args.round!r}")
+    if args.coordinate_descent:
+        if args.compile != "inductor":
+            raise SystemExit("--coordinate-descent: tunes inductor's kernels, expected --compile inductor")
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
     cuda = args.device.startswith("cuda")
     mib = args.copy_mib if args.copy_mib is not None else (2048 if cuda else 64)
     bandwidth = copy_bandwidth(args.device, mib << 20)
@@ -260,6 +269,7 @@ def main(argv=None) -> dict:
     meta = {"device": torch.cuda.get_device_name(args.device) if cuda else platform.processor() or platform.machine(),
             "torch": torch.__version__, "dtype": "bfloat16", "batch_size": 1, "copy_bandwidth_GBps": bandwidth / 1e9,
             "graphs": "captured" if cuda else "recorded (no CUDA)",
+            "coordinate_descent_tuning": args.coordinate_descent,
             "launches": "CUDA kernels and copies" if cuda else "top-level aten ops (no CUDA)",
             "command": "python bench/scale_probe.py " + " ".join(argv if argv is not None else [])}
     result = {"meta": meta, "rows": rows} | ({"round": result_round} if result_round is not None else {})

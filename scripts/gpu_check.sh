@@ -82,9 +82,11 @@ stage scale-cache 120 python bench/scale_probe.py --device cuda --shapes 1b,8b -
 stage cuda-attention 90 python -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py -k cache_attention
 stage scale-compiled 150 python bench/scale_probe.py --device cuda --shapes 1b,8b --compile inductor \
     --out "$WORK/scale_probe_compiled.json"
+stage scale-compiled-cdt 240 python bench/scale_probe.py --device cuda --shapes 1b,8b --compile inductor \
+    --coordinate-descent --out "$WORK/scale_probe_compiled_cdt.json"
 tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude=./cache .
 cp "$WORK/stages.txt" "$OUT/stages.txt"
 echo "results in $OUT/gpu_check.tar.gz (stages: $OUT/stages.txt)"
-for f in graphs-b1 base-b1 device-b1 table host base-host graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-cache cuda-attention scale-compiled; do grep -E "tokens/s|ms/round|us/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
+for f in graphs-b1 base-b1 device-b1 table host base-host graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-cache cuda-attention scale-compiled scale-compiled-cdt; do grep -E "tokens/s|ms/round|us/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
 tail -n 3 "$WORK/cuda-tests.log" 2>/dev/null
 cat "$OUT/stages.txt"

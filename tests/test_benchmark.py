@@ -508,7 +508,8 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
     assert rnd["k1_plain_ms"] == pytest.approx(4 * one["graph_ms"]) and rnd["draft_over_target"] == pytest.approx(1.0)
     assert rnd["break_even_tokens"] == pytest.approx(3 + wide["graph_ms"] / one["graph_ms"])
     assert rnd["compiled_round_ms"] == pytest.approx(3 * one["graph_compiled_ms"] + wide["graph_compiled_ms"])
-    for bad in (["--shapes", "70b"], ["--k", "0"], ["--shapes", "tiny", "--round", "tiny,1b"]):
+    for bad in (["--shapes", "70b"], ["--k", "0"], ["--shapes", "tiny", "--round", "tiny,1b"],
+                ["--shapes", "tiny", "--coordinate-descent"]):
         with pytest.raises(SystemExit):
             mod.main(bad)
 
