@@ -1,8 +1,9 @@
 """CUDA graphs of the round's steps (``engine/graphs.py``). Off CUDA the graphs are recorded, not captured
-(``StepRunner(cuda_graphs="emulate")``): each replay runs on the kept input buffers and writes the outputs kept
-from capture, so these tests check the plumbing a captured graph depends on (inputs copied in, outputs read before
-the next replay overwrites them, caches' lengths unchanged by capture, graphs dropped with a replaced cache). The
-CUDA tests (``tests/test_cuda_engine.py``) run the captured graphs themselves."""
+(``StepRunner(cuda_graphs="emulate")``): the ops a step dispatched at capture are replayed on the same tensors, the
+Python around them not run again, so these tests check what a captured graph depends on (inputs copied in, outputs
+read before the next replay overwrites them, caches' lengths unchanged by capture, graphs dropped with a replaced
+cache, no host state read or written inside a step). The CUDA tests (``tests/test_cuda_engine.py``) run the
+captured graphs themselves."""
 
 from __future__ import annotations
 
@@ -154,6 +155,31 @@ def test_a_graph_reads_the_tensors_it_was_captured_with_and_copies_in_others():
     assert twice.tolist() == [0.0, 0.0]
     p, q = torch.tensor([7.0, 7.0]), torch.tensor([1.0, 2.0])  # distinct tensors into the two slots: both count
     assert graphs.replay("twice", lambda x, y: (x - y,), [p, q], [])[0].tolist() == [6.0, 5.0]
+
+
+def test_a_recorded_graph_replays_the_ops_of_its_capture_and_none_of_its_python():
+    """As a CUDA graph: a replay reads its inputs' current values, but a host value the step read at capture stays
+    as it was, the step's Python (here a counter) does not run again, and a host read inside a step raises. Re-running
+    the step's Python, as a stand-in that called the step again would, gives another answer: the engine's tests of
+    replayed rounds against eager ones catch a round that keeps state on the host inside a captured step."""
+    from specdec_ext.engine.graphs import StepGraphs
+
+    graphs = StepGraphs(emulate=True)
+    x, host = torch.tensor([1.0, 2.0]), {"scale": 2.0, "calls": 0}
+
+    def fn(x):
+        host["calls"] += 1
+        return (x * host["scale"] + torch.tensor([float(host["calls"])]),)
+
+    (out,) = graphs.replay("k", fn, [x], [])
+    assert out.tolist() == [3.0, 5.0] and host["calls"] == 1  # the capture ran the Python once
+    host["scale"] = 10.0
+    x.copy_(torch.tensor([3.0, 4.0]))
+    (out,) = graphs.replay("k", fn, [x], [])
+    assert out.tolist() == [7.0, 9.0] and host["calls"] == 1  # the new inputs; the host's values as captured
+    assert fn(x)[0].tolist() == [32.0, 42.0]  # what running the step's Python again would have given
+    with pytest.raises(RuntimeError, match="read a device value on the host"):
+        graphs.replay("read", lambda x: (x * float(x.sum()),), [x], [])
 
 
 @pytest.mark.parametrize("name,kw", [("fixed", {"k": 3}), ("specdecpp", {"threshold": 0.3, "k_max": 6}),

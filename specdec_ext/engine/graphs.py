@@ -46,6 +46,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 def chain_nodes() -> bool:
     """Whether this build composes graphs with conditional nodes (:meth:`StepGraphs.replay_chain` on CUDA): the
@@ -56,34 +57,112 @@ def chain_nodes() -> bool:
         return False
 
 
-class _Recorded:
-    """A stand-in for a captured graph off CUDA (``StepGraphs(emulate=True)``, for the tests): each replay runs the
-    step eagerly on the kept input buffers and copies its results into the outputs kept from capture, so a caller
-    meets a graph's fixed addresses and its overwrites."""
+class _Tape(TorchDispatchMode):
+    """The ops a step dispatches while it is recorded (:class:`_Recorded`): each op with its arguments and results,
+    as a captured graph keeps its kernels with their addresses and the values passed at capture. A host read of a
+    device value (``.item()``, ``.tolist()``, ``bool(t)``: a result that is not a tensor) raises, as it does while a
+    CUDA stream captures."""
 
-    def __init__(self, fn: Callable, static: list, outs):
-        self.fn, self.static, self.outs = fn, static, outs
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        if any(r is not None and not isinstance(r, torch.Tensor) for r in results):
+            raise RuntimeError(f"a captured step read a device value on the host ({func}): a CUDA graph cannot "
+                               "capture a read-back; move it out of the step")
+        inputs = {_storage(t) for t in _tensors(args, kwargs)}
+        fresh = [r if r is not None and _storage(r) not in inputs else None for r in results]
+        if func.is_view and all(r is None for r in fresh):  # a view (reshape, to, contiguous where they copied
+            return out  # nothing): the same memory at every replay; an in-place op is no view and replays
+        self.ops.append((func, args, kwargs, fresh))
+        return out
 
     def replay(self) -> None:
-        for kept, new in zip(self.outs, self.fn(*self.static)):
-            if kept is not None:
-                kept.copy_(new)
+        """Every recorded op again on the tensors and values it was recorded with; a result it made afresh is copied
+        into the tensor it made at recording, so the ops after it, and the caller, read it where they did then."""
+        for func, args, kwargs, fresh in self.ops:
+            out = func(*args, **kwargs)
+            for kept, new in zip(fresh, out if isinstance(out, (tuple, list)) else (out,)):
+                if kept is not None:
+                    kept.copy_(new)
+
+
+def opaque(fn: Callable) -> Callable:
+    """``fn`` recorded whole where a step is recorded (:class:`_Tape`): run outside the tape and replayed as one call,
+    its tensor results copied where the recording left them. For what cannot run under a dispatch mode: a
+    ``torch.compile``'d forward (its kernels are what a capture would take)."""
+
+    def call(*args):
+        tape = _get_current_dispatch_mode()
+        if not isinstance(tape, _Tape):
+            return fn(*args)
+        with _pop_mode_temporarily():
+            out = fn(*args)
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        inputs = {_storage(t) for t in _tensors(args, {})}
+        tape.ops.append((fn, args, {}, [r if isinstance(r, torch.Tensor) and _storage(r) not in inputs else None
+                                        for r in results]))
+        return out
+
+    return call
+
+
+def _tensors(args, kwargs) -> list:
+    found = []
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (tuple, list)):
+            found += [t for t in a if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts (an opaque tensor, oneDNN's packed weights: its identity)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return id(t)
+
+
+def _record(fn: Callable, *args):
+    """``fn(*args)`` run once under a :class:`_Tape`: returns ``(tape, fn's results)``."""
+    tape = _Tape()
+    with tape:
+        out = fn(*args)
+    return tape, out
+
+
+class _Recorded:
+    """A stand-in for a captured graph off CUDA (``StepGraphs(emulate=True)``, for the tests): the step's ops as it
+    dispatched them once (:class:`_Tape`), replayed on the same tensors, so a replay does what a graph's does and no
+    more: the Python around the ops does not run again, values read from the host at recording stay as they were,
+    and the results land in the tensors of the recording, overwritten by the next replay."""
+
+    def __init__(self, tape: "_Tape", inference: bool):
+        self.tape, self.inference = tape, inference
+
+    def replay(self) -> None:
+        with torch.inference_mode(self.inference):
+            self.tape.replay()
 
 
 class _RecordedChain:
-    """:class:`_Recorded` for :meth:`StepGraphs.replay_chain`: the pieces run eagerly, piece i (0 < i < n - 1) only
-    where its flag holds (read by the host), on the kept inputs and the kept shared tensors of the first piece."""
+    """:class:`_Recorded` for :meth:`StepGraphs.replay_chain`: each piece's ops recorded apart, piece i
+    (0 < i < n - 1) replayed only where its flag holds (read by the host: the conditional node's stand-in)."""
 
-    def __init__(self, pieces: Sequence[Callable], static: list, shared: tuple, outs):
-        self.pieces, self.static, self.shared, self.outs = pieces, static, shared, outs
+    def __init__(self, tapes: list, flags: torch.Tensor, inference: bool):
+        self.tapes, self.flags, self.inference = tapes, flags, inference
 
     def replay(self) -> None:
-        for kept, new in zip(self.shared, self.pieces[0](*self.static)):
-            kept.copy_(new)
-        _run_middle(self.pieces, self.static, self.shared, every=False)
-        for kept, new in zip(self.outs, self.pieces[-1](*self.static, *self.shared)):
-            if kept is not None:
-                kept.copy_(new)
+        with torch.inference_mode(self.inference):
+            self.tapes[0].replay()
+            _run_middle([lambda *_, t=t: t.replay() for t in self.tapes], [], (self.flags,), every=False)
+            self.tapes[-1].replay()
 
 
 def _run_middle(pieces: Sequence[Callable], static: list, shared: tuple, every: bool) -> None:
@@ -198,14 +277,19 @@ class StepGraphs:
                 seen.add(t.data_ptr())
         saved = [t.clone() for t in state]
         self.captures += 1
-        run = (lambda: _run_chain(fn, static, every=False)) if chain else (lambda: fn(*static))
-        if self.emulate:
-            outs = run()
+        if self.emulate:  # recorded: the ops of one run, every middle piece's too, as a capture takes them all
+            inference = torch.is_inference_mode_enabled()
+            if chain:
+                first, shared = _record(fn[0], *static)
+                middle = [_record(piece, *static, *shared)[0] for piece in fn[1:-1]]
+                last, outs = _record(fn[-1], *static, *shared)
+                recorded, outs = _RecordedChain([first, *middle, last], shared[-1], inference), (shared, outs)
+            else:
+                tape, outs = _record(fn, *static)
+                recorded = _Recorded(tape, inference)
             for t, before in zip(state, saved):
                 t.copy_(before)
-            if chain:
-                return _RecordedChain(fn, static, outs[0], outs[1]), static, outs
-            return _Recorded(fn, static, outs), static, outs
+            return recorded, static, outs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles, workspaces and the like outside the graph

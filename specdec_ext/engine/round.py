@@ -14,7 +14,7 @@ import torch
 
 from .. import errors
 from ..policies.base import RoundPlan
-from .graphs import StepGraphs
+from .graphs import StepGraphs, opaque
 from .runner import sdpa_backends
 from .sampling import RowSampling
 from .steps import RoundInputs, RoundOutput, draft_step, pack, reads_after, unpack, verify_step
@@ -360,9 +360,13 @@ class StepRunner:
             compiled = torch.compile(types.MethodType(own, backend.lean_model), fullgraph=True, backend=self.backend,
                                      mode=self.mode)
 
-            def step(tokens, keep=1):
+            @opaque  # recorded graphs off CUDA call it whole (no dispatch mode inside compiled code)
+            def forward(tokens, keep=1):
                 with torch._dynamo.config.patch(recompile_limit=GRAPHS, accumulated_recompile_limit=GRAPHS):
-                    return backend.map.logits(compiled(backend.cache, backend.map.tokens(tokens), None, keep))
+                    return compiled(backend.cache, tokens, None, keep)
+
+            def step(tokens, keep=1):
+                return backend.map.logits(forward(backend.map.tokens(tokens), keep))
 
             entry = self._forwards[id(backend)] = (backend, step)
         return entry[1]
@@ -425,7 +429,7 @@ class StepRunner:
             inputs += [ts.temperature, ts.top_k, ts.top_p, inp.extra]
             written.append(target.cache.lengths)
         key = ("span", id(draft), id(target), P, first, last, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
-               inp.extra is None, len(asked))
+               inp.extra is None, tuple(tuple(a.shape) for a in asked))
         return self.graphs.replay(key, fn, inputs, written)
 
     def _graphed_chain(self, draft, target, P: int, cap: int, inp: RoundInputs, room, seeds, rule, rule_key) -> tuple:
@@ -481,7 +485,7 @@ class StepRunner:
                   ts.top_p, inp.extra]
         written = [draft.cache.lengths, target.cache.lengths] + rule.written()
         key = ("chain", id(draft), id(target), P, cap, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
-               inp.extra is None, len(asked))
+               inp.extra is None, tuple(tuple(a.shape) for a in asked))
         (cands, logits, n, drafting, _), fused = self.graphs.replay_chain(
             key, [first] + [later(k) for k in range(2, cap + 1)] + [verify], inputs, written)
         return tuple(cands.unbind(0)) + tuple(logits.unbind(0)) + (n, drafting) + tuple(fused)
@@ -501,7 +505,7 @@ class StepRunner:
             return out, acc, None if acc is None else pack(out, acc, n, asked)  # the read-back packed in the graph
 
         key = ("verify", id(target), id(draft), P, cands.shape[1], steps, s.greedy, s.masks, draft_logits is None,
-               n is None, inp.extra is None, len(asked))
+               n is None, inp.extra is None, tuple(tuple(a.shape) for a in asked))
         lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
                                             inp.seeds, inp.extra] + list(asked), lengths)
