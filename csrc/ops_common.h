@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -391,19 +392,20 @@ struct AttentionTensors {
   DecodeAttentionArgs args;
 };
 
-// decode_attention: query [B, Hq, n, D], key and value [B, Hkv, C, D] (any strides; a head dimension that is
-// not contiguous is copied), mask bool [B or 1, Hq or 1, n, C] (any strides; size-1 dimensions broadcast).
-inline AttentionTensors prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                                          const at::Tensor& mask, double scale) {
-  const char* op = "decode_attention";
+// The checks and layout both attention ops share: query [B, Hq, n, D] with n, D >= 1 (and D <= max_head_dim where
+// given: > 0), key and value [B, Hkv, C, D] of query's dtype and device, Hq a multiple of Hkv. Fills `a`'s shape,
+// pointers and strides from q, k, v: the inputs, copied where the head dimension is not contiguous.
+inline void prepare_qkv(const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        int64_t max_head_dim, at::Tensor& q, at::Tensor& k, at::Tensor& v, AttentionQKV& a) {
   const DType dt = float_dtype(query, "query");
   SPECDEC_CHK_TYPE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), op,
                    ": key and value must have query's dtype ", query.scalar_type(), ", got ", key.scalar_type(), " and ",
                    value.scalar_type());
-  SPECDEC_CHK_TYPE(mask.scalar_type() == at::kBool, op, ": mask must be bool (true where a query sees a column), got ",
-                   mask.scalar_type());
-  SPECDEC_CHK_VALUE(query.dim() == 4 && query.size(2) >= 1 && query.size(3) >= 1, op,
-                    ": query must be [B, Hq, n, D] with n, D >= 1, got ", query.sizes());
+  const std::string bound = max_head_dim > 0 ? " and 1 <= D <= " + std::to_string(max_head_dim) : ", D >= 1";
+  SPECDEC_CHK_VALUE(query.dim() == 4 && query.size(2) >= 1 && query.size(3) >= 1 &&
+                        (max_head_dim <= 0 || query.size(3) <= max_head_dim),
+                    op, ": query must be [B, Hq, n, D] with n", max_head_dim > 0 ? " >= 1" : "", bound, ", got ",
+                    query.sizes());
   const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3);
   SPECDEC_CHK_VALUE(key.dim() == 4 && key.size(0) == B && key.size(1) >= 1 && key.size(2) >= 1 && key.size(3) == D, op,
                     ": key must be [B, Hkv, C, D] = [", B, ", Hkv, C, ", D, "] with Hkv, C >= 1, got ", key.sizes());
@@ -411,32 +413,43 @@ inline AttentionTensors prepare_attention(const at::Tensor& query, const at::Ten
                     value.sizes());
   const int64_t Hkv = key.size(1), C = key.size(2);
   SPECDEC_CHK_VALUE(Hq % Hkv == 0, op, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
+  check_device(key, query, "key", "query");
+  check_device(value, query, "value", "query");
+  q = query.stride(3) == 1 ? query : query.contiguous();
+  k = key.stride(3) == 1 ? key : key.contiguous();
+  v = value.stride(3) == 1 ? value : value.contiguous();
+  a.dtype = dt;
+  a.batch = B; a.q_heads = Hq; a.kv_heads = Hkv; a.queries = n; a.columns = C; a.head_dim = D;
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  for (int d = 0; d < 3; ++d) {
+    a.q_stride[d] = q.stride(d);
+    a.k_stride[d] = k.stride(d);
+    a.v_stride[d] = v.stride(d);
+  }
+}
+
+// decode_attention: query [B, Hq, n, D], key and value [B, Hkv, C, D] (any strides; a head dimension that is
+// not contiguous is copied), mask bool [B or 1, Hq or 1, n, C] (any strides; size-1 dimensions broadcast).
+inline AttentionTensors prepare_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                          const at::Tensor& mask, double scale) {
+  const char* op = "decode_attention";
+  AttentionTensors t;
+  DecodeAttentionArgs& a = t.args;
+  a = DecodeAttentionArgs{};
+  prepare_qkv(op, query, key, value, 0, t.q, t.k, t.v, a);
+  const int64_t B = a.batch, Hq = a.q_heads, n = a.queries, C = a.columns, D = a.head_dim;
+  SPECDEC_CHK_TYPE(mask.scalar_type() == at::kBool, op, ": mask must be bool (true where a query sees a column), got ",
+                   mask.scalar_type());
   SPECDEC_CHK_VALUE(mask.dim() == 4 && (mask.size(0) == B || mask.size(0) == 1) &&
                         (mask.size(1) == Hq || mask.size(1) == 1) && mask.size(2) == n && mask.size(3) == C,
                     op, ": mask must be [B or 1, Hq or 1, n, C] = [", B, ", ", Hq, ", ", n, ", ", C, "], got ", mask.sizes());
   SPECDEC_CHK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-  check_device(key, query, "key", "query");
-  check_device(value, query, "value", "query");
   check_device(mask, query, "mask", "query");
-  AttentionTensors t;
-  t.q = query.stride(3) == 1 ? query : query.contiguous();
-  t.k = key.stride(3) == 1 ? key : key.contiguous();
-  t.v = value.stride(3) == 1 ? value : value.contiguous();
   t.mask = mask.expand({B, Hq, n, C});
   t.out = at::empty({B, n, Hq, D}, query.options());
-  DecodeAttentionArgs& a = t.args;
-  a = DecodeAttentionArgs{};
-  a.dtype = dt;
-  a.batch = B; a.q_heads = Hq; a.kv_heads = Hkv; a.queries = n; a.columns = C; a.head_dim = D;
-  a.q = t.q.data_ptr();
-  a.k = t.k.data_ptr();
-  a.v = t.v.data_ptr();
   a.mask = t.mask.data_ptr<bool>();
-  for (int d = 0; d < 3; ++d) {
-    a.q_stride[d] = t.q.stride(d);
-    a.k_stride[d] = t.k.stride(d);
-    a.v_stride[d] = t.v.stride(d);
-  }
   for (int d = 0; d < 4; ++d) a.mask_stride[d] = t.mask.stride(d);
   a.scale = static_cast<float>(scale);
   a.out = t.out.data_ptr();
@@ -453,45 +466,18 @@ struct CacheAttentionTensors {
 inline CacheAttentionTensors prepare_cache_attention(const at::Tensor& query, const at::Tensor& key,
                                                      const at::Tensor& value, const at::Tensor& starts, double scale) {
   const char* op = "cache_attention";
-  const DType dt = float_dtype(query, "query");
-  SPECDEC_CHK_TYPE(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), op,
-                   ": key and value must have query's dtype ", query.scalar_type(), ", got ", key.scalar_type(), " and ",
-                   value.scalar_type());
-  SPECDEC_CHK_VALUE(query.dim() == 4 && query.size(2) >= 1 && query.size(3) >= 1 && query.size(3) <= 256, op,
-                    ": query must be [B, Hq, n, D] with n >= 1 and 1 <= D <= 256, got ", query.sizes());
-  const int64_t B = query.size(0), Hq = query.size(1), n = query.size(2), D = query.size(3);
-  SPECDEC_CHK_VALUE(key.dim() == 4 && key.size(0) == B && key.size(1) >= 1 && key.size(2) >= 1 && key.size(3) == D, op,
-                    ": key must be [B, Hkv, C, D] = [", B, ", Hkv, C, ", D, "] with Hkv, C >= 1, got ", key.sizes());
-  SPECDEC_CHK_VALUE(value.sizes() == key.sizes(), op, ": value must have key's shape ", key.sizes(), ", got ",
-                    value.sizes());
-  const int64_t Hkv = key.size(1), C = key.size(2);
-  SPECDEC_CHK_VALUE(Hq % Hkv == 0, op, ": query heads (", Hq, ") must be a multiple of key/value heads (", Hkv, ")");
-  SPECDEC_CHK_TYPE(starts.scalar_type() == at::kLong, op, ": starts must be int64 (positions), got ",
-                   starts.scalar_type());
-  SPECDEC_CHK_VALUE(starts.dim() == 1 && starts.size(0) == B, op, ": starts must be [B] = [", B, "], got ",
-                    starts.sizes());
-  SPECDEC_CHK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-  check_device(key, query, "key", "query");
-  check_device(value, query, "value", "query");
-  check_device(starts, query, "starts", "query");
   CacheAttentionTensors t;
-  t.q = query.stride(3) == 1 ? query : query.contiguous();
-  t.k = key.stride(3) == 1 ? key : key.contiguous();
-  t.v = value.stride(3) == 1 ? value : value.contiguous();
-  t.starts = starts.contiguous();
-  t.out = at::empty({B, n, Hq, D}, query.options());
   CacheAttentionArgs& a = t.args;
   a = CacheAttentionArgs{};
-  a.dtype = dt;
-  a.batch = B; a.q_heads = Hq; a.kv_heads = Hkv; a.queries = n; a.columns = C; a.head_dim = D;
-  a.q = t.q.data_ptr();
-  a.k = t.k.data_ptr();
-  a.v = t.v.data_ptr();
-  for (int d = 0; d < 3; ++d) {
-    a.q_stride[d] = t.q.stride(d);
-    a.k_stride[d] = t.k.stride(d);
-    a.v_stride[d] = t.v.stride(d);
-  }
+  prepare_qkv(op, query, key, value, 256, t.q, t.k, t.v, a);
+  SPECDEC_CHK_TYPE(starts.scalar_type() == at::kLong, op, ": starts must be int64 (positions), got ",
+                   starts.scalar_type());
+  SPECDEC_CHK_VALUE(starts.dim() == 1 && starts.size(0) == a.batch, op, ": starts must be [B] = [", a.batch, "], got ",
+                    starts.sizes());
+  SPECDEC_CHK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_device(starts, query, "starts", "query");
+  t.starts = starts.contiguous();
+  t.out = at::empty({a.batch, a.queries, a.q_heads, a.head_dim}, query.options());
   a.starts = t.starts.data_ptr<int64_t>();
   a.scale = static_cast<float>(scale);
   a.out = t.out.data_ptr();

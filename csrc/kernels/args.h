@@ -93,9 +93,9 @@ SPECDEC_HD bool head_row_stop(const HeadArgs& a, int64_t b, float cum) {
                         a.stop_below != nullptr ? a.stop_below[b] : -INFINITY);
 }
 
-// decode_attention: softmax(q k^T * scale + mask) v for a few queries per row over a KV cache, reading only
-// the columns the mask lets some query see. Strides are in elements; the head dimension is contiguous.
-struct DecodeAttentionArgs {
+// The queries, keys and values of the attention ops: a few queries per row over a KV cache. Strides are in
+// elements; the head dimension is contiguous.
+struct AttentionQKV {
   DType dtype;                         // of q, k, v and out
   int64_t batch, q_heads, kv_heads;    // B, Hq, Hkv (Hq a multiple of Hkv: grouped-query attention)
   int64_t queries, columns, head_dim;  // n, C, D
@@ -105,6 +105,10 @@ struct DecodeAttentionArgs {
   int64_t k_stride[3];                 // of b, h, c
   const void* v;                       // [B, Hkv, C, D]
   int64_t v_stride[3];                 // of b, h, c
+};
+
+// decode_attention: softmax(q k^T * scale + mask) v, reading only the columns the mask lets some query see.
+struct DecodeAttentionArgs : AttentionQKV {
   const bool* mask;                    // [B, 1 or Hq, n, C]: true where query i sees column c
   int64_t mask_stride[4];              // of b, h (0 when shared by the heads), i, c
   float scale;                         // multiplies q.k (usually 1 / sqrt(D))
@@ -116,16 +120,7 @@ struct DecodeAttentionArgs {
 // mask; a row whose position is negative sees none). The CUDA kernel splits the columns into chunks of `chunk` (one
 // block per row, KV head and chunk: flash-decoding), each block reading its columns once for every query of the
 // heads that share the KV head, and merges the chunks' partial softmaxes; chunks past a row's length exit at once.
-struct CacheAttentionArgs {
-  DType dtype;                         // of q, k, v and out
-  int64_t batch, q_heads, kv_heads;    // B, Hq, Hkv (Hq a multiple of Hkv)
-  int64_t queries, columns, head_dim;  // n, C, D
-  const void* q;                       // [B, Hq, n, D]
-  int64_t q_stride[3];                 // of b, h, i
-  const void* k;                       // [B, Hkv, C, D]
-  int64_t k_stride[3];                 // of b, h, c
-  const void* v;                       // [B, Hkv, C, D]
-  int64_t v_stride[3];                 // of b, h, c
+struct CacheAttentionArgs : AttentionQKV {
   const int64_t* starts;               // [B]: each row's first query's position
   float scale;                         // multiplies q.k
   void* out;                           // [B, n, Hq, D], contiguous
