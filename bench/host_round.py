@@ -77,12 +77,12 @@ class _Inside:
                     probe.left_out = False
             return wrapped
 
-        self._saved = [(graphs_mod.StepGraphs, "replay"), (graphs_mod.StepGraphs, "replay_chain"),
-                       (Scheduler, "_catch_up"), (Scheduler, "_round")]
-        self._saved = [(owner, name, getattr(owner, name)) for owner, name in self._saved]
         steps = graphs_mod.StepGraphs
-        self._wrapped = [left_out(steps.replay, True), left_out(steps.replay_chain, True),
-                         left_out(Scheduler._catch_up, False), round_(Scheduler._round)]
+        replays = [name for name in ("replay", "replay_chain") if hasattr(steps, name)]  # (older code: no chains)
+        self._saved = [(steps, name) for name in replays] + [(Scheduler, "_catch_up"), (Scheduler, "_round")]
+        self._saved = [(owner, name, getattr(owner, name)) for owner, name in self._saved]
+        self._wrapped = [left_out(getattr(steps, name), True) for name in replays] + \
+            [left_out(Scheduler._catch_up, False), round_(Scheduler._round)]
 
     def __enter__(self):
         for (owner, name, _), fn in zip(self._saved, self._wrapped):
