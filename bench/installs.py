@@ -10,12 +10,12 @@ and this install over the other per prompt (median of the per-prompt ratios, boo
 batches: each install's aggregate tokens/s per method and batch size, pooled over ``--passes`` passes, and the ratio.
 Every request's tokens are compared between the installs (bf16 near-ties may round either way).
 
-    git worktree add ../base 7f7a285 && python -m venv ../base/.venv && ../base/.venv/bin/pip install torch==2.13.0 \\
+    git worktree add ../base 96f021d && python -m venv ../base/.venv && ../base/.venv/bin/pip install torch==2.13.0 \\
         && ../base/.venv/bin/pip install --no-build-isolation -e ../base
     python bench/installs.py --other ../base/.venv/bin/python --batch-sizes 1 --methods plain,K3,auto \\
-        --prompts 164 --max-new-tokens 64 --out docs/results/engine_b1_bf16_epyc.json
-    python bench/installs.py --other ../base/.venv/bin/python --batch-sizes 4,16,64 --methods plain,K1,K2,auto \\
-        --prompts 128 --max-new-tokens 48 --passes 2 --out docs/results/engine_batch_bf16_epyc.json
+        --prompts 164 --max-new-tokens 64 --out docs/results/installs_b1_xeon.json
+    python bench/installs.py --other ../base/.venv/bin/python --batch-sizes 4,16 --methods plain,K2,auto \\
+        --prompts 128 --max-new-tokens 48 --passes 2 --out docs/results/installs_batch_xeon.json
 """
 
 from __future__ import annotations
