@@ -74,12 +74,16 @@ class _Tape(TorchDispatchMode):
         if any(r is not None and not isinstance(r, torch.Tensor) for r in results):
             raise RuntimeError(f"a captured step read a device value on the host ({func}): a CUDA graph cannot "
                                "capture a read-back; move it out of the step")
-        inputs = {_storage(t) for t in _tensors(args, kwargs)}
-        fresh = [r if r is not None and _storage(r) not in inputs else None for r in results]
-        if func.is_view and all(r is None for r in fresh):  # a view (reshape, to, contiguous where they copied
-            return out  # nothing): the same memory at every replay; an in-place op is no view and replays
-        self.ops.append((func, args, kwargs, fresh))
+        self.add(func, args, kwargs, results, view=func.is_view)
         return out
+
+    def add(self, func: Callable, args, kwargs, results, view: bool = False) -> None:
+        """``func(*args, **kwargs)`` onto the tape, with each of its ``results`` that is no input's memory (a view
+        of an input, made again at no replay, stays off the tape)."""
+        inputs = {_storage(t) for t in _tensors(args, kwargs)}
+        fresh = [r if isinstance(r, torch.Tensor) and _storage(r) not in inputs else None for r in results]
+        if not (view and all(r is None for r in fresh)):  # a view (reshape, to, contiguous where they copied
+            self.ops.append((func, args, kwargs, fresh))  # nothing): the same memory at every replay
 
     def replay(self) -> None:
         """Every recorded op again on the tensors and values it was recorded with; a result it made afresh is copied
@@ -102,10 +106,7 @@ def opaque(fn: Callable) -> Callable:
             return fn(*args)
         with _pop_mode_temporarily():
             out = fn(*args)
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        inputs = {_storage(t) for t in _tensors(args, {})}
-        tape.ops.append((fn, args, {}, [r if isinstance(r, torch.Tensor) and _storage(r) not in inputs else None
-                                        for r in results]))
+        tape.add(fn, args, {}, out if isinstance(out, (tuple, list)) else (out,))
         return out
 
     return call
