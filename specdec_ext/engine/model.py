@@ -265,7 +265,6 @@ class LeanModel:
         if start is not None and start + n <= M and index is None:  # one length: slices
             pos = torch.arange(start, start + n, device=dev)
             cos, sin = self.cos[start: start + n], self.sin[start: start + n]  # [n, d]
-            mask = (torch.arange(W, device=dev).view(1, W) <= pos.view(n, 1)).view(1, 1, n, W)
             at = None
         else:
             lengths = cache.lengths[index] if index is not None else cache.lengths[span]
@@ -273,15 +272,17 @@ class LeanModel:
             at = pos.clamp_max(M)  # the columns written: positions past max_len into the scratch column
             rot = pos.clamp_max(self.max_pos - 1)
             cos, sin = self.cos[rot].unsqueeze(1), self.sin[rot].unsqueeze(1)  # [b, 1, n, d]
-            mask = (torch.arange(W, device=dev).view(1, 1, W) <= pos.unsqueeze(2)).unsqueeze(1)  # [b, 1, n, W]
             slot = index if index is not None else torch.arange(span.start, span.start + b, device=dev)
             # each (row, kv head, position)'s row in the cache seen as [slots * kv_heads * columns, head_dim]
             heads = torch.arange(self.n_kv, device=dev).view(1, -1, 1)
             flat = ((slot.view(b, 1, 1) * self.n_kv + heads) * (M + 1) + at.view(b, 1, n)).reshape(-1)
         kernel = self.attention == "auto" and kernel_takes(dev, n)
-        starts = None
-        if self.attention == "cache":  # each row's first position, on the device
+        starts = mask = None
+        if self.attention == "cache":  # each row's first position, on the device (the op needs no mask)
             starts = pos[:, 0].contiguous() if pos.dim() == 2 else torch.full((b,), start, dtype=torch.int64, device=dev)
+        else:  # [b or 1, 1, n, W]: query i sees the columns up to its position
+            rows_pos = pos.view(1, n) if pos.dim() == 1 else pos
+            mask = (torch.arange(W, device=dev).view(1, 1, W) <= rows_pos.unsqueeze(2)).unsqueeze(1)
         x = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv(layer, x, cos, sin)
