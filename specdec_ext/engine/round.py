@@ -429,7 +429,7 @@ class StepRunner:
             inputs += [ts.temperature, ts.top_k, ts.top_p, inp.extra]
             written.append(target.cache.lengths)
         key = ("span", id(draft), id(target), P, first, last, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
-               inp.extra is None, tuple(tuple(a.shape) for a in asked))
+               inp.extra is None, _shapes(asked))
         return self.graphs.replay(key, fn, inputs, written)
 
     def _graphed_chain(self, draft, target, P: int, cap: int, inp: RoundInputs, room, seeds, rule, rule_key) -> tuple:
@@ -485,7 +485,7 @@ class StepRunner:
                   ts.top_p, inp.extra]
         written = [draft.cache.lengths, target.cache.lengths] + rule.written()
         key = ("chain", id(draft), id(target), P, cap, ds.greedy, ds.masks, ts.greedy, ts.masks, rule_key,
-               inp.extra is None, tuple(tuple(a.shape) for a in asked))
+               inp.extra is None, _shapes(asked))
         (cands, logits, n, drafting, _), fused = self.graphs.replay_chain(
             key, [first] + [later(k) for k in range(2, cap + 1)] + [verify], inputs, written)
         return tuple(cands.unbind(0)) + tuple(logits.unbind(0)) + (n, drafting) + tuple(fused)
@@ -505,7 +505,7 @@ class StepRunner:
             return out, acc, None if acc is None else pack(out, acc, n, asked)  # the read-back packed in the graph
 
         key = ("verify", id(target), id(draft), P, cands.shape[1], steps, s.greedy, s.masks, draft_logits is None,
-               n is None, inp.extra is None, tuple(tuple(a.shape) for a in asked))
+               n is None, inp.extra is None, _shapes(asked))
         lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
                                             inp.seeds, inp.extra] + list(asked), lengths)
@@ -527,6 +527,12 @@ class _Drafted:
     verified: int = 0
     fused: Optional[tuple] = None
     t_fused: Optional[float] = None
+
+
+def _shapes(tensors: list) -> tuple:
+    """The shapes of ``tensors`` (a stop rule's read-back, part of a graph's key: a graph reads the shapes it was
+    captured with)."""
+    return tuple(tuple(t.shape) for t in tensors)
 
 
 def _attending(backend, fn: Callable, *args):
