@@ -43,7 +43,8 @@ ARMS = {"plain": dict(policy="autoregressive"), "fixed K=3": dict(policy="fixed"
 
 
 class _Inside:
-    """Scheduler._round timed, and inside it StepGraphs.replay and Scheduler._catch_up (the draft's reads of a
+    """The scheduler's rounds timed (their launch, a launch ahead, their read), and inside them StepGraphs.replay
+    and Scheduler._catch_up (the draft's reads of a
     context, a prefill) left out: ``seconds`` inside those, ``round_seconds`` inside rounds, ``calls`` replays;
     ``counting`` while a round runs outside them. A context manager: the wrapped methods are restored on exit."""
 
@@ -52,11 +53,11 @@ class _Inside:
         probe = self
 
         def round_(fn):
-            def wrapped(sched):
+            def wrapped(*args, **kwargs):
                 probe.in_round = True
                 t0 = time.perf_counter()
                 try:
-                    return fn(sched)
+                    return fn(*args, **kwargs)
                 finally:
                     probe.round_seconds += time.perf_counter() - t0
                     probe.in_round = False
@@ -79,10 +80,14 @@ class _Inside:
 
         steps = graphs_mod.StepGraphs
         replays = [name for name in ("replay", "replay_chain") if hasattr(steps, name)]  # (older code: no chains)
-        self._saved = [(steps, name) for name in replays] + [(Scheduler, "_catch_up"), (Scheduler, "_round")]
+        # a round: planned and launched from the host's state, or launched ahead (overlapped), then read and
+        # appended (older code: one method, _round)
+        parts = [name for name in ("_launch", "_launch_ahead", "_finish") if hasattr(Scheduler, name)] or ["_round"]
+        self._saved = [(steps, name) for name in replays] + [(Scheduler, "_catch_up")] + \
+            [(Scheduler, name) for name in parts]
         self._saved = [(owner, name, getattr(owner, name)) for owner, name in self._saved]
         self._wrapped = [left_out(getattr(steps, name), True) for name in replays] + \
-            [left_out(Scheduler._catch_up, False), round_(Scheduler._round)]
+            [left_out(Scheduler._catch_up, False)] + [round_(getattr(Scheduler, name)) for name in parts]
 
     def __enter__(self):
         for (owner, name, _), fn in zip(self._saved, self._wrapped):

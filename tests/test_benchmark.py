@@ -522,7 +522,7 @@ def test_host_round_counts_one_replay_per_round_of_fixed_k_and_restores_what_it_
     from specdec_ext.engine.scheduler import Scheduler
 
     mod = _bench_script("host_round")
-    before = (StepGraphs.replay, Scheduler._round, Scheduler._catch_up)
+    before = (StepGraphs.replay, Scheduler._launch, Scheduler._launch_ahead, Scheduler._finish, Scheduler._catch_up)
     out = mod.main(["--prompts", "1", "--max-new-tokens", "12", "--repeats", "1", "--arms", "plain|fixed",
                     "--out", str(tmp_path / "host.json")])
     assert json.loads((tmp_path / "host.json").read_text()) == out
@@ -530,4 +530,5 @@ def test_host_round_counts_one_replay_per_round_of_fixed_k_and_restores_what_it_
     for row in out["rows"].values():
         assert row["replays_per_round"] == 1.0 and row["eager_ops_per_round"] > 0 and row["host_us_per_round"] > 0
         assert row["rounds"] >= 12 / 4
-    assert (StepGraphs.replay, Scheduler._round, Scheduler._catch_up) == before
+    assert (StepGraphs.replay, Scheduler._launch, Scheduler._launch_ahead, Scheduler._finish,
+            Scheduler._catch_up) == before

@@ -18,8 +18,11 @@ from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
 
-def graphed(gen) -> SpeculativeGenerator:
+def graphed(gen, overlap: bool = False) -> SpeculativeGenerator:
+    """``gen`` with recorded graphs, its rounds one at a time (``overlap=False``: what the eager rounds do) or
+    overlapped where they can be (tests/test_overlap.py)."""
     gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
+    gen.overlap = overlap
     return gen
 
 
@@ -201,13 +204,19 @@ def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):
     gen = graphed(make_gen(target, draft, name, kw, early_exit=early_exit))
     eager = make_gen(target, draft, name, kw, early_exit=early_exit)
     rounds, replays = [], [0]
-    run, replay, chain = gen.steps.run, graphs_module.StepGraphs.replay, graphs_module.StepGraphs.replay_chain
+    launch, read = gen.steps.launch, gen.steps.read
+    replay, chain = graphs_module.StepGraphs.replay, graphs_module.StepGraphs.replay_chain
 
-    def counted(draft_, target_, inp, plan, ee):
+    def launched(draft_, target_, inp, plan, ee, **kw):
         before = replays[0]
-        out = run(draft_, target_, inp, plan, ee)
-        rounds.append((plan.cap, out.steps, replays[0] - before))
+        out = launch(draft_, target_, inp, plan, ee, **kw)
+        out.seen = (plan.cap, replays[0] - before)
         return out
+
+    def counted(out):
+        result = read(out)
+        rounds.append((out.seen[0], result.steps, out.seen[1]))
+        return result
 
     def counting(self, *args, **kwargs):
         replays[0] += 1
@@ -217,7 +226,7 @@ def test_the_steps_between_two_reads_replay_as_one_graph(name, kw, early_exit):
         replays[0] += 1
         return chain(self, *args, **kwargs)
 
-    gen.steps.run = counted
+    gen.steps.launch, gen.steps.read = launched, counted
     g = torch.Generator().manual_seed(6)
     temperatures = (0.0,) if kw.get("threshold") == "auto" else (0.0, 1.0)
     with pytest.MonkeyPatch.context() as m:

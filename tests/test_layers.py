@@ -15,6 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "specdec_ext"
 LAYERS = {
     "errors": 0, "checks": 0, "reference": 0, "ops": 0, "_C": 0,
     "corpus": 0, "prompts": 0,  # the stdlib corpus and the prompt sets read from it: leaves
+    "transfer": 0,  # pinned host buffers for copies without a wait (engine and policies)
     "head": 1,
     "policies": 2,
     "engine": 3,

@@ -36,21 +36,28 @@ class CountReads(TorchFunctionMode):
 
 def reads_per_round(gen, call) -> tuple:
     """Runs ``call()`` (a public generate call of ``gen``) and returns the host reads and draft steps of each of
-    its rounds (``StepRunner.run``, from its first step to its read-back), and what the call returned."""
+    its rounds (``StepRunner.launch``, from its first step, to ``StepRunner.read``, its read-back), and what the call
+    returned."""
     counts = []
-    run = gen.steps.run
+    launch, read = gen.steps.launch, gen.steps.read
 
-    def counted(*a, **k):
+    def launched(*a, **k):
         with CountReads() as mode:
-            out = run(*a, **k)
-        counts.append((mode.reads, out.steps))
+            out = launch(*a, **k)
+        out.reads = mode.reads
         return out
 
-    gen.steps.run = counted
+    def counted(launched):
+        with CountReads() as mode:
+            out = read(launched)
+        counts.append((launched.reads + mode.reads, out.steps))
+        return out
+
+    gen.steps.launch, gen.steps.read = launched, counted
     try:
         out = call()
     finally:
-        del gen.steps.run
+        del gen.steps.launch, gen.steps.read
     return counts, out
 
 
@@ -88,13 +95,13 @@ def test_exit_tiers_read_only_after_their_steps(name, kw):
     tiers = make_gen(target, draft, name, kw, early_exit=(1, 3))
     every = make_gen(target, draft, name, kw, early_exit=True)
     caps = []
-    run = tiers.steps.run
+    launch = tiers.steps.launch
 
-    def capped(draft_, target_, inp, plan, early_exit):
+    def capped(draft_, target_, inp, plan, early_exit, **kw):
         caps.append(plan.cap)
-        return run(draft_, target_, inp, plan, early_exit)
+        return launch(draft_, target_, inp, plan, early_exit, **kw)
 
-    tiers.steps.run = capped
+    tiers.steps.launch = capped
     counts, out = reads_per_round(tiers, lambda: tiers.generate(ids, max_new_tokens=24, temperature=0))
     budget = kw.get("threshold") == "auto"
     assert len(caps) == len(counts) and any(steps > 1 for _, steps in counts)

@@ -111,6 +111,15 @@ class SpeculativeGenerator:
             captured, so each graph replays fused kernels instead of one per elementwise op; compilation takes
             seconds to a minute per model at the first rounds of new shapes (one batch bucket, then many; one
             token, then many), and is kept for the generator's life.
+        overlap: launch each round before the one before it is read (SGLang's overlap scheduler, vLLM's
+            asynchronous scheduling), its inputs written on the device, so the host's work between rounds (reading,
+            planning, launching) runs while the GPU computes; rows that reach EOS or their limit are seen a round
+            late and their tokens of that round dropped; the tokens are those of rounds run one at a time (greedy
+            exactly; sampling exactly under a fixed K, and in distribution where an adaptive policy plans a round
+            without the last one's result). Rounds overlap where they replay CUDA graphs, the policy plans ahead
+            (``CandidateLengthPolicy.plans_ahead``: the built-in ones, but SpecDec++ under its batch verification
+            budget), no logits processor is given and no queued request could join (``engine/scheduler.py``).
+            None (default): on where the rounds replay CUDA graphs; True requires them; False: rounds one at a time.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
@@ -121,14 +130,15 @@ class SpeculativeGenerator:
             a head for another draft (hidden size, or fingerprint unless ``allow_other_draft``), models on the meta
             device, a speculative policy without a draft, a ``draft_context`` that is not None or an integer >= 1,
             ``cuda_graphs=True`` for models that are not lean on a CUDA device, ``compile=True`` without CUDA
-            graphs.
+            graphs, ``overlap`` that is not None or a bool, ``overlap=True`` without CUDA graphs.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
                  head: Optional[AcceptanceHead] = None, fast_draft: bool = True, costs: Optional[CostModel] = None,
                  allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
                  fast_target: bool = True, early_exit=True, tokenizers: Optional[tuple] = None,
-                 cuda_graphs: Optional[bool] = None, compile: bool = False, **policy_kwargs):
+                 cuda_graphs: Optional[bool] = None, compile: bool = False, overlap: Optional[bool] = None,
+                 **policy_kwargs):
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
                                           or draft_context < 1):
             raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
@@ -160,6 +170,11 @@ class SpeculativeGenerator:
                              "specdec_ext composes only when compiled for CUDA (12.4 or later); it was built without: "
                              "use True or a tuple of steps")
         self.steps = StepRunner(BUCKETS, cuda_graphs=True, compile=compile) if self.cuda_graphs else StepRunner()
+        if overlap not in (None, True, False) or (overlap and not self.cuda_graphs):
+            raise ValueError(f"overlap: rounds overlap the host where they replay CUDA graphs (None: there; True: "
+                             f"requires them; False: never), got overlap={overlap!r} with CUDA graphs "
+                             f"{'on' if self.cuda_graphs else 'off'}")
+        self.overlap = overlap is not False  # where the step runner's rounds allow it (Scheduler._overlaps)
         self.measured = Measured()  # the draft's reads and the admissions over this generator's calls (the scheduler's)
         self._draft_share: Optional[float] = None  # the draft's parameters over the target's (Settings.draft_share)
         self.policy = self._make_policy(policy, head, policy_kwargs)
@@ -458,7 +473,7 @@ class SpeculativeGenerator:
         if self._draft_share is None and self.draft is not None:
             self._draft_share = param_count(self.draft) / max(1, param_count(self.target))
         settings = Settings(eos, streamer, processor, admission, self.early_exit, self.draft_context, continuous,
-                            timed=tp_size(self.target) == 1, draft_share=self._draft_share)
+                            timed=tp_size(self.target) == 1, draft_share=self._draft_share, overlap=self.overlap)
         before = {k: (b.calls, b.seconds) for k, b in self._backends.items()}
         served = Scheduler(self.steps, pol, target, draft, requests, batch_size, settings, self.vocab, self.measured,
                            staging).run()

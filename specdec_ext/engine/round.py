@@ -13,6 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import errors
+from ..transfer import PinnedRing
 from ..policies.base import RoundPlan
 from .graphs import StepGraphs, opaque
 from .runner import sdpa_backends
@@ -61,6 +62,7 @@ class StepRunner:
         self._forwards: dict = {}  # id(backend) -> (backend, its compiled forward) (compile=True)
         self._counted = [0, 0.0, 0, 0.0]  # the round's forwards run here: RoundOutput.counted
         self._buffers: dict = {}  # bucket -> its persistent input tensors by name
+        self._rings: dict = {}  # (shape, dtype, device) -> host buffers of staged read-backs (Launched.stage)
 
     def _persistent(self, inp: RoundInputs, P: int) -> RoundInputs:
         """``inp`` copied into bucket P's persistent input tensors (allocated at the bucket's first round), so the
@@ -161,6 +163,14 @@ class StepRunner:
         steps after which the round reads whether any row still drafts, or ``"device"`` (``steps.exit_steps``).
 
         Raises ValueError when the verification reports an invalid row (a NaN or +Inf logit, or a fully masked row)."""
+        return self.read(self.launch(draft, target, inp, plan, early_exit))
+
+    def launch(self, draft, target, inp: RoundInputs, plan: RoundPlan, early_exit: Union[bool, frozenset, str],
+               stage: bool = False) -> "Launched":
+        """:meth:`run` up to its read-back: the round's steps enqueued (replayed, compiled or eager; what the stop
+        rule reads between steps is read here), the read-back not yet read. ``stage``: its read-back copied at once
+        to a host buffer of its own (pinned, without a wait, on a GPU), so the next round may be launched, and replay
+        the same graphs, before this one is read (overlapped rounds, ``engine/scheduler.py``)."""
         B = inp.last.shape[0]
         P = self.bucket(B)
         if self.buckets is not None:  # the bucket's persistent inputs, padding rows filled (SGLang's replay_prepare)
@@ -176,14 +186,92 @@ class StepRunner:
         t1 = time.perf_counter() if drafted.fused is None else drafted.t_fused  # a fused span's time: the verification
         asked = plan.rule.readback() if plan.rule is not None and drafted.steps else []
         if drafted.fused is not None:
-            out, _, packed = drafted.fused
+            out, acc, packed = drafted.fused
         else:
-            out, packed = self._verify(draft, target, inp, drafted, P, graphed, asked)
+            out, acc, packed = self._verify(draft, target, inp, drafted, P, graphed, asked)
             if graphed:
                 self._counted[2] += 1
                 self._counted[3] += time.perf_counter() - t1
         on_device = drafted.fused is not None and early_exit == "device" and plan.rule is not None
-        return self._output(out, packed, drafted, B, asked, on_device, t0, t1)
+        staged = self._stage(packed if drafted.steps else out) if stage else None
+        return Launched(out, acc, packed, drafted, B, P, asked, on_device, t0, t1, self._counted, staged)
+
+    def _stage(self, src: torch.Tensor) -> tuple:
+        """A round's read-back ``src`` copied to the host now, in stream order before a later replay rewrites it: a
+        clone on a CPU, else a pinned buffer in rotation (``transfer.PinnedRing``) filled without a wait. Returns
+        ``(host tensor, the event after its copy or None)`` (:attr:`Launched.staged`)."""
+        if src.device.type != "cuda":
+            return src.clone(), None
+        key = (tuple(src.shape), src.dtype, src.device)
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = self._rings[key] = PinnedRing(tuple(src.shape), src.dtype, src.device)
+        buf = ring.take()
+        buf.copy_(src, non_blocking=True)
+        return buf, ring.used()
+
+    def read(self, launched: "Launched") -> RoundOutput:
+        """The round's one read-back (:meth:`launch`), unpacked (:func:`~specdec_ext.engine.steps.unpack`) into its
+        output; where the device decided how many draft steps ran, their count is the most candidates a row drafted.
+
+        Raises ValueError when the verification reports an invalid row (a NaN or +Inf logit, or a fully masked row)."""
+        r = launched
+        counted, drafted, B = r.counted, r.drafted, r.B
+        if not drafted.steps:  # a plain step: one token per row, the whole read-back
+            toks = r.host()[:B, 0].tolist()
+            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0,
+                               (time.perf_counter() - r.t1) * 1e3, tuple(counted))
+        W = drafted.verified + 1
+        rows, readback = unpack(r.host(), B, W, r.asked)
+        t2 = time.perf_counter()
+        accepted = [row[W] for row in rows]
+        counts = [row[W + 1] for row in rows]
+        steps = drafted.steps
+        if r.on_device:  # the draft steps the GPU ran
+            steps = max(counts)
+            counted[0] += steps
+        if min(accepted) < 0:
+            raise ValueError(f"verification: {errors.message(min(accepted), True)}")
+        emitted = [rows[b][: accepted[b] + 1] for b in range(B)]
+        return RoundOutput(emitted, counts, accepted, steps, drafted.verified, readback, (r.t1 - r.t0) * 1e3,
+                           (t2 - r.t1) * 1e3, tuple(counted))
+
+    def advance(self, launched: "Launched", drafting: bool, draws: bool) -> tuple:
+        """The next round's per-row inputs written on the device from a launched round's outputs, before it is read
+        (overlapped rounds): each live row's last token becomes the one it emitted last (``out[b, acc[b]]``), the
+        token before it the one emitted before that (or the old last token where none was accepted), its room
+        shrinks by the tokens it emitted, its Philox round count grows by one, no row is single any more; padding
+        rows stay as :meth:`row_inputs` wrote them. Needs the round to have been launched over a bucket's persistent
+        inputs (``buckets``) on one device; ``drafting``: the next round drafts (the launched one must have: its
+        ``prev`` and ``room`` are advanced), ``draws``: it draws (seeds). Returns :meth:`row_inputs`' tuple
+        (``extra`` None), views of the persistent tensors the next round's steps read in place.
+
+        Raises ValueError without buckets, and for a drafting next round after a plain one (whose ``prev`` and
+        ``room`` the device does not hold)."""
+        r = launched
+        if self.buckets is None:
+            raise ValueError("advance: the next round's inputs are written into a bucket's persistent tensors "
+                             "(StepRunner(buckets=...))")
+        if drafting and not r.drafted.steps:
+            raise ValueError("advance: a drafting round after a plain step needs its inputs from the host "
+                             "(the draft first reads the plain steps' tokens)")
+        kept, B = self._buffers[r.P], r.B
+        last = kept["last"][0]
+        if r.drafted.steps:
+            prev, room = kept["prev"][0], kept["room"][0]
+            a = r.acc[:B].clamp_min(0).view(B, 1)
+            new_last = r.out[:B].gather(1, a).view(B)
+            before = torch.where(a.view(B) > 0, r.out[:B].gather(1, (a - 1).clamp_min(0)).view(B), last[:B])
+            prev[:B].copy_(before)
+            room[:B].sub_(a.view(B) + 1)
+            last[:B].copy_(new_last)
+        else:
+            last[:B].copy_(r.out[:B, 0])
+        seeds = kept["seeds"][0] if draws else None
+        if seeds is not None:
+            seeds[:B, 1].add_(1)
+        return (last[:B], kept["prev"][0][:B] if drafting else None, kept["room"][0][:B] if drafting else None, None,
+                seeds[:B] if seeds is not None else None)
 
     def _replays(self, draft, target, inp: RoundInputs, P: int) -> bool:
         """Whether the round's steps replay graphs (SGLang's ``can_run``): a captured bucket, no host logits
@@ -231,12 +319,11 @@ class StepRunner:
     def _verify(self, draft, target, inp: RoundInputs, drafted: "_Drafted", P: int, graphed: bool,
                 asked: list) -> tuple:
         """The verify step, replayed from a graph or run eagerly over the columns the widest row needs: the emitted
-        tokens ``out`` and the round's packed read-back (None for a plain step)."""
+        tokens ``out``, the accepted counts and the round's packed read-back (both None for a plain step)."""
         steps = drafted.steps
         if graphed:
-            out, _, packed = self._graphed_verify(draft if steps else None, target, P, drafted.cands, drafted.logits,
-                                                  inp, drafted.n, steps, asked)
-            return out, packed
+            return self._graphed_verify(draft if steps else None, target, P, drafted.cands, drafted.logits, inp,
+                                        drafted.n, steps, asked)
         wide = self.buckets is not None  # fixed shapes: every forward reads the whole cache
         width = None if wide else inp.target_width + drafted.verified + 1
         at = None if wide else inp.target_start
@@ -244,31 +331,7 @@ class StepRunner:
             lambda t, keep: target.forward(t, keep, width, None, at)[0], inp.last, drafted.cands, drafted.logits,
             inp.sampling, drafted.n, inp.seeds, target.rollback, draft.rollback if steps else None, steps, inp.extra,
             inp.processor)
-        return out, None if acc is None else pack(out, acc, drafted.n, asked)
-
-    def _output(self, out, packed, drafted: "_Drafted", B: int, asked: list, on_device: bool, t0: float,
-                t1: float) -> RoundOutput:
-        """The round's one read-back, unpacked (:func:`~specdec_ext.engine.steps.unpack`) into its output; where the
-        device decided how many draft steps ran, their count is the most candidates a row drafted."""
-        counted = self._counted
-        if not drafted.steps:  # a plain step: one token per row, the whole read-back
-            toks = out[:B, 0].tolist()
-            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0,
-                               (time.perf_counter() - t1) * 1e3, tuple(counted))
-        W = drafted.verified + 1
-        rows, readback = unpack(packed, B, W, asked)
-        t2 = time.perf_counter()
-        accepted = [r[W] for r in rows]
-        counts = [r[W + 1] for r in rows]
-        steps = drafted.steps
-        if on_device:  # the draft steps the GPU ran
-            steps = max(counts)
-            counted[0] += steps
-        if min(accepted) < 0:
-            raise ValueError(f"verification: {errors.message(min(accepted), True)}")
-        emitted = [rows[b][: accepted[b] + 1] for b in range(B)]
-        return RoundOutput(emitted, counts, accepted, steps, drafted.verified, readback, (t1 - t0) * 1e3,
-                           (t2 - t1) * 1e3, tuple(counted))
+        return out, acc, None if acc is None else pack(out, acc, drafted.n, asked)
 
     def _steps_one_by_one(self, draft, P: int, cap: int, inp: RoundInputs, room, seeds, rule, early_exit,
                           graphed: bool, out_c: list, out_l: list):
@@ -509,6 +572,39 @@ class StepRunner:
         lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
                                             inp.seeds, inp.extra] + list(asked), lengths)
+
+
+@dataclass
+class Launched:
+    """A round :meth:`StepRunner.launch` enqueued and :meth:`StepRunner.read` has not read: ``out`` ``[P, W]`` int64
+    the emitted tokens, ``acc`` ``[P]`` int64 the accepted counts and ``packed`` the read-back (both None for a plain
+    step), device tensors that the next replay of the same graphs overwrites; ``B`` live rows of a bucket of ``P``;
+    the stop rule's ``asked`` tensors; ``on_device``, whether the GPU decided the draft steps; host clocks ``t0``
+    (the round's start) and ``t1`` (its verification's); ``counted``, the forwards run (``RoundOutput.counted``);
+    ``staged``, the read-back's host copy and the event after its copy (``StepRunner._stage``), or None."""
+
+    out: torch.Tensor
+    acc: Optional[torch.Tensor]
+    packed: Optional[torch.Tensor]
+    drafted: "_Drafted"
+    B: int
+    P: int
+    asked: list
+    on_device: bool
+    t0: float
+    t1: float
+    counted: list
+    staged: Optional[tuple] = None
+
+    def host(self) -> torch.Tensor:
+        """The read-back on the host: the staged copy once its copy has run, else the device tensor (read by
+        ``tolist``, which waits for the device)."""
+        if self.staged is None:
+            return self.packed if self.drafted.steps else self.out
+        buf, event = self.staged
+        if event is not None:
+            event.synchronize()
+        return buf
 
 
 @dataclass

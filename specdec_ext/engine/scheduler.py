@@ -114,8 +114,8 @@ class Settings:
     """A run's settings: the end-of-sequence ids, the streamer (one request), the logits processor, the admission
     mode, ``early_exit`` (:class:`~specdec_ext.engine.round.StepRunner`), the draft's context window, whether requests
     join mid-call (continuous batching), whether the rounds are timed for the policy (not for a tensor-parallel
-    target, whose ranks must decide alike), and the draft's parameters over the target's (the estimate of a draft read
-    before one was measured; None: unknown)."""
+    target, whose ranks must decide alike), the draft's parameters over the target's (the estimate of a draft read
+    before one was measured; None: unknown), and whether rounds may overlap the host (``Scheduler._overlaps``)."""
 
     eos: set
     streamer: object = None
@@ -126,6 +126,7 @@ class Settings:
     continuous: bool = False
     timed: bool = True
     draft_share: Optional[float] = None
+    overlap: bool = False
 
 
 class Scheduler:
@@ -185,15 +186,20 @@ class Scheduler:
             b.start(rows, columns)
         self.pol.reset(n, self.draft.device if self.draft is not None else self.target.device)
         self._admit(n, first=True)
+        ahead: Optional[_Flight] = None  # a round launched before the one before it was read (overlapped rounds)
         while self.live or self.queue or self.staged:
             if not self.live:  # idle: the next requests join once they arrive
                 self._skip_to_arrival()
                 self._admit(min(self.batch_size, self._arrived() + len(self.staged)))
                 continue
-            done = self._round()
-            now = self._ms()
-            for i in done:
-                self.finished_ms[self.live[i].req] = now
+            flight = ahead or self._launch()
+            ahead = self._launch_ahead(flight)
+            done = self._finish(flight)
+            if ahead is not None:
+                if not done:
+                    continue  # the same rows go on: nothing leaves or joins while a round is in flight
+                done = sorted(set(done) | set(self._finish(ahead, set(done))))  # their tokens of it are dropped
+                ahead = None
             free = self.batch_size - (len(self.live) - len(done))
             waiting = self._arrived() + len(self.staged)
             take = min(free, waiting)
@@ -384,35 +390,92 @@ class Scheduler:
     def _room(self, row: Row) -> int:
         return 0 if len(row.ctx) < 2 else self.requests[row.req].limit - row.generated - 1
 
-    def _round(self) -> list:
-        """Plan, catch the draft up, run the round, append what it emitted; returns the positions of rows that
-        finished."""
+    def _plan(self, room: Optional[list], width: int) -> tuple:
+        """The policy's plan for the live rows (``room``: each row's cap, None for a policy that never drafts;
+        ``width``: the target cache's widest row) and the round's depth: ``(cap, plan)``."""
+        if not self.pol.speculative:
+            return 0, RoundPlan(0)
         live = self.live
-        B = len(live)
-        cap, plan, room = 0, RoundPlan(0), None
-        if self.pol.speculative:
-            room = [self._room(r) for r in live]
-            left = {self.requests[r.req].limit - r.generated for r in live}
-            plan = self.pol.plan(RoundContext(B, max(len(r.ctx) for r in live) - 1, room,
-                                              self._draft_overhead(live), self._draft_reads(live),
-                                              self.set.continuous and B > 1 and len(left) == 1, self.set.early_exit))
-            caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
-            cap = min(plan.cap, max(caps))
+        left = {self.requests[r.req].limit - r.generated for r in live}
+        plan = self.pol.plan(RoundContext(len(live), width, room, self._draft_overhead(live), self._draft_reads(live),
+                                          self.set.continuous and len(live) > 1 and len(left) == 1,
+                                          self.set.early_exit))
+        caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
+        return max(0, min(plan.cap, max(caps))), plan
+
+    def _launch(self) -> "_Flight":
+        """Plan a round from the host's state, catch the draft up, and launch it."""
+        room = [self._room(r) for r in self.live] if self.pol.speculative else None
+        cap, plan = self._plan(room, max(len(r.ctx) for r in self.live) - 1)
         if cap > 0:
             self._catch_up()
         t0 = time.perf_counter()
         inp = self._inputs(cap > 0, room)
-        out = self.runner.run(self.draft if cap > 0 else None, self.target, inp,
-                        RoundPlan(cap, plan.rule, plan.row_caps), self.set.early_exit)
+        return self._enqueue(cap, plan, inp, t0)
+
+    def _enqueue(self, cap: int, plan: RoundPlan, inp: RoundInputs, t0: float) -> "_Flight":
+        launched = self.runner.launch(self.draft if cap > 0 else None, self.target, inp,
+                                      RoundPlan(cap, plan.rule, plan.row_caps), self.set.early_exit,
+                                      stage=self._overlaps())
+        return _Flight(launched, cap, plan, t0)
+
+    def _overlaps(self) -> bool:
+        """Whether the next round may be launched before this one is read (overlapped rounds, SGLang's overlap
+        scheduler): asked for (``Settings.overlap``), rounds over a bucket's persistent inputs (CUDA graphs) with
+        the draft on the target's device, no host logits processor (it reads each round's tokens), and a policy
+        that plans ahead (:attr:`~specdec_ext.policies.CandidateLengthPolicy.plans_ahead`)."""
+        return (self.set.overlap and self.runner.buckets is not None and self.set.processor is None
+                and (self.draft is None or self.draft.device == self.target.device) and self.pol.plans_ahead)
+
+    def _launch_ahead(self, flight: "_Flight") -> Optional["_Flight"]:
+        """The round after ``flight``, launched before ``flight`` is read, its inputs written on the device
+        (:meth:`StepRunner.advance`), where rounds overlap (:meth:`_overlaps`) and nothing else must happen between
+        them: no queued request that could join (a free slot and one waiting), and where the policy drafts, a
+        drafting ``flight`` (the draft has read every row; after plain steps it reads their tokens first, on the
+        host), and no row whose context is one token. The plan sees each row's room after ``flight`` at most (one
+        token fewer, :meth:`_room`): the round drafts at least
+        as deep as with the exact rooms, and the device caps each row at its exact room, so a row's candidates are
+        the same. Rows that finish in ``flight`` (EOS, or their limit) are seen a round late: their tokens of this
+        round are dropped. None where the rounds do not overlap."""
+        if flight.launched.staged is None or not self._overlaps():
+            return None
+        if self.pol.speculative and not flight.cap:
+            return None
+        live = self.live
+        if len(live) < self.batch_size and (self._arrived() or self.staged):
+            return None
+        if any(len(r.ctx) < 2 for r in live):  # a one-token context drafts from its second round (the host's room)
+            return None
+        room = [self.requests[r.req].limit - r.generated - 2 for r in live] if self.pol.speculative else None
+        cap, plan = self._plan(room, max(len(r.ctx) for r in live) + flight.cap)
+        t0 = time.perf_counter()
+        draws = cap > 0 or not self._sampling[1].greedy
+        last, prev, room_t, _, seeds = self.runner.advance(flight.launched, cap > 0, draws)
+        inp = RoundInputs(last, prev, room_t, None, self._sampling[1], self._sampling[2], seeds,
+                          max(len(r.ctx) for r in live) + flight.cap,
+                          max(self._draft_columns(r) for r in live) + flight.cap + 1)
+        return self._enqueue(cap, plan, inp, t0)
+
+    def _finish(self, flight: "_Flight", dropped: frozenset = frozenset()) -> list:
+        """Read a launched round, let the policy observe it, append what each row emitted (none for the rows in
+        ``dropped``, which finished in the round before); returns the positions of rows that finished."""
+        out = self.runner.read(flight.launched)
         t1 = time.perf_counter()
-        ms = (t1 - t0) * 1e3  # the round's time: its steps and read-back (what the budget measures)
+        live, cap, plan = self.live, flight.cap, flight.plan
+        B = len(live)
+        # the round's time: its steps and read-back (what the budget measures), from its launch or, where it was
+        # launched before the last round was read (overlapped), from that read
+        ms = (t1 - (flight.t0 if self._cycle is None else max(flight.t0, self._cycle[0]))) * 1e3
         cycle = 0.0 if self._cycle is None else (t1 - self._cycle[0]) * 1e3 - (self.stats.prefill_ms - self._cycle[1])
         if self.pol.speculative:
             timed = self.set.timed  # a tensor-parallel target's ranks must decide alike: no times
             self.pol.observe(RoundResult(out.drafted, out.accepted, out.steps, out.verified, out.readback,
-                                         ms if timed else 0.0, max(cycle, 0.0) if timed else 0.0))
+                                         ms if timed else 0.0, max(cycle, 0.0) if timed else 0.0, plan))
         self._cycle = (t1, self.stats.prefill_ms)
-        rs = RoundStats(out.drafted, out.accepted, [0] * B, out.draft_ms, out.verify_ms, ms, [r.req for r in live])
+        kept = [b not in dropped for b in range(B)]
+        rs = RoundStats([d if k else 0 for d, k in zip(out.drafted, kept)],
+                        [a if k else 0 for a, k in zip(out.accepted, kept)], [0] * B, out.draft_ms, out.verify_ms, ms,
+                        [r.req for r in live])
         self.stats.rounds.append(rs)
         draft_calls, draft_s, target_calls, target_s = out.counted  # forwards the backends did not count
         self.stats.draft_calls += draft_calls
@@ -422,6 +485,8 @@ class Scheduler:
         emitted_at = self._ms()  # the round's tokens reach the host now
         done = []
         for b, row in enumerate(live):
+            if not kept[b]:
+                continue
             req = self.requests[row.req]
             toks = out.tokens[b][: req.limit - row.generated]
             for j, t in enumerate(toks):
@@ -442,6 +507,7 @@ class Scheduler:
                 self.set.streamer.put(torch.tensor(toks))
             if row.generated >= req.limit or (toks and toks[-1] in self.set.eos):
                 done.append(b)
+                self.finished_ms[row.req] = emitted_at
         return done
 
     def _inputs(self, drafting: bool, room: Optional[list]) -> RoundInputs:
@@ -468,6 +534,17 @@ class Scheduler:
         return RoundInputs(last, prev, room_t, extra, self._sampling[1], self._sampling[2], seeds, max(tlen), max(dlen),
                            processor,
                            tlen.pop() if len(tlen) == 1 else None, dlen.pop() if len(dlen) == 1 and extra is None else None)
+
+
+@dataclass
+class _Flight:
+    """A launched round: the runner's :class:`~specdec_ext.engine.round.Launched`, its depth ``cap``, the policy's
+    ``plan`` and the host clock ``t0`` at its launch."""
+
+    launched: object
+    cap: int
+    plan: RoundPlan
+    t0: float
 
 
 class HostProcessor:

@@ -84,11 +84,15 @@ class RoundContext:
 class RoundPlan:
     """A round as a policy plans it. cap: the most draft steps (candidates per row); 0 makes the round one step of
     plain decoding by the target alone. rule: the per-step stop decisions (None: each row drafts to its cap).
-    row_caps: per row, a cap of its own (at most ``cap``)."""
+    row_caps: per row, a cap of its own (at most ``cap``). note: the policy's own record of what it planned, handed
+    back with the round's result (:attr:`RoundResult.plan`), so that a policy which plans a round before it has
+    observed the one before (overlapped rounds, :attr:`CandidateLengthPolicy.plans_ahead`) credits each result to
+    the plan it ran."""
 
     cap: int
     rule: Optional["StopRule"] = None
     row_caps: Optional[Sequence[int]] = None
+    note: object = None
 
 
 @dataclass
@@ -99,7 +103,8 @@ class RoundResult:
     wall time (its steps and read-back); cycle_ms: the wall time from the end of the call's previous round to the end
     of this one, the host's work between rounds included (its admissions and the draft's reads of new requests
     excluded): what a round costs where it runs, 0 for a call's first round. Both 0 for a tensor-parallel target,
-    whose ranks must decide alike."""
+    whose ranks must decide alike. plan: the :class:`RoundPlan` the round ran (None where the caller gives none:
+    the policy's last plan)."""
 
     drafted: list[int]
     accepted: list[int]
@@ -108,6 +113,7 @@ class RoundResult:
     readback: list = field(default_factory=list)
     ms: float = 0.0
     cycle_ms: float = 0.0
+    plan: Optional[RoundPlan] = None
 
 
 class StopRule:
@@ -185,6 +191,10 @@ class CandidateLengthPolicy:
     needs_costs = False     # True: configure() must receive the pair's CostModel (policies/costs.py)
     needs_batch_costs = False  # True: configure() receives batch_costs= (BatchCosts) for calls of several rows
     max_candidates = 1      # an upper bound on the candidates per round (K_max)
+    # True: plan() may be called for round r + 1 before observe() of round r (overlapped rounds, engine/scheduler.py):
+    # observe() credits the plan it is handed (RoundResult.plan), and a plan made without round r's result is sound
+    # (only later by a round). False (the default, and every per-step-interface policy): rounds never overlap.
+    plans_ahead = False
 
     def configure(self, sampling, costs=None) -> None:
         """Called once per generation call before ``reset``: the decoding settings

@@ -17,6 +17,7 @@ class Autoregressive(CandidateLengthPolicy):
 
     name = "autoregressive"
     speculative = False
+    plans_ahead = True
     max_candidates = 0
 
     def plan(self, ctx):
@@ -25,6 +26,8 @@ class Autoregressive(CandidateLengthPolicy):
 
 class FixedK(CandidateLengthPolicy):
     """Speculative decoding with a fixed candidate length K (Leviathan et al. 2023; Chen et al. 2023)."""
+
+    plans_ahead = True
 
     def __init__(self, k: int = 4):
         self.k = _check_k("k (candidate length)", k)
@@ -83,6 +86,8 @@ class Confidence(CandidateLengthPolicy):
     """Stop when the draft's probability of its own candidate falls below ``threshold``
     (Hugging Face's ``assistant_confidence_threshold``, default 0.4), or at ``max_k``."""
 
+    plans_ahead = True
+
     def __init__(self, threshold: float = 0.4, max_k: int = 20):
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"confidence threshold must lie in [0, 1], got {threshold}")
@@ -97,6 +102,8 @@ class Confidence(CandidateLengthPolicy):
 class AdaEDL(CandidateLengthPolicy):
     """AdaEDL (Agrawal et al. 2024): stop when the entropy-based lower bound on the acceptance
     probability, 1 - sqrt(gamma * H(q)) with H in nats, falls below ``lam``, or at ``max_k``."""
+
+    plans_ahead = True
 
     def __init__(self, gamma: float = 0.2, lam: float = 0.4, max_k: int = 20):
         if gamma <= 0 or not math.isfinite(gamma):

@@ -17,6 +17,7 @@ import torch
 from .. import ops
 from ..head import AcceptanceHead
 from ..head.features import CONFIDENCE_FEATURES, HISTORY_PRIOR, history_after_accepts, history_update
+from ..transfer import PinnedRing
 from .base import CandidateLengthPolicy, RoundPlan, StopRule, _check_k
 from .budget import BatchBudget
 from .costs import BatchCosts, CostModel
@@ -172,10 +173,10 @@ class SpecDecPP(CandidateLengthPolicy):
 
     def _buffers(self, rows: int, device) -> dict:
         """The head rule's per-round tensors for ``rows`` rows on ``device`` (running survival, the previous
-        candidate's features, per-row thresholds ``[k_max, rows]`` and their host copy (pinned off the CPU; the same
-        tensor on it), acceptance history, and the survivals after each step ``[k_max, rows]`` that the calibration
-        and the selector read back), kept from
-        round to round and refilled in place, so a captured draft step reads the same addresses every round
+        candidate's features, per-row thresholds ``[k_max, rows]``, acceptance history, their host copies (pinned
+        buffers in rotation on a GPU, ``transfer.PinnedRing``), and the survivals after each step ``[k_max, rows]``
+        that the calibration and the selector read back), kept from round to round and refilled in place, so a
+        captured draft step reads the same addresses every round
         (``StopRule.capture_key``)."""
         key = (rows, torch.device(device))
         kept = self._kept.get(key)
@@ -187,9 +188,9 @@ class SpecDecPP(CandidateLengthPolicy):
                 "rows": torch.full((self.max_candidates, rows), -math.inf, dtype=torch.float32, device=device),
                 "history": torch.full((rows,), HISTORY_PRIOR, dtype=torch.float32, device=device),
                 "log": torch.ones(self.max_candidates, rows, dtype=torch.float32, device=device)}
-            kept["rows_host"] = kept["rows"] if kept["rows"].device.type == "cpu" else torch.full(
-                (self.max_candidates, rows), -math.inf, dtype=torch.float32,
-                pin_memory=kept["rows"].device.type == "cuda")
+            # host copies written each round and copied without a wait (pinned, in rotation: transfer.PinnedRing)
+            kept["rows_host"] = PinnedRing((self.max_candidates, rows), torch.float32, device, fill=-math.inf)
+            kept["history_host"] = PinnedRing((rows,), torch.float32, device, fill=HISTORY_PRIOR)
         return kept
 
     def reset(self, batch_size, device):
@@ -208,7 +209,18 @@ class SpecDecPP(CandidateLengthPolicy):
         self._round: Optional[_HeadRule] = None
         self._plain = False
 
+    @property
+    def plans_ahead(self) -> bool:
+        """Rounds may overlap (:attr:`CandidateLengthPolicy.plans_ahead`) except under the batch verification budget,
+        whose plan and result are one round's bookkeeping."""
+        return not self.use_budget
+
     def plan(self, ctx):
+        plan = self._plan(ctx)
+        plan.note = (self._arm, self._planned, self._round, self._plain)  # observe() credits this plan
+        return plan
+
+    def _plan(self, ctx):
         B = ctx.batch_size
         self._plain = False
         budget = None
@@ -311,6 +323,8 @@ class SpecDecPP(CandidateLengthPolicy):
                              verified_of, steps, verified)
 
     def observe(self, result):
+        if result.plan is not None and result.plan.note is not None:  # the round's own plan (a later one may exist)
+            self._arm, self._planned, self._round, self._plain = result.plan.note
         if self._uses_history:
             self.history = history_update(self.history, torch.tensor(result.drafted, dtype=torch.int64),
                                           torch.tensor(result.accepted, dtype=torch.int64))
@@ -430,14 +444,14 @@ class _HeadRule(StopRule):
             self.cum = kept["cum"].fill_(1.0)
             self.prev = kept["prev"]
             if self.write is not None:  # the live rows' columns rewritten (a padding row's stale ones decide nothing
-                self.write(kept["rows_host"])  # that is read)
-                self.rows = kept["rows"]
-                if kept["rows_host"] is not self.rows:  # pinned: no wait for the device
-                    self.rows.copy_(kept["rows_host"], non_blocking=True)
+                self.rows = kept["rows"]  # that is read)
+                kept["rows_host"].upload(self.rows, self.write)
                 if self.logs:  # entries past a row's last step are stale: the host reads its drafted ones only
                     self.log = kept["log"]
             if any(c is None for c in self.columns):
-                kept["history"].fill_(HISTORY_PRIOR)[: self.history.shape[0]].copy_(self.history)
+                rows = self.history
+                kept["history_host"].upload(kept["history"],
+                                            lambda t: t.fill_(HISTORY_PRIOR)[: rows.shape[0]].copy_(rows))
                 self.history = kept["history"]
             return
         self.cum = torch.ones(batch_size, dtype=torch.float32, device=dev)
