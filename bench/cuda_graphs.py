@@ -4,7 +4,8 @@ static-cache compiled ``generate()``, on one GPU, in one run.
 Greedy, the bundled pair (bf16 on CUDA), the first N HumanEval prompts. At ``--batch-size 1`` each request runs
 alone and the methods alternate prompt by prompt in a balanced order: our plain decoding, fixed K and SpecDec++
 (``threshold="auto"`` with early exit after every draft step, after steps 1, 3 and 7 only, decided on the device
-by conditional nodes (also with compiled forwards), and drafting to the cap, a fixed h), each with ``cuda_graphs`` on and off,
+by conditional nodes (also with compiled forwards), and drafting to the cap, a fixed h), each with ``cuda_graphs`` on and off
+(with graphs, rounds overlap the host where the policy plans ahead; "one at a time" arms turn that off),
 plain, fixed K and ``auto`` with graphs of compiled forwards (``compile=True``), and transformers'
 ``generate(cache_implementation="static")`` (compiled on its first calls) and assisted generation with the same draft (fixed K, each transformers arm on a copy
 of the target of its own: the static cache's compilation changes the model's forward). At a larger batch size
@@ -62,6 +63,13 @@ def engines(pair, batch_size: int, ks: tuple, h: float) -> dict:
             "specdec++ auto, graphs, tiers 1/3/7, compiled": gen("specdecpp", compile=True, threshold="auto", k_max=8,
                                                                  early_exit=(1, 3, 7)),
             f"specdec++ h={h:g}, graphs, compiled": gen("specdecpp", compile=True, threshold=h),
+            f"specdec++ h={h:g}, graphs, on device, compiled": gen("specdecpp", compile=True, threshold=h, k_max=8,
+                                                                  early_exit="device"),
+            # rounds one at a time (overlap=False): what overlapping the host with the GPU gains
+            "plain, graphs, compiled, one at a time": gen("autoregressive", compile=True, overlap=False),
+            f"fixed K={k}, graphs, compiled, one at a time": gen("fixed", compile=True, k=k, overlap=False),
+            "specdec++ auto, graphs, on device, compiled, one at a time": gen(
+                "specdecpp", compile=True, threshold="auto", k_max=8, early_exit="device", overlap=False),
             f"specdec++ h={h:g}, graphs": gen("specdecpp", threshold=h),
             "plain, eager": gen("autoregressive", False), f"fixed K={k}, eager": gen("fixed", False, k=k),
             "specdec++ auto, eager": gen("specdecpp", False, threshold="auto"),

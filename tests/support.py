@@ -8,7 +8,7 @@ import math
 import torch
 
 from specdec_ext import AcceptanceHead, SpeculativeGenerator
-from specdec_ext.head.features import FEATURES
+from specdec_ext.head.features import CONFIDENCE_FEATURES, FEATURES
 from specdec_ext.engine.sampling import SamplingConfig, process_logits
 from specdec_ext.policies.costs import BatchCosts, CostModel
 from specdec_ext.zoo import unpacked_pair
@@ -30,15 +30,17 @@ TEST_BATCH_COSTS = BatchCosts([1, 8192], [[10.0 + 1.6 * k for k in range(9)]] * 
 
 
 def head_for(draft, bias=1.5, seed=0, kind="candidate"):
-    """A random acceptance head for ``draft``: the paper's kind (hidden state at the candidate), or a
-    "proposal" head reading the hidden state and every feature (confidence and acceptance history)."""
+    """A random acceptance head for ``draft``: the paper's kind (hidden state at the candidate), a "proposal" head
+    reading the hidden state and every feature (confidence and acceptance history), or a "confidence" one (a
+    proposal head reading the confidence features only, as the bundled heads do)."""
     torch.manual_seed(seed)
     H = draft.get_output_embeddings().weight.shape[1]
     if kind == "candidate":
         head = AcceptanceHead(H, num_layers=2)
     else:
-        head = AcceptanceHead(H, num_layers=2, features=FEATURES, input_position="proposal", mean_accept=0.7)
-        head.set_feature_normalization(torch.tensor([0.5, 0.3, 2.0, 0.75]), torch.tensor([0.3, 0.3, 1.0, 0.2]))
+        n = len(FEATURES) if kind == "proposal" else len(CONFIDENCE_FEATURES)
+        head = AcceptanceHead(H, num_layers=2, features=FEATURES[:n], input_position="proposal", mean_accept=0.7)
+        head.set_feature_normalization(torch.tensor([0.5, 0.3, 2.0, 0.75][:n]), torch.tensor([0.3, 0.3, 1.0, 0.2][:n]))
     with torch.no_grad():
         head.out.bias.fill_(bias)
     return head

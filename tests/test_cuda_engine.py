@@ -102,9 +102,9 @@ def test_forwards_on_cuda_run_without_cudnn_attention(cuda_pair, monkeypatch):
 @pytest.mark.parametrize("name,kw", [POLICIES[0], POLICIES[2], POLICIES[7], POLICIES[9]],
                          ids=[PIDS[0], PIDS[2], PIDS[7], PIDS[9]])
 def test_captured_steps_give_the_eager_steps_tokens_on_cuda(cuda_pair, name, kw):
-    """On CUDA the rounds replay captured graphs by default (``cuda_graphs``): greedy and seeded samples equal the
-    eager steps' (``cuda_graphs=False``) for one row and a batch padded to its bucket, and graphs were captured
-    (``threshold="auto"`` plans from measured times: greedy only)."""
+    """On CUDA the rounds replay captured graphs by default (``cuda_graphs``), overlapped where the policy plans
+    ahead: greedy and seeded samples equal the eager steps' (``cuda_graphs=False``) for one row and a batch padded
+    to its bucket, and graphs were captured (``threshold="auto"`` plans from measured times: greedy only)."""
     target, draft = cuda_pair
     gen, eager = make_gen(target, draft, name, kw), make_gen(target, draft, name, kw, cuda_graphs=False)
     assert gen.cuda_graphs and not eager.cuda_graphs
@@ -198,3 +198,80 @@ def test_sampling_through_conditional_nodes_is_lossless_on_cuda():
     for i in range(3):
         assert_follows(toks[:, i], marg[i], f"conditional nodes on CUDA, position {i + 1}")
     assert accepted > 0 and gen.steps.graphs.captures > 0
+
+
+@pytest.mark.parametrize("name,kw,early_exit,strict", [
+    ("fixed", {"k": 3}, False, True),
+    ("specdecpp", {"threshold": 0.3, "k_max": 6}, "device" if chain_nodes() else False, True),
+    ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "confidence"}, False, False)],
+    ids=["fixed-3", "h0.3", "auto"])
+def test_overlapped_rounds_on_cuda_emit_the_tokens_of_rounds_one_at_a_time(cuda_pair, name, kw, early_exit, strict):
+    """Overlapped rounds on a GPU (the default with CUDA graphs): one row and a batch padded to its bucket, EOS on,
+    greedy (and seeded sampling but for ``threshold="auto"``, which plans from measured times) emit the tokens of
+    rounds one at a time (``overlap=False``), greedy ones target-only decoding's, and rounds were launched ahead;
+    ``strict``: a second identical call (every graph captured) launches each round ahead with torch's synchronizing
+    CUDA calls made errors (``torch.cuda.set_sync_debug_mode``): nothing in planning, advancing the inputs on the
+    device or launching waits for the GPU."""
+    from specdec_ext.engine.scheduler import Scheduler
+
+    target, draft = cuda_pair
+    over = make_gen(target, draft, name, kw, early_exit=early_exit)
+    one = make_gen(target, draft, name, kw, early_exit=early_exit, overlap=False)
+    assert over.cuda_graphs and over.overlap and not one.overlap
+    ps = prompts(target.config.vocab_size, n=3, seed=12)
+    ids, mask = _right_aligned([p.tolist() for p in ps], max(len(p) for p in ps))
+    temperatures = (0.0,) if kw.get("threshold") == "auto" else (0.0, 1.0)
+    calls = [dict(input_ids=ps[0].view(1, -1).cuda())] + \
+        [dict(input_ids=ids.cuda(), attention_mask=mask.long().cuda(), eos_token_id=eos) for eos in (None, 7)]
+    ahead, launch = [], Scheduler._launch_ahead
+
+    def counted(self, flight):
+        out = launch(self, flight)
+        ahead.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Scheduler, "_launch_ahead", counted)
+        for t in temperatures:
+            for call in calls:
+                kwargs = dict(call, max_new_tokens=18, temperature=t, seed=4)
+                assert over.generate(**kwargs).new_tokens == one.generate(**kwargs).new_tokens, (t, call.keys())
+        assert over.generate(calls[0]["input_ids"], max_new_tokens=18, temperature=0).new_tokens[0] == \
+            target_only(target, ps[0], 18)
+    assert any(ahead), "no round was launched ahead"
+    if not strict:
+        return
+
+    def no_sync(self, flight):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, flight)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Scheduler, "_launch_ahead", no_sync)
+        for call in calls:
+            over.generate(**dict(call, max_new_tokens=18, temperature=0, seed=4))
+
+
+@pytest.mark.slow
+def test_sampling_through_overlapped_captured_rounds_is_lossless_on_cuda():
+    """Seeded sampling (T = 1) through captured, overlapped rounds of 64 rows (fixed K = 3, each call's later rounds
+    launched before the one before is read): each of the first four positions follows the target's exact marginal
+    (chi-square, the CPU's enumeration in fp32)."""
+    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    prompt = torch.tensor([[0, 5, 7, 3, 9]])
+    marg = exact_marginals(target, prompt, SamplingConfig(1.0), 4)
+    gen = SpeculativeGenerator(target.cuda(), draft.cuda(), policy="fixed", k=3)
+    assert gen.cuda_graphs and gen.overlap
+    toks, accepted = [], 0
+    for call in range(47):  # 3008 rows, each its own seed
+        out = gen.generate(prompt.expand(64, -1).cuda(), max_new_tokens=4, temperature=1.0, seed=5000 + 64 * call)
+        toks += out.new_tokens
+        accepted += out.stats.accepted
+    toks = torch.tensor(toks)
+    for i in range(4):
+        assert_follows(toks[:, i], marg[i], f"overlapped rounds on CUDA, position {i + 1}")
+    assert accepted > 0 and gen.steps.graphs.captures > 0
+

@@ -17,8 +17,7 @@ from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
 from specdec_ext.transfer import PinnedRing
 
-# policies whose plan does not depend on the last round's result: their seeded samples are the same overlapped
-SAME_DRAWS = ("autoregressive", "fixed", "confidence", "adaedl")
+AUTO = ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "confidence"})  # as the bundled heads: it overlaps
 
 
 def recorded(gen: SpeculativeGenerator, overlap: bool) -> tuple:
@@ -37,36 +36,39 @@ def recorded(gen: SpeculativeGenerator, overlap: bool) -> tuple:
     return gen, ahead
 
 
-# every policy drafting to its cap (rounds read once: the form that overlaps on a GPU); SpecDec++ also deciding its
-# steps on the device, and reading after every step
-CASES = [(name, kw, False) for name, kw in POLICIES] + \
-    [(name, kw, "device") for name, kw in POLICIES if name == "specdecpp"] + [(*POLICIES[6], True)]
-CIDS = [f"{PIDS[POLICIES.index((name, kw))]}-{early_exit}" for name, kw, early_exit in CASES]
+# every policy drafting to its cap (rounds read once: the form that overlaps on a GPU), but a head that reads the
+# acceptance history (its rounds go one at a time); SpecDec++ also deciding its steps on the device, and reading
+# after every step
+OWN = [(name, kw) for name, kw in POLICIES if kw.get("_head") != "proposal"] + [AUTO]
+CASES = [(name, kw, False) for name, kw in OWN] + [(name, kw, "device") for name, kw in OWN if name == "specdecpp"] + \
+    [(*POLICIES[6], True)]
+CIDS = [f"{(PIDS + ['specdecpp-auto-confidence'])[(POLICIES + [AUTO]).index((name, kw))]}-{early_exit}"
+        for name, kw, early_exit in CASES]
 
 
 @pytest.mark.parametrize("name,kw,early_exit", CASES, ids=CIDS)
 def test_overlapped_rounds_emit_the_tokens_of_rounds_one_at_a_time(name, kw, early_exit):
     """Every policy, a batch padded to its bucket and one row, EOS on (rows end at different rounds) and limits that
     end rows mid-round: overlapped rounds emit exactly the tokens of rounds one at a time, greedy (fp32, and equal to
-    target-only decoding for the single row) and, for policies whose plans do not read the last round's result,
-    seeded sampling; rounds were launched ahead (``threshold="auto"`` in its single-row call: its batches run the
-    verification budget, whose rounds go one at a time)."""
+    target-only decoding for the single row) and seeded sampling (greedy only for ``threshold="auto"``, which plans
+    from measured times); rounds were launched ahead by the policies that plan ahead (``threshold="auto"`` in its
+    single-row call: its batches run the verification budget, whose rounds go one at a time)."""
     target, draft = make_pair("llama")
     g = torch.Generator().manual_seed(11)
     over, ahead = recorded(make_gen(target, draft, name, kw, early_exit=early_exit), True)
     one, _ = recorded(make_gen(target, draft, name, kw, early_exit=early_exit), False)
-    temperatures = (0.0, 1.0) if name in SAME_DRAWS else (0.0,)
+    temperatures = (0.0,) if kw.get("threshold") == "auto" else (0.0, 1.0)  # auto plans from measured times
     for ids in (torch.randint(2, 48, (3, 6), generator=g), torch.randint(2, 48, (1, 9), generator=g)):
         for t in temperatures:
-            for eos in (None, 7):
-                kwargs = dict(max_new_tokens=19, temperature=t, seed=3, eos_token_id=eos)
+            for eos in (None, 7) if ids.shape[0] > 1 else (None,):
+                kwargs = dict(max_new_tokens=16, temperature=t, seed=3, eos_token_id=eos)
                 want = one.generate(ids, **kwargs).new_tokens
                 assert over.generate(ids, **kwargs).new_tokens == want, (t, eos)
         if ids.shape[0] == 1:
-            assert over.generate(ids, max_new_tokens=19, temperature=0.0).new_tokens[0] == \
-                target_only(target, ids[0], 19)
-    if name != "heuristic":  # its caps follow the last round's result: it does not plan ahead
-        assert ahead, "no round was launched ahead"
+            assert over.generate(ids, max_new_tokens=16, temperature=0.0).new_tokens[0] == \
+                target_only(target, ids[0], 16)
+    if over.policy.plans_ahead:  # not the heuristic (its caps follow the last round's result), nor a head that
+        assert ahead, "no round was launched ahead"  # reads the acceptance history
 
 
 def test_continuous_batching_overlaps_while_the_batch_is_full():

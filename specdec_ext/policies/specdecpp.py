@@ -212,8 +212,10 @@ class SpecDecPP(CandidateLengthPolicy):
     @property
     def plans_ahead(self) -> bool:
         """Rounds may overlap (:attr:`CandidateLengthPolicy.plans_ahead`) except under the batch verification budget,
-        whose plan and result are one round's bookkeeping."""
-        return not self.use_budget
+        whose plan and result are one round's bookkeeping, and with a head that reads the rows' acceptance history
+        (a round planned ahead would score with a history a round old: not what the head learned, and a row's
+        decisions would then depend on where the rows beside it end)."""
+        return not self.use_budget and not self._uses_history
 
     def plan(self, ctx):
         plan = self._plan(ctx)
