@@ -39,7 +39,11 @@ ARMS = {"plain": dict(policy="autoregressive"), "fixed K=3": dict(policy="fixed"
         "specdec++ auto": dict(policy="specdecpp", threshold="auto"),
         "specdec++ auto, tiers 1/3/7": dict(policy="specdecpp", threshold="auto", k_max=8, early_exit=(1, 3, 7)),
         "specdec++ auto, on device": dict(policy="specdecpp", threshold="auto", k_max=8, early_exit="device"),
-        "specdec++ auto, to the cap": dict(policy="specdecpp", threshold="auto", k_max=8, early_exit=False)}
+        "specdec++ auto, to the cap": dict(policy="specdecpp", threshold="auto", k_max=8, early_exit=False),
+        # rounds one at a time (overlap=False; the arms above overlap where they can): the host's work of each form
+        "fixed K=3, one at a time": dict(policy="fixed", k=3, overlap=False),
+        "specdec++ auto, on device, one at a time": dict(policy="specdecpp", threshold="auto", k_max=8,
+                                                         early_exit="device", overlap=False)}
 
 
 class _Inside:

@@ -58,7 +58,7 @@ stage device-b1 200 python bench/cuda_graphs.py --device cuda --prompts 16 --max
     --arms "K=3, graphs, compiled|specdec++ auto, graphs, compiled|on device" --out "$WORK/cuda_graphs_b1_device.json"
 stage table 360 python bench/cuda_graphs.py --device cuda --dataset bench/data/thirdparty_headers.jsonl --prompts 12 \
     --max-new-tokens 64 --ks 2,3,4 --arms "compiled|transformers" --out "$WORK/cuda_graphs_table.json"
-stage host 60 python bench/host_round.py --device cuda --prompts 4 --max-new-tokens 64 --out "$WORK/host_round.json"
+stage host 90 python bench/host_round.py --device cuda --prompts 4 --max-new-tokens 64 --out "$WORK/host_round.json"
 if [ -d "${BASE:-}/specdec_ext" ]; then  # the same probe on the other build's Python
   stage base-host 60 env PYTHONPATH="$BASE" python bench/host_round.py --device cuda --prompts 4 --max-new-tokens 64 \
       --out "$WORK/host_round_base.json"

@@ -515,9 +515,10 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
 
 
 def test_host_round_counts_one_replay_per_round_of_fixed_k_and_restores_what_it_wraps(tmp_path):
-    """bench/host_round.py on the CPU (bundled pair, recorded graphs): plain decoding and fixed K replay one graph a
-    round (a fixed-K round is one graph of its draft steps and verification), the rounds dispatch eager ops outside
-    the replays and spend host time there, and the methods it wraps to measure are restored afterwards."""
+    """bench/host_round.py on the CPU (bundled pair, recorded graphs): plain decoding and fixed K (overlapped, and
+    one at a time) replay one graph a round (a fixed-K round is one graph of its draft steps and verification), the
+    rounds dispatch eager ops outside the replays and spend host time there, and the methods it wraps to measure are
+    restored afterwards."""
     from specdec_ext.engine.graphs import StepGraphs
     from specdec_ext.engine.scheduler import Scheduler
 
@@ -526,7 +527,7 @@ def test_host_round_counts_one_replay_per_round_of_fixed_k_and_restores_what_it_
     out = mod.main(["--prompts", "1", "--max-new-tokens", "12", "--repeats", "1", "--arms", "plain|fixed",
                     "--out", str(tmp_path / "host.json")])
     assert json.loads((tmp_path / "host.json").read_text()) == out
-    assert set(out["rows"]) == {"plain", "fixed K=3"}
+    assert set(out["rows"]) == {"plain", "fixed K=3", "fixed K=3, one at a time"}
     for row in out["rows"].values():
         assert row["replays_per_round"] == 1.0 and row["eager_ops_per_round"] > 0 and row["host_us_per_round"] > 0
         assert row["rounds"] >= 12 / 4
