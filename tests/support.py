@@ -171,6 +171,19 @@ def _case(name, K, V, seed):
 
 
 @torch.inference_mode()
+def sampled_rows(gen, prompt: torch.Tensor, n_pos: int, seed: int, calls: int = 47, rows: int = 64) -> tuple:
+    """``calls`` seeded calls (T = 1) of ``rows`` copies of ``prompt`` ``[1, t]`` (on ``gen``'s target's device), each
+    row its own seed from ``seed`` on (47 x 64 = 3008 rows: captured rounds of a full bucket): ``(tokens [calls *
+    rows, n_pos], candidates accepted, candidates discarded)`` over all of them."""
+    toks, accepted, discarded = [], 0, 0
+    x = prompt.expand(rows, -1).to(gen.target.device)
+    for call in range(calls):
+        out = gen.generate(x, max_new_tokens=n_pos, temperature=1.0, seed=seed + rows * call)
+        toks += out.new_tokens
+        accepted, discarded = accepted + out.stats.accepted, discarded + out.stats.discarded
+    return torch.tensor(toks), accepted, discarded
+
+
 def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: int, eos=None) -> list[torch.Tensor]:
     """Marginal distribution of generated positions 1..n_pos under target-only sampling; with ``eos`` (a token id),
     position i's distribution over the sequences that have not ended (emitted ``eos``) before it."""
@@ -182,7 +195,8 @@ def exact_marginals(target, prompt: torch.Tensor, cfg: SamplingConfig, n_pos: in
         if eos is not None:  # sequences that emitted EOS end: they have no next position
             weights = weights * (prefixes != eos).all(1).double()
         ids = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], 1)
-        probs = process_logits(target(ids).logits[:, -1], cfg).double()
+        with torch.no_grad():  # plain numbers: a chi-square reads them
+            probs = process_logits(target(ids).logits[:, -1], cfg).double()
         joint = (weights.unsqueeze(1) * probs)
         marginals.append(joint.sum(0) / weights.sum())
         weights = joint.reshape(-1)

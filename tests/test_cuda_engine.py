@@ -10,7 +10,8 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, make_gen, target_only
+from support import (CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, make_gen, sampled_rows,
+                     target_only)
 from specdec_ext import SpeculativeGenerator, ops
 from specdec_ext.engine.backends import LeanBackend, _right_aligned
 from specdec_ext.engine.graphs import chain_nodes
@@ -189,12 +190,7 @@ def test_sampling_through_conditional_nodes_is_lossless_on_cuda():
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marg = exact_marginals(target, prompt, SamplingConfig(1.0), 3)
     gen = make_gen(target.cuda(), draft.cuda(), "specdecpp", {"threshold": 0.3, "k_max": 4}, early_exit="device")
-    toks, accepted = [], 0
-    for call in range(47):  # 3008 rows, each its own seed
-        out = gen.generate(prompt.expand(64, -1).cuda(), max_new_tokens=3, temperature=1.0, seed=1000 + 64 * call)
-        toks += out.new_tokens
-        accepted += out.stats.accepted
-    toks = torch.tensor(toks)
+    toks, accepted, _ = sampled_rows(gen, prompt, 3, 1000)
     for i in range(3):
         assert_follows(toks[:, i], marg[i], f"conditional nodes on CUDA, position {i + 1}")
     assert accepted > 0 and gen.steps.graphs.captures > 0
@@ -265,12 +261,7 @@ def test_sampling_through_overlapped_captured_rounds_is_lossless_on_cuda():
     marg = exact_marginals(target, prompt, SamplingConfig(1.0), 4)
     gen = SpeculativeGenerator(target.cuda(), draft.cuda(), policy="fixed", k=3)
     assert gen.cuda_graphs and gen.overlap
-    toks, accepted = [], 0
-    for call in range(47):  # 3008 rows, each its own seed
-        out = gen.generate(prompt.expand(64, -1).cuda(), max_new_tokens=4, temperature=1.0, seed=5000 + 64 * call)
-        toks += out.new_tokens
-        accepted += out.stats.accepted
-    toks = torch.tensor(toks)
+    toks, accepted, _ = sampled_rows(gen, prompt, 4, 5000)
     for i in range(4):
         assert_follows(toks[:, i], marg[i], f"overlapped rounds on CUDA, position {i + 1}")
     assert accepted > 0 and gen.steps.graphs.captures > 0

@@ -12,7 +12,8 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, head_for, make_gen, target_only
+from support import (CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, head_for, make_gen, sampled_rows,
+                     target_only)
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
@@ -337,12 +338,7 @@ def test_sampling_through_replayed_steps_is_lossless(early_exit):
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marg = exact_marginals(target, prompt, SamplingConfig(1.0), 3)
     gen = graphed(make_gen(target, draft, "specdecpp", {"threshold": 0.3, "k_max": 4}, early_exit=early_exit))
-    rows, toks, accepted, discarded = 64, [], 0, 0
-    for call in range(47):  # 3008 rows, each its own seed
-        out = gen.generate(prompt.expand(rows, -1), max_new_tokens=3, temperature=1.0, seed=1000 + rows * call)
-        toks += out.new_tokens
-        accepted, discarded = accepted + out.stats.accepted, discarded + out.stats.discarded
-    toks = torch.tensor(toks)
+    toks, accepted, discarded = sampled_rows(gen, prompt, 3, 1000)
     for i in range(3):
         assert_follows(toks[:, i], marg[i], f"{early_exit} through recorded graphs, position {i + 1}")
     assert accepted > 0 and discarded > 0, "speculation was not exercised"

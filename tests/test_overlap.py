@@ -11,7 +11,7 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, exact_marginals, make_gen, target_only
+from support import PIDS, POLICIES, exact_marginals, make_gen, sampled_rows, target_only
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
@@ -97,16 +97,25 @@ def test_overlapped_rounds_sample_the_targets_distribution(name, kw):
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marg = exact_marginals(target, prompt, SamplingConfig(1.0), 4)
     gen, ahead = recorded(make_gen(target, draft, name, kw, early_exit=False), True)
-    rows, toks, accepted, discarded = 64, [], 0, 0
-    for call in range(47):  # 3008 rows
-        out = gen.generate(prompt.expand(rows, -1), max_new_tokens=4, temperature=1.0, seed=7000 + rows * call)
-        toks += out.new_tokens
-        accepted, discarded = accepted + out.stats.accepted, discarded + out.stats.discarded
-    toks = torch.tensor(toks)
+    toks, accepted, discarded = sampled_rows(gen, prompt, 4, 7000)
     for i in range(4):
         assert_follows(toks[:, i], marg[i], f"{name} overlapped, position {i + 1}")
     assert accepted > 0 and discarded > 0, "speculation was not exercised"
     assert len(ahead) >= 47
+
+
+def keeping(gen, name: str):
+    """A broken ``StepRunner.advance`` (negative controls): ``gen``'s, but the input ``name`` (``"last"`` or
+    ``"room"``) left as the round before had it."""
+    advance, at = gen.steps.advance, {"last": 0, "room": 2}[name]
+
+    def broken(launched, drafting, draws):
+        kept = gen.steps._buffers[launched.P][name][0][: launched.B].clone()
+        out = advance(launched, drafting, draws)
+        out[at].copy_(kept)
+        return out
+
+    return broken
 
 
 def round_inputs(gen, ids, broken=None) -> list:
@@ -142,15 +151,7 @@ def test_advanced_inputs_are_what_the_host_writes():
     assert got[:same] == want[:same]
 
     bad, _ = recorded(SpeculativeGenerator(target, draft, policy="fixed", k=3), True)
-    advance = bad.steps.advance
-
-    def no_room_update(launched, drafting, draws):
-        room = bad.steps._buffers[launched.P]["room"][0][: launched.B].clone()
-        out = advance(launched, drafting, draws)
-        out[2].copy_(room)
-        return out
-
-    assert round_inputs(bad, ids, no_room_update)[:same] != want[:same]
+    assert round_inputs(bad, ids, keeping(bad, "room"))[:same] != want[:same]
 
 
 def test_a_stale_last_token_is_caught():
@@ -161,15 +162,7 @@ def test_a_stale_last_token_is_caught():
     want = target_only(target, ids[0], 16)
     assert len(set(want)) > 4  # a varied continuation: a stale token is not the right one by chance
     gen, ahead = recorded(SpeculativeGenerator(target, draft, policy="fixed", k=2), True)
-    advance = gen.steps.advance
-
-    def stale(launched, drafting, draws):
-        kept = gen.steps._buffers[launched.P]["last"][0][: launched.B].clone()
-        out = advance(launched, drafting, draws)
-        out[0].copy_(kept)
-        return out
-
-    gen.steps.advance = stale
+    gen.steps.advance = keeping(gen, "last")
     assert gen.generate(ids, max_new_tokens=16, temperature=0.0).new_tokens[0] != want
     assert ahead
 
