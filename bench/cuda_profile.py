@@ -1,7 +1,7 @@
 """Where a round's time goes on a GPU: torch's profiler over one request per method (the bundled pair, greedy,
 graphs on), per round: wall ms, the GPU's busy ms (the sum of its kernels' times), the rest (the host's share:
-preparing inputs, launching graphs, the one read-back, the scheduler's bookkeeping), kernels run, and each method's
-heaviest kernels. Warm calls first, so capture, compilation and allocation stay out of the profile. ``--compile``:
+preparing inputs, launching graphs, the one read-back, the scheduler's bookkeeping), kernels run (also per decoder
+layer the round's forwards ran), and each method's heaviest kernels. Warm calls first, so capture, compilation and allocation stay out of the profile. ``--compile``:
 the models' forwards compiled before capture.
 
     python bench/cuda_profile.py --device cuda --out gpu_check/cuda_profile.json
@@ -48,6 +48,7 @@ def main(argv=None) -> dict:
     if args.arms:
         arms = {name: kw for name, kw in arms.items() if any(a in name for a in args.arms.split("|"))}
     rows, tables = {}, []
+    t_layers, d_layers = pair.target.config.num_hidden_layers, pair.draft.config.num_hidden_layers
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     for name, kw in arms.items():
         gen = SpeculativeGenerator(pair.target, pair.draft if kw["policy"] != "autoregressive" else None,
@@ -75,11 +76,15 @@ def main(argv=None) -> dict:
                       "gpu_busy_ms_per_round": busy_us / 1e3 / rounds,
                       "rest_ms_per_round": (1e3 * wall - busy_us / 1e3) / rounds,
                       "kernels_per_round": len(kernels) / rounds,
+                      # the round's kernels over the decoder layers its forwards ran (a target forward, and a draft
+                      # forward per draft step): the kernels a layer costs, sampling and verification included
+                      "kernels_per_layer_run": len(kernels) / (rounds * t_layers + out.stats.draft_calls * d_layers),
                       "draft_forwards_per_round": out.stats.draft_calls / rounds,
                       "top_kernels": [{"name": k[:120], "count": c, "us_per_round": t / rounds} for k, (c, t) in top]}
         r = rows[name]
         print(f"{name}: {r['wall_ms_per_round']:.3f} ms/round, GPU busy {r['gpu_busy_ms_per_round']:.3f}, rest "
-              f"{r['rest_ms_per_round']:.3f}, {r['kernels_per_round']:.0f} kernels/round, "
+              f"{r['rest_ms_per_round']:.3f}, {r['kernels_per_round']:.0f} kernels/round "
+              f"({r['kernels_per_layer_run']:.1f} per layer run), "
               f"{r['draft_forwards_per_round']:.2f} draft forwards/round", flush=True)
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         tables.append(f"## {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=25))

@@ -137,8 +137,8 @@ def _lines(path):
 
 
 def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
-    """``specdec generate --prompts ... --out`` in a child process, stopped at random points: 4 SIGTERMs (exit status
-    143, one line naming the records written, whole records only) and 8 kill -9s (whole records, at most an
+    """``specdec generate --prompts ... --out`` in a child process, stopped at random points: 2 SIGTERMs (exit status
+    143, one line naming the records written, whole records only) and 4 kill -9s (whole records, at most an
     unfinished last line that the next run cuts); never a record twice; each output resumed in this process then
     holds every record of an uninterrupted run, with the same completions (greedy, fp32)."""
     import os
@@ -181,7 +181,7 @@ def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
     gen = SpeculativeGenerator(*make_pair("llama"), policy="fixed", k=3)
     records = load_prompt_records(str(prompts))
     torn, stopped = 0, []
-    signals = [signal.SIGTERM] * 4 + [signal.SIGKILL] * 8
+    signals = [signal.SIGTERM] * 2 + [signal.SIGKILL] * 4
     for first in range(0, len(signals), 2):  # two children at a time, one per core, each stopped at its own time
         trials = list(range(first, min(first + 2, len(signals))))
         procs = {t: child(tmp_path / f"t{t}.jsonl") for t in trials}
@@ -211,5 +211,5 @@ def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
             recs, tail = _lines(out)
             assert not tail and sorted(r["id"] for r in recs) == sorted(ids), f"trial {trial}: after the resume"
             assert all(want[r["id"]] == r["completion"] for r in recs)
-    assert len(set(stopped)) > 4, f"records when stopped: {stopped}"  # the signals met the job at many points
+    assert len(set(stopped)) >= 3, f"records when stopped: {stopped}"  # the signals met the job at many points
     print(f"records when stopped: {stopped}; unfinished last lines after kill -9: {torn}")
