@@ -91,6 +91,14 @@ at::Tensor philox_uniforms_cuda(const at::Tensor& seed_offsets, int64_t slots, i
   return t.out;
 }
 
+void advance_rows_cuda(at::Tensor& last, const std::optional<at::Tensor>& prev, const std::optional<at::Tensor>& room,
+                       const std::optional<at::Tensor>& seed_offsets, const at::Tensor& emitted,
+                       const std::optional<at::Tensor>& accepted, int64_t rows) {
+  const c10::cuda::CUDAGuard guard(emitted.device());
+  AdvanceTensors t = prepare_advance(last, prev, room, seed_offsets, emitted, accepted, rows);
+  check_launch(cuda::advance_rows(t.args, at::cuda::getCurrentCUDAStream()), "advance_rows");
+}
+
 at::Tensor cache_attention_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const at::Tensor& starts, double scale) {
   const c10::cuda::CUDAGuard guard(query.device());
@@ -150,6 +158,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
   m.impl("acceptance_head_step", &acceptance_head_step_cuda);
   m.impl("confidence_features", &confidence_features_cuda);
   m.impl("philox_uniforms", &philox_uniforms_cuda);
+  m.impl("advance_rows", &advance_rows_cuda);
 }
 
 }  // namespace specdec

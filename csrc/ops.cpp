@@ -81,6 +81,13 @@ at::Tensor cache_attention_cpu(const at::Tensor& query, const at::Tensor& key, c
   return decode_attention_cpu(c.q, c.k, c.v, cache_attention_mask(c.starts, c.args.queries, c.args.columns), scale);
 }
 
+void advance_rows_cpu(at::Tensor& last, const std::optional<at::Tensor>& prev, const std::optional<at::Tensor>& room,
+                      const std::optional<at::Tensor>& seed_offsets, const at::Tensor& emitted,
+                      const std::optional<at::Tensor>& accepted, int64_t rows) {
+  AdvanceTensors t = prepare_advance(last, prev, room, seed_offsets, emitted, accepted, rows);
+  cpu::advance_rows(t.args);
+}
+
 at::Tensor philox_uniforms_cpu(const at::Tensor& seed_offsets, int64_t slots, int64_t first_slot) {
   PhiloxTensors t = prepare_philox(seed_offsets, slots, first_slot);
   cpu::philox_uniforms(t.args);
@@ -112,6 +119,8 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   m.def("cache_attention(Tensor query, Tensor key, Tensor value, Tensor starts, float scale) -> Tensor");
   m.def("philox_uniforms(Tensor seed_offsets, int slots, int first_slot=0) -> Tensor");
+  m.def("advance_rows(Tensor(a!) last, Tensor(b!)? prev, Tensor(c!)? room, Tensor(d!)? seed_offsets, Tensor emitted, "
+        "Tensor? accepted, int rows) -> ()");
   // CUDA graphs with conditional nodes, composed from pieces torch captured (csrc/cuda/graphs.cu; CUDA only): the
   // device tensor `anchor` names the device; graphs are cudaGraph_t / cudaGraphExec_t handles as integers
   m.def("graph_chain(Tensor anchor, int[] pieces, Tensor[] flags) -> int");
@@ -130,6 +139,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("cache_attention", &cache_attention_cpu);
   m.impl("philox_uniforms", &philox_uniforms_cpu);
+  m.impl("advance_rows", &advance_rows_cpu);
 }
 
 }  // namespace specdec

@@ -260,6 +260,48 @@ inline PhiloxTensors prepare_philox(const at::Tensor& seed_offsets, int64_t slot
   return t;
 }
 
+struct AdvanceTensors {
+  at::Tensor emitted, accepted;
+  AdvanceArgs args;
+};
+
+// advance_rows: the in-place tensors (last, prev, room, seed_offsets) int64, contiguous, on emitted's device, with at
+// least `rows` rows; emitted [>= rows, W >= 1] int64; accepted [>= rows] int64 or none.
+inline AdvanceTensors prepare_advance(at::Tensor& last, const std::optional<at::Tensor>& prev,
+                                      const std::optional<at::Tensor>& room,
+                                      const std::optional<at::Tensor>& seed_offsets, const at::Tensor& emitted,
+                                      const std::optional<at::Tensor>& accepted, int64_t rows) {
+  const char* op = "advance_rows";
+  SPECDEC_CHK_TYPE(emitted.scalar_type() == at::kLong, op, ": emitted must be int64, got ", emitted.scalar_type());
+  SPECDEC_CHK_VALUE(emitted.dim() == 2 && emitted.size(1) >= 1, op, ": emitted must be [B, W] with W >= 1, got shape ",
+                    emitted.sizes());
+  SPECDEC_CHK_VALUE(rows >= 0 && rows <= emitted.size(0), op, ": rows must be in 0 .. ", emitted.size(0),
+                    " (emitted's rows), got ", rows);
+  auto check = [&](const at::Tensor& t, const char* name, int64_t dim, bool written) {
+    SPECDEC_CHK_TYPE(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ", t.scalar_type());
+    SPECDEC_CHK_VALUE(t.dim() == dim && t.size(0) >= rows && (dim == 1 || t.size(1) == 2), op, ": ", name,
+                      dim == 1 ? " must be [B] with B >= rows (" : " must be [B, 2] with B >= rows (", rows,
+                      "), got shape ", t.sizes());
+    SPECDEC_CHK_VALUE(!written || t.is_contiguous(), op, ": ", name, " must be contiguous (it is written in place)");
+    check_device(t, emitted, name, "emitted");
+  };
+  check(last, "last", 1, true);
+  if (prev) check(*prev, "prev", 1, true);
+  if (room) check(*room, "room", 1, true);
+  if (seed_offsets) check(*seed_offsets, "seed_offsets", 2, true);
+  AdvanceTensors t;
+  t.emitted = emitted.contiguous();
+  if (accepted) {
+    check(*accepted, "accepted", 1, false);
+    t.accepted = accepted->contiguous();
+  }
+  auto ptr = [](const std::optional<at::Tensor>& x) { return x ? x->data_ptr<int64_t>() : nullptr; };
+  t.args = AdvanceArgs{rows, emitted.size(1), t.emitted.data_ptr<int64_t>(),
+                       accepted ? t.accepted.data_ptr<int64_t>() : nullptr, last.data_ptr<int64_t>(), ptr(prev),
+                       ptr(room), ptr(seed_offsets)};
+  return t;
+}
+
 struct ConfidenceTensors {
   at::Tensor dist, tokens, out, code;
   ConfidenceArgs args;

@@ -276,6 +276,30 @@ def _is_fake(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or type(t).__name__ == "FakeTensor"
 
 
+def advance_shapes(last, prev, room, seed_offsets, emitted, accepted, rows: int) -> None:
+    """Checks of ``advance_rows`` (the kernel's, with the same messages)."""
+    op = "advance_rows"
+    if not isinstance(emitted, torch.Tensor) or emitted.dtype != torch.int64:
+        raise TypeError(f"{op}: emitted must be int64, got {getattr(emitted, 'dtype', type(emitted).__name__)}")
+    if emitted.dim() != 2 or emitted.shape[1] < 1:
+        raise ValueError(f"{op}: emitted must be [B, W] with W >= 1, got shape {list(emitted.shape)}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= emitted.shape[0]:
+        raise ValueError(f"{op}: rows must be in 0 .. {emitted.shape[0]} (emitted's rows), got {rows!r}")
+    for name, t, dim, written in (("last", last, 1, True), ("prev", prev, 1, True), ("room", room, 1, True),
+                                  ("seed_offsets", seed_offsets, 2, True), ("accepted", accepted, 1, False)):
+        if t is None and name != "last":
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            raise TypeError(f"{op}: {name} must be int64, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != dim or t.shape[0] < rows or (dim == 2 and t.shape[1] != 2):
+            want = "[B]" if dim == 1 else "[B, 2]"
+            raise ValueError(f"{op}: {name} must be {want} with B >= rows ({rows}), got shape {list(t.shape)}")
+        if written and not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (it is written in place)")
+        if t.device != emitted.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but emitted is on {emitted.device}")
+
+
 def philox_shapes(seed_offsets, slots: int, first_slot: int) -> int:
     """Checks of ``philox_uniforms``; returns B."""
     op = "philox_uniforms"

@@ -63,6 +63,7 @@ __all__ = [
     "decode_attention",
     "draw_philox_seed_offset",
     "philox_uniforms",
+    "advance_rows",
 ]
 
 def draw_philox_seed_offset(device: torch.device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -94,6 +95,33 @@ def philox_uniforms(seed_offsets: torch.Tensor, slots: int, first_slot: int = 0)
         return reference.philox_row_uniforms(seed_offsets, slots, first_slot)
     checks.philox_shapes(seed_offsets, slots, first_slot)
     return torch.ops.specdec_ext.philox_uniforms(seed_offsets, slots, first_slot)
+
+
+def advance_rows(last: torch.Tensor, prev: Optional[torch.Tensor], room: Optional[torch.Tensor],
+                 seed_offsets: Optional[torch.Tensor], emitted: torch.Tensor, accepted: Optional[torch.Tensor],
+                 rows: int) -> None:
+    """The next round's per-row inputs written in place, on the device, from a round's emitted tokens (overlapped
+    rounds, ``engine/round.StepRunner.advance``): one kernel, capturable, no read-back.
+
+    For each row b < ``rows``, a = ``accepted[b]`` (0 without ``accepted``, a plain step; a negative error code
+    counts as 0; at most W - 1): ``last[b]`` becomes ``emitted[b, a]`` (the token the row emitted last), ``prev[b]``
+    ``emitted[b, a - 1]`` (the old ``last[b]`` where a = 0), ``room[b]`` shrinks by the a + 1 tokens emitted and the
+    Philox round count ``seed_offsets[b, 1]`` grows by 1; rows from ``rows`` on are untouched.
+
+    Args:
+        last: ``[P]`` int64, written. prev, room: ``[P]`` int64 or None, written. seed_offsets: ``[P, 2]`` int64 or
+            None, its offsets written. emitted: ``[P', W]`` int64 (``verify_step``'s tokens), W >= 1. accepted:
+            ``[P']`` int64 or None. rows: the rows advanced, 0 <= rows <= P', P (the written tensors contiguous,
+            all on one device).
+
+    Raises:
+        TypeError: a tensor that is not int64. ValueError: shapes, ``rows`` out of range, a written tensor that is
+        not contiguous, tensors on different devices.
+    """
+    if not HAS_EXTENSION:
+        return reference.advance_rows(last, prev, room, seed_offsets, emitted, accepted, rows)
+    checks.advance_shapes(last, prev, room, seed_offsets, emitted, accepted, rows)
+    torch.ops.specdec_ext.advance_rows(last, prev, room, seed_offsets, emitted, accepted, rows)
 
 
 def _randomness(device, uniforms, philox_seed_offset, generator):
@@ -507,6 +535,10 @@ if HAS_EXTENSION:
     def _confidence_features_fake(dist, tokens, logits):
         B, _ = checks.confidence_shapes(dist, tokens, logits)
         return dist.new_empty((B, 3), dtype=torch.float32), dist.new_empty((B,), dtype=torch.int64)
+
+    @torch.library.register_fake("specdec_ext::advance_rows")
+    def _advance_rows_fake(last, prev, room, seed_offsets, emitted, accepted, rows):
+        checks.advance_shapes(last, prev, room, seed_offsets, emitted, accepted, rows)  # writes in place: no output
 
     @torch.library.register_fake("specdec_ext::philox_uniforms")
     def _philox_uniforms_fake(seed_offsets, slots, first_slot=0):

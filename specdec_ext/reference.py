@@ -65,6 +65,23 @@ def philox_uniforms(seed: int, offset: int, batch: int, slots: int) -> torch.Ten
     return _philox(cols, rows, wide(seed), wide(offset)).expand(batch, slots).contiguous()
 
 
+def advance_rows(last, prev, room, seed_offsets, emitted, accepted, rows: int) -> None:
+    """Reference of ``ops.advance_rows``, in place: for rows b < ``rows``, with a = ``accepted[b]`` clamped to
+    0 .. W - 1 (0 without ``accepted``), ``prev[b]`` = ``emitted[b, a - 1]`` (the old ``last[b]`` where a = 0),
+    ``room[b]`` -= a + 1, ``seed_offsets[b, 1]`` += 1, ``last[b]`` = ``emitted[b, a]``."""
+    checks.advance_shapes(last, prev, room, seed_offsets, emitted, accepted, rows)
+    W = emitted.shape[1]
+    for b in range(rows):
+        a = 0 if accepted is None else min(max(int(accepted[b]), 0), W - 1)
+        if prev is not None:
+            prev[b] = emitted[b, a - 1] if a > 0 else last[b]
+        if room is not None:
+            room[b] -= a + 1
+        if seed_offsets is not None:
+            seed_offsets[b, 1] += 1
+        last[b] = emitted[b, a]
+
+
 def philox_row_uniforms(seed_offsets: torch.Tensor, slots: int, first_slot: int = 0) -> torch.Tensor:
     """Reference of ``ops.philox_uniforms``: ``[B, slots]`` float32, uniform ``[b, j]`` from row b's own stream,
     counter (slot ``first_slot + j``, row 0) under (seed, offset) = ``seed_offsets[b]`` (``[B, 2]`` int64)."""

@@ -261,3 +261,14 @@ def cache_case(B=3, Hq=8, Hkv=2, n=3, C=40, D=64, dtype=torch.float32, starts=(0
     v = torch.randn(B + 2, Hkv, C + 3, D, generator=g).to(dtype)[:B, :, :C]
     s = torch.tensor(list(starts)[:B], dtype=torch.int64)
     return [t.to(device) for t in (q, k, v, s)]
+
+
+def advance_case(P=8, W=5, rows=6, seed=0, accepted=True):
+    """Persistent row inputs and a round's outputs for ``advance_rows``: P rows, W emitted columns, negative error
+    codes and counts past W - 1 among the accepted ones."""
+    g = torch.Generator().manual_seed(seed)
+    last, prev = torch.randint(0, 90, (P,), generator=g), torch.randint(0, 90, (P,), generator=g)
+    room, seeds = torch.randint(0, 30, (P,), generator=g), torch.randint(0, 2**40, (P, 2), generator=g)
+    emitted = torch.randint(0, 90, (P, W), generator=g)
+    acc = torch.randint(-2, W + 2, (P,), generator=g) if accepted else None
+    return [last, prev, room, seeds, emitted, acc, rows]

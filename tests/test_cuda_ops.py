@@ -8,7 +8,7 @@ import torch
 
 from specdec_ext import ops, reference
 from stats import assert_follows
-from support import cache_case, case, check_positions, head_args, logits_case, make_case
+from support import advance_case, cache_case, case, check_positions, head_args, logits_case, make_case
 
 pytestmark = [
     pytest.mark.cuda,
@@ -210,6 +210,30 @@ def test_argmax_tokens_cuda_equals_the_cpu_kernel(dtype):
     assert got.device.type == "cuda" and torch.equal(got.cpu(), ops.argmax_tokens(x))
     with pytest.raises(ValueError, match="V >= 1"):
         ops.argmax_tokens(torch.zeros(3, 0, device="cuda"))
+
+
+def test_advance_rows_cuda_equals_the_cpu_kernel_and_replays_in_a_graph():
+    """``advance_rows`` on CUDA writes what the CPU kernel writes; captured in a CUDA graph, each replay advances
+    the rows from what the emitted and accepted tensors hold then."""
+    for accepted in (True, False):
+        cpu = advance_case(accepted=accepted)
+        gpu = [t.cuda() if isinstance(t, torch.Tensor) else t for t in cpu]
+        ops.advance_rows(*cpu)
+        ops.advance_rows(*gpu)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu[:4], cpu[:4]))
+    cpu = advance_case(seed=3)
+    gpu = [t.cuda() if isinstance(t, torch.Tensor) else t for t in cpu]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.advance_rows(*gpu)
+    for step in range(3):  # each replay: new tokens and counts, the rows advanced again
+        new = advance_case(seed=10 + step)
+        gpu[4].copy_(new[4])
+        gpu[5].copy_(new[5])
+        cpu[4], cpu[5] = new[4], new[5]
+        graph.replay()
+        ops.advance_rows(*cpu)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(gpu[:4], cpu[:4])), step
 
 
 def test_philox_uniforms_cuda_equals_the_cpu_kernel():

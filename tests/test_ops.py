@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec_ext import ops, reference
-from support import head_args, logits_case, make_case
+from support import advance_case, head_args, logits_case, make_case
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
 
@@ -661,3 +661,63 @@ def test_chain_verify_greedy_masked_errors_and_opcheck():
             fn(ids, tl[:, :3], n)
     torch.library.opcheck(torch.ops.specdec_ext.chain_verify_greedy.default, (ids, tl, n))
     torch.library.opcheck(torch.ops.specdec_ext.chain_verify_greedy.default, (ids, tl, None))
+
+
+@pytest.mark.parametrize("accepted", [True, False], ids=["drafted", "plain"])
+@pytest.mark.parametrize("optional", [(True, True, True), (False, False, True), (True, True, False)],
+                         ids=["all", "no-prev-room", "no-seeds"])
+def test_advance_rows_matches_the_reference(accepted, optional):
+    """The next round's inputs from a round's outputs: the kernel writes what the reference writes, rows past
+    ``rows`` untouched, optional tensors left out; error codes count as no candidate accepted."""
+    for rows in (0, 1, 6, 8):
+        args = advance_case(rows=rows, accepted=accepted)
+        for i, keep in zip((1, 2, 3), optional):
+            args[i] = args[i] if keep else None
+        want = [None if t is None else t.clone() for t in args[:4]]
+        reference.advance_rows(*want, *args[4:])
+        before = [None if t is None else t.clone() for t in args[:4]]
+        ops.advance_rows(*args)
+        for got, w, b in zip(args[:4], want, before):
+            assert (got is None) == (w is None)
+            if got is not None:
+                assert torch.equal(got, w) and torch.equal(got[rows:], b[rows:])
+    last, prev, room, seeds, emitted, acc, _ = advance_case()
+    a = acc[0].clamp(0, 4)
+    want_last, want_prev = emitted[0, a].item(), emitted[0, a - 1].item() if a > 0 else last[0].item()
+    room0, count0 = room[0].item(), seeds[0, 1].item()
+    ops.advance_rows(last, prev, room, seeds, emitted, acc, 1)
+    assert (last[0], prev[0], room[0], seeds[0, 1]) == (want_last, want_prev, room0 - a - 1, count0 + 1)
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (lambda a: a.__setitem__(4, a[4].int()), TypeError, "emitted must be int64"),
+    (lambda a: a.__setitem__(4, a[4][:, :0]), ValueError, "emitted must be \\[B, W\\] with W >= 1"),
+    (lambda a: a.__setitem__(6, 9), ValueError, "rows must be in 0 .. 8"),
+    (lambda a: a.__setitem__(0, a[0][:3]), ValueError, "last must be \\[B\\] with B >= rows"),
+    (lambda a: a.__setitem__(3, a[3][:, :1]), ValueError, "seed_offsets must be \\[B, 2\\]"),
+    (lambda a: a.__setitem__(2, a[2].float()), TypeError, "room must be int64"),
+    (lambda a: a.__setitem__(1, torch.zeros(16, dtype=torch.int64)[::2]), ValueError, "prev must be contiguous"),
+    (lambda a: a.__setitem__(5, a[5][:2]), ValueError, "accepted must be \\[B\\] with B >= rows")])
+def test_advance_rows_refuses_bad_input(bad, err, match):
+    """One line naming the argument and what was expected, from the wrapper, the compiled op and the reference."""
+    for fn in (ops.advance_rows, torch.ops.specdec_ext.advance_rows, reference.advance_rows):
+        args = advance_case()
+        bad(args)
+        with pytest.raises(err, match=match):
+            fn(*args)
+
+
+def test_advance_rows_opcheck_and_compile():
+    """The op's schema, fake kernel and in-place writes pass torch's opcheck, and it runs under torch.compile."""
+    torch.library.opcheck(torch.ops.specdec_ext.advance_rows.default, tuple(advance_case()))
+    torch.library.opcheck(torch.ops.specdec_ext.advance_rows.default, tuple(advance_case(accepted=False)))
+    args, want = advance_case(), advance_case()
+    reference.advance_rows(*want)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def advance(last, prev, room, seeds, emitted, acc):
+        ops.advance_rows(last, prev, room, seeds, emitted, acc, 6)
+
+    advance(*args[:6])
+    assert all(torch.equal(a, w) for a, w in zip(args[:4], want[:4]))
+

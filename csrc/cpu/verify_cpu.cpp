@@ -543,6 +543,10 @@ static void argmax_tokens_impl(const ArgmaxArgs& a) {
 
 void argmax_tokens(const ArgmaxArgs& a) { SPECDEC_DISPATCH(a.dtype, argmax_tokens_impl, a); }
 
+void advance_rows(const AdvanceArgs& a) {
+  for (int64_t b = 0; b < a.rows; ++b) advance_row(a, b);
+}
+
 void philox_uniforms(const PhiloxArgs& a) {
   for (int64_t b = 0; b < a.batch; ++b) {
     const uint64_t seed = static_cast<uint64_t>(a.seed_offsets[2 * b]);

@@ -8,6 +8,7 @@ void chain_verify(const VerifyArgs& a);
 void chain_verify_logits(const VerifyArgs& a);
 void chain_verify_greedy(const VerifyArgs& a);
 void argmax_tokens(const ArgmaxArgs& a);
+void advance_rows(const AdvanceArgs& a);
 void residual_sample(const ResidualArgs& a);
 void acceptance_head_step(const HeadArgs& a);
 void confidence_features(const ConfidenceArgs& a);

@@ -24,6 +24,7 @@ int64_t acceptance_head_workspace(int64_t batch, int64_t hidden_size, int64_t nu
 cudaError_t acceptance_head_step(const HeadArgs& a, cudaStream_t stream);
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t stream);
 cudaError_t philox_uniforms(const PhiloxArgs& a, cudaStream_t stream);
+cudaError_t advance_rows(const AdvanceArgs& a, cudaStream_t stream);
 // cache_attention (attention.cu): the floats of device scratch its chunks' partial softmaxes take, for
 // B rows, Hq query heads, n queries, C columns and head dimension D; and the kernels (on a.workspace).
 int64_t cache_attention_workspace(int64_t batch, int64_t q_heads, int64_t queries, int64_t columns, int64_t head_dim);

@@ -610,6 +610,12 @@ __global__ void __launch_bounds__(kThreads) confidence_kernel(ConfidenceArgs a) 
   }
 }
 
+// One thread per row: the next round's inputs from this round's emitted tokens (kernels/args.h, advance_row).
+__global__ void advance_rows_kernel(AdvanceArgs a) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < a.rows) advance_row(a, b);
+}
+
 // One thread per uniform: out[b, j] from row b's own (seed, offset), read from device memory (capturable).
 __global__ void philox_uniforms_kernel(PhiloxArgs a) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -653,6 +659,11 @@ cudaError_t chain_verify_logits(const VerifyArgs& a, cudaStream_t s) { return la
 cudaError_t chain_verify_greedy(const VerifyArgs& a, cudaStream_t s) { return launch<VerifyGreedyK>(a, a.dtype, 0, s); }
 cudaError_t residual_sample(const ResidualArgs& a, cudaStream_t s) { return launch<ResidualK>(a, a.dtype, 0, s); }
 cudaError_t confidence_features(const ConfidenceArgs& a, cudaStream_t s) { return launch<ConfidenceK>(a, a.dtype, 0, s); }
+cudaError_t advance_rows(const AdvanceArgs& a, cudaStream_t s) {
+  if (a.rows == 0) return cudaSuccess;
+  advance_rows_kernel<<<static_cast<unsigned>((a.rows + kThreads - 1) / kThreads), kThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
 cudaError_t philox_uniforms(const PhiloxArgs& a, cudaStream_t s) {
   const int64_t n = a.batch * a.slots;
   if (n == 0) return cudaSuccess;

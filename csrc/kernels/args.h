@@ -38,6 +38,30 @@ struct PhiloxArgs {
   float* out;                        // [B, n] uniforms in (0, 1]
 };
 
+// advance_rows: the next round's per-row inputs written from this round's emitted tokens (overlapped rounds):
+// row b accepted a = accepted[b] candidates (0 where accepted is null; a negative code counts as 0; at most W - 1)
+// and emitted emitted[b, 0 .. a]; its last token becomes emitted[b, a], the token before it emitted[b, a - 1] (the
+// old last token where a = 0), its room shrinks by a + 1, its Philox round count (seed_offsets[b, 1]) grows by 1.
+struct AdvanceArgs {
+  int64_t rows, width;          // rows advanced (the live ones), W (emitted's columns, >= 1)
+  const int64_t* emitted;       // [>= rows, W]
+  const int64_t* accepted;      // [>= rows] or nullptr (a plain step: none accepted)
+  int64_t* last;                // [>= rows], written
+  int64_t* prev;                // [>= rows], written, or nullptr
+  int64_t* room;                // [>= rows], written, or nullptr
+  int64_t* seed_offsets;        // [>= rows, 2], offset written, or nullptr
+};
+
+SPECDEC_HD void advance_row(const AdvanceArgs& a, int64_t b) {
+  int64_t n = a.accepted != nullptr ? a.accepted[b] : 0;
+  n = n < 0 ? 0 : (n > a.width - 1 ? a.width - 1 : n);
+  const int64_t* row = a.emitted + b * a.width;
+  if (a.prev != nullptr) a.prev[b] = n > 0 ? row[n - 1] : a.last[b];
+  if (a.room != nullptr) a.room[b] -= n + 1;
+  if (a.seed_offsets != nullptr) a.seed_offsets[2 * b + 1] += 1;
+  a.last[b] = row[n];
+}
+
 // argmax_tokens: the first index of each row's maximum (NaN counts as the maximum, as in torch.argmax).
 struct ArgmaxArgs {
   DType dtype;                  // of logits

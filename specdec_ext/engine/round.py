@@ -12,7 +12,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import errors
+from .. import errors, ops
 from ..transfer import PinnedRing
 from ..policies.base import RoundPlan
 from .graphs import StepGraphs, opaque
@@ -257,20 +257,10 @@ class StepRunner:
                              "(the draft first reads the plain steps' tokens)")
         kept, B = self._buffers[r.P], r.B
         last = kept["last"][0]
-        if r.drafted.steps:
-            prev, room = kept["prev"][0], kept["room"][0]
-            a = r.acc[:B].clamp_min(0).view(B, 1)
-            new_last = r.out[:B].gather(1, a).view(B)
-            before = torch.where(a.view(B) > 0, r.out[:B].gather(1, (a - 1).clamp_min(0)).view(B), last[:B])
-            prev[:B].copy_(before)
-            room[:B].sub_(a.view(B) + 1)
-            last[:B].copy_(new_last)
-        else:
-            last[:B].copy_(r.out[:B, 0])
+        prev, room = (kept["prev"][0], kept["room"][0]) if r.drafted.steps else (None, None)
         seeds = kept["seeds"][0] if draws else None
-        if seeds is not None:
-            seeds[:B, 1].add_(1)
-        return (last[:B], kept["prev"][0][:B] if drafting else None, kept["room"][0][:B] if drafting else None, None,
+        ops.advance_rows(last, prev, room, seeds, r.out, r.acc, B)  # one kernel, no read-back
+        return (last[:B], prev[:B] if drafting else None, room[:B] if drafting else None, None,
                 seeds[:B] if seeds is not None else None)
 
     def _replays(self, draft, target, inp: RoundInputs, P: int) -> bool:
