@@ -433,10 +433,10 @@ class Scheduler:
         them: no queued request that could join (a free slot and one waiting), and where the policy drafts, a
         drafting ``flight`` (the draft has read every row; after plain steps it reads their tokens first, on the
         host), and no row whose context is one token. The plan sees each row's room after ``flight`` at most (one
-        token fewer, :meth:`_room`): the round drafts at least
-        as deep as with the exact rooms, and the device caps each row at its exact room, so a row's candidates are
-        the same. Rows that finish in ``flight`` (EOS, or their limit) are seen a round late: their tokens of this
-        round are dropped. None where the rounds do not overlap."""
+        token fewer than :meth:`_room`): the round drafts at least as deep as with the exact rooms, and the device
+        caps each row at its exact room, so a row's candidates are the same. Rows that finish in ``flight`` (EOS,
+        or their limit) are seen a round late: their tokens of this round are dropped. The widths given are upper
+        bounds (the bucketed steps read the whole cache). None where the rounds do not overlap."""
         if flight.launched.staged is None or not self._overlaps():
             return None
         if self.pol.speculative and not flight.cap:
