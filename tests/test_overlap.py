@@ -182,3 +182,18 @@ def test_pinned_ring_rotates_and_checks_its_size():
     assert ring.used() is None  # nothing to wait for off CUDA
     with pytest.raises(ValueError, match="size"):
         PinnedRing((1,), torch.int64, torch.device("cpu"), size=0)
+
+
+def test_advance_refuses_what_the_device_cannot_write():
+    """``StepRunner.advance`` needs a bucket's persistent inputs, and a drafting round's ``prev`` and ``room`` come
+    from the host after a plain step: each a one-line ValueError."""
+    target, draft = make_pair("llama")
+    gen, _ = recorded(SpeculativeGenerator(target, None, policy="autoregressive"), False)
+    launched = []
+    launch = gen.steps.launch
+    gen.steps.launch = lambda *a, **k: launched.append(launch(*a, **k)) or launched[-1]
+    gen.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, temperature=0.0)
+    with pytest.raises(ValueError, match="drafting round after a plain step"):
+        gen.steps.advance(launched[-1], True, True)
+    with pytest.raises(ValueError, match="bucket's persistent tensors"):
+        StepRunner().advance(launched[-1], False, False)

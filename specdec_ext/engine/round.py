@@ -62,7 +62,7 @@ class StepRunner:
         self._forwards: dict = {}  # id(backend) -> (backend, its compiled forward) (compile=True)
         self._counted = [0, 0.0, 0, 0.0]  # the round's forwards run here: RoundOutput.counted
         self._buffers: dict = {}  # bucket -> its persistent input tensors by name
-        self._rings: dict = {}  # (shape, dtype, device) -> host buffers of staged read-backs (Launched.stage)
+        self._rings: dict = {}  # (shape, dtype, device) -> host buffers of staged read-backs (_stage)
 
     def _persistent(self, inp: RoundInputs, P: int) -> RoundInputs:
         """``inp`` copied into bucket P's persistent input tensors (allocated at the bucket's first round), so the
