@@ -72,16 +72,17 @@ def test_overlapped_rounds_emit_the_tokens_of_rounds_one_at_a_time(name, kw, ear
 
 
 def test_continuous_batching_overlaps_while_the_batch_is_full():
-    """A continuous batch with a queue (EOS on, per-request limits, greedy and seeded sampling): rounds overlap while
-    no queued request could join, and each request's tokens equal its tokens through rounds one at a time."""
+    """A continuous batch with a queue (EOS on, per-request limits, greedy and seeded sampling, requests arriving
+    mid-call): rounds overlap while no queued request could join, and each request's tokens equal its tokens
+    through rounds one at a time."""
     target, draft = make_pair("llama")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 48, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (7,), generator=g)]
     limits = [3, 17, 9, 12, 1, 20, 6]
     over, ahead = recorded(SpeculativeGenerator(target, draft, policy="fixed", k=3), True)
     one, _ = recorded(SpeculativeGenerator(target, draft, policy="fixed", k=3), False)
-    for t in (0.0, 1.0):
-        kwargs = dict(batch_size=2, max_new_tokens=limits, temperature=t, seed=9, eos_token_id=5)
+    for t, arrivals in ((0.0, None), (1.0, None), (0.0, [0, 0, 3, 3, 20, 20, 45])):  # requests arriving mid-call
+        kwargs = dict(batch_size=2, max_new_tokens=limits, temperature=t, seed=9, eos_token_id=5, arrival_ms=arrivals)
         assert over.generate_continuous(prompts, **kwargs).new_tokens == \
             one.generate_continuous(prompts, **kwargs).new_tokens
     assert ahead
