@@ -46,6 +46,9 @@ import json, subprocess, torch, transformers, specdec_ext.ops as o
 drv = subprocess.run(['nvidia-smi', '--query-gpu=driver_version', '--format=csv,noheader'], capture_output=True, text=True).stdout.strip()
 print(json.dumps({'gpu': torch.cuda.get_device_name(), 'driver': drv, 'torch': torch.__version__,
                   'transformers': transformers.__version__, 'compiled_ops': o.HAS_EXTENSION}))"
+stage cuda-tests-quick 120 python -m pytest -q -p no:cacheprovider -W default::DeprecationWarning \
+    -W default::FutureWarning -m cuda -k "overlap or advance_rows or conditional or composed or decided or cache_attention" \
+    tests  # what has not run on a GPU yet, first: the rest of the stages lean on it
 stage graphs-b1 240 python bench/cuda_graphs.py --device cuda --prompts 16 --max-new-tokens 64 --arms=-compiled \
     --out "$WORK/cuda_graphs_b1.json"
 if [ -d "${BASE:-}/specdec_ext" ]; then  # another build of the package's Python (BASE=folder), on this build's ops
@@ -88,5 +91,5 @@ tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude=./cache .
 cp "$WORK/stages.txt" "$OUT/stages.txt"
 echo "results in $OUT/gpu_check.tar.gz (stages: $OUT/stages.txt)"
 for f in graphs-b1 base-b1 device-b1 table host base-host graphs-b1-compiled profile profile-compiled graphs-b16 scale scale-cache cuda-attention scale-compiled scale-compiled-cdt; do grep -E "tokens/s|ms/round|us/round|read in|Error" "$WORK/$f.log" 2>/dev/null | sed "s/^/$f: /"; done
-tail -n 3 "$WORK/cuda-tests.log" 2>/dev/null
+tail -n 3 "$WORK/cuda-tests-quick.log" "$WORK/cuda-tests.log" 2>/dev/null
 cat "$OUT/stages.txt"

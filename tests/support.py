@@ -272,3 +272,17 @@ def advance_case(P=8, W=5, rows=6, seed=0, accepted=True):
     emitted = torch.randint(0, 90, (P, W), generator=g)
     acc = torch.randint(-2, W + 2, (P,), generator=g) if accepted else None
     return [last, prev, room, seeds, emitted, acc, rows]
+
+
+def keeping(gen, name: str):
+    """A broken ``StepRunner.advance`` (negative controls): ``gen``'s, but the input ``name`` (``"last"`` or
+    ``"room"``) left as the round before had it."""
+    advance, at = gen.steps.advance, {"last": 0, "room": 2}[name]
+
+    def broken(launched, drafting, draws):
+        kept = gen.steps._buffers[launched.P][name][0][: launched.B].clone()
+        out = advance(launched, drafting, draws)
+        out[at].copy_(kept)
+        return out
+
+    return broken

@@ -10,7 +10,7 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import (CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, make_gen, sampled_rows,
+from support import (CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, keeping, make_gen, sampled_rows,
                      target_only)
 from specdec_ext import SpeculativeGenerator, ops
 from specdec_ext.engine.backends import LeanBackend, _right_aligned
@@ -205,9 +205,10 @@ def test_overlapped_rounds_on_cuda_emit_the_tokens_of_rounds_one_at_a_time(cuda_
     """Overlapped rounds on a GPU (the default with CUDA graphs): one row and a batch padded to its bucket, EOS on,
     greedy (and seeded sampling but for ``threshold="auto"``, which plans from measured times) emit the tokens of
     rounds one at a time (``overlap=False``), greedy ones target-only decoding's, and rounds were launched ahead;
-    ``strict``: a second identical call (every graph captured) launches each round ahead with torch's synchronizing
-    CUDA calls made errors (``torch.cuda.set_sync_debug_mode``): nothing in planning, advancing the inputs on the
-    device or launching waits for the GPU."""
+    ``strict``: a negative control (rounds launched ahead with a stale last token) emits other greedy tokens, and a
+    second identical call (every graph captured) launches each round ahead with torch's synchronizing CUDA calls
+    made errors (``torch.cuda.set_sync_debug_mode``): nothing in planning, advancing the inputs on the device or
+    launching waits for the GPU."""
     from specdec_ext.engine.scheduler import Scheduler
 
     target, draft = cuda_pair
@@ -237,6 +238,12 @@ def test_overlapped_rounds_on_cuda_emit_the_tokens_of_rounds_one_at_a_time(cuda_
     assert any(ahead), "no round was launched ahead"
     if not strict:
         return
+    control = make_gen(target, draft, name, kw, early_exit=early_exit)  # negative control: a stale last token
+    control.steps.advance = keeping(control, "last")
+    x = torch.randint(2, 48, (1, 8), generator=torch.Generator().manual_seed(8))
+    want = target_only(target, x[0], 16)
+    assert len(set(want)) > 4  # a varied continuation: a stale token is not the right one by chance
+    assert control.generate(x.cuda(), max_new_tokens=16, temperature=0).new_tokens[0] != want
 
     def no_sync(self, flight):
         torch.cuda.set_sync_debug_mode("error")
