@@ -21,10 +21,10 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "specdec_ext"
 # torch's own private API the engine reads on purpose: a tensor's version counter (no public accessor)
 TORCH_PRIVATE = {"_version"}
-CHECKED = ["engine/generator.py", "engine/scheduler.py", "engine/round.py", "engine/steps.py", "engine/graphs.py",
-           "engine/admission.py", "engine/backends.py", "engine/profile.py", "policies/base.py", "policies/builtin.py",
-           "policies/specdecpp.py", "policies/budget.py", "policies/costs.py", "policies/drift.py",
-           "policies/goodput.py", "policies/select.py"]
+CHECKED = ["engine/generator.py", "engine/scheduler.py", "engine/round.py", "engine/readback.py", "engine/steps.py",
+           "engine/graphs.py", "engine/admission.py", "engine/backends.py", "engine/profile.py", "policies/base.py",
+           "policies/builtin.py", "policies/specdecpp.py", "policies/budget.py", "policies/costs.py",
+           "policies/drift.py", "policies/goodput.py", "policies/select.py"]
 
 
 def _root(node: ast.AST):

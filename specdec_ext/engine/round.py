@@ -12,13 +12,14 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .. import errors, ops
-from ..transfer import PinnedRing
+from .. import ops
 from ..policies.base import RoundPlan
+from . import readback
 from .graphs import StepGraphs, opaque
+from .readback import Launched, Staging
 from .runner import sdpa_backends
 from .sampling import RowSampling
-from .steps import RoundInputs, RoundOutput, draft_step, pack, reads_after, unpack, verify_step
+from .steps import RoundInputs, RoundOutput, draft_step, pack, reads_after, verify_step
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch buckets of compiled or captured steps (rows padded to the bucket)
 _CACHED = ("t_temperature", "t_top_k", "t_top_p", "d_temperature", "d_top_k", "d_top_p")  # kept by the scheduler
@@ -62,7 +63,7 @@ class StepRunner:
         self._forwards: dict = {}  # id(backend) -> (backend, its compiled forward) (compile=True)
         self._counted = [0, 0.0, 0, 0.0]  # the round's forwards run here: RoundOutput.counted
         self._buffers: dict = {}  # bucket -> its persistent input tensors by name
-        self._rings: dict = {}  # (shape, dtype, device) -> host buffers of staged read-backs (_stage)
+        self._staging = Staging()  # host copies of read-backs staged for overlapped rounds
 
     def _persistent(self, inp: RoundInputs, P: int) -> RoundInputs:
         """``inp`` copied into bucket P's persistent input tensors (allocated at the bucket's first round), so the
@@ -193,48 +194,14 @@ class StepRunner:
                 self._counted[2] += 1
                 self._counted[3] += time.perf_counter() - t1
         on_device = drafted.fused is not None and early_exit == "device" and plan.rule is not None
-        staged = self._stage(packed if drafted.steps else out) if stage else None
+        staged = self._staging.stage(packed if drafted.steps else out) if stage else None
         return Launched(out, acc, packed, drafted, B, P, asked, on_device, t0, t1, self._counted, staged)
 
-    def _stage(self, src: torch.Tensor) -> tuple:
-        """A round's read-back ``src`` copied to the host now, in stream order before a later replay rewrites it: a
-        clone on a CPU, else a pinned buffer in rotation (``transfer.PinnedRing``) filled without a wait. Returns
-        ``(host tensor, the event after its copy or None)`` (:attr:`Launched.staged`)."""
-        if src.device.type != "cuda":
-            return src.clone(), None
-        key = (tuple(src.shape), src.dtype, src.device)
-        ring = self._rings.get(key)
-        if ring is None:
-            ring = self._rings[key] = PinnedRing(tuple(src.shape), src.dtype, src.device)
-        buf = ring.take()
-        buf.copy_(src, non_blocking=True)
-        return buf, ring.used()
-
     def read(self, launched: "Launched") -> RoundOutput:
-        """The round's one read-back (:meth:`launch`), unpacked (:func:`~specdec_ext.engine.steps.unpack`) into its
-        output; where the device decided how many draft steps ran, their count is the most candidates a row drafted.
+        """The round's one read-back (:meth:`launch`) into its output (``engine/readback.read``).
 
         Raises ValueError when the verification reports an invalid row (a NaN or +Inf logit, or a fully masked row)."""
-        r = launched
-        counted, drafted, B = r.counted, r.drafted, r.B
-        if not drafted.steps:  # a plain step: one token per row, the whole read-back
-            toks = r.host()[:B, 0].tolist()
-            return RoundOutput([[t] for t in toks], [0] * B, [0] * B, 0, 0, [], 0.0,
-                               (time.perf_counter() - r.t1) * 1e3, tuple(counted))
-        W = drafted.verified + 1
-        rows, readback = unpack(r.host(), B, W, r.asked)
-        t2 = time.perf_counter()
-        accepted = [row[W] for row in rows]
-        counts = [row[W + 1] for row in rows]
-        steps = drafted.steps
-        if r.on_device:  # the draft steps the GPU ran
-            steps = max(counts)
-            counted[0] += steps
-        if min(accepted) < 0:
-            raise ValueError(f"verification: {errors.message(min(accepted), True)}")
-        emitted = [rows[b][: accepted[b] + 1] for b in range(B)]
-        return RoundOutput(emitted, counts, accepted, steps, drafted.verified, readback, (r.t1 - r.t0) * 1e3,
-                           (t2 - r.t1) * 1e3, tuple(counted))
+        return readback.read(launched)
 
     def advance(self, launched: "Launched", drafting: bool, draws: bool) -> tuple:
         """The next round's per-row inputs written on the device from a launched round's outputs, before it is read
@@ -562,39 +529,6 @@ class StepRunner:
         lengths = [target.cache.lengths] + ([draft.cache.lengths] if draft is not None else [])
         return self.graphs.replay(key, fn, [inp.last, cands, draft_logits, s.temperature, s.top_k, s.top_p, n,
                                             inp.seeds, inp.extra] + list(asked), lengths)
-
-
-@dataclass
-class Launched:
-    """A round :meth:`StepRunner.launch` enqueued and :meth:`StepRunner.read` has not read: ``out`` ``[P, W]`` int64
-    the emitted tokens, ``acc`` ``[P]`` int64 the accepted counts and ``packed`` the read-back (both None for a plain
-    step), device tensors that the next replay of the same graphs overwrites; ``B`` live rows of a bucket of ``P``;
-    the stop rule's ``asked`` tensors; ``on_device``, whether the GPU decided the draft steps; host clocks ``t0``
-    (the round's start) and ``t1`` (its verification's); ``counted``, the forwards run (``RoundOutput.counted``);
-    ``staged``, the read-back's host copy and the event after its copy (``StepRunner._stage``), or None."""
-
-    out: torch.Tensor
-    acc: Optional[torch.Tensor]
-    packed: Optional[torch.Tensor]
-    drafted: "_Drafted"
-    B: int
-    P: int
-    asked: list
-    on_device: bool
-    t0: float
-    t1: float
-    counted: list
-    staged: Optional[tuple] = None
-
-    def host(self) -> torch.Tensor:
-        """The read-back on the host: the staged copy once its copy has run, else the device tensor (read by
-        ``tolist``, which waits for the device)."""
-        if self.staged is None:
-            return self.packed if self.drafted.steps else self.out
-        buf, event = self.staged
-        if event is not None:
-            event.synchronize()
-        return buf
 
 
 @dataclass

@@ -538,7 +538,7 @@ class Scheduler:
 
 @dataclass
 class _Flight:
-    """A launched round: the runner's :class:`~specdec_ext.engine.round.Launched`, its depth ``cap``, the policy's
+    """A launched round: the runner's :class:`~specdec_ext.engine.readback.Launched`, its depth ``cap``, the policy's
     ``plan`` and the host clock ``t0`` at its launch."""
 
     launched: object
