@@ -27,8 +27,8 @@ class PinnedRing:
         if size < 1:
             raise ValueError(f"size must be >= 1 (buffers in rotation), got {size!r}")
         self.device = torch.device(device)
-        pinned = self.device.type == "cuda"
-        self.buffers = [torch.full(shape, fill, dtype=dtype, pin_memory=pinned) for _ in range(size)]
+        self.shape, self.dtype, self.fill = tuple(shape), dtype, fill
+        self.buffers: list = [None] * size  # allocated at first use (off CUDA, upload() needs none)
         self.events: list = [None] * size
         self.at = -1
 
@@ -39,6 +39,9 @@ class PinnedRing:
         if event is not None:
             event.synchronize()
             self.events[self.at] = None
+        if self.buffers[self.at] is None:
+            self.buffers[self.at] = torch.full(self.shape, self.fill, dtype=self.dtype,
+                                               pin_memory=self.device.type == "cuda")
         return self.buffers[self.at]
 
     def used(self) -> Optional[torch.cuda.Event]:

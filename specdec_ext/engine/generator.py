@@ -117,8 +117,9 @@ class SpeculativeGenerator:
             late and their tokens of that round dropped; the tokens are those of rounds run one at a time (greedy
             exactly; sampling exactly under a fixed K, and in distribution where an adaptive policy plans a round
             without the last one's result). Rounds overlap where they replay CUDA graphs, the policy plans ahead
-            (``CandidateLengthPolicy.plans_ahead``: the built-in ones, but SpecDec++ under its batch verification
-            budget), no logits processor is given and no queued request could join (``engine/scheduler.py``).
+            (``CandidateLengthPolicy.plans_ahead``: plain decoding, fixed K, confidence, AdaEDL and SpecDec++, but
+            not under its batch verification budget or with a head that reads the acceptance history), no logits
+            processor is given and no queued request could join (``engine/scheduler.py``).
             None (default): on where the rounds replay CUDA graphs; True requires them; False: rounds one at a time.
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).

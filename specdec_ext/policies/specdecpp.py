@@ -451,9 +451,9 @@ class _HeadRule(StopRule):
                 if self.logs:  # entries past a row's last step are stale: the host reads its drafted ones only
                     self.log = kept["log"]
             if any(c is None for c in self.columns):
-                rows = self.history
+                history = self.history
                 kept["history_host"].upload(kept["history"],
-                                            lambda t: t.fill_(HISTORY_PRIOR)[: rows.shape[0]].copy_(rows))
+                                            lambda t: t.fill_(HISTORY_PRIOR)[: history.shape[0]].copy_(history))
                 self.history = kept["history"]
             return
         self.cum = torch.ones(batch_size, dtype=torch.float32, device=dev)
