@@ -9,6 +9,7 @@ import torch
 
 from specdec_ext import AcceptanceHead, SpeculativeGenerator
 from specdec_ext.head.features import CONFIDENCE_FEATURES, FEATURES
+from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig, process_logits
 from specdec_ext.policies.costs import BatchCosts, CostModel
 from specdec_ext.zoo import unpacked_pair
@@ -286,3 +287,11 @@ def keeping(gen, name: str):
         return out
 
     return broken
+
+
+def graphed(gen, overlap: bool = False):
+    """``gen`` with recorded graphs, its rounds one at a time (``overlap=False``: what the eager rounds do) or
+    overlapped where they can be (tests/test_overlap.py)."""
+    gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
+    gen.overlap = overlap
+    return gen

@@ -12,19 +12,11 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import (CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, head_for, make_gen, sampled_rows,
-                     target_only)
+from support import (CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, graphed, head_for, make_gen,
+                     sampled_rows, target_only)
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
-
-
-def graphed(gen, overlap: bool = False) -> SpeculativeGenerator:
-    """``gen`` with recorded graphs, its rounds one at a time (``overlap=False``: what the eager rounds do) or
-    overlapped where they can be (tests/test_overlap.py)."""
-    gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
-    gen.overlap = overlap
-    return gen
 
 
 @pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)

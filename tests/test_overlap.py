@@ -11,9 +11,9 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, exact_marginals, keeping, make_gen, sampled_rows, target_only
+from support import PIDS, POLICIES, exact_marginals, graphed, keeping, make_gen, sampled_rows, target_only
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.engine.round import BUCKETS, StepRunner
+from specdec_ext.engine.round import StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
 from specdec_ext.transfer import PinnedRing
 
@@ -23,8 +23,7 @@ AUTO = ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "confidence"})  
 def recorded(gen: SpeculativeGenerator, overlap: bool) -> tuple:
     """``gen`` over recorded graphs, its rounds overlapped or one at a time, and a list that counts the rounds
     launched ahead (``StepRunner.advance`` calls)."""
-    gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
-    gen.overlap = overlap
+    graphed(gen, overlap)
     ahead = []
     advance = gen.steps.advance
 

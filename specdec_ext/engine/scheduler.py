@@ -447,12 +447,12 @@ class Scheduler:
         if any(len(r.ctx) < 2 for r in live):  # a one-token context drafts from its second round (the host's room)
             return None
         room = [self.requests[r.req].limit - r.generated - 2 for r in live] if self.pol.speculative else None
-        cap, plan = self._plan(room, max(len(r.ctx) for r in live) + flight.cap)
+        width = max(len(r.ctx) for r in live) + flight.cap  # the target's widest row after flight, at most
+        cap, plan = self._plan(room, width)
         t0 = time.perf_counter()
         draws = cap > 0 or not self._sampling[1].greedy
         last, prev, room_t, _, seeds = self.runner.advance(flight.launched, cap > 0, draws)
-        inp = RoundInputs(last, prev, room_t, None, self._sampling[1], self._sampling[2], seeds,
-                          max(len(r.ctx) for r in live) + flight.cap,
+        inp = RoundInputs(last, prev, room_t, None, self._sampling[1], self._sampling[2], seeds, width,
                           max(self._draft_columns(r) for r in live) + flight.cap + 1)
         return self._enqueue(cap, plan, inp, t0)
 
