@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.no_bucketing:
         lean_model.BUCKET_ABOVE = 1 << 62
-    pair = load_pair(torch.float32, torch.float32)
+    pair = load_pair(target_dtype=torch.float32, draft_dtype=torch.float32)
     kw = dict(threshold="auto", head=pair.head) if args.policy == "specdecpp" else dict(k=args.k)
     gen = SpeculativeGenerator(pair.target, pair.draft, policy=args.policy, **kw)
     reqs = requests(pair.tokenizer, args.requests, random.Random(args.seed))

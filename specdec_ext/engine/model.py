@@ -33,6 +33,7 @@ from . import onednn_linear
 from .attention import kernel_takes
 from .cache import StaticCache
 from .runner import sliding_layout, usable_device
+from .subset_head import SubsetLMHead
 from .tensor_parallel import tp_size
 
 # model -> {packed: (fingerprint of its weights, the prepared weights)}: packing costs a few ms
@@ -156,6 +157,8 @@ class LeanModel:
         self.embed = base.embed_tokens.weight
         self.final_norm = base.norm.weight
         self.layers, self.lm_head, self.cos, self.sin = self._prepare(model)
+        head = model.get_output_embeddings()
+        self.subset = head if isinstance(head, SubsetLMHead) else None  # a draft's vocabulary subset (FR-Spec)
 
     def _prepare(self, model) -> tuple:
         """The per-layer weights (QKV and gate/up concatenated, packed when ``packed``), the LM head and the RoPE
@@ -255,7 +258,8 @@ class LeanModel:
         what they keep; ``engine/cache.py``).
 
         Returns float32 logits ``[b, keep, V]`` of the last ``keep`` positions and the final norm's output there
-        ``[b, keep, H]`` (the LM head's input, which acceptance heads read)."""
+        ``[b, keep, H]`` (the LM head's input, which acceptance heads read). A draft with a
+        :class:`~specdec_ext.engine.subset_head.SubsetLMHead` computes its N rows and gives the rest -inf."""
         b, n = tokens.shape
         M = cache.max_len
         W = M + 1 if width is None else width
@@ -308,4 +312,5 @@ class LeanModel:
             cache.lengths.index_add_(0, index, torch.full_like(index, n))
         else:
             cache.lengths[span] += n
-        return self._linear(hn, self.lm_head).float(), hn
+        logits = self._linear(hn, self.lm_head).float()
+        return (logits if self.subset is None else self.subset.scatter(logits)), hn

@@ -11,11 +11,12 @@ import torch
 
 
 def vocab_size(model) -> int:
-    """V, the number of rows of the model's output embedding (its LM head)."""
+    """V, the number of rows of the model's output embedding (its LM head; the width of a
+    :class:`~specdec_ext.engine.subset_head.SubsetLMHead`'s logits)."""
     emb = model.get_output_embeddings()
     if emb is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings: not a causal LM")
-    return emb.weight.shape[0]
+    return getattr(emb, "vocab_size", None) or emb.weight.shape[0]
 
 
 def _config_ids(cfg, key: str) -> list[int]:

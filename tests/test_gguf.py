@@ -1,0 +1,188 @@
+"""GGUF files in: small Llama GGUF files written here with the ``gguf`` package (no download), read through
+``zoo/gguf.py`` into cached model directories, and the errors a user meets."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf accelerate)")
+pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate")
+
+from specdec_ext.zoo import load_models  # noqa: E402
+from specdec_ext.zoo.gguf import gguf_model_dir, is_gguf  # noqa: E402
+
+TEXT = ("def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n"
+        "for i in range(10):\n    print(i * i)\n") * 20
+
+
+def tiny_tokenizer():
+    """A byte-level BPE of about 300 entries with <s> and </s> at ids 0 and 1."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator([TEXT], vocab_size=300, min_frequency=2, special_tokens=["<s>", "</s>"], show_progress=False)
+    model = json.loads(tok.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return [t for t, _ in vocab], merges
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order for q and k projections (transformers undoes it on load)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path, seed: int = 0, qtype=None, arch: str = "llama"):
+    """A 2-layer Llama (hidden 64, 4 query / 2 key-value heads) with random weights and the tiny tokenizer, as GGUF
+    (float32 tensors, or ``qtype`` for the matrices). Returns the ``transformers`` model it holds (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokens, merges = tiny_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(16)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+
+    def put(name, arr):
+        if qtype is not None and arr.ndim == 2:
+            q = gguf.quants.quantize(arr, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, arr)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    for i in range(2):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], 4))
+        put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], 2))
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    path = root / "tiny.gguf"
+    model = write_llama_gguf(path)
+    return path, model, root / "cache"
+
+
+def test_a_gguf_file_loads_as_the_model_it_holds_and_is_cached(tiny):
+    path, model, cache = tiny
+    d = gguf_model_dir(path, cache=cache, log=lambda m: None)
+    assert (d / "config.json").is_file() and (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
+    cfg = json.loads((d / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["num_hidden_layers"] == 2 and cfg["num_key_value_heads"] == 2
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    x = torch.tensor([[0, 5, 17, 42, 99, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-5)
+    mtime = (d / "model.safetensors").stat().st_mtime_ns
+    assert gguf_model_dir(path, cache=cache, log=lambda m: pytest.fail("converted twice")) == d
+    assert (d / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_load_models_takes_gguf_paths_with_the_files_tokenizer_and_chat_template(tiny, monkeypatch):
+    path, model, cache = tiny
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache))
+    pair = load_models(path, path, target_dtype=torch.float32)
+    tok = pair.tokenizer
+    ids = tok("def add(a, b):")["input_ids"]
+    assert tok.decode(ids).endswith("def add(a, b):") and max(ids) < 300
+    assert "assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                   add_generation_prompt=True)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        torch.testing.assert_close(pair.target(x).logits, model(x).logits, rtol=0, atol=1e-5)
+
+
+def test_a_quantized_gguf_dequantizes_as_the_gguf_package_does(tmp_path):
+    path = tmp_path / "q8.gguf"
+    write_llama_gguf(path, seed=1, qtype=gguf.GGMLQuantizationType.Q8_0)
+    d = gguf_model_dir(path, cache=tmp_path / "cache", log=lambda m: None)
+    from safetensors.torch import load_file
+
+    got = load_file(str(d / "model.safetensors"))["model.layers.0.mlp.up_proj.weight"]
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(got.shape)
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)).float())
+
+
+def test_bad_gguf_files_raise_one_line_errors_naming_the_file(tmp_path, tiny):
+    path, _, _ = tiny
+    missing = tmp_path / "missing.gguf"
+    with pytest.raises(FileNotFoundError, match="missing.gguf: no such GGUF file"):
+        gguf_model_dir(missing, cache=tmp_path)
+    notgguf = tmp_path / "weights.gguf"
+    notgguf.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match=r"weights\.gguf: not a GGUF file"):
+        gguf_model_dir(notgguf, cache=tmp_path)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:3000])
+    with pytest.raises(ValueError, match=r"cut\.gguf: transformers' GGUF loader could not read it") as e:
+        gguf_model_dir(cut, cache=tmp_path, log=lambda m: None)
+    assert "\n" not in str(e.value)
+    other = tmp_path / "other.gguf"
+    write_llama_gguf(other, arch="nonesuch")
+    with pytest.raises(ValueError, match=r"other\.gguf: .*could not read it") as e:
+        gguf_model_dir(other, cache=tmp_path, log=lambda m: None)
+    assert "\n" not in str(e.value)
+    assert is_gguf("a/B.GGUF") and not is_gguf("a/b.safetensors") and not is_gguf(None)
+
+
+def test_the_cli_takes_a_gguf_target_and_draft(tiny, tmp_path):
+    path, _, cache = tiny
+    env = {**os.environ, "SPECDEC_CACHE_DIR": str(cache)}
+    cmd = [sys.executable, "-m", "specdec_ext.cli", "generate", "--target", str(path), "--draft", str(path),
+           "--policy", "fixed", "--k", "2", "--prompt", "def add(a, b):", "--max-new-tokens", "8",
+           "--target-dtype", "float32", "--draft-dtype", "float32"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "policy fixed" in r.stderr
+    bad = subprocess.run(cmd[:5] + [str(tmp_path / "nope.gguf")] + cmd[6:], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert bad.returncode == 2 and "--target" in bad.stderr and "nope.gguf: no such GGUF file" in bad.stderr
