@@ -198,6 +198,10 @@ def cmd_generate(args):
     from .engine.tensor_parallel import is_main_process
     from .prompts import encode_prompt, load_prompts
 
+    if isinstance(args.chat, str):  # --chat "MESSAGE": the message is the prompt
+        if args.prompt is not None or args.file or args.prompts is not None:
+            raise UsageError("--chat MESSAGE is the prompt: drop --prompt/--file/--prompts, or use a bare --chat")
+        args.prompt, args.chat = args.chat, True
     if args.prompts is not None and args.out is None:
         raise UsageError("--prompts writes a batch job: give --out results.jsonl")
     if args.out is not None and args.prompts is None:
@@ -224,7 +228,9 @@ def cmd_generate(args):
         ids = encode_prompt(pair.tokenizer, text, args.chat)
         if not ids:
             raise UsageError("the prompt is empty (it has no token); give at least one token of text")
-        streamer = TextStreamer(pair.tokenizer, skip_prompt=False) if main else None
+        streamer = TextStreamer(pair.tokenizer, skip_prompt=args.chat, skip_special_tokens=args.chat) if main else None
+        if main and args.chat:
+            print(f"> {text}\n", flush=True)
         out = gen.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=pair.tokenizer.eos_token_id,
                            streamer=streamer)
@@ -393,7 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                                             "records (exit status 128 + the signal's number)")
     g.add_argument("--batch-size", type=int, default=8, help="batch job: rows generated together")
     g.add_argument("--limit", type=int, default=None, help="batch job: only the first N prompts")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    g.add_argument("--chat", nargs="?", const=True, default=False, metavar="MESSAGE",
+                   help="chat: --chat \"MESSAGE\" sends MESSAGE as a user turn through the tokenizer's chat template "
+                        "and streams the reply; a bare --chat wraps each --prompt/--file/--prompts prompt the same way")
     g.add_argument("--dataset", default="humaneval", help="humaneval, stdlib or stdlib-train (without --prompt/--file)")
     g.add_argument("--index", type=int, default=0, help="which prompt of --dataset")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")

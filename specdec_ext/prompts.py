@@ -45,8 +45,20 @@ def stdlib_prompts(limit: Optional[int] = None, split: str = "held_out") -> list
     return out
 
 
-def jsonl_prompts(path: str, field: str = "prompt") -> list[str]:
-    """Prompts from a JSONL file, one object per line with a ``field`` key."""
+def _messages(obj, where: str) -> list[dict]:
+    """A chat record's ``messages``: a non-empty list of ``{"role": str, "content": str}``, or a one-line error."""
+    msgs = obj.get("messages")
+    if (not isinstance(msgs, list) or not msgs
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in msgs)):
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                         "objects with string values")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def jsonl_prompts(path: str, field: str = "prompt") -> list:
+    """Prompts from a JSONL file, one object per line with a ``field`` key (a string), or a ``messages`` key: a chat,
+    a list of ``{"role", "content"}`` objects, returned as that list (encoded through the chat template)."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
@@ -56,8 +68,11 @@ def jsonl_prompts(path: str, field: str = "prompt") -> list[str]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i}: not valid JSON ({e.msg} at column {e.colno}); expected one "
                                      f'{{"{field}": ...}} object per line') from None
+                if isinstance(obj, dict) and field not in obj and "messages" in obj:
+                    rows.append(_messages(obj, f"{path}:{i}"))
+                    continue
                 if not isinstance(obj, dict) or field not in obj:
-                    raise ValueError(f"{path}:{i}: no {field!r} key in this JSON object")
+                    raise ValueError(f"{path}:{i}: no {field!r} (or 'messages') key in this JSON object")
                 if not isinstance(obj[field], str):
                     raise ValueError(f"{path}:{i}: {field!r} must be a string, got {type(obj[field]).__name__}")
                 rows.append(obj[field])
@@ -112,15 +127,16 @@ def load_prompt_records(name: str, limit: Optional[int] = None) -> list[tuple[st
     return list(zip(ids, prompts))
 
 
-def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+def encode_prompt(tokenizer, text, chat: bool = False) -> list[int]:
     """Token ids of a prompt with the tokenizer's own defaults (BOS where the tokenizer adds one), or, with
-    ``chat``, of the prompt as a user turn in the tokenizer's chat template with the assistant's turn opened.
+    ``chat``, of the prompt as a user turn in the tokenizer's chat template with the assistant's turn opened. A list
+    of ``{"role", "content"}`` messages (a chat record of a JSONL file) always goes through the chat template.
 
-    Raises: ValueError when ``chat`` is asked of a tokenizer without a chat template."""
-    if chat:
+    Raises: ValueError when a chat is asked of a tokenizer without a chat template."""
+    if chat or isinstance(text, list):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("--chat: this tokenizer has no chat template (tokenizer_config.json has no chat_template)")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+        messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(text)["input_ids"]

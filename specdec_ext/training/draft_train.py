@@ -133,7 +133,7 @@ def teacher_targets(target, seqs, token_ids: torch.Tensor, work: Path, batch_tok
         ids, mask = _pad(seqs, batch)
         h = target.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state  # [b, T, H]
         logits = F.linear(h, rows).float()  # [b, T, N]
-        lp, ix = logits.log_softmax(-1).topk(k, dim=-1)
+        lp, ix = logits.log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
         lp = lp - lp.logsumexp(-1, keepdim=True)  # renormalised over the top k
         for r, i2 in enumerate(batch):
             n = len(seqs[i2][0])
@@ -161,9 +161,9 @@ def _loss_and_agreement(logits, mask, seqs, batch, teacher):
     """Forward KL(p || q) summed over positions, the number of positions, and how many of them have the draft's
     argmax equal to the teacher's (greedy acceptance) and sum_x min(p, q) over the teacher's top k (T = 1)."""
     logq = logits.log_softmax(-1)
-    T = logits.shape[1]
-    idx = torch.zeros(len(batch), T, TOP_K, dtype=torch.int64)
-    logp = torch.full((len(batch), T, TOP_K), float("-inf"))
+    T, k = logits.shape[1], teacher["idx"][batch[0]].shape[-1]
+    idx = torch.zeros(len(batch), T, k, dtype=torch.int64)
+    logp = torch.full((len(batch), T, k), float("-inf"))
     for r, i in enumerate(batch):
         n = teacher["idx"][i].shape[0]
         idx[r, :n] = teacher["idx"][i].long()
