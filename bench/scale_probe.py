@@ -23,6 +23,8 @@ round must emit to match plain decoding (``round_ms`` over one target step).
     python bench/scale_probe.py --device cuda --shapes 1b --compile inductor [--coordinate-descent]
     python bench/scale_probe.py --shapes tiny          # a CPU, seconds
     python bench/scale_probe.py --shapes tiny --round tiny,tiny   # the round's row too
+    python bench/scale_probe.py --shapes smollm2-135m,smollm2-135m-draft --round smollm2-135m-draft,smollm2-135m \
+        --dtype float32 --context 256   # the real pair on a CPU, against the rate torch.sum reads (sum_read_GBps)
 """
 
 from __future__ import annotations
@@ -69,6 +71,29 @@ def random_llama(shape: str, device: str, dtype=torch.bfloat16, max_positions: i
             else:
                 p.normal_(0.0, 0.02)
     return model.eval()
+
+
+REAL = ("smollm2-135m", "smollm2-135m-draft")  # the named pair's target and its distilled draft, real weights
+
+
+def model_for(shape: str, device: str, dtype: torch.dtype, max_positions: int):
+    """A random-weight model of ``SHAPES[shape]``, or a real one of :data:`REAL` (``load_pair``'s target or draft)."""
+    if shape in SHAPES:
+        return random_llama(shape, device, dtype, max_positions)
+    from specdec_ext.zoo import load_pair
+
+    pair = load_pair(shape.removesuffix("-draft"), target_dtype=dtype, draft_dtype=dtype, device=device,
+                     with_head=False)
+    return pair.draft if shape.endswith("-draft") else pair.target
+
+
+def sum_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
+    """Bytes read per second by ``torch.sum`` over a float32 buffer of ``nbytes``: how fast this device streams
+    memory into arithmetic (on a CPU, the rate a memory-bound matrix-vector product can reach)."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    buf.sum()
+    times = [_timed(lambda: buf.sum(), device) for _ in range(repeats)]
+    return nbytes / (statistics.median(times) / 1e3)
 
 
 def weight_bytes(model) -> int:
@@ -122,11 +147,11 @@ def launches(fn, device: str) -> int:
 
 
 def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_backend: Optional[str] = None,
-          attention: str = "auto") -> dict:
+          attention: str = "auto", dtype: torch.dtype = torch.bfloat16) -> dict:
     """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run. With
     ``compile_backend`` (``"inductor"`` on a GPU) also a graph of the forward compiled as the step runner compiles it
     (``StepRunner(compile=True)``: ``torch.compile(fullgraph=True)`` before capture), ``graph_compiled_ms``."""
-    model = random_llama(shape, device, max_positions=max(4096, 2 * (context + k + 2)))
+    model = model_for(shape, device, dtype, max(4096, 2 * (context + k + 2)))
     backend = LeanBackend(model, "target", attention=attention)
     graphs = StepGraphs(emulate=not device.startswith("cuda"))
     compiled = None
@@ -135,7 +160,7 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_b
                             cuda_graphs=True if device.startswith("cuda") else "emulate")
         compiled = runner._forward(backend)
     g = torch.Generator().manual_seed(0)
-    vocab = SHAPES[shape][5]
+    vocab = model.config.vocab_size
     row = {"shape": shape, "attention": attention, "parameters": sum(p.numel() for p in model.parameters()),
            "weight_bytes": weight_bytes(model), "context": context, "k": k, "steps": {}}
     with torch.inference_mode():
@@ -176,7 +201,7 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_b
             entry = {f"{name}_ms": statistics.median(t) for name, t in times.items()}
             for name, fn in arms:
                 entry[f"{name}_launches"] = launches(fn, device)
-                entry[f"{name}_launches_per_layer"] = entry[f"{name}_launches"] / SHAPES[shape][1]
+                entry[f"{name}_launches_per_layer"] = entry[f"{name}_launches"] / model.config.num_hidden_layers
             entry["max_abs_diff"] = float((got["graph"] - want).abs().max())
             if compiled:  # compiled kernels round in their own order: reported, not required to be 0
                 entry["compiled_max_abs_diff"] = float((got["graph_compiled"] - want).abs().max())
@@ -205,7 +230,9 @@ def speculative_round(draft: dict, target: dict, k: int, compiled: bool) -> dict
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {sorted(SHAPES) + list(REAL)} (the last two: "
+                                                     "real weights, the smollm2-135m pair's target and draft)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the models' dtype")
     ap.add_argument("--context", type=int, default=512, help="filled cache columns each step attends to")
     ap.add_argument("--k", type=int, default=4, help="candidates of the verification step (K + 1 tokens)")
     ap.add_argument("--repeats", type=int, default=20)
@@ -225,9 +252,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in SHAPES]
+    bad = [s for s in shapes if s not in SHAPES and s not in REAL]
     if bad or not shapes:
-        raise SystemExit(f"--shapes: expected some of {sorted(SHAPES)}, got {args.shapes!r}")
+        raise SystemExit(f"--shapes: expected some of {sorted(SHAPES) + list(REAL)}, got {args.shapes!r}")
+    dtype = getattr(torch, args.dtype)
     if args.context < 1 or args.k < 1 or args.repeats < 1:
         raise SystemExit("--context, --k and --repeats: expected integers >= 1")
     pair = args.round.split(",") if args.round else (["1b", "8b"] if {"1b", "8b"} <= set(shapes) else None)
@@ -244,9 +272,17 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.device, mib << 20)
     rows = []
     for s in shapes:
-        r = probe(s, args.device, args.context, args.k, args.repeats, args.compile, args.attention)
+        r = probe(s, args.device, args.context, args.k, args.repeats, args.compile, args.attention, dtype)
         r["weight_read_ms"] = r["weight_bytes"] / bandwidth * 1e3
         one, wide = r["steps"]["1-token"], r["steps"][f"{args.k + 1}-token"]
+        if not cuda:  # the rate torch.sum reads a buffer of the weights' size, measured beside the steps
+            r["sum_read_GBps"] = sum_bandwidth(args.device, r["weight_bytes"]) / 1e9
+            r["weight_read_sum_ms"] = r["weight_bytes"] / (r["sum_read_GBps"] * 1e9) * 1e3
+            r["eager_1_over_sum_read"] = one["eager_ms"] / r["weight_read_sum_ms"]
+            r["eager_k1_over_eager_1"] = wide["eager_ms"] / one["eager_ms"]
+            print(f"{s}: torch.sum reads {r['sum_read_GBps']:.1f} GB/s: the weights in {r['weight_read_sum_ms']:.2f} ms; "
+                  f"the eager 1-token step is {r['eager_1_over_sum_read']:.2f}x that, {args.k + 1} tokens "
+                  f"{r['eager_k1_over_eager_1']:.2f}x one", flush=True)
         r["graph_1_over_weight_read"] = one["graph_ms"] / r["weight_read_ms"]
         r["graph_k1_over_graph_1"] = wide["graph_ms"] / one["graph_ms"]
         if args.compile:
@@ -267,7 +303,7 @@ def main(argv=None) -> dict:
               f"{result_round['draft_over_target']:.3f}, break-even {result_round['break_even_tokens']:.2f} tokens "
               "a round", flush=True)
     meta = {"device": torch.cuda.get_device_name(args.device) if cuda else platform.processor() or platform.machine(),
-            "torch": torch.__version__, "dtype": "bfloat16", "batch_size": 1, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "torch": torch.__version__, "dtype": args.dtype, "batch_size": 1, "copy_bandwidth_GBps": bandwidth / 1e9,
             "graphs": "captured" if cuda else "recorded (no CUDA)",
             "coordinate_descent_tuning": args.coordinate_descent,
             "launches": "CUDA kernels and copies" if cuda else "top-level aten ops (no CUDA)",

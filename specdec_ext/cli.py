@@ -261,8 +261,9 @@ def cmd_demo(args):
                Method(f"specdec++ {'auto' if args.threshold == 'auto' else f'h={args.threshold:g}'}", "ours",
                       lambda **_: make_policy("specdecpp", head=pair.head, threshold=args.threshold), family="specdecpp")]
     print(f"specdec demo: {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens each, "
-          f"temperature {args.temperature}, bundled pair (target {sum(p.numel() for p in pair.target.parameters()) / 1e6:.1f}M, "
-          f"draft {sum(p.numel() for p in pair.draft.parameters()) / 1e6:.1f}M parameters; target in "
+          f"temperature {args.temperature}, {args.pair or 'bundled'} pair (target "
+          f"{sum(p.numel() for p in pair.target.parameters()) / 1e6:.1f}M, draft {_own_params(pair) / 1e6:.1f}M "
+          f"parameters of its own; target in "
           f"{str(pair.target.dtype).replace('torch.', '')}, draft in {str(pair.draft.dtype).replace('torch.', '')})")
     recs = run_benchmark(pair, prompts, methods, args.max_new_tokens, args.temperature, args.seed)
     spec = [r for r in recs if r.method == methods[2].name]
@@ -274,6 +275,12 @@ def cmd_demo(args):
     print("\n" + format_table(rows))
     print(f"\n(measured in this run on {torch.get_num_threads()} threads; speedup = median over prompts of tokens/s "
           f"relative to plain decoding; total {time.time() - t0:.0f} s)")
+
+
+def _own_params(pair) -> int:
+    """The draft's parameters that are not the target's tensors (a distilled draft shares the embedding)."""
+    theirs = {p.data_ptr() for p in pair.target.parameters()}
+    return sum(p.numel() for p in pair.draft.parameters() if p.data_ptr() not in theirs)
 
 
 def cmd_bench(args):
@@ -412,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", action="store_true", help="print every round (to stderr)")
     g.set_defaults(fn=cmd_generate)
 
-    d = sub.add_parser("demo", help="SpecDec++ vs fixed K vs plain decoding on HumanEval with the bundled pair",
+    d = sub.add_parser("demo", help="SpecDec++ vs fixed K vs plain decoding on HumanEval (the bundled pair, or --pair)",
                        formatter_class=HF)
     _model_args(d)
     d.add_argument("--prompts", type=int, default=8, help="HumanEval prompts")
