@@ -146,6 +146,19 @@ def launches(fn, device: str) -> int:
     return sum(e.name.startswith("aten::") and e.cpu_parent is None for e in prof.events())
 
 
+def ops_table(fn, calls: int, top: int = 12) -> list:
+    """torch's profiler over ``calls`` calls of ``fn`` (CPU): the ``top`` ops by self time, each with its ms per call,
+    its share of the calls' wall time and its count per call."""
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    wall = (time.perf_counter() - t0) * 1e3 / calls
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3 / calls,
+             "share": e.self_cpu_time_total / 1e3 / calls / wall, "count": e.count // calls} for e in rows]
+
+
 def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_backend: Optional[str] = None,
           attention: str = "auto", dtype: torch.dtype = torch.bfloat16) -> dict:
     """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run. With
@@ -202,6 +215,8 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_b
             for name, fn in arms:
                 entry[f"{name}_launches"] = launches(fn, device)
                 entry[f"{name}_launches_per_layer"] = entry[f"{name}_launches"] / model.config.num_hidden_layers
+            if not device.startswith("cuda"):  # where the eager step's time goes, by op (self time, 5 calls)
+                entry["eager_by_op"] = ops_table(eager, 5)
             entry["max_abs_diff"] = float((got["graph"] - want).abs().max())
             if compiled:  # compiled kernels round in their own order: reported, not required to be 0
                 entry["compiled_max_abs_diff"] = float((got["graph_compiled"] - want).abs().max())
