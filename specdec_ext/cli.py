@@ -365,7 +365,8 @@ def cmd_train_draft(args):
                             prompts=args.prompts, max_new_tokens=args.max_new_tokens, vocab=args.vocab, layers=layers,
                             minutes=args.minutes, batch_size=args.batch_size, lr=args.lr, seed=args.seed, log=_log,
                             progress=tqdm)
-    print(json.dumps({k: metrics[k] for k in ("vocab_subset", "coverage_of_generated", "before", "after", "minutes")},
+    print(json.dumps({k: metrics[k] for k in ("vocab_subset", "coverage_of_generated", "before", "after",
+                                              "stage_minutes")},
                      indent=2))
 
 

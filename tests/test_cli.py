@@ -257,3 +257,20 @@ def test_bench_runs_end_to_end_and_records_auto_and_its_costs(capsys, tmp_path, 
     assert data["meta"]["cost_model"]["verify_ms"] == [8.0, 8.5, 9.0]
     assert "the stop rule it chose by measured goodput" in out and "settled on" in out
     assert (tmp_path / "humaneval-auto-arms.png").is_file()
+
+
+@needs_pair
+def test_chat_errors_are_one_line(capsys):
+    code, _, err = run(["generate", "--chat", "hello", "--max-new-tokens", "4"], capsys)
+    assert_one_line_error(code, err, "--chat: this tokenizer has no chat template")
+    code, _, err = run(["generate", "--chat", "hello", "--prompt", "x"], capsys)
+    assert_one_line_error(code, err, "--chat MESSAGE is the prompt: drop --prompt/--file/--prompts")
+
+
+def test_train_draft_and_train_head_errors_are_one_line(capsys, tmp_path):
+    code, _, err = run(["train-draft", "--target", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "d")], capsys)
+    assert_one_line_error(code, err, "none.gguf: no such GGUF file")
+    code, _, err = run(["train-draft", "--target", str(tmp_path), "--out", str(tmp_path / "d")], capsys)
+    assert_one_line_error(code, err, "has no config.json")
+    code, _, err = run(["train-head", "--prompts", "humaneval", "--out", str(tmp_path / "h")], capsys)
+    assert_one_line_error(code, err, "train-head needs --pair NAME, or --target and --draft")

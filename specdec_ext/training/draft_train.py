@@ -328,7 +328,7 @@ def distill_draft(target, tokenizer, out: Path, work: Path, prompts: int = 4096,
     draft = new_draft(target, token_ids, layers)
     report = train(draft, seqs, teacher, work, minutes, lr=lr, seed=seed, log=log, progress=progress)
     record = {"layers_from": list(layers), "vocab_subset": len(token_ids), "coverage_of_generated": round(coverage, 4),
-              "prompts": prompts, "max_new_tokens": max_new_tokens, "minutes": {
+              "prompts": prompts, "max_new_tokens": max_new_tokens, "stage_minutes": {
                   "data": round(t_data / 60, 1), "teacher": round(t_teacher / 60, 1), "training": report["minutes"]}}
     save_draft(draft, out, fingerprint(target), record)
     metrics = {**record, **report}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import time
@@ -60,7 +61,7 @@ def gguf_model_dir(path: Union[str, Path], cache: Optional[Path] = None, log=Non
     log = log or (lambda msg: print(msg, file=sys.stderr, end="", flush=True))
     log(f"[specdec] converting {src.name} to float32 safetensors in {out} (once) ...")
     t0 = time.perf_counter()
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # per process: two converting at once do not clash
     shutil.rmtree(tmp, ignore_errors=True)
     model, tokenizer = _read(src)
     cfg = model.config
@@ -71,8 +72,13 @@ def gguf_model_dir(path: Union[str, Path], cache: Optional[Path] = None, log=Non
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "gguf_source.json").write_text(json.dumps({"file": src.name, "bytes": src.stat().st_size}, indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+    try:
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+    except OSError:  # another process put its conversion there first: the same bytes
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").is_file():
+            raise
     log(f" {time.perf_counter() - t0:.0f} s\n")
     return out
 
