@@ -89,8 +89,9 @@ def _read(src: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # its per-tensor progress bars and notes are noise in a one-off conversion
+    hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
@@ -103,6 +104,8 @@ def _read(src: Path):
                          "(Llama, Qwen2, ..., F32/F16/BF16/Q4_0/Q4_1/Q8_0/K-quants)") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     return model, tok
 
 
