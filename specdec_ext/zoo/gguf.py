@@ -11,6 +11,7 @@ the directory (about 0.2 s for SmolLM2-135M).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -63,14 +64,15 @@ def gguf_model_dir(path: Union[str, Path], cache: Optional[Path] = None, log=Non
     t0 = time.perf_counter()
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # per process: two converting at once do not clash
     shutil.rmtree(tmp, ignore_errors=True)
-    model, tokenizer = _read(src)
-    cfg = model.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config  # the weights are dequantized: a plain float32 model from here on
-    model.hf_quantizer = None
-    cfg._name_or_path = src.stem
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with _quiet():
+        model, tokenizer = _read(src)
+        cfg = model.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config  # the weights are dequantized: a plain float32 model from here on
+        model.hf_quantizer = None
+        cfg._name_or_path = src.stem
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     (tmp / "gguf_source.json").write_text(json.dumps({"file": src.name, "bytes": src.stat().st_size}, indent=1))
     try:
         shutil.rmtree(out, ignore_errors=True)
@@ -87,11 +89,7 @@ def _read(src: Path):
     """transformers' GGUF loader on ``src``: ``(model in float32, tokenizer)``; its errors as one ValueError."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # its per-tensor progress bars and notes are noise in a one-off conversion
-    hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
@@ -102,11 +100,23 @@ def _read(src: Path):
         raise ValueError(f"{src}: transformers' GGUF loader could not read it ({type(e).__name__}: {cause}); "
                          "expected an intact GGUF file of an architecture and quantization it supports "
                          "(Llama, Qwen2, ..., F32/F16/BF16/Q4_0/Q4_1/Q8_0/K-quants)") from None
+    return model, tok
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' notes and per-tensor progress bars off: noise in a one-off conversion."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    return model, tok
 
 
 def resolve(path: Union[str, Path, None]) -> Union[str, Path, None]:
