@@ -253,7 +253,11 @@ def cmd_demo(args):
     from .policies import make_policy
     from .prompts import load_prompts
 
+    from .zoo.named import PAIRS
+
     t0 = time.time()
+    if args.k is None:
+        args.k = PAIRS[args.pair].best_k if args.pair in PAIRS else 6
     pair = _models(args, True)
     prompts = load_prompts("humaneval", limit=args.prompts)
     methods = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain"),
@@ -426,9 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=int, default=8, help="HumanEval prompts")
     d.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
     d.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    d.add_argument("--k", type=int, default=6,
-                   help="the fixed candidate length to compare with (the best of the README's bf16 benchmark on Intel; "
-                        "K = 3 on AMD, within 6%%)")
+    d.add_argument("--k", type=int, default=None,
+                   help="the fixed candidate length to compare with (default: the best of the README's benchmark of "
+                        "the pair: 6 for the bundled pair, 2 for smollm2-135m)")
     d.add_argument("--threshold", type=_threshold, default="auto",
                    help="SpecDec++ stop threshold h, or 'auto' (the cost-aware goodput rule)")
     d.add_argument("--seed", type=int, default=0, help="sampling seed")

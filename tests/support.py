@@ -295,3 +295,20 @@ def graphed(gen, overlap: bool = False):
     gen.steps = StepRunner(BUCKETS, cuda_graphs="emulate")
     gen.overlap = overlap
     return gen
+
+
+def greedy_against_target(gen, target, prompt_ids: int = 48, pad_left=((1, 2), (2, 4))) -> torch.Tensor:
+    """Greedy decoding of 3 left-padded rows of 7 random ids in [2, prompt_ids) (rows ``pad_left``'s (row, pads)
+    padded) through ``gen`` and through the target's own ``generate()``: asserts the two are equal and that
+    speculation was exercised; returns the emitted tokens ``[3, 32]``."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, prompt_ids, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pads in pad_left:
+        mask[row, :pads] = 0
+    ref = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=1,
+                          eos_token_id=None)
+    out = gen.generate(ids, attention_mask=mask, max_new_tokens=32, temperature=0, pad_token_id=1)
+    assert torch.equal(out.sequences, ref), "greedy output differs from the target's own generate()"
+    assert out.stats.accepted > 0 and out.stats.discarded > 0, "speculation was not exercised"
+    return out.sequences[:, ids.shape[1]:]

