@@ -72,7 +72,7 @@ def jsonl_prompts(path: str, field: str = "prompt") -> list:
                     rows.append(_messages(obj, f"{path}:{i}"))
                     continue
                 if not isinstance(obj, dict) or field not in obj:
-                    raise ValueError(f"{path}:{i}: no {field!r} (or 'messages') key in this JSON object")
+                    raise ValueError(f"{path}:{i}: no {field!r} key in this JSON object (nor a 'messages' chat)")
                 if not isinstance(obj[field], str):
                     raise ValueError(f"{path}:{i}: {field!r} must be a string, got {type(obj[field]).__name__}")
                 rows.append(obj[field])

@@ -15,7 +15,7 @@ from models import make_target
 from specdec_ext.zoo import load_models, store
 
 ROOT = Path(__file__).resolve().parents[1]
-TREE_LIMIT = 56 * 2**20  # bytes: a GPU machine takes a working tree of at most 64 MiB, results included
+TREE_LIMIT = 60 * 2**20  # bytes: a GPU machine takes a working tree of at most 64 MiB (untracked build files too)
 
 
 def fake_pair(root: Path) -> Path:

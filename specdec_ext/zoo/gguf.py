@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -105,14 +106,16 @@ def _read(src: Path):
 
 @contextlib.contextmanager
 def _quiet():
-    """transformers' notes and per-tensor progress bars off: noise in a one-off conversion."""
+    """transformers' notes and per-tensor progress bars off (its GGUF reader's bar is a plain tqdm on stderr): noise in
+    a one-off conversion."""
     from transformers.utils import logging as hf_logging
 
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
