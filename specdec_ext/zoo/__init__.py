@@ -106,12 +106,10 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     from ..engine.models import fingerprint, hidden_size
     from ..engine.runner import model_device
     from ..head import AcceptanceHead
-
     from ..training.draft_store import is_stored_draft, load_draft
     from .gguf import resolve
 
-    target, tokenizer = resolve(target), resolve(tokenizer)
-    draft = resolve(draft)
+    target, draft, tokenizer = resolve(target), resolve(draft), resolve(tokenizer)
     kw = {"device_map": device_map} if device_map else {}
     if tp != 1:
         kw = _tp_kwargs(tp, device_map)
