@@ -7,6 +7,7 @@ the prompts' own differences in length and difficulty that a ratio of medians ke
     python bench/paired.py docs/results/bench-humaneval.json.gz --baseline "fixed K=6"
     python bench/paired.py docs/results/bench-humaneval.json.gz --best-fixed   # against the best fixed K
     python bench/paired.py docs/results/bench-*.json.gz --auto   # each auto arm against the best fixed h and K
+    python bench/paired.py "docs/results/smollm2.json.gz#humaneval"   # one set of a file that joins several runs
 
 ``--auto``: per results file, each ``specdec++ auto`` arm (and its copies) against the fixed stop threshold h and the
 fixed K of the highest total tokens/s in that run (chosen in hindsight, on the same prompts).
@@ -50,9 +51,21 @@ def total(runs: dict) -> float:
     return sum(t for t, _ in runs.values()) / sum(s for _, s in runs.values())
 
 
-def against_best(path: str) -> list[str]:
+def results(path: str) -> list[tuple[str, dict]]:
+    """``(label, results)`` of a file of ``specdec bench``; of each set of a file that joins several runs
+    (``{"sets": {name: results}}``, as ``docs/results/smollm2.json.gz``), or of one of them with ``FILE#NAME``."""
+    file, _, name = path.partition("#")
+    data = load_results(file)
+    if "sets" not in data:
+        return [(path, data)]
+    if name and name not in data["sets"]:
+        raise SystemExit(f"{file} has no set {name!r}: it has {', '.join(data['sets'])}")
+    return [(f"{file}#{n}", data["sets"][n]) for n in ([name] if name else data["sets"])]
+
+
+def against_best(path: str, data: dict) -> list[str]:
     """The ``--auto`` lines of one results file."""
-    runs = per_prompt(load_results(path)["runs"])
+    runs = per_prompt(data["runs"])
     best = {}
     for family, prefix in (("h", "specdec++ h="), ("K", "fixed K=")):
         arms = [m for m in runs if m.startswith(prefix)]
@@ -82,12 +95,13 @@ def main():
     args = ap.parse_args()
     if args.auto:
         for path in args.results:
-            print("\n".join(against_best(path)))
+            for label, data in results(path):
+                print("\n".join(against_best(label, data)))
         return
-    if len(args.results) != 1:
-        raise SystemExit("give one results file (several only with --auto)")
-    args.results = args.results[0]
-    data = load_results(args.results)
+    sets = [r for path in args.results for r in results(path)]
+    if len(sets) != 1:
+        raise SystemExit("give one results file, or FILE#SET of a joined file (several only with --auto)")
+    args.results, data = sets[0]
     runs = per_prompt(data["runs"])
     baseline = args.baseline
     if args.best_fixed:
