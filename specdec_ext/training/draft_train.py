@@ -157,7 +157,7 @@ def _draft_logits(draft, ids, mask):
     return F.linear(h, draft.lm_head.weight).float()
 
 
-def _loss_and_agreement(logits, mask, seqs, batch, teacher):
+def _loss_and_agreement(logits, mask, batch, teacher):
     """Forward KL(p || q) summed over positions, the number of positions, and how many of them have the draft's
     argmax equal to the teacher's (greedy acceptance) and sum_x min(p, q) over the teacher's top k (T = 1)."""
     logq = logits.log_softmax(-1)
@@ -168,8 +168,7 @@ def _loss_and_agreement(logits, mask, seqs, batch, teacher):
         n = teacher["idx"][i].shape[0]
         idx[r, :n] = teacher["idx"][i].long()
         logp[r, :n] = teacher["logp"][i].float()
-    valid = mask[:, 1:].clone()
-    valid = F.pad(valid, (0, 1), value=False)  # position t predicts token t + 1
+    valid = F.pad(mask[:, 1:], (0, 1), value=False)  # position t predicts token t + 1
     p = logp.exp()
     lq = logq.gather(-1, idx)
     kl = (p * (logp.clamp_min(-80) - lq)).sum(-1)
@@ -181,17 +180,22 @@ def _loss_and_agreement(logits, mask, seqs, batch, teacher):
     return kl, count, agree, overlap
 
 
+def _select(seqs, teacher, indices: list[int]) -> tuple[list, dict]:
+    """The sequences at ``indices`` and their teacher probabilities, in that order."""
+    return ([seqs[i] for i in indices],
+            {key: [teacher[key][i] for i in indices] for key in ("idx", "logp")})
+
+
 def evaluate(draft, seqs, teacher, held: list[int], batch_tokens: int = 4096) -> dict:
     """On the held-out sequences: mean forward KL, greedy agreement with the target's argmax (the per-candidate
     acceptance rate of greedy verification, teacher-forced) and the mean of sum_x min(p, q) (the acceptance rate at
     T = 1, over the teacher's top k)."""
     tot = {"kl": 0.0, "n": 0, "agree": 0.0, "overlap": 0.0}
-    sub = [seqs[i] for i in held]
-    sub_teacher = {"idx": [teacher["idx"][i] for i in held], "logp": [teacher["logp"][i] for i in held]}
+    sub, sub_teacher = _select(seqs, teacher, held)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for batch in _batches(sub, batch_tokens, torch.Generator().manual_seed(0)):
             ids, mask = _pad(sub, batch)
-            kl, n, agree, overlap = _loss_and_agreement(_draft_logits(draft, ids, mask), mask, sub, batch, sub_teacher)
+            kl, n, agree, overlap = _loss_and_agreement(_draft_logits(draft, ids, mask), mask, batch, sub_teacher)
             tot["kl"] += float(kl)
             tot["n"] += n
             tot["agree"] += agree
@@ -230,8 +234,7 @@ def train(draft, seqs, teacher, work: Path, minutes: float = 30.0, lr: float = 5
     if state["before"] is None:
         state["before"] = evaluate(draft, seqs, teacher, held, batch_tokens)
         log(f"[train-draft] held out before: {state['before']}")
-    train_seqs = [seqs[i] for i in train_idx]
-    train_teacher = {"idx": [teacher["idx"][i] for i in train_idx], "logp": [teacher["logp"][i] for i in train_idx]}
+    train_seqs, train_teacher = _select(seqs, teacher, train_idx)
     budget = minutes * 60.0
     warm = 30
     bar = progress(total=int(budget), desc="distilling the draft", unit="s") if progress else None
@@ -252,7 +255,7 @@ def train(draft, seqs, teacher, work: Path, minutes: float = 30.0, lr: float = 5
             ids, mask = _pad(train_seqs, batch)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = _draft_logits(draft, ids, mask)
-            kl, n, agree, _ = _loss_and_agreement(logits, mask, train_seqs, batch, train_teacher)
+            kl, n, agree, _ = _loss_and_agreement(logits, mask, batch, train_teacher)
             loss = kl / max(n, 1)
             opt.zero_grad(set_to_none=True)
             loss.backward()
