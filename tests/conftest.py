@@ -6,9 +6,16 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-# profiles a test triggers go to a scratch directory, never the user's cache
+# profiles a test triggers go to a scratch directory, never the user's cache. Under pytest-xdist each worker has
+# its own, and the weights the controller unpacked or converted into its directory before the workers started
+# (SPECDEC_TEST_SHARED_CACHE, inherited) are linked into it, so they are made once a run, not once a worker
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not WORKER:
+    os.environ["SPECDEC_TEST_SHARED_CACHE"] = os.environ["SPECDEC_CACHE_DIR"]
+# serial: torch at two threads (these machines have two cores); under pytest-xdist (PYTEST_XDIST_WORKER set) each
+# worker takes one, so two workers share two cores without oversubscribing them
+torch.set_num_threads(1 if WORKER else max(1, min(2, os.cpu_count() or 1)))
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -16,6 +23,10 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 def pytest_sessionstart(session):
     """Unpack the bundled pair's weights, and convert the real pair's GGUF file, into the scratch cache once, quietly,
     before any test captures stderr."""
+    shared = os.environ.get("SPECDEC_TEST_SHARED_CACHE")
+    if WORKER and shared and os.path.isdir(shared):
+        for entry in os.listdir(shared):
+            os.symlink(os.path.join(shared, entry), os.path.join(os.environ["SPECDEC_CACHE_DIR"], entry))
     from specdec_ext.zoo import PAIR_DIR, pair_available
     from specdec_ext.zoo.store import pair_dir
 

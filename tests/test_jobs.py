@@ -112,21 +112,43 @@ def test_cli_batch_job(capsys, tmp_path):
     assert cli.main(["generate", "--policy", "fixed", "--prompts", str(f)]) == 2
 
 
-CHILD = r"""
-import sys
-sys.path.insert(0, sys.argv.pop(1))
-from types import SimpleNamespace
-import torch
-torch.set_num_threads(1)
-from models import make_pair
-from support import DigitTokenizer
-from specdec_ext import cli
-target, draft = make_pair("llama")
-cli._models = lambda args, need_head: SimpleNamespace(target=target, draft=draft, head=None, tokenizer=DigitTokenizer())
-print("ready", flush=True)
-sys.stdin.readline()  # go
-sys.exit(cli.main(sys.argv[1:]))
-"""
+def _fork_cli(argv, target, draft, err):
+    """``specdec generate ARGV`` in a child forked from this process (the modules already imported: no start-up of
+    seconds, so the job's own 0.7 s is what the signals meet), on ``target``/``draft`` at one thread, stderr to the
+    file ``err``; it waits for a byte on the pipe returned before it starts, and exits with the CLI's status.
+    Returns (pid, the pipe's write end)."""
+    import os
+    import sys
+    import traceback
+    from types import SimpleNamespace
+
+    import torch
+
+    go, start = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(go)
+        return pid, start
+    code = 70  # the child: never returns into pytest
+    try:
+        os.close(start)
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        torch.set_num_threads(1)
+        cli._models = lambda args, need_head: SimpleNamespace(target=target, draft=draft, head=None,
+                                                             tokenizer=DigitTokenizer())
+        os.read(go, 1)
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _lines(path):
@@ -145,55 +167,60 @@ def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
     import random
     import re
     import signal
-    import subprocess
-    import sys
     import time
 
-    tests = os.path.dirname(os.path.abspath(__file__))
     prompts = tmp_path / "p.jsonl"
     ids = [f"r{i}" for i in range(80)]
     prompts.write_text("".join(json.dumps({"id": r, "prompt": " ".join(str(2 + (i * 5 + j) % 40)
                                                                          for j in range(2 + i % 5))}) + "\n"
                                for i, r in enumerate(ids)))
+    target, draft = make_pair("llama")
 
     def child(out):
         argv = ["generate", "--policy", "fixed", "--k", "3", "--prompts", str(prompts), "--out", str(out),
                 "--batch-size", "2", "--max-new-tokens", "12"]
-        p = subprocess.Popen([sys.executable, "-c", CHILD, tests, *argv], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert p.stdout.readline().strip() == "ready"
-        return p
+        return _fork_cli(argv, target, draft, str(out) + ".err")
 
-    def go(*ps):
-        for p in ps:
-            p.stdin.write("\n")
-            p.stdin.flush()
+    def go(*starts):
+        for start in starts:
+            os.write(start, b"\n")
+            os.close(start)
+
+    def wait(pid, out):
+        """The child's exit status as subprocess reports it (-N for signal N) and its stderr's lines."""
+        deadline = time.monotonic() + 300
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline, "the child did not end"
+            time.sleep(0.01)
+        status = done[1]
+        rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return rc, (out.parent / (out.name + ".err")).read_text().strip().splitlines()
 
     whole = tmp_path / "whole.jsonl"
-    p = child(whole)
-    go(p)
-    assert p.wait(timeout=300) == 0
-    span = float(re.search(r"tokens in ([0-9.]+) s", p.stderr.read()).group(1))  # the job's own seconds
+    pid, start = child(whole)
+    go(start)
+    rc, err = wait(pid, whole)
+    assert rc == 0, err[-3:]
+    span = float(re.search(r"tokens in ([0-9.]+) s", "\n".join(err)).group(1))  # the job's own seconds
     want = {r["id"]: r["completion"] for r in _lines(whole)[0]}
     assert sorted(want) == sorted(ids)
 
     rng = random.Random(0)
-    gen = SpeculativeGenerator(*make_pair("llama"), policy="fixed", k=3)
+    gen = SpeculativeGenerator(target, draft, policy="fixed", k=3)
     records = load_prompt_records(str(prompts))
     torn, stopped = 0, []
     signals = [signal.SIGTERM] * 2 + [signal.SIGKILL] * 4
     for first in range(0, len(signals), 2):  # two children at a time, one per core, each stopped at its own time
         trials = list(range(first, min(first + 2, len(signals))))
         procs = {t: child(tmp_path / f"t{t}.jsonl") for t in trials}
-        go(*procs.values())
+        go(*(start for _, start in procs.values()))
         t0 = time.perf_counter()
         for at, t in sorted((rng.uniform(0.05, 0.75) * span, t) for t in trials):
             time.sleep(max(0.0, t0 + at - time.perf_counter()))
-            procs[t].send_signal(signals[t])
+            os.kill(procs[t][0], signals[t])
         for trial in trials:
-            sig, p, out = signals[trial], procs[trial], tmp_path / f"t{trial}.jsonl"
-            rc = p.wait(timeout=300)
-            err = p.stderr.read().strip().splitlines()
+            sig, out = signals[trial], tmp_path / f"t{trial}.jsonl"
+            rc, err = wait(procs[trial][0], out)
             recs, tail = _lines(out)
             got = [r["id"] for r in recs]
             assert len(got) == len(set(got)), f"trial {trial}: a record twice"
