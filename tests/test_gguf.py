@@ -3,8 +3,6 @@
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -174,15 +172,17 @@ def test_bad_gguf_files_raise_one_line_errors_naming_the_file(tmp_path, tiny):
     assert is_gguf("a/B.GGUF") and not is_gguf("a/b.safetensors") and not is_gguf(None)
 
 
-def test_the_cli_takes_a_gguf_target_and_draft(tiny, tmp_path):
+def test_the_cli_takes_a_gguf_target_and_draft(tiny, tmp_path, monkeypatch, capsys):
+    from specdec_ext import cli
+
     path, _, cache = tiny
-    env = {**os.environ, "SPECDEC_CACHE_DIR": str(cache)}
-    cmd = [sys.executable, "-m", "specdec_ext.cli", "generate", "--target", str(path), "--draft", str(path),
-           "--policy", "fixed", "--k", "2", "--prompt", "def add(a, b):", "--max-new-tokens", "8",
-           "--target-dtype", "float32", "--draft-dtype", "float32"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "policy fixed" in r.stderr
-    bad = subprocess.run(cmd[:5] + [str(tmp_path / "nope.gguf")] + cmd[6:], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert bad.returncode == 2 and "--target" in bad.stderr and "nope.gguf: no such GGUF file" in bad.stderr
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(cache))
+    argv = ["generate", "--target", str(path), "--draft", str(path), "--policy", "fixed", "--k", "2", "--prompt",
+            "def add(a, b):", "--max-new-tokens", "8", "--target-dtype", "float32", "--draft-dtype", "float32"]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    assert "policy fixed" in err
+    assert cli.main(argv[:2] + [str(tmp_path / "nope.gguf")] + argv[3:]) == 2
+    err = capsys.readouterr().err
+    assert "--target" in err and "nope.gguf: no such GGUF file" in err

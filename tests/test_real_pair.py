@@ -97,33 +97,29 @@ def test_sampled_positions_follow_the_target(pair):
     assert_follows(after, p2.double(), f"position 2 after token {first}")
 
 
-def _specdec(*args, timeout=600):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "specdec_ext.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @needs_pair
 @pytest.mark.slow
-def test_chat_on_the_command_line_and_in_a_batch_job(tmp_path):
-    r = _specdec("generate", "--pair", "smollm2-135m", "--chat", "Write a Python function that adds two numbers.",
-                 "--max-new-tokens", "16", "--policy", "fixed", "--k", "3")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("> Write a Python function") and "<|im_start|>" not in r.stdout
-    assert len(r.stdout.splitlines()) >= 2 and "policy fixed" in r.stderr
+def test_chat_on_the_command_line_and_in_a_batch_job(tmp_path, capsys):
+    from specdec_ext import cli
+
+    code = cli.main(["generate", "--pair", "smollm2-135m", "--chat", "Write a Python function that adds two numbers.",
+                     "--max-new-tokens", "16", "--policy", "fixed", "--k", "3"])
+    r = capsys.readouterr()
+    assert code == 0, r.err[-2000:]
+    assert r.out.startswith("> Write a Python function") and "<|im_start|>" not in r.out
+    assert len(r.out.splitlines()) >= 2 and "policy fixed" in r.err
     jobs = tmp_path / "chats.jsonl"
     jobs.write_text('{"id": "a", "messages": [{"role": "user", "content": "Name a colour."}]}\n'
                     '{"id": "b", "prompt": "def add(a, b):"}\n')
     out = tmp_path / "out.jsonl"
-    r = _specdec("generate", "--pair", "smollm2-135m", "--prompts", str(jobs), "--out", str(out), "--max-new-tokens",
-                 "12", "--policy", "fixed", "--k", "2")
-    assert r.returncode == 0, r.stderr[-2000:]
+    code = cli.main(["generate", "--pair", "smollm2-135m", "--prompts", str(jobs), "--out", str(out),
+                     "--max-new-tokens", "12", "--policy", "fixed", "--k", "2"])
+    assert code == 0, capsys.readouterr().err[-2000:]
     import json
 
     recs = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
     assert recs["a"]["prompt"] == [{"role": "user", "content": "Name a colour."}] and recs["a"]["new_tokens"] > 0
     assert recs["b"]["new_tokens"] > 0
-    bad = _specdec("generate", "--pair", "smollm2-135m", "--target", "x.gguf", "--prompt", "hi")
-    assert bad.returncode == 2 and "--pair smollm2-135m brings its own target and draft" in bad.stderr
+    capsys.readouterr()
+    assert cli.main(["generate", "--pair", "smollm2-135m", "--target", "x.gguf", "--prompt", "hi"]) == 2
+    assert "--pair smollm2-135m brings its own target and draft" in capsys.readouterr().err
