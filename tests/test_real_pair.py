@@ -24,8 +24,16 @@ PROMPTS = ("def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads
            "The three primary colours are")
 
 
+# under pytest-xdist (--dist loadgroup, as scripts/test.sh runs it) these tests share one worker, which converts the
+# GGUF file once while the other worker runs the rest
+pytestmark = pytest.mark.xdist_group("smollm2-135m")
+
+
 @pytest.fixture(scope="module")
 def pair():
+    from specdec_ext.zoo.gguf import gguf_model_dir
+
+    gguf_model_dir(named.target_file("smollm2-135m"), log=lambda message: None)  # converted quietly, once a run
     return load_pair("smollm2-135m", target_dtype=torch.float32, draft_dtype=torch.float32)
 
 
