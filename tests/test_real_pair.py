@@ -24,8 +24,8 @@ PROMPTS = ("def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads
            "The three primary colours are")
 
 
-# under pytest-xdist (--dist loadgroup, as scripts/test.sh runs it) these tests share one worker, which converts the
-# GGUF file once while the other worker runs the rest
+# under pytest-xdist (--dist loadgroup, as scripts/test.sh runs it) these tests and the README's share one worker,
+# which converts the GGUF file once while the other worker runs the rest
 pytestmark = pytest.mark.xdist_group("smollm2-135m")
 
 

@@ -28,6 +28,8 @@ from support import bundled
 needs_accelerate = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                                       reason="transformers' tensor parallelism needs accelerate (the [tp] extra)")
 HERE = Path(__file__).parent
+# one torchrun for the module's tests (tp_run): under pytest-xdist they share a worker
+pytestmark = pytest.mark.xdist_group("tensor-parallel")
 
 
 def torchrun(args, tmp_path, timeout=600):
