@@ -274,3 +274,14 @@ def test_train_draft_and_train_head_errors_are_one_line(capsys, tmp_path):
     assert_one_line_error(code, err, "has no config.json")
     code, _, err = run(["train-head", "--prompts", "humaneval", "--out", str(tmp_path / "h")], capsys)
     assert_one_line_error(code, err, "train-head needs --pair NAME, or --target and --draft")
+
+
+def test_the_module_runs_as_a_program_and_exits_with_mains_status(tmp_path):
+    """``python -m specdec_ext.cli`` (what the ``specdec`` script runs): a usage error exits with status 2 and its one
+    line on stderr (the other CLI tests call ``cli.main`` in the process)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "specdec_ext.cli", "generate", "--policy", "fixed", "--prompts",
+                        str(tmp_path / "p.jsonl")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--prompts writes a batch job: give --out results.jsonl" in r.stderr, r.stderr[-2000:]
