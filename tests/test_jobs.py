@@ -185,10 +185,13 @@ def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
                                for i, r in enumerate(ids)))
     target, draft = make_pair("llama")
 
+    def errors(out):
+        return out.with_name(out.name + ".err")
+
     def child(out):
         argv = ["generate", "--policy", "fixed", "--k", "3", "--prompts", str(prompts), "--out", str(out),
                 "--batch-size", "2", "--max-new-tokens", "12"]
-        return _fork_cli(argv, target, draft, str(out) + ".err")
+        return _fork_cli(argv, target, draft, str(errors(out)))
 
     def go(*starts):
         for start in starts:
@@ -201,9 +204,7 @@ def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
         while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
             assert time.monotonic() < deadline, "the child did not end"
             time.sleep(0.01)
-        status = done[1]
-        rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        return rc, (out.parent / (out.name + ".err")).read_text().strip().splitlines()
+        return os.waitstatus_to_exitcode(done[1]), errors(out).read_text().strip().splitlines()
 
     whole = tmp_path / "whole.jsonl"
     pid, start = child(whole)
