@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "cpu/attention_cpu.h"
+#include "cpu/layer_cpu.h"
 #include "cpu/verify_cpu.h"
 #include "ops_common.h"
 
@@ -77,8 +78,34 @@ at::Tensor decode_attention_cpu(const at::Tensor& query, const at::Tensor& key, 
 
 at::Tensor cache_attention_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                const at::Tensor& starts, double scale) {
-  CacheAttentionTensors c = prepare_cache_attention(query, key, value, starts, scale);  // the checks, named for this op
-  return decode_attention_cpu(c.q, c.k, c.v, cache_attention_mask(c.starts, c.args.queries, c.args.columns), scale);
+  CacheAttentionTensors c = prepare_cache_attention(query, key, value, starts, scale);
+  DecodeAttentionArgs a{};  // the masked kernel without a mask: causal from each row's start
+  static_cast<AttentionQKV&>(a) = c.args;
+  a.mask = nullptr;
+  a.starts = c.args.starts;
+  a.scale = c.args.scale;
+  a.out = c.args.out;
+  if (c.out.numel() > 0) cpu::decode_attention(a);
+  return c.out;
+}
+
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             int64_t out_features) {
+  PackedLinearTensors t = prepare_packed_linear(x, weight, bias, out_features);
+  if (t.out.numel() > 0) cpu::packed_linear(t.args);
+  return t.out;
+}
+
+at::Tensor decoder_layer_cpu(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
+                             const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
+                             const std::optional<at::Tensor>& k_norm, const at::Tensor& o, const at::Tensor& post_norm,
+                             const at::Tensor& gate_up, const at::Tensor& down, at::Tensor& key_cache,
+                             at::Tensor& value_cache, const at::Tensor& lengths, const std::optional<at::Tensor>& slots,
+                             const at::Tensor& cos, const at::Tensor& sin, int64_t heads, double eps) {
+  DecoderLayerTensors t = prepare_decoder_layer(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up,
+                                                down, key_cache, value_cache, lengths, slots, cos, sin, heads, eps);
+  cpu::decoder_layer(t.args);
+  return t.out;
 }
 
 void advance_rows_cpu(at::Tensor& last, const std::optional<at::Tensor>& prev, const std::optional<at::Tensor>& room,
@@ -118,6 +145,11 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("argmax_tokens(Tensor logits) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   m.def("cache_attention(Tensor query, Tensor key, Tensor value, Tensor starts, float scale) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor");
+  m.def(
+      "decoder_layer(Tensor x, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
+      "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor lengths, Tensor? slots, Tensor cos, Tensor sin, int heads, float eps) -> Tensor");
   m.def("philox_uniforms(Tensor seed_offsets, int slots, int first_slot=0) -> Tensor");
   m.def("advance_rows(Tensor(a!) last, Tensor(b!)? prev, Tensor(c!)? room, Tensor(d!)? seed_offsets, Tensor emitted, "
         "Tensor? accepted, int rows) -> ()");
@@ -138,6 +170,8 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("argmax_tokens", &argmax_tokens_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("cache_attention", &cache_attention_cpu);
+  m.impl("packed_linear", &packed_linear_cpu);
+  m.impl("decoder_layer", &decoder_layer_cpu);
   m.impl("philox_uniforms", &philox_uniforms_cpu);
   m.impl("advance_rows", &advance_rows_cpu);
 }

@@ -526,11 +526,151 @@ inline CacheAttentionTensors prepare_cache_attention(const at::Tensor& query, co
   return t;
 }
 
-// cache_attention's visibility as decode_attention's mask [B, 1, n, C]: column c for query i of row b where
-// c <= starts[b] + i (the CPU runs the masked kernel, which skips the columns no query sees).
-inline at::Tensor cache_attention_mask(const at::Tensor& starts, int64_t n, int64_t C) {
-  const at::Tensor pos = starts.view({-1, 1}) + at::arange(n, starts.options());  // [B, n]
-  return (at::arange(C, starts.options()).view({1, 1, C}) <= pos.unsqueeze(2)).unsqueeze(1);
+// A float32 tensor of `shape` (-1: any size), contiguous, on ref's device.
+inline void check_f32(const at::Tensor& t, at::IntArrayRef shape, const char* op, const char* name,
+                      const at::Tensor& ref) {
+  SPECDEC_CHK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  bool ok = t.dim() == static_cast<int64_t>(shape.size());
+  for (size_t d = 0; ok && d < shape.size(); ++d) ok = shape[d] < 0 || t.size(d) == shape[d];
+  SPECDEC_CHK_VALUE(ok, op, ": ", name, " must be ", shape, " (-1: any), got ", t.sizes());
+  SPECDEC_CHK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  check_device(t, ref, name, "x");
+}
+
+// A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16] float32.
+inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* op, const char* name,
+                         const at::Tensor& ref) {
+  check_f32(w, {(N + 15) / 16, K, 16}, op, name, ref);
+}
+
+struct PackedLinearTensors {
+  at::Tensor x, out;
+  PackedLinearArgs args;
+};
+
+// packed_linear: x [..., K] float32, weight packed [P, K, 16], out_features N with ceil(N / 16) == P, bias [N] or None.
+inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::Tensor& weight,
+                                                 const std::optional<at::Tensor>& bias, int64_t out_features) {
+  const char* op = "packed_linear";
+  SPECDEC_CHK_TYPE(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  SPECDEC_CHK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must be [..., K] with K >= 1, got ", x.sizes());
+  SPECDEC_CHK_VALUE(out_features >= 1, op, ": out_features must be >= 1, got ", out_features);
+  const int64_t K = x.size(-1);
+  check_packed(weight, out_features, K, op, "weight", x);
+  if (bias.has_value()) check_f32(*bias, {out_features}, op, "bias", x);
+  PackedLinearTensors t;
+  t.x = x.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  t.out = at::empty(shape, x.options());
+  PackedLinearArgs& a = t.args;
+  a.rows = x.numel() / K; a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
+  a.x = t.x.data_ptr<float>();
+  a.weight = weight.data_ptr<float>();
+  a.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  a.out = t.out.data_ptr<float>();
+  return t;
+}
+
+struct DecoderLayerTensors {
+  at::Tensor x, lengths, slots, out;
+  DecoderLayerArgs args;
+};
+
+// decoder_layer: x [B, n, H] float32; packed weights (ops.pack_linear_weight) qkv [(Hq + 2 Hkv) D / 16, H, 16],
+// o [H / 16, Hq D, 16], gate_up [2 I / 16, H, 16], down [H / 16, I, 16] (every N a multiple of 16); norms [H]
+// ([D] for q_norm, k_norm); caches [S, Hkv, C, D] contiguous; lengths [S] int64; slots [B] int64 or None; cos/sin
+// [T, D]; heads Hq a multiple of Hkv.
+inline DecoderLayerTensors prepare_decoder_layer(
+    const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv, const std::optional<at::Tensor>& qkv_bias,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, const at::Tensor& o,
+    const at::Tensor& post_norm, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& lengths, const std::optional<at::Tensor>& slots,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t heads, double eps) {
+  const char* op = "decoder_layer";
+  SPECDEC_CHK_TYPE(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  SPECDEC_CHK_VALUE(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1 && x.size(2) >= 1, op,
+                    ": x must be [B, n, H] with B, n, H >= 1, got ", x.sizes());
+  const int64_t B = x.size(0), n = x.size(1), H = x.size(2);
+  SPECDEC_CHK_VALUE(key_cache.dim() == 4 && key_cache.size(0) >= 1 && key_cache.size(1) >= 1 &&
+                        key_cache.size(2) >= 1 && key_cache.size(3) >= 2 && key_cache.size(3) % 2 == 0,
+                    op, ": key_cache must be [S, Hkv, C, D] with D even, got ", key_cache.sizes());
+  const int64_t S = key_cache.size(0), Hkv = key_cache.size(1), C = key_cache.size(2), D = key_cache.size(3);
+  SPECDEC_CHK_VALUE(heads >= 1 && heads % Hkv == 0, op, ": heads must be a multiple of key_cache's ", Hkv,
+                    " key/value heads, got ", heads);
+  SPECDEC_CHK_VALUE(down.dim() == 3 && down.size(1) >= 1, op, ": down must be packed [H / 16, I, 16], got ",
+                    down.sizes());
+  const int64_t I = down.size(1), QKV = (heads + 2 * Hkv) * D;
+  SPECDEC_CHK_VALUE(H % 16 == 0 && QKV % 16 == 0 && (2 * I) % 16 == 0, op,
+                    ": every product's out features must be a multiple of 16 (H = ", H, ", QKV = ", QKV, ", 2 I = ",
+                    2 * I, ")");
+  SPECDEC_CHK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  check_f32(x, {B, n, H}, op, "x", x);
+  check_f32(input_norm, {H}, op, "input_norm", x);
+  check_f32(post_norm, {H}, op, "post_norm", x);
+  check_packed(qkv, QKV, H, op, "qkv", x);
+  check_packed(o, H, heads * D, op, "o", x);
+  check_packed(gate_up, 2 * I, H, op, "gate_up", x);
+  check_packed(down, H, I, op, "down", x);
+  if (qkv_bias.has_value()) check_f32(*qkv_bias, {QKV}, op, "qkv_bias", x);
+  SPECDEC_CHK_VALUE(q_norm.has_value() == k_norm.has_value(), op, ": pass both q_norm and k_norm or neither");
+  if (q_norm.has_value()) {
+    check_f32(*q_norm, {D}, op, "q_norm", x);
+    check_f32(*k_norm, {D}, op, "k_norm", x);
+  }
+  check_f32(key_cache, {S, Hkv, C, D}, op, "key_cache", x);
+  check_f32(value_cache, {S, Hkv, C, D}, op, "value_cache", x);
+  check_f32(cos, {-1, D}, op, "cos", x);
+  check_f32(sin, {cos.size(0), D}, op, "sin", x);
+  SPECDEC_CHK_VALUE(cos.size(0) >= 1, op, ": cos must have a row per position, got ", cos.sizes());
+  SPECDEC_CHK_TYPE(lengths.scalar_type() == at::kLong, op, ": lengths must be int64, got ", lengths.scalar_type());
+  SPECDEC_CHK_VALUE(lengths.dim() == 1 && lengths.size(0) == S, op, ": lengths must be [S] = [", S, "], got ",
+                    lengths.sizes());
+  check_device(lengths, x, "lengths", "x");
+  DecoderLayerTensors t;
+  t.lengths = lengths.contiguous();
+  const int64_t* len = t.lengths.data_ptr<int64_t>();
+  const int64_t* row_slot = nullptr;
+  if (slots.has_value()) {
+    SPECDEC_CHK_TYPE(slots->scalar_type() == at::kLong, op, ": slots must be int64, got ", slots->scalar_type());
+    SPECDEC_CHK_VALUE(slots->dim() == 1 && slots->size(0) == B, op, ": slots must be [B] = [", B, "], got ",
+                      slots->sizes());
+    check_device(*slots, x, "slots", "x");
+    t.slots = slots->contiguous();
+    row_slot = t.slots.data_ptr<int64_t>();
+  } else {
+    SPECDEC_CHK_VALUE(B <= S, op, ": x has ", B, " rows but the cache ", S, " slots");
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = row_slot != nullptr ? row_slot[b] : b;
+    SPECDEC_CHK_VALUE(s >= 0 && s < S, op, ": slots[", b, "] = ", s, " is not a slot of the cache's ", S);
+    SPECDEC_CHK_VALUE(len[s] >= 0, op, ": lengths[", s, "] = ", len[s], " is negative");
+  }
+  t.x = x;
+  t.out = at::empty_like(x);
+  DecoderLayerArgs& a = t.args;
+  a.batch = B; a.tokens = n; a.hidden = H;
+  a.heads = heads; a.kv_heads = Hkv; a.head_dim = D; a.intermediate = I;
+  a.slots = S; a.columns = C; a.positions = cos.size(0);
+  a.eps = static_cast<float>(eps);
+  a.x = x.data_ptr<float>();
+  a.input_norm = input_norm.data_ptr<float>();
+  a.qkv = qkv.data_ptr<float>();
+  a.qkv_bias = qkv_bias.has_value() ? qkv_bias->data_ptr<float>() : nullptr;
+  a.q_norm = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  a.k_norm = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  a.o = o.data_ptr<float>();
+  a.post_norm = post_norm.data_ptr<float>();
+  a.gate_up = gate_up.data_ptr<float>();
+  a.down = down.data_ptr<float>();
+  a.key_cache = key_cache.data_ptr<float>();
+  a.value_cache = value_cache.data_ptr<float>();
+  a.lengths = len;
+  a.row_slots = row_slot;
+  a.cos = cos.data_ptr<float>();
+  a.sin = sin.data_ptr<float>();
+  a.out = t.out.data_ptr<float>();
+  return t;
 }
 
 }  // namespace specdec

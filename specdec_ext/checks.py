@@ -7,6 +7,8 @@ data (NaN/Inf, id range) happen inside the kernels, on the rows they read.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -315,3 +317,94 @@ def philox_shapes(seed_offsets, slots: int, first_slot: int) -> int:
         raise ValueError(f"{op}: slots and first_slot must be >= 0 with first_slot + slots <= 2**32 (Philox counter "
                          f"slots), got {slots} and {first_slot}")
     return seed_offsets.shape[0]
+
+
+def _f32(t, shape: tuple, name: str, op: str, ref) -> None:
+    """``t`` a float32 tensor of ``shape`` (-1: any size) on ``ref``'s device, contiguous (the kernels' messages)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        raise TypeError(f"{op}: {name} must be float32, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != len(shape) or any(s >= 0 and t.shape[d] != s for d, s in enumerate(shape)):
+        raise ValueError(f"{op}: {name} must be {list(shape)} (-1: any), got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous")
+    _same_device(t, ref, name, "x", op)
+
+
+def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
+    """Checks of ``packed_linear`` (the kernel's, with the same messages); returns the output's shape."""
+    op = "packed_linear"
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(f"{op}: x must be float32, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{op}: x must be [..., K] with K >= 1, got {list(x.shape)}")
+    if out_features < 1:
+        raise ValueError(f"{op}: out_features must be >= 1, got {out_features}")
+    _f32(weight, (-(-out_features // 16), x.shape[-1], 16), "weight", op, x)
+    if bias is not None:
+        _f32(bias, (out_features,), "bias", op, x)
+    return (*x.shape[:-1], out_features)
+
+
+def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache,
+                         value_cache, lengths, slots, cos, sin, heads: int, eps: float) -> tuple:
+    """Checks of ``decoder_layer`` (the kernel's, with the same messages; the slots' and lengths' values are
+    checked where they can be read: off the meta device); returns the output's shape, x's."""
+    op = "decoder_layer"
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(f"{op}: x must be float32, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 3 or min(x.shape) < 1:
+        raise ValueError(f"{op}: x must be [B, n, H] with B, n, H >= 1, got {list(x.shape)}")
+    B, n, H = x.shape
+    if key_cache.dim() != 4 or min(key_cache.shape) < 1 or key_cache.shape[3] < 2 or key_cache.shape[3] % 2:
+        raise ValueError(f"{op}: key_cache must be [S, Hkv, C, D] with D even, got {list(key_cache.shape)}")
+    S, Hkv, C, D = key_cache.shape
+    if heads < 1 or heads % Hkv:
+        raise ValueError(f"{op}: heads must be a multiple of key_cache's {Hkv} key/value heads, got {heads}")
+    if down.dim() != 3 or down.shape[1] < 1:
+        raise ValueError(f"{op}: down must be packed [H / 16, I, 16], got {list(down.shape)}")
+    inter, width = down.shape[1], (heads + 2 * Hkv) * D
+    if H % 16 or width % 16 or (2 * inter) % 16:
+        raise ValueError(f"{op}: every product's out features must be a multiple of 16 (H = {H}, QKV = {width}, "
+                         f"2 I = {2 * inter})")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+    _f32(x, (B, n, H), "x", op, x)
+    _f32(input_norm, (H,), "input_norm", op, x)
+    _f32(post_norm, (H,), "post_norm", op, x)
+    for name, w, out_f, in_f in (("qkv", qkv, width, H), ("o", o, H, heads * D), ("gate_up", gate_up, 2 * inter, H),
+                                 ("down", down, H, inter)):
+        _f32(w, (-(-out_f // 16), in_f, 16), name, op, x)
+    if qkv_bias is not None:
+        _f32(qkv_bias, (width,), "qkv_bias", op, x)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{op}: pass both q_norm and k_norm or neither")
+    if q_norm is not None:
+        _f32(q_norm, (D,), "q_norm", op, x)
+        _f32(k_norm, (D,), "k_norm", op, x)
+    _f32(key_cache, (S, Hkv, C, D), "key_cache", op, x)
+    _f32(value_cache, (S, Hkv, C, D), "value_cache", op, x)
+    _f32(cos, (-1, D), "cos", op, x)
+    _f32(sin, (cos.shape[0], D), "sin", op, x)
+    if cos.shape[0] < 1:
+        raise ValueError(f"{op}: cos must have a row per position, got {list(cos.shape)}")
+    if lengths.dtype != torch.int64:
+        raise TypeError(f"{op}: lengths must be int64, got {lengths.dtype}")
+    if lengths.dim() != 1 or lengths.shape[0] != S:
+        raise ValueError(f"{op}: lengths must be [S] = [{S}], got {list(lengths.shape)}")
+    _same_device(lengths, x, "lengths", "x", op)
+    if slots is not None:
+        if slots.dtype != torch.int64:
+            raise TypeError(f"{op}: slots must be int64, got {slots.dtype}")
+        if slots.dim() != 1 or slots.shape[0] != B:
+            raise ValueError(f"{op}: slots must be [B] = [{B}], got {list(slots.shape)}")
+        _same_device(slots, x, "slots", "x", op)
+    elif B > S:
+        raise ValueError(f"{op}: x has {B} rows but the cache {S} slots")
+    if not _is_fake(x):
+        rows = slots.tolist() if slots is not None else list(range(B))
+        for b, s in enumerate(rows):
+            if not 0 <= s < S:
+                raise ValueError(f"{op}: slots[{b}] = {s} is not a slot of the cache's {S}")
+            if int(lengths[s]) < 0:
+                raise ValueError(f"{op}: lengths[{s}] = {int(lengths[s])} is negative")
+    return B, n, H

@@ -61,6 +61,10 @@ __all__ = [
     "confidence_features",
     "argmax_tokens",
     "decode_attention",
+    "cache_attention",
+    "pack_linear_weight",
+    "packed_linear",
+    "decoder_layer",
     "draw_philox_seed_offset",
     "philox_uniforms",
     "advance_rows",
@@ -500,6 +504,93 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.ops.specdec_ext.cache_attention(query, key, value, starts, scale)
 
 
+PANEL = 16  # output features per panel of a packed weight (one 64-byte line of float32)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` (a linear layer's, out x in) as :func:`packed_linear` reads it: panels of 16 output
+    features, ``[ceil(N / 16), K, 16]`` float32 (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero). A copy, as
+    large as ``weight`` in float32.
+
+    Raises:
+        ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor."""
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError(f"pack_linear_weight: weight must be a floating-point tensor, got "
+                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
+    if weight.dim() != 2 or min(weight.shape) < 1:
+        raise ValueError(f"pack_linear_weight: weight must be [N, K] with N, K >= 1, got {list(weight.shape)}")
+    N, K = weight.shape
+    padded = torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, -N % PANEL))
+    return padded.view(-1, PANEL, K).transpose(1, 2).contiguous()
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
+                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x W^T + bias`` for a weight packed by :func:`pack_linear_weight`: the matrix-vector products of a decode step
+    or a verification (a few rows), reading the weight once at the rate the CPU streams memory
+    (``csrc/cpu/layer_cpu.cpp``). Each output sums its K products in one chain in k order, so a row's result does not
+    depend on how many rows are multiplied with it. A CPU kernel only, float32.
+
+    Args:
+        x: ``[..., K]`` float32.
+        weight: ``[ceil(N / 16), K, 16]`` float32 (:func:`pack_linear_weight` of ``W`` ``[N, K]``).
+        out_features: N.
+        bias: ``[N]`` float32 or None.
+
+    Returns:
+        ``[..., N]`` float32.
+
+    Raises:
+        ValueError: shapes (naming the argument), a device other than the CPU. TypeError: dtypes.
+    """
+    if not HAS_EXTENSION:
+        return reference.packed_linear(x, weight, bias, out_features)
+    if x.device.type != "cpu" and not checks._is_fake(x):
+        raise ValueError(f"packed_linear has a CPU kernel only (x is on {x.device})")
+    return torch.ops.specdec_ext.packed_linear(x, weight, bias, out_features)
+
+
+def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor],
+                  q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], o: torch.Tensor,
+                  post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, lengths: torch.Tensor, slots: Optional[torch.Tensor], cos: torch.Tensor,
+                  sin: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+    """One Llama / Qwen2 / Qwen3 decoder layer for a few tokens per row over a static KV cache, in one call
+    (``csrc/cpu/layer_cpu.cpp``): ``h = x + attention(RoPE(rms(x) Wqkv + b)) Wo``, then ``h + W_down(SiLU(rms(h)
+    W_gate) * rms(h) W_up)``, writing the tokens' keys and values into the cache. RMS norm (Zhang and Sennrich 2019,
+    Eq. 4), RoPE with rotate_half (Su et al. 2021, Eq. 34, as transformers' Llama), grouped-query attention over the
+    columns up to each token's position (the ``decode_attention`` kernel), SwiGLU MLP (Shazeer 2020, Eq. 6). What
+    ``engine.model.LeanModel`` computes with ~50 torch ops a layer; a CPU kernel only, float32.
+
+    Args:
+        x: ``[B, n, H]`` float32: B rows of n tokens.
+        input_norm, post_norm: ``[H]``; q_norm, k_norm: ``[D]`` (Qwen3) or both None.
+        qkv, o, gate_up, down: the layer's weights packed by :func:`pack_linear_weight`: Wq, Wk, Wv concatenated
+            (``[(Hq + 2 Hkv) D, H]``), ``Wo`` ``[H, Hq D]``, Wgate and Wup concatenated (``[2 I, H]``), ``Wdown``
+            ``[H, I]``; every N a multiple of 16. qkv_bias: ``[(Hq + 2 Hkv) D]`` (Qwen2) or None.
+        key_cache, value_cache: ``[S, Hkv, C, D]`` float32, contiguous, written in place: the tokens of row b at
+            columns ``min(lengths[slot] + i, C - 1)`` of its slot (the last column: the cache's scratch one).
+        lengths: ``[S]`` int64, each slot's filled columns before the call (not advanced: the caller does).
+        slots: ``[B]`` int64 (row b's slot) or None (row b in slot b).
+        cos, sin: ``[T, D]`` RoPE tables by position (position p reads row ``min(p, T - 1)``).
+        heads: Hq, a multiple of Hkv. eps: the RMS norms'.
+
+    Returns:
+        ``[B, n, H]`` float32, the layer's output.
+
+    Raises:
+        ValueError: shapes (naming the argument), a slot or length out of range, a device other than the CPU.
+        TypeError: dtypes.
+    """
+    args = (x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache, lengths,
+            slots, cos, sin, int(heads), float(eps))
+    if not HAS_EXTENSION:
+        return reference.decoder_layer(*args)
+    if x.device.type != "cpu" and not checks._is_fake(x):
+        raise ValueError(f"decoder_layer has a CPU kernel only (x is on {x.device})")
+    return torch.ops.specdec_ext.decoder_layer(*args)
+
+
 def graph_chain(anchor: torch.Tensor, pieces: list, flags: list) -> int:
     """One CUDA graph of ``pieces`` (cudaGraph_t handles, as integers: ``torch.cuda.CUDAGraph(keep_graph=True)``'s
     ``raw_cuda_graph()``), the middle ones each under a conditional IF node: ``pieces[0]``, then ``pieces[i]``
@@ -548,6 +639,14 @@ if HAS_EXTENSION:
     @torch.library.register_fake("specdec_ext::argmax_tokens")
     def _argmax_tokens_fake(logits):
         return logits.new_empty(checks.argmax_shapes(logits), dtype=torch.int64)
+
+    @torch.library.register_fake("specdec_ext::packed_linear")
+    def _packed_linear_fake(x, weight, bias, out_features):
+        return x.new_empty(checks.packed_linear_shapes(x, weight, bias, out_features))
+
+    @torch.library.register_fake("specdec_ext::decoder_layer")
+    def _decoder_layer_fake(*args):
+        return args[0].new_empty(checks.decoder_layer_shapes(*args))
 
     @torch.library.register_fake("specdec_ext::decode_attention")
     def _decode_attention_fake(query, key, value, mask, scale):

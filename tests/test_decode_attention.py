@@ -198,7 +198,8 @@ def test_lean_model_kernel_matches_sdpa():
         got = [lean.forward(cache, tokens[0], keep=9)[0]]
         same = [lean.forward(cache, tokens[3], keep=2, start=9)[0]]  # both rows at 9: slices
         cache.rollback(torch.tensor([0, 3]), 2)  # rows of different lengths
-        got += [lean.forward(cache, t, keep=t.shape[1], width=w)[0] for t, w in zip(tokens[1:3], (10, None))]
+        # width 12: row 0's length after its forward (the narrowest a caller may pass)
+        got += [lean.forward(cache, t, keep=t.shape[1], width=w)[0] for t, w in zip(tokens[1:3], (12, None))]
         out[kind] = got + same
     for kind in ("auto", "cache"):
         for a, b in zip(out[kind], out["sdpa"]):

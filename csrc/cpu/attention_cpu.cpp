@@ -10,6 +10,9 @@
 // Per (row b, KV head): pass 1 gathers the columns some query sees and their scores q.k * scale (float32
 // accumulation); then per query the maximum, exp(s - max) and the normaliser l; pass 2 accumulates
 // sum_c exp(s_c - max) v_c, divided by l at the end. A query that sees no column gets zeros.
+//
+// Without a mask (cache_attention, decoder_layer) the visibility is causal from each row's start: query i of row b
+// sees the columns 0 .. min(starts[b] + i, C - 1), and the columns past the last one any query sees are not read.
 #include "cpu/attention_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -93,30 +96,41 @@ void decode_attention_impl(const DecodeAttentionArgs& a) {
   const T* v = static_cast<const T*>(a.v);
   T* out = static_cast<T*>(a.out);
   const float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t out_rows = a.out_row_stride > 0 ? a.out_row_stride : Hq * D;
   at::parallel_for(0, a.batch * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * D), row(D), dots(R), scores(R * C), acc(R * D), norm(R);
     std::vector<int64_t> cols(C);
     std::vector<const bool*> mrow(R);
+    std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, kh = task % Hkv;
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = kh * G + r / n, i = r % n;
         load_row(q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2], D, &qf[r * D]);
         for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
-        mrow[r] = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
+        if (a.mask != nullptr) {
+          mrow[r] = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
+        } else {
+          last[r] = std::min(a.starts[b] + i, C - 1);  // below 0: sees none
+        }
       }
-      const T* kb = k + b * a.k_stride[0] + kh * a.k_stride[1];
-      const T* vb = v + b * a.v_stride[0] + kh * a.v_stride[1];
+      const int64_t kv_row = a.rows != nullptr ? a.rows[b] : b;
+      const T* kb = k + kv_row * a.k_stride[0] + kh * a.k_stride[1];
+      const T* vb = v + kv_row * a.v_stride[0] + kh * a.v_stride[1];
       const int64_t mc = a.mask_stride[3];
+      const bool masked = a.mask != nullptr;
+      const int64_t end = masked ? C : *std::max_element(last.begin(), last.end()) + 1;
       // pass 1: the columns some query sees, and their scores (-inf where that query may not look)
       int64_t m = 0;
-      for (int64_t c = 0; c < C; ++c) {
-        bool any = false;
-        for (int64_t r = 0; r < R; ++r) any |= mrow[r][c * mc];
+      for (int64_t c = 0; c < end; ++c) {
+        bool any = !masked;  // causal: every column up to the last one some query sees
+        if (masked)
+          for (int64_t r = 0; r < R; ++r) any |= mrow[r][c * mc];
         if (!any) continue;
         load_row(kb + c * a.k_stride[2], D, row.data());
         dot_rows(qf.data(), R, row.data(), D, dots.data());
-        for (int64_t r = 0; r < R; ++r) scores[r * C + m] = mrow[r][c * mc] ? dots[r] : kNegInf;
+        for (int64_t r = 0; r < R; ++r)
+          scores[r * C + m] = (masked ? mrow[r][c * mc] : c <= last[r]) ? dots[r] : kNegInf;
         cols[m++] = c;
       }
       // softmax weights per query row, unnormalised: exp(s - max); norm = their sum
@@ -158,7 +172,7 @@ void decode_attention_impl(const DecodeAttentionArgs& a) {
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = kh * G + r / n, i = r % n;
         const float inv = norm[r] > 0.0f ? 1.0f / norm[r] : 0.0f;
-        T* o = out + ((b * n + i) * Hq + h) * D;
+        T* o = out + (b * n + i) * out_rows + h * D;
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv);
       }
     }

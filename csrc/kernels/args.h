@@ -133,10 +133,13 @@ struct AttentionQKV {
 
 // decode_attention: softmax(q k^T * scale + mask) v, reading only the columns the mask lets some query see.
 struct DecodeAttentionArgs : AttentionQKV {
-  const bool* mask;                    // [B, 1 or Hq, n, C]: true where query i sees column c
+  const bool* mask;                    // [B, 1 or Hq, n, C]: true where query i sees column c; or nullptr:
   int64_t mask_stride[4];              // of b, h (0 when shared by the heads), i, c
+  const int64_t* starts = nullptr;     // [B] without a mask: query i sees the columns 0 .. min(starts[b] + i, C - 1)
+  const int64_t* rows = nullptr;       // [B] row of k and v that query row b reads (nullptr: row b)
   float scale;                         // multiplies q.k (usually 1 / sqrt(D))
   void* out;                           // [B, n, Hq, D], contiguous (the layout attention layers reshape from)
+  int64_t out_row_stride = 0;          // elements between out's (b, i) rows (0: Hq * D, contiguous)
 };
 
 // cache_attention: decode_attention over a static KV cache whose rows are read only up to their live length: query i
@@ -149,6 +152,44 @@ struct CacheAttentionArgs : AttentionQKV {
   float scale;                         // multiplies q.k
   void* out;                           // [B, n, Hq, D], contiguous
   float* workspace;                    // the chunks' partial softmaxes (cache_attention_workspace() floats)
+};
+
+// packed_linear: y = x W^T with W [N, K] stored as panels of 16 output features, [P = ceil(N / 16), K, 16] (row
+// p * 16 + l of W at [p, :, l], rows past N zero): a matrix-vector product for the few rows of a decode step streams
+// the weight once, front to back, 16 outputs per load.
+struct PackedLinearArgs {
+  int64_t rows, in_features, out_features, panels;  // M, K, N, P
+  const float* x;                                   // [M, K], contiguous
+  const float* weight;                              // [P, K, 16]
+  const float* bias;                                // [N] or nullptr
+  float* out;                                       // [M, N], contiguous
+};
+
+// decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache (float32):
+// x + attention(RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache.
+struct DecoderLayerArgs {
+  int64_t batch, tokens, hidden;         // B rows of n tokens, H
+  int64_t heads, kv_heads, head_dim;     // Hq, Hkv, D
+  int64_t intermediate;                  // I (the MLP's width)
+  int64_t slots, columns, positions;     // S cache rows, C cache columns (the last one scratch), RoPE table rows
+  float eps;                             // of the RMS norms
+  const float* x;                        // [B, n, H]
+  const float* input_norm;               // [H]
+  const float* qkv;                      // packed [(Hq + 2 Hkv) D / 16, H, 16]
+  const float* qkv_bias;                 // [(Hq + 2 Hkv) D] or nullptr
+  const float* q_norm;                   // [D] or nullptr (Qwen3: RMS norm of each head's q and k)
+  const float* k_norm;                   // [D] or nullptr
+  const float* o;                        // packed [H / 16, Hq D, 16]
+  const float* post_norm;                // [H]
+  const float* gate_up;                  // packed [2 I / 16, H, 16]
+  const float* down;                     // packed [H / 16, I, 16]
+  float* key_cache;                      // [S, Hkv, C, D]
+  float* value_cache;                    // [S, Hkv, C, D]
+  const int64_t* lengths;                // [S]: each slot's filled columns before this forward
+  const int64_t* row_slots;              // [B] slot of each row, or nullptr (row b in slot b)
+  const float* cos;                      // [positions, D]
+  const float* sin;                      // [positions, D]
+  float* out;                            // [B, n, H]
 };
 
 }  // namespace specdec

@@ -12,7 +12,10 @@ On a CPU the matmuls go through oneDNN with weights packed once (``torch.ops.mkl
 few rows of a decoding step, torch's default ``F.linear`` (MKL's sgemm) is far from the hardware's speed on some
 processors (an fp32 ``[4, 256] x [256, 8192]`` LM-head matmul: 0.8-1.2 ms through ``F.linear``, 0.12 ms packed, on a
 2-core AMD EPYC; ``1bd1639:docs/results/draft_linear.json``), and attention runs through ``ops.decode_attention``
-for decode steps and verifications. The prepared weights are kept per model and rebuilt when a weight changes.
+for decode steps and verifications. In float32 a forward of a few tokens (a decode step, a verification) runs each
+layer as one ``ops.decoder_layer`` call instead (``csrc/cpu/layer_cpu.cpp``: the weights read once from panels at the
+rate the CPU streams memory, no per-op dispatch). The prepared weights are kept per model and rebuilt when a weight
+changes.
 
 It computes the distribution the model defines in another order of operations than ``transformers``' modules: in
 float32 the greedy tokens equal ``transformers``' ``generate()`` (tested), in bfloat16 near-ties may round either
@@ -102,6 +105,25 @@ def _fingerprint(model) -> tuple:
 
 ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
 
+# Forwards of at most this many tokens in all (B x n: decode steps and verifications of a few rows) run each layer as
+# one ops.decoder_layer call over weights packed in panels (float32 on a CPU); more tokens go through oneDNN's
+# matmuls, which reuse each weight across rows (a prefill, a batch's verification). bench/fused_layers.py on
+# SmolLM2-135M (2-core AMD EPYC with AVX-512, 256 columns of context): the fused forward 0.68x the torch-op one at
+# 1 token, 0.80x at 4-6, 0.93x at 8, level from 9 to 16 (docs/results/fused_layers.json).
+FUSED_MAX_ROWS = 8
+# Panels copy the linear weights (beside oneDNN's packed copy): made for models of at most this many bytes of them.
+FUSED_MAX_BYTES = 2 << 30
+
+
+class Panels(NamedTuple):
+    """A layer's weights as ``ops.decoder_layer`` reads them: ``ops.pack_linear_weight`` of QKV, the output
+    projection, gate/up and down."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
 
 class Layer(NamedTuple):
     """One decoder layer's weights as the lean model reads them (QKV and gate/up concatenated; packed for oneDNN
@@ -124,13 +146,16 @@ class LeanModel:
     packed path for the model's dtype). ``attention``: ``"auto"``, the CPU's decode-attention kernel
     (``ops.decode_attention``) where it can serve and SDPA elsewhere; ``"cache"``, ``ops.cache_attention`` (each
     row's live columns only; the flash-decoding kernel on a GPU, not yet the default there: unmeasured on one);
-    ``"sdpa"``, torch's ``scaled_dot_product_attention`` everywhere.
+    ``"sdpa"``, torch's ``scaled_dot_product_attention`` everywhere. ``fused``: forwards of at most
+    :data:`FUSED_MAX_ROWS` tokens run each layer as one ``ops.decoder_layer`` call (and the LM head as
+    ``ops.packed_linear``) over a copy of the weights in panels (True; None: wherever :meth:`fusable`; False: never).
 
     Raises:
-        ValueError: a model it does not reproduce (:func:`supports`), a model on the meta device, or ``packed=True``
-            where packed weights are not available."""
+        ValueError: a model it does not reproduce (:func:`supports`), a model on the meta device, ``packed=True``
+            where packed weights are not available, or ``fused=True`` where :meth:`fusable` is False."""
 
-    def __init__(self, model, name: str = "draft", packed: Optional[bool] = None, attention: str = "auto"):
+    def __init__(self, model, name: str = "draft", packed: Optional[bool] = None, attention: str = "auto",
+                 fused: Optional[bool] = None):
         if not supports(model):
             raise ValueError(f"the {name} model ({type(model).__name__}) is not a Llama, Qwen2 or Qwen3 model the lean "
                              "forward reproduces (one device, no sliding-window layers)")
@@ -159,6 +184,47 @@ class LeanModel:
         self.layers, self.lm_head, self.cos, self.sin = self._prepare(model)
         head = model.get_output_embeddings()
         self.subset = head if isinstance(head, SubsetLMHead) else None  # a draft's vocabulary subset (FR-Spec)
+        self.vocab_rows = head.weight.shape[0]
+        can_fuse = self.fusable(model)
+        if fused and not can_fuse:
+            raise ValueError(f"LeanModel: fused=True needs a float32 model on a CPU, the compiled extension, "
+                             f"attention='auto', every projection's out features a multiple of 16 and at most "
+                             f"{FUSED_MAX_BYTES} bytes of linear weights (the {name} model: {self.dtype} on "
+                             f"{self.device}, attention={attention!r})")
+        self.fused = can_fuse if fused is None else bool(fused)
+        self.panels, self.head_panels = self._panels(model) if self.fused else (None, None)
+
+    def fusable(self, model) -> bool:
+        """Whether this model's decode steps can run as ``ops.decoder_layer`` calls (the class docstring's ``fused``):
+        float32 on a CPU with the compiled extension, ``attention="auto"``, an even head dimension, every projection's
+        out features a multiple of 16, and at most :data:`FUSED_MAX_BYTES` of linear weights to copy into panels."""
+        d, H = self.head_dim, model.config.hidden_size
+        inter = model.config.intermediate_size
+        widths = ((self.n_heads + 2 * self.n_kv) * d, H, 2 * inter)
+        linear = sum(p.numel() for n_, p in model.named_parameters() if n_.endswith("proj.weight")) * 4
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and ops.HAS_EXTENSION
+                and self.attention == "auto" and d % 2 == 0 and all(w % 16 == 0 for w in widths)
+                and linear <= FUSED_MAX_BYTES)
+
+    def _panels(self, model) -> tuple:
+        """Each layer's :class:`Panels` and the LM head's panels, kept per model as :meth:`_prepare`'s weights are."""
+        kept = _PREPARED.setdefault(model, {})
+        key = _fingerprint(model)
+        hit = kept.get("panels")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        pack = ops.pack_linear_weight
+        with torch.no_grad():
+            panels = []
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                panels.append(Panels(pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)),
+                                     pack(a.o_proj.weight),
+                                     pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)),
+                                     pack(m.down_proj.weight)))
+            prepared = (panels, pack(model.get_output_embeddings().weight))
+        kept["panels"] = (key, prepared)
+        return prepared
 
     def _prepare(self, model) -> tuple:
         """The per-layer weights (QKV and gate/up concatenated, packed when ``packed``), the LM head and the RoPE
@@ -261,6 +327,8 @@ class LeanModel:
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read). A draft with a
         :class:`~specdec_ext.engine.subset_head.SubsetLMHead` computes its N rows and gives the rest -inf."""
         b, n = tokens.shape
+        if self.fused and b * n <= FUSED_MAX_ROWS:
+            return self._fused_forward(cache, tokens, rows, keep)
         M = cache.max_len
         W = M + 1 if width is None else width
         index = rows if isinstance(rows, torch.Tensor) else None
@@ -313,4 +381,27 @@ class LeanModel:
         else:
             cache.lengths[span] += n
         logits = self._linear(hn, self.lm_head).float()
+        return (logits if self.subset is None else self.subset.scatter(logits)), hn
+
+    def _fused_forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows, keep: int):
+        """:meth:`forward` with each layer one ``ops.decoder_layer`` call and the LM head ``ops.packed_linear``: the
+        same function, the lengths read from the cache by the kernel (so ``width`` and ``start`` are not needed)."""
+        b, n = tokens.shape
+        if isinstance(rows, torch.Tensor):
+            slots = rows
+        elif rows is None or rows.start in (None, 0):
+            slots = None
+        else:
+            slots = torch.arange(rows.start, rows.start + b, device=tokens.device)
+        x = F.embedding(tokens, self.embed)
+        for li, (layer, panel) in enumerate(zip(self.layers, self.panels)):
+            x = ops.decoder_layer(x, layer.input_norm, panel.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, panel.o,
+                                  layer.post_norm, panel.gate_up, panel.down, cache.k[li], cache.v[li], cache.lengths,
+                                  slots, self.cos, self.sin, self.n_heads, self.eps)
+        hn = self._rms(x[:, -keep:], self.final_norm)
+        if slots is not None:
+            cache.lengths.index_add_(0, slots, torch.full_like(slots, n))
+        else:
+            cache.lengths[:b] += n
+        logits = ops.packed_linear(hn, self.head_panels, self.vocab_rows)
         return (logits if self.subset is None else self.subset.scatter(logits)), hn

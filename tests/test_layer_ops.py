@@ -1,0 +1,163 @@
+"""``ops.packed_linear`` and ``ops.decoder_layer`` (the CPU kernels of a decode step's layers) against their
+pure-PyTorch references; a row's result independent of the rows beside it; errors, fake kernels and opcheck; and
+the lean model's fused path against its torch-op path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import make_pair
+from specdec_ext import ops, reference
+from specdec_ext.engine.model import FUSED_MAX_ROWS, LeanModel
+
+needs_ext = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not built")
+
+
+def rand(g, *shape, scale=1.0):
+    return torch.randn(*shape, generator=g) * scale
+
+
+@pytest.mark.parametrize("N,K,M", [(16, 8, 1), (33, 20, 3), (100, 64, 13), (48, 7, 7), (960, 96, 5)])
+def test_packed_linear_is_x_times_w_transposed(N, K, M):
+    g = torch.Generator().manual_seed(N + K + M)
+    w, x, b = rand(g, N, K), rand(g, 2, M, K), rand(g, N)
+    packed = ops.pack_linear_weight(w)
+    assert packed.shape == (-(-N // 16), K, 16)
+    assert torch.equal(reference.unpack_linear_weight(packed, N), w)
+    want = x.double() @ w.double().T + b.double()
+    for got in (ops.packed_linear(x, packed, N, b), reference.packed_linear(x, packed, b, N)):
+        assert got.shape == (2, M, N)
+        torch.testing.assert_close(got.double(), want, atol=1e-5 * K ** 0.5, rtol=1e-5)
+    assert torch.equal(ops.packed_linear(x, packed, N) + b, ops.packed_linear(x, packed, N, b))
+
+
+@needs_ext
+def test_packed_linear_row_does_not_depend_on_its_neighbours():
+    """Each output sums in one chain in k order whatever the row count: a decode step's row and the same row inside a
+    verification of K + 1 rows are bitwise equal (row blocks of 1 to 6 and their remainders)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = rand(g, 64, 576), rand(g, 13, 576)
+    packed = ops.pack_linear_weight(w)
+    alone = torch.cat([ops.packed_linear(x[i: i + 1], packed, 64) for i in range(13)])
+    for m in range(1, 14):
+        assert torch.equal(ops.packed_linear(x[:m], packed, 64), alone[:m]), m
+
+
+def layer_case(seed=0, H=64, hq=4, hk=2, D=16, inter=48, S=3, C=10, T=12, bias=False, qk_norm=False):
+    g = torch.Generator().manual_seed(seed)
+    width = (hq + 2 * hk) * D
+    weights = dict(
+        input_norm=1 + rand(g, H, scale=0.3), qkv=ops.pack_linear_weight(rand(g, width, H, scale=0.3)),
+        qkv_bias=rand(g, width, scale=0.3) if bias else None,
+        q_norm=1 + rand(g, D, scale=0.3) if qk_norm else None, k_norm=1 + rand(g, D, scale=0.3) if qk_norm else None,
+        o=ops.pack_linear_weight(rand(g, H, hq * D, scale=0.3)), post_norm=1 + rand(g, H, scale=0.3),
+        gate_up=ops.pack_linear_weight(rand(g, 2 * inter, H, scale=0.3)),
+        down=ops.pack_linear_weight(rand(g, H, inter, scale=0.3)))
+    cache = rand(g, S, hk, C, D), rand(g, S, hk, C, D)
+    return weights, cache, rand(g, T, D), rand(g, T, D), hq
+
+
+def call(fn, x, weights, caches, lengths, slots, cos, sin, heads, eps=1e-5):
+    w = weights
+    return fn(x, w["input_norm"], w["qkv"], w["qkv_bias"], w["q_norm"], w["k_norm"], w["o"], w["post_norm"],
+              w["gate_up"], w["down"], caches[0], caches[1], lengths, slots, cos, sin, heads, eps)
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "qwen3-qk-norm", "multi-head"])
+def test_decoder_layer_matches_reference(kind):
+    """Output and the cache's keys and values against the torch-op reference, for rows in their own slots or
+    others' (``slots``), rows of different lengths, a position past the last regular column (the scratch column)
+    and past the RoPE table (its last row)."""
+    weights, caches, cos, sin, heads = layer_case(bias=kind == "qwen2-bias", qk_norm=kind == "qwen3-qk-norm",
+                                                  hk=4 if kind == "multi-head" else 2)
+    g = torch.Generator().manual_seed(1)
+    for B, n, lengths, slots in [(1, 1, [3, 0, 0], None), (2, 4, [5, 2, 9], torch.tensor([2, 0])),
+                                 (3, 2, [0, 8, 1], None), (1, 3, [0, 11, 0], torch.tensor([1]))]:
+        x = rand(g, B, n, 64)
+        mine = [c.clone() for c in caches]
+        theirs = [c.clone() for c in caches]
+        got = call(ops.decoder_layer, x, weights, mine, torch.tensor(lengths), slots, cos, sin, heads)
+        want = call(reference.decoder_layer, x, weights, theirs, torch.tensor(lengths), slots, cos, sin, heads)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        written = [s for s in range(3) if not torch.equal(mine[0][s], caches[0][s])]
+        assert written == sorted(slots.tolist() if slots is not None else range(B))
+
+
+@needs_ext
+def test_decoder_layer_errors_name_the_argument():
+    weights, caches, cos, sin, heads = layer_case()
+    x, lengths = torch.zeros(1, 1, 64), torch.zeros(3, dtype=torch.int64)
+    bad = {
+        "x must be float32": dict(x=x.double()),
+        r"x must be \[B, n, H\]": dict(x=x[0]),
+        "heads must be a multiple": dict(heads=3),
+        r"lengths must be \[S\] = \[3\]": dict(lengths=lengths[:2]),
+        "lengths must be int64": dict(lengths=lengths.int()),
+        r"slots\[0\] = 3 is not a slot": dict(slots=torch.tensor([3])),
+        r"lengths\[0\] = -1 is negative": dict(lengths=torch.tensor([-1, 0, 0])),
+        r"qkv must be \[8, 64, 16\]": dict(qkv=weights["qkv"][:, :32]),
+        "pass both q_norm and k_norm": dict(q_norm=torch.ones(16)),
+        "cos must be": dict(cos=cos[:, :8]),
+        "multiple of 16": dict(down=torch.zeros(4, 36, 16), gate_up=torch.zeros(5, 64, 16)),
+    }
+    for message, change in bad.items():
+        args = dict(x=x, lengths=lengths, slots=None, heads=heads, cos=cos, sin=sin)
+        w = dict(weights)
+        for key, value in change.items():
+            (w if key in w else args)[key] = value
+        for fn in (ops.decoder_layer, reference.decoder_layer):
+            with pytest.raises((ValueError, TypeError), match=message):
+                call(fn, args["x"], w, caches, args["lengths"], args["slots"], args["cos"], args["sin"],
+                     args["heads"])
+    with pytest.raises(ValueError, match=r"weight must be \[2, 8, 16\]"):
+        ops.packed_linear(torch.zeros(2, 8), torch.zeros(1, 8, 16), 20)
+    with pytest.raises(ValueError, match="out_features must be >= 1"):
+        ops.packed_linear(torch.zeros(2, 8), torch.zeros(1, 8, 16), 0)
+    with pytest.raises(TypeError, match="x must be float32"):
+        ops.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 16), 16)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\]"):
+        ops.pack_linear_weight(torch.zeros(4))
+
+
+@needs_ext
+def test_layer_ops_fake_kernels_and_opcheck():
+    weights, caches, cos, sin, heads = layer_case(bias=True)
+    x, lengths = torch.randn(2, 3, 64), torch.tensor([1, 4, 0])
+    w = weights
+    args = (x, w["input_norm"], w["qkv"], w["qkv_bias"], w["q_norm"], w["k_norm"], w["o"], w["post_norm"],
+            w["gate_up"], w["down"], caches[0].clone(), caches[1].clone(), lengths, None, cos, sin, heads, 1e-5)
+    torch.library.opcheck(torch.ops.specdec_ext.decoder_layer.default, args)
+    torch.library.opcheck(torch.ops.specdec_ext.packed_linear.default, (x, w["gate_up"], None, 96))
+    fn = torch.compile(lambda a: ops.packed_linear(a, w["gate_up"], 96) * 2, backend="eager", fullgraph=True)
+    torch.testing.assert_close(fn(x), ops.packed_linear(x, w["gate_up"], 96) * 2)
+
+
+@needs_ext
+@torch.inference_mode()
+def test_lean_model_fused_path_matches_torch_ops():
+    """The lean model's decode steps and verifications through ``ops.decoder_layer`` give the logits of its torch-op
+    path (rows in slots 0.., a slice of slots, an index of slots; a prefill beyond FUSED_MAX_ROWS takes the torch-op
+    path in both), and the fused path is refused where it cannot run."""
+    with torch.inference_mode(False):
+        target, _ = make_pair("llama")
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, 48, (2, FUSED_MAX_ROWS + 3), generator=g)
+    steps = [torch.randint(2, 48, (2, n), generator=g) for n in (1, 4, 2)]
+    out = {}
+    for fused in (True, False):
+        lean = LeanModel(target, "target", fused=fused)
+        assert lean.fused == fused
+        cache = lean.cache(3, 32)
+        got = [lean.forward(cache, prompt, keep=2)[0]]
+        got += [lean.forward(cache, t, keep=t.shape[1], start=int(cache.lengths[0]))[0] for t in steps]
+        got.append(lean.forward(cache, steps[0][:1], rows=slice(1, 2))[0])
+        got.append(lean.forward(cache, steps[1], rows=torch.tensor([1, 0]), keep=4)[0])
+        out[fused] = got + [cache.k[1].clone(), cache.lengths.clone()]
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="fused=True needs a float32 model on a CPU"):
+        LeanModel(target, "target", fused=True, attention="sdpa")
