@@ -5,7 +5,7 @@ batch's); the arms interleaved, each forward timed over a cache of ``--context``
 after every call. Also the time ``torch.sum`` takes to read a buffer the size of the weights, in the same run.
 Sets ``engine.model.FUSED_MAX_ROWS``: the largest token count where the fused layer wins.
 
-    python bench/fused_layers.py --shape smollm2-135m --out docs/results/fused_layers.json
+    python bench/fused_layers.py --shape smollm2-135m --out fused_layers.json   # docs/results/smollm2.json.gz keeps one
     python bench/fused_layers.py --shape tiny     # a self-check, seconds
 """
 
@@ -16,13 +16,16 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from scale_probe import model_for, sum_bandwidth, weight_bytes
-from specdec_ext.engine.model import FUSED_MAX_ROWS, LeanModel
+sys.path.insert(0, str(Path(__file__).parent))
+
+from scale_probe import model_for, sum_bandwidth, weight_bytes  # noqa: E402
+from specdec_ext.engine.model import FUSED_MAX_ROWS, LeanModel  # noqa: E402
 
 
 def timed_forward(lean: LeanModel, cache, tokens: torch.Tensor, context: int) -> float:
@@ -69,7 +72,7 @@ def main(argv=None) -> dict:
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
                        "processor": platform.processor(), "commit": commit, "fused_max_rows": FUSED_MAX_ROWS,
                        "date": time.strftime("%Y-%m-%d"), "command": "python bench/fused_layers.py " + " ".join(
-                           argv if argv is not None else __import__("sys").argv[1:])},
+                           argv if argv is not None else sys.argv[1:])},
               "weight_read_ms": read_ms, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -533,3 +533,18 @@ def test_host_round_counts_one_replay_per_round_of_fixed_k_and_restores_what_it_
         assert row["rounds"] >= 12 / 4
     assert (StepGraphs.replay, Scheduler._launch, Scheduler._launch_ahead, Scheduler._finish,
             Scheduler._catch_up) == before
+
+
+def test_fused_layers_times_both_paths_of_the_lean_forward(tmp_path):
+    """bench/fused_layers.py on the CPU (tiny shape): a row per token count with both arms' median ms and their
+    ratio, the read time of the same run, the threshold it sets recorded; the JSON written is what it returns."""
+    mod = _bench_script("fused_layers")
+    out = mod.main(["--shape", "tiny", "--rows", "1x1,2x3", "--repeats", "2", "--context", "8",
+                    "--out", str(tmp_path / "fused.json")])
+    assert json.loads((tmp_path / "fused.json").read_text()) == out
+    assert [(r["batch"], r["tokens"], r["rows"]) for r in out["rows"]] == [(1, 1, 1), (2, 3, 6)]
+    for r in out["rows"]:
+        assert r["fused_ms"] > 0 and r["torch_ops_ms"] > 0
+        assert r["fused_over_torch_ops"] == pytest.approx(r["fused_ms"] / r["torch_ops_ms"])
+        assert r["fused_over_read"] == pytest.approx(r["fused_ms"] / out["weight_read_ms"])
+    assert out["meta"]["fused_max_rows"] == mod.FUSED_MAX_ROWS and out["weight_read_ms"] > 0

@@ -109,7 +109,7 @@ ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
 # one ops.decoder_layer call over weights packed in panels (float32 on a CPU); more tokens go through oneDNN's
 # matmuls, which reuse each weight across rows (a prefill, a batch's verification). bench/fused_layers.py on
 # SmolLM2-135M (2-core AMD EPYC with AVX-512, 256 columns of context): the fused forward 0.68x the torch-op one at
-# 1 token, 0.80x at 4-6, 0.93x at 8, level from 9 to 16 (docs/results/fused_layers.json).
+# 1 token, 0.81x at 4-6, 0.91x at 8, level from 9 to 16 (docs/results/smollm2.json.gz, its fused_layers).
 FUSED_MAX_ROWS = 8
 # Panels copy the linear weights (beside oneDNN's packed copy): made for models of at most this many bytes of them.
 FUSED_MAX_BYTES = 2 << 30
