@@ -87,8 +87,9 @@ inline void dot_rows(const float* q, int64_t R, const float* k, int64_t D, float
   }
 }
 
+// The tasks [begin, end) of decode_attention_impl: (row b, KV head, part of its query rows), `parts` parts a pair.
 template <typename T>
-void decode_attention_impl(const DecodeAttentionArgs& a) {
+SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t parts, int64_t begin, int64_t end) {
   const int64_t Hq = a.q_heads, Hkv = a.kv_heads, G = Hq / Hkv, n = a.queries, C = a.columns, D = a.head_dim;
   const int64_t R = G * n;  // query rows per KV head: (g, i) -> head kh * G + g, query i
   const T* q = static_cast<const T*>(a.q);
@@ -97,93 +98,98 @@ void decode_attention_impl(const DecodeAttentionArgs& a) {
   T* out = static_cast<T*>(a.out);
   const float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t out_rows = a.out_row_stride > 0 ? a.out_row_stride : Hq * D;
+  std::vector<float> qf(R * D), row(D), dots(R), scores(R * C), acc(R * D), norm(R);
+  std::vector<int64_t> cols(C);
+  std::vector<const bool*> mrow(R);
+  std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / (Hkv * parts), kh = task / parts % Hkv, part = task % parts;
+    const int64_t r0 = R * part / parts, Rt = R * (part + 1) / parts - r0;  // this part's rows r0 .. r0 + Rt - 1
+    for (int64_t r = 0; r < Rt; ++r) {
+      const int64_t h = kh * G + (r0 + r) / n, i = (r0 + r) % n;
+      load_row(q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2], D, &qf[r * D]);
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
+      if (a.mask != nullptr) {
+        mrow[r] = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
+      } else {
+        last[r] = std::min(a.starts[b] + i, C - 1);  // below 0: sees none
+      }
+    }
+    const int64_t kv_row = a.rows != nullptr ? a.rows[b] : b;
+    const T* kb = k + kv_row * a.k_stride[0] + kh * a.k_stride[1];
+    const T* vb = v + kv_row * a.v_stride[0] + kh * a.v_stride[1];
+    const int64_t mc = a.mask_stride[3];
+    const bool masked = a.mask != nullptr;
+    const int64_t stop = masked ? C : *std::max_element(last.begin(), last.begin() + Rt) + 1;
+    // pass 1: the columns some query sees, and their scores (-inf where that query may not look)
+    int64_t m = 0;
+    for (int64_t c = 0; c < stop; ++c) {
+      bool any = !masked;  // causal: every column up to the last one some query sees
+      if (masked)
+        for (int64_t r = 0; r < Rt; ++r) any |= mrow[r][c * mc];
+      if (!any) continue;
+      load_row(kb + c * a.k_stride[2], D, row.data());
+      dot_rows(qf.data(), Rt, row.data(), D, dots.data());
+      for (int64_t r = 0; r < Rt; ++r)
+        scores[r * C + m] = (masked ? mrow[r][c * mc] : c <= last[r]) ? dots[r] : kNegInf;
+      cols[m++] = c;
+    }
+    // softmax weights per query row, unnormalised: exp(s - max); norm = their sum
+    for (int64_t r = 0; r < Rt; ++r) {
+      float* s = &scores[r * C];
+      float mx = kNegInf;
+      for (int64_t j = 0; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
+      float lanes[kSumLanes] = {};
+      float tail = 0.0f;
+      if (mx == kNegInf) {  // sees no column: weights 0
+        std::fill(s, s + m, 0.0f);
+      } else {
+        int64_t j = 0;
+        for (; j + kSumLanes <= m; j += kSumLanes)
+          for (int l = 0; l < kSumLanes; ++l) {
+            s[j + l] = exp_nonpos(s[j + l] - mx);
+            lanes[l] += s[j + l];
+          }
+        for (; j < m; ++j) {
+          s[j] = exp_nonpos(s[j] - mx);
+          tail += s[j];
+        }
+      }
+      for (int w = kSumLanes / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+      norm[r] = lanes[0] + tail;
+    }
+    // pass 2: sum of weight * value over the seen columns
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; j < m; ++j) {
+      load_row(vb + cols[j] * a.v_stride[2], D, row.data());
+      for (int64_t r = 0; r < Rt; ++r) {
+        const float w = scores[r * C + j];
+        if (w == 0.0f) continue;
+        float* o = &acc[r * D];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+      }
+    }
+    for (int64_t r = 0; r < Rt; ++r) {
+      const int64_t h = kh * G + (r0 + r) / n, i = (r0 + r) % n;
+      const float inv = norm[r] > 0.0f ? 1.0f / norm[r] : 0.0f;
+      T* o = out + (b * n + i) * out_rows + h * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv);
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const DecodeAttentionArgs& a) {
+  const int64_t Hkv = a.kv_heads, R = a.q_heads / Hkv * a.queries;
   // Tasks: (row b, KV head, part of its R query rows). With fewer (row, KV head) pairs than twice the threads (one
   // request: a few KV heads on a few cores), each pair's query rows are split in parts, so the threads share the
   // work evenly; a part reads the pair's keys and values again (from cache: a layer's are a few hundred KB).
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t parts = 1;
   while (a.batch * Hkv * parts < 2 * threads && parts * 2 <= R) parts *= 2;
-  at::parallel_for(0, a.batch * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * D), row(D), dots(R), scores(R * C), acc(R * D), norm(R);
-    std::vector<int64_t> cols(C);
-    std::vector<const bool*> mrow(R);
-    std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hkv * parts), kh = task / parts % Hkv, part = task % parts;
-      const int64_t r0 = R * part / parts, Rt = R * (part + 1) / parts - r0;  // this part's rows r0 .. r0 + Rt - 1
-      for (int64_t r = 0; r < Rt; ++r) {
-        const int64_t h = kh * G + (r0 + r) / n, i = (r0 + r) % n;
-        load_row(q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2], D, &qf[r * D]);
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
-        if (a.mask != nullptr) {
-          mrow[r] = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
-        } else {
-          last[r] = std::min(a.starts[b] + i, C - 1);  // below 0: sees none
-        }
-      }
-      const int64_t kv_row = a.rows != nullptr ? a.rows[b] : b;
-      const T* kb = k + kv_row * a.k_stride[0] + kh * a.k_stride[1];
-      const T* vb = v + kv_row * a.v_stride[0] + kh * a.v_stride[1];
-      const int64_t mc = a.mask_stride[3];
-      const bool masked = a.mask != nullptr;
-      const int64_t stop = masked ? C : *std::max_element(last.begin(), last.begin() + Rt) + 1;
-      // pass 1: the columns some query sees, and their scores (-inf where that query may not look)
-      int64_t m = 0;
-      for (int64_t c = 0; c < stop; ++c) {
-        bool any = !masked;  // causal: every column up to the last one some query sees
-        if (masked)
-          for (int64_t r = 0; r < Rt; ++r) any |= mrow[r][c * mc];
-        if (!any) continue;
-        load_row(kb + c * a.k_stride[2], D, row.data());
-        dot_rows(qf.data(), Rt, row.data(), D, dots.data());
-        for (int64_t r = 0; r < Rt; ++r)
-          scores[r * C + m] = (masked ? mrow[r][c * mc] : c <= last[r]) ? dots[r] : kNegInf;
-        cols[m++] = c;
-      }
-      // softmax weights per query row, unnormalised: exp(s - max); norm = their sum
-      for (int64_t r = 0; r < Rt; ++r) {
-        float* s = &scores[r * C];
-        float mx = kNegInf;
-        for (int64_t j = 0; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
-        float lanes[kSumLanes] = {};
-        float tail = 0.0f;
-        if (mx == kNegInf) {  // sees no column: weights 0
-          std::fill(s, s + m, 0.0f);
-        } else {
-          int64_t j = 0;
-          for (; j + kSumLanes <= m; j += kSumLanes)
-            for (int l = 0; l < kSumLanes; ++l) {
-              s[j + l] = exp_nonpos(s[j + l] - mx);
-              lanes[l] += s[j + l];
-            }
-          for (; j < m; ++j) {
-            s[j] = exp_nonpos(s[j] - mx);
-            tail += s[j];
-          }
-        }
-        for (int w = kSumLanes / 2; w > 0; w /= 2)
-          for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-        norm[r] = lanes[0] + tail;
-      }
-      // pass 2: sum of weight * value over the seen columns
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < m; ++j) {
-        load_row(vb + cols[j] * a.v_stride[2], D, row.data());
-        for (int64_t r = 0; r < Rt; ++r) {
-          const float w = scores[r * C + j];
-          if (w == 0.0f) continue;
-          float* o = &acc[r * D];
-          for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
-        }
-      }
-      for (int64_t r = 0; r < Rt; ++r) {
-        const int64_t h = kh * G + (r0 + r) / n, i = (r0 + r) % n;
-        const float inv = norm[r] > 0.0f ? 1.0f / norm[r] : 0.0f;
-        T* o = out + (b * n + i) * out_rows + h * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv);
-      }
-    }
-  });
+  at::parallel_for(0, a.batch * Hkv * parts, 1,
+                   [&](int64_t begin, int64_t end) { attention_tasks<T>(a, parts, begin, end); });
 }
 
 }  // namespace

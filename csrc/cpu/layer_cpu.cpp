@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu/attention_cpu.h"
+#include "cpu/cpu_math.h"
 
 namespace specdec {
 namespace cpu {
@@ -53,29 +54,35 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t K, const float* w, f
     for (int64_t l = 0; l < width; ++l) y[m * ldy + l] = acc[m][l] + (bias != nullptr ? bias[l] : 0.0f);
 }
 
+// Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16].
+SPECDEC_CPU_CLONES void gemm_panels(int64_t begin, int64_t end, const float* x, int64_t ldx, int64_t M, int64_t K,
+                                    const float* w, int64_t N, float* y, int64_t ldy, const float* bias) {
+  for (int64_t p = begin; p < end; ++p) {
+    const float* wp = w + p * K * kPanel;
+    const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
+    const float* bp = bias != nullptr ? bias + col : nullptr;
+    int64_t m = 0;
+    for (; m + kMaxRowBlock <= M; m += kMaxRowBlock)
+      panel_rows<kMaxRowBlock>(x + m * ldx, ldx, K, wp, y + m * ldy + col, ldy, width, bp);
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy + col;
+    switch (M - m) {
+      case 5: panel_rows<5>(xm, ldx, K, wp, ym, ldy, width, bp); break;
+      case 4: panel_rows<4>(xm, ldx, K, wp, ym, ldy, width, bp); break;
+      case 3: panel_rows<3>(xm, ldx, K, wp, ym, ldy, width, bp); break;
+      case 2: panel_rows<2>(xm, ldx, K, wp, ym, ldy, width, bp); break;
+      case 1: panel_rows<1>(xm, ldx, K, wp, ym, ldy, width, bp); break;
+      default: break;
+    }
+  }
+}
+
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16]; panels split among threads.
 void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t ldy,
                  const float* bias) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* wp = w + p * K * kPanel;
-      const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
-      const float* bp = bias != nullptr ? bias + col : nullptr;
-      int64_t m = 0;
-      for (; m + kMaxRowBlock <= M; m += kMaxRowBlock)
-        panel_rows<kMaxRowBlock>(x + m * ldx, ldx, K, wp, y + m * ldy + col, ldy, width, bp);
-      const float* xm = x + m * ldx;
-      float* ym = y + m * ldy + col;
-      switch (M - m) {
-        case 5: panel_rows<5>(xm, ldx, K, wp, ym, ldy, width, bp); break;
-        case 4: panel_rows<4>(xm, ldx, K, wp, ym, ldy, width, bp); break;
-        case 3: panel_rows<3>(xm, ldx, K, wp, ym, ldy, width, bp); break;
-        case 2: panel_rows<2>(xm, ldx, K, wp, ym, ldy, width, bp); break;
-        case 1: panel_rows<1>(xm, ldx, K, wp, ym, ldy, width, bp); break;
-        default: break;
-      }
-    }
+    gemm_panels(begin, end, x, ldx, M, K, w, N, y, ldy, bias);
   });
 }
 
