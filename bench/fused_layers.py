@@ -1,9 +1,9 @@
 """The lean model's forward with each layer one ``ops.decoder_layer`` call (weights in panels, ``fused=True``)
 against its torch-op path (oneDNN's packed matmuls and ~50 ops a layer, ``fused=False``), side by side in one
-process on a CPU, float32, at each token count of a forward (B rows x n tokens: a decode step, a verification, a
+process on a CPU (float32, or bfloat16 with ``--dtype``), at each token count of a forward (B rows x n tokens: a decode step, a verification, a
 batch's); the arms interleaved, each forward timed over a cache of ``--context`` filled columns that is set back
 after every call. Also the time ``torch.sum`` takes to read a buffer the size of the weights, in the same run.
-Sets ``engine.model.FUSED_MAX_ROWS``: the largest token count where the fused layer wins.
+Sets ``engine.model.FUSED_MAX_ROWS`` (per dtype): the largest token count where the fused layer wins.
 
     python bench/fused_layers.py --shape smollm2-135m --out fused_layers.json   # docs/results/smollm2.json.gz keeps one
     python bench/fused_layers.py --shape tiny     # a self-check, seconds
@@ -43,10 +43,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", default="1x1,1x2,1x3,1x4,1x5,1x6,1x8,1x9,2x5,1x12,1x16",
                     help="B x n token counts of a forward")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's dtype")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    model = model_for(args.shape, "cpu", torch.float32, 4096)
+    model = model_for(args.shape, "cpu", getattr(torch, args.dtype), 4096)
     arms = {"fused": LeanModel(model, "target", fused=True), "torch_ops": LeanModel(model, "target", fused=False)}
     read_ms = weight_bytes(model) / sum_bandwidth("cpu", weight_bytes(model)) * 1e3
     rows = []
@@ -68,9 +69,9 @@ def main(argv=None) -> dict:
             print(f"{B}x{n}: fused {med['fused']:.2f} ms, torch ops {med['torch_ops']:.2f} ms "
                   f"({med['fused'] / med['torch_ops']:.2f}x); the read {read_ms:.2f} ms")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"meta": {"shape": args.shape, "context": args.context, "repeats": args.repeats, "dtype": "float32",
+    result = {"meta": {"shape": args.shape, "context": args.context, "repeats": args.repeats, "dtype": args.dtype,
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-                       "processor": platform.processor(), "commit": commit, "fused_max_rows": FUSED_MAX_ROWS,
+                       "processor": platform.processor(), "commit": commit, "fused_max_rows": FUSED_MAX_ROWS[getattr(torch, args.dtype)],
                        "date": time.strftime("%Y-%m-%d"), "command": "python bench/fused_layers.py " + " ".join(
                            argv if argv is not None else sys.argv[1:])},
               "weight_read_ms": read_ms, "rows": rows}

@@ -526,10 +526,11 @@ inline CacheAttentionTensors prepare_cache_attention(const at::Tensor& query, co
   return t;
 }
 
-// A float32 tensor of `shape` (-1: any size), contiguous, on ref's device.
-inline void check_f32(const at::Tensor& t, at::IntArrayRef shape, const char* op, const char* name,
-                      const at::Tensor& ref) {
-  SPECDEC_CHK_TYPE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+// A tensor of ref's dtype and `shape` (-1: any size), contiguous, on ref's device.
+inline void check_like(const at::Tensor& t, at::IntArrayRef shape, const char* op, const char* name,
+                       const at::Tensor& ref) {
+  SPECDEC_CHK_TYPE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " must have x's dtype ", ref.scalar_type(),
+                   ", got ", t.scalar_type());
   bool ok = t.dim() == static_cast<int64_t>(shape.size());
   for (size_t d = 0; ok && d < shape.size(); ++d) ok = shape[d] < 0 || t.size(d) == shape[d];
   SPECDEC_CHK_VALUE(ok, op, ": ", name, " must be ", shape, " (-1: any), got ", t.sizes());
@@ -537,10 +538,10 @@ inline void check_f32(const at::Tensor& t, at::IntArrayRef shape, const char* op
   check_device(t, ref, name, "x");
 }
 
-// A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16] float32.
+// A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16], x's dtype.
 inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* op, const char* name,
                          const at::Tensor& ref) {
-  check_f32(w, {(N + 15) / 16, K, 16}, op, name, ref);
+  check_like(w, {(N + 15) / 16, K, 16}, op, name, ref);
 }
 
 struct PackedLinearTensors {
@@ -548,16 +549,17 @@ struct PackedLinearTensors {
   PackedLinearArgs args;
 };
 
-// packed_linear: x [..., K] float32, weight packed [P, K, 16], out_features N with ceil(N / 16) == P, bias [N] or None.
+// packed_linear: x [..., K] float32 or bfloat16, weight packed [P, K, 16], out_features N with ceil(N / 16) == P, bias [N] or None.
 inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::Tensor& weight,
                                                  const std::optional<at::Tensor>& bias, int64_t out_features) {
   const char* op = "packed_linear";
-  SPECDEC_CHK_TYPE(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  SPECDEC_CHK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+                   ": x must be float32 or bfloat16, got ", x.scalar_type());
   SPECDEC_CHK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must be [..., K] with K >= 1, got ", x.sizes());
   SPECDEC_CHK_VALUE(out_features >= 1, op, ": out_features must be >= 1, got ", out_features);
   const int64_t K = x.size(-1);
   check_packed(weight, out_features, K, op, "weight", x);
-  if (bias.has_value()) check_f32(*bias, {out_features}, op, "bias", x);
+  if (bias.has_value()) check_like(*bias, {out_features}, op, "bias", x);
   PackedLinearTensors t;
   t.x = x.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -565,10 +567,11 @@ inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::
   t.out = at::empty(shape, x.options());
   PackedLinearArgs& a = t.args;
   a.rows = x.numel() / K; a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
-  a.x = t.x.data_ptr<float>();
-  a.weight = weight.data_ptr<float>();
-  a.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  a.out = t.out.data_ptr<float>();
+  a.dtype = float_dtype(x, "x");
+  a.x = t.x.data_ptr();
+  a.weight = weight.data_ptr();
+  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  a.out = t.out.data_ptr();
   return t;
 }
 
@@ -577,7 +580,7 @@ struct DecoderLayerTensors {
   DecoderLayerArgs args;
 };
 
-// decoder_layer: x [B, n, H] float32; packed weights (ops.pack_linear_weight) qkv [(Hq + 2 Hkv) D / 16, H, 16],
+// decoder_layer: x [B, n, H] float32 or bfloat16 (every floating tensor in x's dtype); packed weights (ops.pack_linear_weight) qkv [(Hq + 2 Hkv) D / 16, H, 16],
 // o [H / 16, Hq D, 16], gate_up [2 I / 16, H, 16], down [H / 16, I, 16] (every N a multiple of 16); norms [H]
 // ([D] for q_norm, k_norm); caches [S, Hkv, C, D] contiguous; lengths [S] int64; slots [B] int64 or None; cos/sin
 // [T, D]; heads Hq a multiple of Hkv.
@@ -588,7 +591,8 @@ inline DecoderLayerTensors prepare_decoder_layer(
     const at::Tensor& value_cache, const at::Tensor& lengths, const std::optional<at::Tensor>& slots,
     const at::Tensor& cos, const at::Tensor& sin, int64_t heads, double eps) {
   const char* op = "decoder_layer";
-  SPECDEC_CHK_TYPE(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  SPECDEC_CHK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+                   ": x must be float32 or bfloat16, got ", x.scalar_type());
   SPECDEC_CHK_VALUE(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1 && x.size(2) >= 1, op,
                     ": x must be [B, n, H] with B, n, H >= 1, got ", x.sizes());
   const int64_t B = x.size(0), n = x.size(1), H = x.size(2);
@@ -605,23 +609,23 @@ inline DecoderLayerTensors prepare_decoder_layer(
                     ": every product's out features must be a multiple of 16 (H = ", H, ", QKV = ", QKV, ", 2 I = ",
                     2 * I, ")");
   SPECDEC_CHK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
-  check_f32(x, {B, n, H}, op, "x", x);
-  check_f32(input_norm, {H}, op, "input_norm", x);
-  check_f32(post_norm, {H}, op, "post_norm", x);
+  check_like(x, {B, n, H}, op, "x", x);
+  check_like(input_norm, {H}, op, "input_norm", x);
+  check_like(post_norm, {H}, op, "post_norm", x);
   check_packed(qkv, QKV, H, op, "qkv", x);
   check_packed(o, H, heads * D, op, "o", x);
   check_packed(gate_up, 2 * I, H, op, "gate_up", x);
   check_packed(down, H, I, op, "down", x);
-  if (qkv_bias.has_value()) check_f32(*qkv_bias, {QKV}, op, "qkv_bias", x);
+  if (qkv_bias.has_value()) check_like(*qkv_bias, {QKV}, op, "qkv_bias", x);
   SPECDEC_CHK_VALUE(q_norm.has_value() == k_norm.has_value(), op, ": pass both q_norm and k_norm or neither");
   if (q_norm.has_value()) {
-    check_f32(*q_norm, {D}, op, "q_norm", x);
-    check_f32(*k_norm, {D}, op, "k_norm", x);
+    check_like(*q_norm, {D}, op, "q_norm", x);
+    check_like(*k_norm, {D}, op, "k_norm", x);
   }
-  check_f32(key_cache, {S, Hkv, C, D}, op, "key_cache", x);
-  check_f32(value_cache, {S, Hkv, C, D}, op, "value_cache", x);
-  check_f32(cos, {-1, D}, op, "cos", x);
-  check_f32(sin, {cos.size(0), D}, op, "sin", x);
+  check_like(key_cache, {S, Hkv, C, D}, op, "key_cache", x);
+  check_like(value_cache, {S, Hkv, C, D}, op, "value_cache", x);
+  check_like(cos, {-1, D}, op, "cos", x);
+  check_like(sin, {cos.size(0), D}, op, "sin", x);
   SPECDEC_CHK_VALUE(cos.size(0) >= 1, op, ": cos must have a row per position, got ", cos.sizes());
   SPECDEC_CHK_TYPE(lengths.scalar_type() == at::kLong, op, ": lengths must be int64, got ", lengths.scalar_type());
   SPECDEC_CHK_VALUE(lengths.dim() == 1 && lengths.size(0) == S, op, ": lengths must be [S] = [", S, "], got ",
@@ -652,24 +656,25 @@ inline DecoderLayerTensors prepare_decoder_layer(
   a.batch = B; a.tokens = n; a.hidden = H;
   a.heads = heads; a.kv_heads = Hkv; a.head_dim = D; a.intermediate = I;
   a.slots = S; a.columns = C; a.positions = cos.size(0);
+  a.dtype = float_dtype(x, "x");
   a.eps = static_cast<float>(eps);
-  a.x = x.data_ptr<float>();
-  a.input_norm = input_norm.data_ptr<float>();
-  a.qkv = qkv.data_ptr<float>();
-  a.qkv_bias = qkv_bias.has_value() ? qkv_bias->data_ptr<float>() : nullptr;
-  a.q_norm = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
-  a.k_norm = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
-  a.o = o.data_ptr<float>();
-  a.post_norm = post_norm.data_ptr<float>();
-  a.gate_up = gate_up.data_ptr<float>();
-  a.down = down.data_ptr<float>();
-  a.key_cache = key_cache.data_ptr<float>();
-  a.value_cache = value_cache.data_ptr<float>();
+  a.x = x.data_ptr();
+  a.input_norm = input_norm.data_ptr();
+  a.qkv = qkv.data_ptr();
+  a.qkv_bias = qkv_bias.has_value() ? qkv_bias->data_ptr() : nullptr;
+  a.q_norm = q_norm.has_value() ? q_norm->data_ptr() : nullptr;
+  a.k_norm = k_norm.has_value() ? k_norm->data_ptr() : nullptr;
+  a.o = o.data_ptr();
+  a.post_norm = post_norm.data_ptr();
+  a.gate_up = gate_up.data_ptr();
+  a.down = down.data_ptr();
+  a.key_cache = key_cache.data_ptr();
+  a.value_cache = value_cache.data_ptr();
   a.lengths = len;
   a.row_slots = row_slot;
-  a.cos = cos.data_ptr<float>();
-  a.sin = sin.data_ptr<float>();
-  a.out = t.out.data_ptr<float>();
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.out = t.out.data_ptr();
   return t;
 }
 

@@ -319,10 +319,14 @@ def philox_shapes(seed_offsets, slots: int, first_slot: int) -> int:
     return seed_offsets.shape[0]
 
 
-def _f32(t, shape: tuple, name: str, op: str, ref) -> None:
-    """``t`` a float32 tensor of ``shape`` (-1: any size) on ``ref``'s device, contiguous (the kernels' messages)."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-        raise TypeError(f"{op}: {name} must be float32, got {getattr(t, 'dtype', type(t).__name__)}")
+LAYER_DTYPES = (torch.float32, torch.bfloat16)  # of packed_linear and decoder_layer
+
+
+def _like(t, shape: tuple, name: str, op: str, ref) -> None:
+    """``t`` a tensor of ``ref``'s dtype and ``shape`` (-1: any size) on ``ref``'s device, contiguous (the kernels'
+    messages)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != ref.dtype:
+        raise TypeError(f"{op}: {name} must have x's dtype {ref.dtype}, got {getattr(t, 'dtype', type(t).__name__)}")
     if t.dim() != len(shape) or any(s >= 0 and t.shape[d] != s for d, s in enumerate(shape)):
         raise ValueError(f"{op}: {name} must be {list(shape)} (-1: any), got {list(t.shape)}")
     if not t.is_contiguous():
@@ -333,15 +337,15 @@ def _f32(t, shape: tuple, name: str, op: str, ref) -> None:
 def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
     """Checks of ``packed_linear`` (the kernel's, with the same messages); returns the output's shape."""
     op = "packed_linear"
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-        raise TypeError(f"{op}: x must be float32, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in LAYER_DTYPES:
+        raise TypeError(f"{op}: x must be float32 or bfloat16, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"{op}: x must be [..., K] with K >= 1, got {list(x.shape)}")
     if out_features < 1:
         raise ValueError(f"{op}: out_features must be >= 1, got {out_features}")
-    _f32(weight, (-(-out_features // 16), x.shape[-1], 16), "weight", op, x)
+    _like(weight, (-(-out_features // 16), x.shape[-1], 16), "weight", op, x)
     if bias is not None:
-        _f32(bias, (out_features,), "bias", op, x)
+        _like(bias, (out_features,), "bias", op, x)
     return (*x.shape[:-1], out_features)
 
 
@@ -350,8 +354,8 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
     """Checks of ``decoder_layer`` (the kernel's, with the same messages; the slots' and lengths' values are
     checked where they can be read: off the meta device); returns the output's shape, x's."""
     op = "decoder_layer"
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-        raise TypeError(f"{op}: x must be float32, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in LAYER_DTYPES:
+        raise TypeError(f"{op}: x must be float32 or bfloat16, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 3 or min(x.shape) < 1:
         raise ValueError(f"{op}: x must be [B, n, H] with B, n, H >= 1, got {list(x.shape)}")
     B, n, H = x.shape
@@ -368,23 +372,23 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
                          f"2 I = {2 * inter})")
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
-    _f32(x, (B, n, H), "x", op, x)
-    _f32(input_norm, (H,), "input_norm", op, x)
-    _f32(post_norm, (H,), "post_norm", op, x)
+    _like(x, (B, n, H), "x", op, x)
+    _like(input_norm, (H,), "input_norm", op, x)
+    _like(post_norm, (H,), "post_norm", op, x)
     for name, w, out_f, in_f in (("qkv", qkv, width, H), ("o", o, H, heads * D), ("gate_up", gate_up, 2 * inter, H),
                                  ("down", down, H, inter)):
-        _f32(w, (-(-out_f // 16), in_f, 16), name, op, x)
+        _like(w, (-(-out_f // 16), in_f, 16), name, op, x)
     if qkv_bias is not None:
-        _f32(qkv_bias, (width,), "qkv_bias", op, x)
+        _like(qkv_bias, (width,), "qkv_bias", op, x)
     if (q_norm is None) != (k_norm is None):
         raise ValueError(f"{op}: pass both q_norm and k_norm or neither")
     if q_norm is not None:
-        _f32(q_norm, (D,), "q_norm", op, x)
-        _f32(k_norm, (D,), "k_norm", op, x)
-    _f32(key_cache, (S, Hkv, C, D), "key_cache", op, x)
-    _f32(value_cache, (S, Hkv, C, D), "value_cache", op, x)
-    _f32(cos, (-1, D), "cos", op, x)
-    _f32(sin, (cos.shape[0], D), "sin", op, x)
+        _like(q_norm, (D,), "q_norm", op, x)
+        _like(k_norm, (D,), "k_norm", op, x)
+    _like(key_cache, (S, Hkv, C, D), "key_cache", op, x)
+    _like(value_cache, (S, Hkv, C, D), "value_cache", op, x)
+    _like(cos, (-1, D), "cos", op, x)
+    _like(sin, (cos.shape[0], D), "sin", op, x)
     if cos.shape[0] < 1:
         raise ValueError(f"{op}: cos must have a row per position, got {list(cos.shape)}")
     if lengths.dtype != torch.int64:

@@ -507,20 +507,24 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 PANEL = 16  # output features per panel of a packed weight (one 64-byte line of float32)
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``weight`` ``[N, K]`` (a linear layer's, out x in) as :func:`packed_linear` reads it: panels of 16 output
-    features, ``[ceil(N / 16), K, 16]`` float32 (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero). A copy, as
-    large as ``weight`` in float32.
+    features, ``[ceil(N / 16), K, 16]`` (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero), in ``dtype``
+    (float32 or bfloat16; None: the weight's where it is one of them, else float32). A copy, as large as ``weight``.
 
     Raises:
-        ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor."""
+        ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor, or another ``dtype``."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise TypeError(f"pack_linear_weight: weight must be a floating-point tensor, got "
                         f"{getattr(weight, 'dtype', type(weight).__name__)}")
     if weight.dim() != 2 or min(weight.shape) < 1:
         raise ValueError(f"pack_linear_weight: weight must be [N, K] with N, K >= 1, got {list(weight.shape)}")
+    if dtype is None:
+        dtype = weight.dtype if weight.dtype in checks.LAYER_DTYPES else torch.float32
+    if dtype not in checks.LAYER_DTYPES:
+        raise TypeError(f"pack_linear_weight: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     N, K = weight.shape
-    padded = torch.nn.functional.pad(weight.detach().float(), (0, 0, 0, -N % PANEL))
+    padded = torch.nn.functional.pad(weight.detach().to(dtype), (0, 0, 0, -N % PANEL))
     return padded.view(-1, PANEL, K).transpose(1, 2).contiguous()
 
 
@@ -528,17 +532,17 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x W^T + bias`` for a weight packed by :func:`pack_linear_weight`: the matrix-vector products of a decode step
     or a verification (a few rows), reading the weight once at the rate the CPU streams memory
-    (``csrc/cpu/layer_cpu.cpp``). Each output sums its K products in one chain in k order, so a row's result does not
-    depend on how many rows are multiplied with it. A CPU kernel only, float32.
+    (``csrc/cpu/layer_cpu.cpp``). Each output sums its K products in float32, in one chain in k order, so a row's
+    result does not depend on how many rows are multiplied with it. A CPU kernel only.
 
     Args:
-        x: ``[..., K]`` float32.
-        weight: ``[ceil(N / 16), K, 16]`` float32 (:func:`pack_linear_weight` of ``W`` ``[N, K]``).
+        x: ``[..., K]`` float32 or bfloat16.
+        weight: ``[ceil(N / 16), K, 16]`` in x's dtype (:func:`pack_linear_weight` of ``W`` ``[N, K]``).
         out_features: N.
-        bias: ``[N]`` float32 or None.
+        bias: ``[N]`` in x's dtype, or None.
 
     Returns:
-        ``[..., N]`` float32.
+        ``[..., N]`` in x's dtype.
 
     Raises:
         ValueError: shapes (naming the argument), a device other than the CPU. TypeError: dtypes.
@@ -560,15 +564,16 @@ def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, 
     W_gate) * rms(h) W_up)``, writing the tokens' keys and values into the cache. RMS norm (Zhang and Sennrich 2019,
     Eq. 4), RoPE with rotate_half (Su et al. 2021, Eq. 34, as transformers' Llama), grouped-query attention over the
     columns up to each token's position (the ``decode_attention`` kernel), SwiGLU MLP (Shazeer 2020, Eq. 6). What
-    ``engine.model.LeanModel`` computes with ~50 torch ops a layer; a CPU kernel only, float32.
+    ``engine.model.LeanModel`` computes with ~50 torch ops a layer; a CPU kernel only. The arithmetic is float32; a
+    bfloat16 layer rounds the cache's keys and values, the queries and attention output and its output to bfloat16.
 
     Args:
-        x: ``[B, n, H]`` float32: B rows of n tokens.
+        x: ``[B, n, H]`` float32 or bfloat16: B rows of n tokens (every other floating tensor in x's dtype).
         input_norm, post_norm: ``[H]``; q_norm, k_norm: ``[D]`` (Qwen3) or both None.
         qkv, o, gate_up, down: the layer's weights packed by :func:`pack_linear_weight`: Wq, Wk, Wv concatenated
             (``[(Hq + 2 Hkv) D, H]``), ``Wo`` ``[H, Hq D]``, Wgate and Wup concatenated (``[2 I, H]``), ``Wdown``
             ``[H, I]``; every N a multiple of 16. qkv_bias: ``[(Hq + 2 Hkv) D]`` (Qwen2) or None.
-        key_cache, value_cache: ``[S, Hkv, C, D]`` float32, contiguous, written in place: the tokens of row b at
+        key_cache, value_cache: ``[S, Hkv, C, D]``, contiguous, written in place: the tokens of row b at
             columns ``min(lengths[slot] + i, C - 1)`` of its slot (the last column: the cache's scratch one).
         lengths: ``[S]`` int64, each slot's filled columns before the call (not advanced: the caller does).
         slots: ``[B]`` int64 (row b's slot) or None (row b in slot b).
@@ -576,7 +581,7 @@ def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, 
         heads: Hq, a multiple of Hkv. eps: the RMS norms'.
 
     Returns:
-        ``[B, n, H]`` float32, the layer's output.
+        ``[B, n, H]`` in x's dtype, the layer's output.
 
     Raises:
         ValueError: shapes (naming the argument), a slot or length out of range, a device other than the CPU.

@@ -464,9 +464,13 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tenso
 
 
 def packed_linear(x, weight, bias, out_features):
-    """Reference of ``ops.packed_linear``: ``x W^T + bias`` with ``W`` unpacked, float32."""
+    """Reference of ``ops.packed_linear``: ``x W^T + bias`` with ``W`` unpacked, computed in float32, in x's dtype."""
     checks.packed_linear_shapes(x, weight, bias, out_features)
-    y = x @ unpack_linear_weight(weight, out_features).T
+    return _linear(x.float(), weight, None if bias is None else bias.float(), out_features).to(x.dtype)
+
+
+def _linear(x, weight, bias, out_features):  # float32 x [..., K] times a packed weight of any dtype
+    y = x @ unpack_linear_weight(weight, out_features).float().T
     return y if bias is None else y + bias
 
 
@@ -481,29 +485,33 @@ def _rotate(x, cos, sin):  # RoPE with rotate_half (transformers' Llama): x [...
 
 def decoder_layer(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache,
                   lengths, slots, cos, sin, heads, eps):
-    """Reference of ``ops.decoder_layer``, in torch ops, float32: row b (in slot ``slots[b]``, or b) holds tokens at
-    positions ``lengths[slot] + i``; their keys and values go to column ``min(position, C - 1)`` of the slot (the
-    last column is the cache's scratch one), RoPE reads row ``min(position, T - 1)`` of ``cos`` / ``sin``, and query i
-    sees the columns up to its own (``cache_attention``)."""
+    """Reference of ``ops.decoder_layer``, in torch ops computing in float32: row b (in slot ``slots[b]``, or b) holds
+    tokens at positions ``lengths[slot] + i``; their keys and values go to column ``min(position, C - 1)`` of the slot
+    (the last column is the cache's scratch one), RoPE reads row ``min(position, T - 1)`` of ``cos`` / ``sin``, and
+    query i sees the columns up to its own (``cache_attention``). A bfloat16 layer rounds to bfloat16 where the kernel
+    stores: the cache, the queries and the attention output, the layer's output."""
     B, n, H = checks.decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down,
                                           key_cache, value_cache, lengths, slots, cos, sin, heads, eps)
+    dt = x.dtype
+    f = (lambda t: None if t is None else t.float())
     S, hk, C, D = key_cache.shape
     inter = down.shape[1]
     rows = slots if slots is not None else torch.arange(B, device=x.device)
     starts = lengths[rows]  # [B]
     pos = starts.view(B, 1) + torch.arange(n, device=x.device)  # [B, n]
     rot = pos.clamp_max(cos.shape[0] - 1)
-    c, s = cos[rot].unsqueeze(2), sin[rot].unsqueeze(2)  # [B, n, 1, D]
-    y = packed_linear(_rms(x, input_norm, eps), qkv, qkv_bias, (heads + 2 * hk) * D).view(B, n, heads + 2 * hk, D)
+    c, s = f(cos)[rot].unsqueeze(2), f(sin)[rot].unsqueeze(2)  # [B, n, 1, D]
+    xf = x.float()
+    y = _linear(_rms(xf, f(input_norm), eps), qkv, f(qkv_bias), (heads + 2 * hk) * D).view(B, n, heads + 2 * hk, D)
     q, k, v = y[:, :, :heads], y[:, :, heads: heads + hk], y[:, :, heads + hk:]
     if q_norm is not None:
-        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
-    q, k = _rotate(q, c, s), _rotate(k, c, s)
+        q, k = _rms(q, f(q_norm), eps), _rms(k, f(k_norm), eps)
+    q, k = _rotate(q, c, s).to(dt), _rotate(k, c, s)
     col = pos.clamp_max(C - 1)
     for b in range(B):
-        key_cache[rows[b], :, col[b]] = k[b].transpose(0, 1)
-        value_cache[rows[b], :, col[b]] = v[b].transpose(0, 1)
+        key_cache[rows[b], :, col[b]] = k[b].transpose(0, 1).to(dt)
+        value_cache[rows[b], :, col[b]] = v[b].transpose(0, 1).to(dt)
     attn = cache_attention(q.transpose(1, 2), key_cache[rows], value_cache[rows], starts, D ** -0.5)  # [B, n, Hq, D]
-    mid = x + packed_linear(attn.reshape(B, n, heads * D), o, None, H)
-    g, u = packed_linear(_rms(mid, post_norm, eps), gate_up, None, 2 * inter).chunk(2, dim=-1)
-    return mid + packed_linear(torch.nn.functional.silu(g) * u, down, None, H)
+    mid = xf + _linear(attn.float().reshape(B, n, heads * D), o, None, H)
+    g, u = _linear(_rms(mid, f(post_norm), eps), gate_up, None, 2 * inter).chunk(2, dim=-1)
+    return (mid + _linear(torch.nn.functional.silu(g) * u, down, None, H)).to(dt)

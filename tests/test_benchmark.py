@@ -547,4 +547,4 @@ def test_fused_layers_times_both_paths_of_the_lean_forward(tmp_path):
         assert r["fused_ms"] > 0 and r["torch_ops_ms"] > 0
         assert r["fused_over_torch_ops"] == pytest.approx(r["fused_ms"] / r["torch_ops_ms"])
         assert r["fused_over_read"] == pytest.approx(r["fused_ms"] / out["weight_read_ms"])
-    assert out["meta"]["fused_max_rows"] == mod.FUSED_MAX_ROWS and out["weight_read_ms"] > 0
+    assert out["meta"]["fused_max_rows"] == mod.FUSED_MAX_ROWS[torch.float32] and out["weight_read_ms"] > 0

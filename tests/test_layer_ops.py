@@ -33,6 +33,19 @@ def test_packed_linear_is_x_times_w_transposed(N, K, M):
 
 
 @needs_ext
+def test_packed_linear_bfloat16_accumulates_in_float32():
+    """bfloat16 weights and rows: the products of the bfloat16 values summed in float32, rounded once at the end."""
+    g = torch.Generator().manual_seed(7)
+    w, x, b = rand(g, 40, 96).bfloat16(), rand(g, 5, 96).bfloat16(), rand(g, 40).bfloat16()
+    packed = ops.pack_linear_weight(w)
+    assert packed.dtype == torch.bfloat16 and ops.pack_linear_weight(w.float()).dtype == torch.float32
+    want = (x.double() @ w.double().T + b.double()).bfloat16()
+    for got in (ops.packed_linear(x, packed, 40, b), reference.packed_linear(x, packed, b, 40)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)  # one bfloat16 ulp
+
+
+@needs_ext
 def test_packed_linear_row_does_not_depend_on_its_neighbours():
     """Each output sums in one chain in k order whatever the row count: a decode step's row and the same row inside a
     verification of K + 1 rows are bitwise equal (row blocks of 1 to 6 and their remainders)."""
@@ -44,7 +57,8 @@ def test_packed_linear_row_does_not_depend_on_its_neighbours():
         assert torch.equal(ops.packed_linear(x[:m], packed, 64), alone[:m]), m
 
 
-def layer_case(seed=0, H=64, hq=4, hk=2, D=16, inter=48, S=3, C=10, T=12, bias=False, qk_norm=False):
+def layer_case(seed=0, H=64, hq=4, hk=2, D=16, inter=48, S=3, C=10, T=12, bias=False, qk_norm=False,
+               dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     width = (hq + 2 * hk) * D
     weights = dict(
@@ -55,7 +69,8 @@ def layer_case(seed=0, H=64, hq=4, hk=2, D=16, inter=48, S=3, C=10, T=12, bias=F
         gate_up=ops.pack_linear_weight(rand(g, 2 * inter, H, scale=0.3)),
         down=ops.pack_linear_weight(rand(g, H, inter, scale=0.3)))
     cache = rand(g, S, hk, C, D), rand(g, S, hk, C, D)
-    return weights, cache, rand(g, T, D), rand(g, T, D), hq
+    weights = {k: None if v is None else v.to(dtype) for k, v in weights.items()}
+    return weights, tuple(c.to(dtype) for c in cache), rand(g, T, D).to(dtype), rand(g, T, D).to(dtype), hq
 
 
 def call(fn, x, weights, caches, lengths, slots, cos, sin, heads, eps=1e-5):
@@ -65,24 +80,28 @@ def call(fn, x, weights, caches, lengths, slots, cos, sin, heads, eps=1e-5):
 
 
 @needs_ext
-@pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "qwen3-qk-norm", "multi-head"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "qwen3-qk-norm", "multi-head", "llama-bf16", "qwen3-bf16"])
 def test_decoder_layer_matches_reference(kind):
     """Output and the cache's keys and values against the torch-op reference, for rows in their own slots or
     others' (``slots``), rows of different lengths, a position past the last regular column (the scratch column)
     and past the RoPE table (its last row)."""
-    weights, caches, cos, sin, heads = layer_case(bias=kind == "qwen2-bias", qk_norm=kind == "qwen3-qk-norm",
-                                                  hk=4 if kind == "multi-head" else 2)
+    bf16 = kind.endswith("bf16")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    weights, caches, cos, sin, heads = layer_case(bias=kind == "qwen2-bias", qk_norm=kind.startswith("qwen3"),
+                                                  hk=4 if kind == "multi-head" else 2, dtype=dtype)
+    tol = dict(atol=5e-2, rtol=2e-2) if bf16 else dict(atol=1e-4, rtol=1e-4)  # bf16: a rounding or two apart
     g = torch.Generator().manual_seed(1)
     for B, n, lengths, slots in [(1, 1, [3, 0, 0], None), (2, 4, [5, 2, 9], torch.tensor([2, 0])),
                                  (3, 2, [0, 8, 1], None), (1, 3, [0, 11, 0], torch.tensor([1]))]:
-        x = rand(g, B, n, 64)
+        x = rand(g, B, n, 64).to(dtype)
         mine = [c.clone() for c in caches]
         theirs = [c.clone() for c in caches]
         got = call(ops.decoder_layer, x, weights, mine, torch.tensor(lengths), slots, cos, sin, heads)
         want = call(reference.decoder_layer, x, weights, theirs, torch.tensor(lengths), slots, cos, sin, heads)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), **tol)
         for a, b in zip(mine, theirs):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.float(), b.float(), **tol)
         written = [s for s in range(3) if not torch.equal(mine[0][s], caches[0][s])]
         assert written == sorted(slots.tolist() if slots is not None else range(B))
 
@@ -117,8 +136,12 @@ def test_decoder_layer_errors_name_the_argument():
         ops.packed_linear(torch.zeros(2, 8), torch.zeros(1, 8, 16), 20)
     with pytest.raises(ValueError, match="out_features must be >= 1"):
         ops.packed_linear(torch.zeros(2, 8), torch.zeros(1, 8, 16), 0)
-    with pytest.raises(TypeError, match="x must be float32"):
+    with pytest.raises(TypeError, match="x must be float32 or bfloat16"):
+        ops.packed_linear(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(1, 8, 16), 16)
+    with pytest.raises(TypeError, match="weight must have x's dtype"):
         ops.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 16), 16)
+    with pytest.raises(TypeError, match="dtype must be torch.float32 or torch.bfloat16"):
+        ops.pack_linear_weight(torch.zeros(4, 4), torch.float16)
     with pytest.raises(ValueError, match=r"weight must be \[N, K\]"):
         ops.pack_linear_weight(torch.zeros(4))
 
@@ -137,15 +160,18 @@ def test_layer_ops_fake_kernels_and_opcheck():
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_lean_model_fused_path_matches_torch_ops():
+def test_lean_model_fused_path_matches_torch_ops(dtype):
     """The lean model's decode steps and verifications through ``ops.decoder_layer`` give the logits of its torch-op
     path (rows in slots 0.., a slice of slots, an index of slots; a prefill beyond FUSED_MAX_ROWS takes the torch-op
-    path in both), and the fused path is refused where it cannot run."""
+    path in both; bfloat16: within a few roundings, the fused layer keeping float32 between its ops), and the fused
+    path is refused where it cannot run."""
     with torch.inference_mode(False):
         target, _ = make_pair("llama")
+        target = target.to(dtype)
     g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(2, 48, (2, FUSED_MAX_ROWS + 3), generator=g)
+    prompt = torch.randint(2, 48, (2, FUSED_MAX_ROWS[dtype] + 3), generator=g)
     steps = [torch.randint(2, 48, (2, n), generator=g) for n in (1, 4, 2)]
     out = {}
     for fused in (True, False):
@@ -157,7 +183,8 @@ def test_lean_model_fused_path_matches_torch_ops():
         got.append(lean.forward(cache, steps[0][:1], rows=slice(1, 2))[0])
         got.append(lean.forward(cache, steps[1], rows=torch.tensor([1, 0]), keep=4)[0])
         out[fused] = got + [cache.k[1].clone(), cache.lengths.clone()]
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.15, rtol=0.05)
     for a, b in zip(out[True], out[False]):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="fused=True needs a float32 model on a CPU"):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    with pytest.raises(ValueError, match="fused=True needs a float32 or bfloat16 model on a CPU"):
         LeanModel(target, "target", fused=True, attention="sdpa")

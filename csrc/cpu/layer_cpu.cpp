@@ -1,5 +1,5 @@
 // CPU kernels of a decoding step's matrix-vector products (packed_linear) and of a whole decoder layer
-// (decoder_layer), float32.
+// (decoder_layer), for float32 and bfloat16 weights (bfloat16 widened to float32 as it is read: a shift).
 //
 // Why: a decode step or a verification multiplies a few rows (1 to K + 1 tokens) by every weight of the model once,
 // so its time is the time to read the weights; on a 2-core AMD EPYC oneDNN's packed matmul read them at 0.7-0.8x the
@@ -10,6 +10,10 @@
 // k loads one cache line (16 weights) and multiplies it by x[m, k] for every row m, so the weight streams front to
 // back with the next lines prefetched. Every output sums its K products in one chain in k order, whatever the number
 // of rows: a row's result is the same in a one-token step and in a verification of K + 1 tokens.
+//
+// Activations are float32 inside a call; a bfloat16 layer rounds to bfloat16 where its tensors are stored: the keys
+// and values written into the cache, the queries and attention output (the attention kernel reads one dtype), and the
+// layer's output.
 //
 // decoder_layer runs a layer's whole forward in one call (llama.cpp's and gpt-fast's layer, without the
 // dispatcher): RMS norm, the fused QKV product (+ bias), each head's q/k RMS norm (Qwen3), RoPE (rotate_half, as
@@ -23,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/attention_cpu.h"
@@ -33,32 +38,78 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kPanel = 16;          // output features per panel: one 64-byte line of float32 per k
-constexpr int64_t kPrefetchLines = 32;  // lines ahead of the one being read (2 KB)
-constexpr int64_t kMaxRowBlock = 6;     // rows sharing each load of a panel line (2 x 6 accumulators of 8 lanes)
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the line being read the next lines are fetched
+constexpr int64_t kMaxRowBlock = 6;     // rows sharing each load of a panel line (6 x 16 float32 accumulators)
 
-// y[m, 0..width) (row stride ldy) = x[m, :] . panel columns for MB rows of x (row stride ldx).
-template <int MB>
-inline void panel_rows(const float* x, int64_t ldx, int64_t K, const float* w, float* y, int64_t ldy, int64_t width,
-                       const float* bias) {
-  float acc[MB][kPanel] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(w + (k + kPrefetchLines) * kPanel, 0, 0);
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) {  // the upper 16 bits of a float32: a shift that vectorises
+  uint16_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t bits = static_cast<uint32_t>(u) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float upper_half(uint16_t u) {  // the float32 whose upper 16 bits are u (a bfloat16's value)
+  const uint32_t bits = static_cast<uint32_t>(u) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// n values of a float32 or bfloat16 array as float32.
+template <typename T>
+inline void to_float(const T* p, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = widen(p[i]);
+}
+
+template <typename T>
+inline void from_float(const float* p, int64_t n, T* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(p[i]);
+}
+
+// acc[m][:] += w[k, :] * x[m, k] for MB rows: one line of 16 weights (float32, or bfloat16 widened in registers).
+template <int MB, typename W>
+inline void panel_step(float (&acc)[MB][kPanel], const float* x, int64_t ldx, const W* w, int64_t k) {
+  if constexpr (std::is_same_v<W, float>) {
     const float* wk = w + k * kPanel;
     for (int m = 0; m < MB; ++m) {
       const float xm = x[m * ldx + k];
 #pragma omp simd
       for (int l = 0; l < kPanel; ++l) acc[m][l] += wk[l] * xm;
     }
+  } else {  // bfloat16: the upper halves of float32s
+    const uint16_t* wk = reinterpret_cast<const uint16_t*>(w) + k * kPanel;
+    for (int m = 0; m < MB; ++m) {
+      const float xm = x[m * ldx + k];
+#pragma omp simd
+      for (int l = 0; l < kPanel; ++l) acc[m][l] += upper_half(wk[l]) * xm;
+    }
+  }
+}
+
+// y[m, 0..width) (row stride ldy) = x[m, :] . panel columns for MB rows of x (row stride ldx): one chain of
+// multiply-adds per output in k order, the same for every MB.
+template <int MB, typename W>
+inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* w, float* y, int64_t ldy, int64_t width,
+                       const float* bias) {
+  float acc[MB][kPanel] = {};
+  const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(ahead + k * kPanel * sizeof(W), 0, 0);
+    panel_step<MB>(acc, x, ldx, w, k);
   }
   for (int m = 0; m < MB; ++m)
     for (int64_t l = 0; l < width; ++l) y[m * ldy + l] = acc[m][l] + (bias != nullptr ? bias[l] : 0.0f);
 }
 
 // Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16].
+template <typename W>
 SPECDEC_CPU_CLONES void gemm_panels(int64_t begin, int64_t end, const float* x, int64_t ldx, int64_t M, int64_t K,
-                                    const float* w, int64_t N, float* y, int64_t ldy, const float* bias) {
+                                    const W* w, int64_t N, float* y, int64_t ldy, const float* bias) {
   for (int64_t p = begin; p < end; ++p) {
-    const float* wp = w + p * K * kPanel;
+    const W* wp = w + p * K * kPanel;
     const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
     const float* bp = bias != nullptr ? bias + col : nullptr;
     int64_t m = 0;
@@ -78,11 +129,12 @@ SPECDEC_CPU_CLONES void gemm_panels(int64_t begin, int64_t end, const float* x, 
 }
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16]; panels split among threads.
-void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* w, int64_t N, float* y, int64_t ldy,
+template <typename W>
+void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy,
                  const float* bias) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    gemm_panels(begin, end, x, ldx, M, K, w, N, y, ldy, bias);
+    gemm_panels<W>(begin, end, x, ldx, M, K, w, N, y, ldy, bias);
   });
 }
 
@@ -113,55 +165,91 @@ inline void rope_row(float* x, const float* cos, const float* sin, int64_t D, fl
   std::memcpy(x, tmp, D * sizeof(float));
 }
 
-}  // namespace
-
-void packed_linear(const PackedLinearArgs& a) {
-  packed_gemm(a.x, a.in_features, a.rows, a.in_features, a.weight, a.out_features, a.out, a.out_features, a.bias);
+// A vector of the layer's dtype as float32 (nullptr stays nullptr).
+template <typename T>
+std::vector<float> floats(const void* p, int64_t n) {
+  std::vector<float> out(p != nullptr ? n : 0);
+  if (p != nullptr) to_float(static_cast<const T*>(p), n, out.data());
+  return out;
 }
 
-void decoder_layer(const DecoderLayerArgs& a) {
+inline const float* data_or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+
+template <typename T>
+void packed_linear_impl(const PackedLinearArgs& a) {
+  const int64_t M = a.rows, K = a.in_features, N = a.out_features;
+  std::vector<float> x(M * K), y(M * N);
+  to_float(static_cast<const T*>(a.x), M * K, x.data());
+  const std::vector<float> bias = floats<T>(a.bias, N);
+  packed_gemm(x.data(), K, M, K, static_cast<const T*>(a.weight), N, y.data(), N, data_or_null(bias));
+  from_float(y.data(), M * N, static_cast<T*>(a.out));
+}
+
+template <typename T>
+void decoder_layer_impl(const DecoderLayerArgs& a) {
   const int64_t B = a.batch, n = a.tokens, M = B * n, H = a.hidden;
   const int64_t Hq = a.heads, Hkv = a.kv_heads, D = a.head_dim, I = a.intermediate, C = a.columns;
   const int64_t QKV = (Hq + 2 * Hkv) * D;
-  std::vector<float> normed(M * H), qkv(M * QKV), attn(M * Hq * D), mid(M * H), gate_up(M * 2 * I), act(M * I);
-  std::vector<float> tmp(D);
+  const T* wqkv = static_cast<const T*>(a.qkv);
+  const T* wo = static_cast<const T*>(a.o);
+  const T* wgu = static_cast<const T*>(a.gate_up);
+  const T* wdown = static_cast<const T*>(a.down);
+  T* key_cache = static_cast<T*>(a.key_cache);
+  T* value_cache = static_cast<T*>(a.value_cache);
+  const std::vector<float> input_norm = floats<T>(a.input_norm, H), post_norm = floats<T>(a.post_norm, H);
+  const std::vector<float> qkv_bias = floats<T>(a.qkv_bias, QKV);
+  const std::vector<float> q_norm = floats<T>(a.q_norm, D), k_norm = floats<T>(a.k_norm, D);
+  std::vector<float> x(M * H), normed(M * H), qkv(M * QKV), attn(M * Hq * D), mid(M * H), gate_up(M * 2 * I);
+  std::vector<float> act(M * I), out(M * H), tmp(D), cs(D), sn(D);
+  std::vector<T> q_t(std::is_same_v<T, float> ? 0 : M * Hq * D), attn_t(std::is_same_v<T, float> ? 0 : M * Hq * D);
   std::vector<int64_t> starts(B), slots(B);
 
-  rms_rows(a.x, H, M, H, a.input_norm, a.eps, normed.data(), H);
-  packed_gemm(normed.data(), H, M, H, a.qkv, QKV, qkv.data(), QKV, a.qkv_bias);
+  to_float(static_cast<const T*>(a.x), M * H, x.data());
+  rms_rows(x.data(), H, M, H, input_norm.data(), a.eps, normed.data(), H);
+  packed_gemm(normed.data(), H, M, H, wqkv, QKV, qkv.data(), QKV, data_or_null(qkv_bias));
 
   // each row's positions; q/k norms and RoPE; keys and values into the cache (positions past the last regular
   // column write the scratch column C - 1; RoPE past the table reads its last row)
+  const T* cos = static_cast<const T*>(a.cos);
+  const T* sin = static_cast<const T*>(a.sin);
   for (int64_t b = 0; b < B; ++b) {
     slots[b] = a.row_slots != nullptr ? a.row_slots[b] : b;
     starts[b] = a.lengths[slots[b]];
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t pos = starts[b] + i;
-      const float* cs = a.cos + std::min(pos, a.positions - 1) * D;
-      const float* sn = a.sin + std::min(pos, a.positions - 1) * D;
+      const int64_t pos = starts[b] + i, rot = std::min(pos, a.positions - 1);
+      to_float(cos + rot * D, D, cs.data());
+      to_float(sin + rot * D, D, sn.data());
       const int64_t col = std::min(pos, C - 1);
       float* row = qkv.data() + (b * n + i) * QKV;
       for (int64_t h = 0; h < Hq + Hkv; ++h) {  // q heads, then k heads
         float* head = row + h * D;
-        const float* norm = h < Hq ? a.q_norm : a.k_norm;
-        if (norm != nullptr) rms_rows(head, D, 1, D, norm, a.eps, head, D);
-        rope_row(head, cs, sn, D, tmp.data());
+        const std::vector<float>& norm = h < Hq ? q_norm : k_norm;
+        if (!norm.empty()) rms_rows(head, D, 1, D, norm.data(), a.eps, head, D);
+        rope_row(head, cs.data(), sn.data(), D, tmp.data());
       }
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t at = ((slots[b] * Hkv + h) * C + col) * D;
-        std::memcpy(a.key_cache + at, row + (Hq + h) * D, D * sizeof(float));
-        std::memcpy(a.value_cache + at, row + (Hq + Hkv + h) * D, D * sizeof(float));
+        from_float(row + (Hq + h) * D, D, key_cache + at);
+        from_float(row + (Hq + Hkv + h) * D, D, value_cache + at);
       }
+      if constexpr (!std::is_same_v<T, float>) from_float(row, Hq * D, q_t.data() + (b * n + i) * Hq * D);
     }
   }
 
   DecodeAttentionArgs att{};
-  att.dtype = DType::kFloat32;
+  att.dtype = std::is_same_v<T, float> ? DType::kFloat32 : DType::kBFloat16;
   att.batch = B; att.q_heads = Hq; att.kv_heads = Hkv; att.queries = n; att.columns = C; att.head_dim = D;
-  att.q = qkv.data();
-  att.q_stride[0] = n * QKV; att.q_stride[1] = D; att.q_stride[2] = QKV;
-  att.k = a.key_cache;
-  att.v = a.value_cache;
+  if constexpr (std::is_same_v<T, float>) {  // the queries where the product wrote them
+    att.q = qkv.data();
+    att.q_stride[0] = n * QKV; att.q_stride[1] = D; att.q_stride[2] = QKV;
+    att.out = attn.data();
+  } else {  // rounded, [B, n, Hq, D]
+    att.q = q_t.data();
+    att.q_stride[0] = n * Hq * D; att.q_stride[1] = D; att.q_stride[2] = Hq * D;
+    att.out = attn_t.data();
+  }
+  att.k = key_cache;
+  att.v = value_cache;
   att.k_stride[0] = att.v_stride[0] = Hkv * C * D;
   att.k_stride[1] = att.v_stride[1] = C * D;
   att.k_stride[2] = att.v_stride[2] = D;
@@ -169,20 +257,39 @@ void decoder_layer(const DecoderLayerArgs& a) {
   att.starts = starts.data();
   att.rows = slots.data();
   att.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));  // D ** -0.5, as the model
-  att.out = attn.data();
   decode_attention(att);
+  if constexpr (!std::is_same_v<T, float>) to_float(attn_t.data(), M * Hq * D, attn.data());
 
-  packed_gemm(attn.data(), Hq * D, M, Hq * D, a.o, H, mid.data(), H, nullptr);
-  for (int64_t i = 0; i < M * H; ++i) mid[i] += a.x[i];  // the attention block's residual
-  rms_rows(mid.data(), H, M, H, a.post_norm, a.eps, normed.data(), H);
-  packed_gemm(normed.data(), H, M, H, a.gate_up, 2 * I, gate_up.data(), 2 * I, nullptr);
+  packed_gemm(attn.data(), Hq * D, M, Hq * D, wo, H, mid.data(), H, static_cast<const float*>(nullptr));
+  for (int64_t i = 0; i < M * H; ++i) mid[i] += x[i];  // the attention block's residual
+  rms_rows(mid.data(), H, M, H, post_norm.data(), a.eps, normed.data(), H);
+  packed_gemm(normed.data(), H, M, H, wgu, 2 * I, gate_up.data(), 2 * I, static_cast<const float*>(nullptr));
   for (int64_t m = 0; m < M; ++m) {
     const float* g = gate_up.data() + m * 2 * I;
     float* o = act.data() + m * I;
     for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * g[I + j];  // SiLU(gate) * up
   }
-  packed_gemm(act.data(), I, M, I, a.down, H, a.out, H, nullptr);
-  for (int64_t i = 0; i < M * H; ++i) a.out[i] += mid[i];  // the MLP's residual
+  packed_gemm(act.data(), I, M, I, wdown, H, out.data(), H, static_cast<const float*>(nullptr));
+  for (int64_t i = 0; i < M * H; ++i) out[i] += mid[i];  // the MLP's residual
+  from_float(out.data(), M * H, static_cast<T*>(a.out));
+}
+
+}  // namespace
+
+void packed_linear(const PackedLinearArgs& a) {
+  if (a.dtype == DType::kBFloat16) {
+    packed_linear_impl<c10::BFloat16>(a);
+  } else {
+    packed_linear_impl<float>(a);
+  }
+}
+
+void decoder_layer(const DecoderLayerArgs& a) {
+  if (a.dtype == DType::kBFloat16) {
+    decoder_layer_impl<c10::BFloat16>(a);
+  } else {
+    decoder_layer_impl<float>(a);
+  }
 }
 
 }  // namespace cpu

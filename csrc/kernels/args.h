@@ -156,40 +156,43 @@ struct CacheAttentionArgs : AttentionQKV {
 
 // packed_linear: y = x W^T with W [N, K] stored as panels of 16 output features, [P = ceil(N / 16), K, 16] (row
 // p * 16 + l of W at [p, :, l], rows past N zero): a matrix-vector product for the few rows of a decode step streams
-// the weight once, front to back, 16 outputs per load.
+// the weight once, front to back, 16 outputs per load. x, W, bias and y share the dtype (float32 or bfloat16).
 struct PackedLinearArgs {
+  DType dtype;                                      // kFloat32 or kBFloat16
   int64_t rows, in_features, out_features, panels;  // M, K, N, P
-  const float* x;                                   // [M, K], contiguous
-  const float* weight;                              // [P, K, 16]
-  const float* bias;                                // [N] or nullptr
-  float* out;                                       // [M, N], contiguous
+  const void* x;                                    // [M, K], contiguous
+  const void* weight;                               // [P, K, 16]
+  const void* bias;                                 // [N] or nullptr
+  void* out;                                        // [M, N], contiguous
 };
 
-// decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache (float32):
-// x + attention(RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache.
+// decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache: x + attention(
+// RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache. Every floating tensor has
+// the layer's dtype (float32 or bfloat16); the arithmetic is float32.
 struct DecoderLayerArgs {
+  DType dtype;                           // kFloat32 or kBFloat16
   int64_t batch, tokens, hidden;         // B rows of n tokens, H
   int64_t heads, kv_heads, head_dim;     // Hq, Hkv, D
   int64_t intermediate;                  // I (the MLP's width)
   int64_t slots, columns, positions;     // S cache rows, C cache columns (the last one scratch), RoPE table rows
   float eps;                             // of the RMS norms
-  const float* x;                        // [B, n, H]
-  const float* input_norm;               // [H]
-  const float* qkv;                      // packed [(Hq + 2 Hkv) D / 16, H, 16]
-  const float* qkv_bias;                 // [(Hq + 2 Hkv) D] or nullptr
-  const float* q_norm;                   // [D] or nullptr (Qwen3: RMS norm of each head's q and k)
-  const float* k_norm;                   // [D] or nullptr
-  const float* o;                        // packed [H / 16, Hq D, 16]
-  const float* post_norm;                // [H]
-  const float* gate_up;                  // packed [2 I / 16, H, 16]
-  const float* down;                     // packed [H / 16, I, 16]
-  float* key_cache;                      // [S, Hkv, C, D]
-  float* value_cache;                    // [S, Hkv, C, D]
+  const void* x;                         // [B, n, H]
+  const void* input_norm;                // [H]
+  const void* qkv;                       // packed [(Hq + 2 Hkv) D / 16, H, 16]
+  const void* qkv_bias;                  // [(Hq + 2 Hkv) D] or nullptr
+  const void* q_norm;                    // [D] or nullptr (Qwen3: RMS norm of each head's q and k)
+  const void* k_norm;                    // [D] or nullptr
+  const void* o;                         // packed [H / 16, Hq D, 16]
+  const void* post_norm;                 // [H]
+  const void* gate_up;                   // packed [2 I / 16, H, 16]
+  const void* down;                      // packed [H / 16, I, 16]
+  void* key_cache;                       // [S, Hkv, C, D]
+  void* value_cache;                     // [S, Hkv, C, D]
   const int64_t* lengths;                // [S]: each slot's filled columns before this forward
   const int64_t* row_slots;              // [B] slot of each row, or nullptr (row b in slot b)
-  const float* cos;                      // [positions, D]
-  const float* sin;                      // [positions, D]
-  float* out;                            // [B, n, H]
+  const void* cos;                       // [positions, D]
+  const void* sin;                       // [positions, D]
+  void* out;                             // [B, n, H]
 };
 
 }  // namespace specdec

@@ -105,12 +105,13 @@ def _fingerprint(model) -> tuple:
 
 ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
 
-# Forwards of at most this many tokens in all (B x n: decode steps and verifications of a few rows) run each layer as
-# one ops.decoder_layer call over weights packed in panels (float32 on a CPU); more tokens go through oneDNN's
-# matmuls, which reuse each weight across rows (a prefill, a batch's verification). bench/fused_layers.py on
-# SmolLM2-135M (2-core AMD EPYC with AVX-512, 256 columns of context): the fused forward 0.68x the torch-op one at
-# 1 token, 0.81x at 4-6, 0.91x at 8, level from 9 to 16 (docs/results/smollm2.json.gz, its fused_layers).
-FUSED_MAX_ROWS = 8
+# Forwards of at most this many tokens in all (B x n: decode steps and verifications of a few rows), by the model's
+# dtype, run each layer as one ops.decoder_layer call over weights packed in panels (on a CPU); more tokens go through
+# oneDNN's matmuls, which reuse each weight across rows (a prefill, a batch's verification). bench/fused_layers.py on
+# SmolLM2-135M (2-core AMD EPYC with AVX-512, 256 columns of context; docs/results/smollm2.json.gz, its fused_layers):
+# float32, the fused forward 0.68x the torch-op one at 1 token, 0.81x at 4-6, 0.91x at 8, level from 9 to 16;
+# bfloat16, 0.73x at 1, 0.86-0.93x at 4-6, 1.19x at 7-8.
+FUSED_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 6}
 # Panels copy the linear weights (beside oneDNN's packed copy): made for models of at most this many bytes of them.
 FUSED_MAX_BYTES = 2 << 30
 
@@ -147,7 +148,7 @@ class LeanModel:
     (``ops.decode_attention``) where it can serve and SDPA elsewhere; ``"cache"``, ``ops.cache_attention`` (each
     row's live columns only; the flash-decoding kernel on a GPU, not yet the default there: unmeasured on one);
     ``"sdpa"``, torch's ``scaled_dot_product_attention`` everywhere. ``fused``: forwards of at most
-    :data:`FUSED_MAX_ROWS` tokens run each layer as one ``ops.decoder_layer`` call (and the LM head as
+    :data:`FUSED_MAX_ROWS` tokens (for its dtype) run each layer as one ``ops.decoder_layer`` call (and the LM head as
     ``ops.packed_linear``) over a copy of the weights in panels (True; None: wherever :meth:`fusable`; False: never).
 
     Raises:
@@ -187,7 +188,7 @@ class LeanModel:
         self.vocab_rows = head.weight.shape[0]
         can_fuse = self.fusable(model)
         if fused and not can_fuse:
-            raise ValueError(f"LeanModel: fused=True needs a float32 model on a CPU, the compiled extension, "
+            raise ValueError(f"LeanModel: fused=True needs a float32 or bfloat16 model on a CPU, the compiled extension, "
                              f"attention='auto', every projection's out features a multiple of 16 and at most "
                              f"{FUSED_MAX_BYTES} bytes of linear weights (the {name} model: {self.dtype} on "
                              f"{self.device}, attention={attention!r})")
@@ -196,13 +197,14 @@ class LeanModel:
 
     def fusable(self, model) -> bool:
         """Whether this model's decode steps can run as ``ops.decoder_layer`` calls (the class docstring's ``fused``):
-        float32 on a CPU with the compiled extension, ``attention="auto"``, an even head dimension, every projection's
-        out features a multiple of 16, and at most :data:`FUSED_MAX_BYTES` of linear weights to copy into panels."""
+        float32 or bfloat16 on a CPU with the compiled extension, ``attention="auto"``, an even head dimension, every
+        projection's out features a multiple of 16, and at most :data:`FUSED_MAX_BYTES` of linear weights to copy
+        into panels."""
         d, H = self.head_dim, model.config.hidden_size
         inter = model.config.intermediate_size
         widths = ((self.n_heads + 2 * self.n_kv) * d, H, 2 * inter)
-        linear = sum(p.numel() for n_, p in model.named_parameters() if n_.endswith("proj.weight")) * 4
-        return (self.device.type == "cpu" and self.dtype == torch.float32 and ops.HAS_EXTENSION
+        linear = sum(p.numel() * p.element_size() for n_, p in model.named_parameters() if n_.endswith("proj.weight"))
+        return (self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and ops.HAS_EXTENSION
                 and self.attention == "auto" and d % 2 == 0 and all(w % 16 == 0 for w in widths)
                 and linear <= FUSED_MAX_BYTES)
 
@@ -327,7 +329,7 @@ class LeanModel:
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read). A draft with a
         :class:`~specdec_ext.engine.subset_head.SubsetLMHead` computes its N rows and gives the rest -inf."""
         b, n = tokens.shape
-        if self.fused and b * n <= FUSED_MAX_ROWS:
+        if self.fused and b * n <= FUSED_MAX_ROWS[self.dtype]:
             return self._fused_forward(cache, tokens, rows, keep)
         M = cache.max_len
         W = M + 1 if width is None else width
