@@ -23,6 +23,14 @@ namespace cpu {
 #define SPECDEC_CPU_CLONES
 #endif
 
+// Inlined into its caller whatever its size: a helper of a SPECDEC_CPU_CLONES function is compiled into each clone
+// only where it is inlined (a call would run the baseline's code).
+#if defined(__GNUC__)
+#define SPECDEC_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define SPECDEC_ALWAYS_INLINE inline
+#endif
+
 // Runs FN<T>(ARGS) with T the C++ type of `dtype`.
 #define SPECDEC_DISPATCH(dtype, FN, ARGS)                                            \
   switch (dtype) {                                                                  \

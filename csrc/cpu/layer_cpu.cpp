@@ -51,7 +51,7 @@ inline float widen(c10::BFloat16 v) {  // the upper 16 bits of a float32: a shif
   return f;
 }
 
-inline float upper_half(uint16_t u) {  // the float32 whose upper 16 bits are u (a bfloat16's value)
+SPECDEC_ALWAYS_INLINE float upper_half(uint16_t u) {  // the float32 whose upper 16 bits are u (a bfloat16's value)
   const uint32_t bits = static_cast<uint32_t>(u) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
@@ -71,7 +71,7 @@ inline void from_float(const float* p, int64_t n, T* out) {
 
 // acc[m][:] += w[k, :] * x[m, k] for MB rows: one line of 16 weights (float32, or bfloat16 widened in registers).
 template <int MB, typename W>
-inline void panel_step(float (&acc)[MB][kPanel], const float* x, int64_t ldx, const W* w, int64_t k) {
+SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, int64_t ldx, const W* w, int64_t k) {
   if constexpr (std::is_same_v<W, float>) {
     const float* wk = w + k * kPanel;
     for (int m = 0; m < MB; ++m) {
@@ -92,7 +92,7 @@ inline void panel_step(float (&acc)[MB][kPanel], const float* x, int64_t ldx, co
 // y[m, 0..width) (row stride ldy) = x[m, :] . panel columns for MB rows of x (row stride ldx): one chain of
 // multiply-adds per output in k order, the same for every MB.
 template <int MB, typename W>
-inline void panel_rows(const float* x, int64_t ldx, int64_t K, const W* w, float* y, int64_t ldy, int64_t width,
+SPECDEC_ALWAYS_INLINE void panel_rows(const float* x, int64_t ldx, int64_t K, const W* w, float* y, int64_t ldy, int64_t width,
                        const float* bias) {
   float acc[MB][kPanel] = {};
   const char* ahead = reinterpret_cast<const char*>(w) + kPrefetchBytes;
