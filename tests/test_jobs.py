@@ -224,9 +224,16 @@ def test_batch_jobs_survive_signals_and_kill_9(tmp_path):
         trials = list(range(first, min(first + 2, len(signals))))
         procs = {t: child(tmp_path / f"t{t}.jsonl") for t in trials}
         go(*(start for _, start in procs.values()))
-        t0 = time.perf_counter()
-        for at, t in sorted((rng.uniform(0.05, 0.75) * span, t) for t in trials):
-            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+        began = {}  # each job's start: its output file opened, the line before its signal handler is set (jobs.py)
+        deadline = time.monotonic() + 60
+        while len(began) < len(trials):
+            assert time.monotonic() < deadline, "a child's job did not start"
+            for t in trials:
+                if t not in began and (tmp_path / f"t{t}.jsonl").exists():
+                    began[t] = time.perf_counter()
+            time.sleep(0.001)
+        for at, t in sorted((began[t] + rng.uniform(0.05, 0.75) * span, t) for t in trials):
+            time.sleep(max(0.0, at - time.perf_counter()))
             os.kill(procs[t][0], signals[t])
         for trial in trials:
             sig, out = signals[trial], tmp_path / f"t{trial}.jsonl"
