@@ -536,6 +536,7 @@ def main(argv=None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    from .engine.tensor_parallel import end_process_group
     from .jobs import JobInterrupted
 
     try:
@@ -554,6 +555,8 @@ def main(argv=None) -> int:
         text = " ".join(str(e).split()) or type(e).__name__
         print(f"specdec: error: {text} (--debug shows the traceback)", file=sys.stderr)
         return 2
+    finally:
+        end_process_group()  # a torchrun rank (--tp) must not leave its gloo group to the interpreter's exit
     return 0
 
 

@@ -101,6 +101,21 @@ def test_tp_outside_torchrun_is_refused(tmp_path, capsys, monkeypatch):
         load_models(PAIR_DIR / "target", tp=2)
 
 
+def test_cli_ends_the_process_group_it_ran_in(tmp_path, capsys, monkeypatch):
+    """A torchrun rank that leaves its gloo group to the interpreter's exit can abort (SIGABRT, "terminate called
+    without an active exception"): every CLI command, failed ones too, destroys the group before returning."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert cli.main(["generate", "--tp", "2", "--prompt", "x"]) == 2
+        assert "--tp 2 runs as 2 processes" in capsys.readouterr().err
+        assert not torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 @pytest.mark.skipif(not pair_available() or shutil.which("specdec") is None,
                     reason="needs the bundled pair and the installed `specdec` command")
 @pytest.mark.slow

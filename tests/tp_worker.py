@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.engine.tensor_parallel import check_same_output, rank, tp_size
+from specdec_ext.engine.tensor_parallel import check_same_output, end_process_group, rank, tp_size
 from specdec_ext.zoo import PAIR_DIR, load_models
 from support import TEST_BATCH_COSTS
 
@@ -51,6 +51,7 @@ def main(models: Path, out_dir: Path) -> None:
     except RuntimeError as e:
         result["divergence_caught"] = "ranks produced different outputs" in str(e)
     (out_dir / f"rank{rank()}.json").write_text(json.dumps(result))
+    end_process_group()  # gloo's threads left to the interpreter's exit can abort a rank (SIGABRT)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,16 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def end_process_group() -> None:
+    """Destroy the default ``torch.distributed`` process group if one is initialised (no-op otherwise).
+
+    Call it before a ``torchrun`` rank exits: a gloo group left to the interpreter's teardown can abort the
+    process ("terminate called without an active exception", SIGABRT) while its worker threads still hold
+    tensors. The CLI calls it at the end of every command."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (a picklable object; identity outside ``torch.distributed``)."""
     if not distributed():
