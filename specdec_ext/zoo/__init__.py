@@ -93,7 +93,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     ``device_map="auto"`` spreads the target over the available GPUs with accelerate. ``tp=N`` loads the
     target tensor-parallel over the N processes of ``torchrun --nproc-per-node N`` (transformers'
     ``tp_plan="auto"``: gloo on CPUs, NCCL on GPUs, where each rank takes the GPU ``$LOCAL_RANK``); the draft
-    is replicated on every rank, on the target's device (see ``engine/tensor_parallel.py``). A head is
+    is replicated on every rank, on the target's device (see ``engine/tensor_parallel.py``); end each rank's
+    script with ``engine.tensor_parallel.end_process_group()`` (a gloo group left to the interpreter's exit can
+    abort the process). A head is
     checked against the draft (hidden size, and the fingerprint of the draft it was trained for).
     ``attn_implementation`` (both models; None: transformers' default) is passed to ``from_pretrained``;
     ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``).
