@@ -46,15 +46,24 @@ def test_packed_linear_bfloat16_accumulates_in_float32():
 
 
 @needs_ext
-def test_packed_linear_row_does_not_depend_on_its_neighbours():
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_row_does_not_depend_on_its_neighbours(isa, dtype, monkeypatch):
     """Each output sums in one chain in k order whatever the row count: a decode step's row and the same row inside a
-    verification of K + 1 rows are bitwise equal (row blocks of 1 to 6 and their remainders)."""
+    verification of K + 1 rows are bitwise equal (row blocks of 1 to 6 and their remainders; panels in groups of 4, 2
+    and 1, a partial last panel). ``isa="avx2"``: the baseline kernel a CPU without AVX-512 runs
+    (ATEN_CPU_CAPABILITY, read by the op at each call); its results checked against float64 too."""
+    if isa == "avx2":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     g = torch.Generator().manual_seed(0)
-    w, x = rand(g, 64, 576), rand(g, 13, 576)
+    w, x = rand(g, 85, 576).to(dtype), rand(g, 13, 576).to(dtype)
     packed = ops.pack_linear_weight(w)
-    alone = torch.cat([ops.packed_linear(x[i: i + 1], packed, 64) for i in range(13)])
+    alone = torch.cat([ops.packed_linear(x[i: i + 1], packed, 85) for i in range(13)])
     for m in range(1, 14):
-        assert torch.equal(ops.packed_linear(x[:m], packed, 64), alone[:m]), m
+        assert torch.equal(ops.packed_linear(x[:m], packed, 85), alone[:m]), m
+    want = x.double() @ w.double().T
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(alone.double(), want.to(dtype).double(), **tol)
 
 
 def layer_case(seed=0, H=64, hq=4, hk=2, D=16, inter=48, S=3, C=10, T=12, bias=False, qk_norm=False,

@@ -3,6 +3,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include <c10/util/BFloat16.h>
@@ -21,6 +22,20 @@ namespace cpu {
 #define SPECDEC_CPU_CLONES __attribute__((target_clones("avx512f", "default")))
 #else
 #define SPECDEC_CPU_CLONES
+#endif
+
+// A function compiled for AVX-512 only, called where avx512_usable(): for code written with 64-byte GCC vectors (one
+// register each with AVX-512), which a baseline clone would lower through memory. ATEN_CPU_CAPABILITY=avx2 or
+// default (torch's own switch, read at each call here) keeps the baseline's code, as on a CPU without AVX-512.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define SPECDEC_AVX512 1
+#define SPECDEC_AVX512_FN __attribute__((target("avx512f")))
+inline bool avx512_usable() {
+  static const bool supported = __builtin_cpu_supports("avx512f");
+  if (!supported) return false;
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  return cap == nullptr || (std::strcmp(cap, "avx2") != 0 && std::strcmp(cap, "default") != 0);
+}
 #endif
 
 // Inlined into its caller whatever its size: a helper of a SPECDEC_CPU_CLONES function is compiled into each clone
