@@ -2,7 +2,8 @@
 environment, e.g. from a git worktree), each in a worker process of its own interpreter, the two alternating request
 by request (one request at a time, ``--batch-sizes 1``) or stream by stream (continuous batching), so that drift on the
 machine falls on both alike. Only the public API is called (``load_pair``, ``SpeculativeGenerator.generate`` and
-``generate_continuous``), greedy, default dtypes; each worker warms its generators up before the clock.
+``generate_continuous``), greedy, the pair of ``--pair`` (default: the bundled one) in the dtype of ``--dtype`` (default:
+each model's default); each worker warms its generators up before the clock.
 
 Methods: ``plain`` (plain decoding), ``K<n>`` (fixed K), ``auto`` (SpecDec++ ``threshold="auto"``: the per-row rule at
 one request, the verification budget in batches). One request at a time: per method, each install's total tokens/s,
@@ -16,6 +17,7 @@ Every request's tokens are compared between the installs (bf16 near-ties may rou
         --prompts 164 --max-new-tokens 64 --out docs/results/installs_b1_xeon.json
     python bench/installs.py --other ../base/.venv/bin/python --batch-sizes 4,16 --methods plain,K2,auto \\
         --prompts 128 --max-new-tokens 48 --passes 2 --out docs/results/installs_batch_xeon.json
+    python bench/installs.py --other ../base/.venv/bin/python --pair smollm2-135m --dtype float32 --methods plain,K3
 """
 
 from __future__ import annotations
@@ -40,14 +42,24 @@ def _generator(pair, method: str):
     return SpeculativeGenerator(pair.target, pair.draft, policy="fixed", k=int(method[1:]))
 
 
-def worker() -> None:
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _load(name: str, dtype: str):
+    import torch
+    from specdec_ext.zoo import load_pair
+
+    dt = None if dtype == "auto" else getattr(torch, dtype)
+    return load_pair(name, target_dtype=dt, draft_dtype=dt)
+
+
+def worker(name: str, dtype: str) -> None:
     """Serve requests from stdin, one JSON line each: ``{"method", "prompts", "batch_size", "max_new_tokens"}``;
     answer ``{"tokens": [...per prompt], "seconds"}`` on stdout (the call's wall time)."""
     import specdec_ext
     import torch
-    from specdec_ext.zoo import load_pair
 
-    pair = load_pair()
+    pair = _load(name, dtype)
     eos = pair.tokenizer.eos_token_id
     gens: dict = {}
     print(json.dumps({"ready": specdec_ext.__file__}), flush=True)
@@ -78,10 +90,10 @@ def worker() -> None:
 class Install:
     """A worker process of one install's interpreter."""
 
-    def __init__(self, name: str, python: str):
+    def __init__(self, name: str, python: str, pair: str, dtype: str):
         self.name = name
-        self.proc = subprocess.Popen([python, __file__, "--worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen([python, __file__, "--worker", pair, dtype], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
         self.where = self._read()["ready"]
 
     def _read(self) -> dict:
@@ -110,6 +122,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=164, help="the first N HumanEval prompts")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--passes", type=int, default=1, help="batches: passes over the prompts")
+    ap.add_argument("--pair", default="bundled", help="a name load_pair takes")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="both models' dtype (auto: their defaults)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -117,10 +131,11 @@ def main(argv=None) -> dict:
     from specdec_ext.prompts import load_prompts
     from specdec_ext.zoo import load_pair
 
-    tok = load_pair().tokenizer
+    tok = load_pair(args.pair, with_head=False).tokenizer
     prompts = [tok(t)["input_ids"] for t in load_prompts("humaneval")[: args.prompts]]
     methods = args.methods.split(",")
-    installs = {"this": Install("this", sys.executable), "other": Install("other", args.other)}
+    installs = {n: Install(n, python, args.pair, args.dtype) for n, python in (("this", sys.executable),
+                                                                                ("other", args.other))}
     order = [["this", "other"], ["other", "this"]]
     t0 = time.perf_counter()
     rows = []
@@ -160,7 +175,7 @@ def main(argv=None) -> dict:
             inst.close()
     from specdec_ext.benchmark import machine_description
 
-    result = {"machine": machine_description(load_pair()), "seconds": time.perf_counter() - t0,
+    result = {"machine": machine_description(_load(args.pair, args.dtype)), "seconds": time.perf_counter() - t0,
               "installs": {n: i.where for n, i in installs.items()},
               "command": "python bench/installs.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rows": rows}
@@ -170,7 +185,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
-        worker()
+    if sys.argv[1:2] == ["--worker"]:
+        worker(*sys.argv[2:4])
     else:
         main(sys.argv[1:])
