@@ -169,6 +169,34 @@ def test_layer_ops_fake_kernels_and_opcheck():
 
 
 @needs_ext
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_fused_verification_is_bitwise_its_one_token_steps(dtype, isa, monkeypatch):
+    """Through ``ops.decoder_layer`` a verification of n tokens gives bitwise the logits of n one-token steps over the
+    same cache (every product, attention score, softmax sum and norm of a row rounds the same way whatever the other
+    rows of its call): greedy speculative decoding on the fused path equals target-only decoding by construction,
+    not only where no near-tie occurs. ``isa="avx2"``: the baseline kernels (ATEN_CPU_CAPABILITY)."""
+    if isa == "avx2":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    with torch.inference_mode(False):
+        target, _ = make_pair("llama")
+        target = target.to(dtype)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(2, 48, (2, 11), generator=g)
+    tokens = torch.randint(2, 48, (2, FUSED_MAX_ROWS[dtype] // 2), generator=g)
+    lean = LeanModel(target, "target", fused=True)
+    logits = []
+    for n in (tokens.shape[1], 1):  # one verification; then one token at a time
+        cache = lean.cache(2, 40)
+        lean.forward(cache, prompt, keep=1)
+        logits.append(torch.cat([lean.forward(cache, tokens[:, i: i + n], keep=n, start=int(cache.lengths[0]))[0]
+                                 for i in range(0, tokens.shape[1], n)], dim=1))
+    assert logits[0].shape == (2, tokens.shape[1], target.config.vocab_size)
+    assert torch.equal(logits[0], logits[1])
+
+
+@needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_lean_model_fused_path_matches_torch_ops(dtype):

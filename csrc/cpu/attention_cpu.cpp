@@ -9,7 +9,10 @@
 //
 // Per (row b, KV head): pass 1 gathers the columns some query sees and their scores q.k * scale (float32
 // accumulation); then per query the maximum, exp(s - max) and the normaliser l; pass 2 accumulates
-// sum_c exp(s_c - max) v_c, divided by l at the end. A query that sees no column gets zeros.
+// sum_c exp(s_c - max) v_c, divided by l at the end. A query that sees no column gets zeros. A query's output is
+// bitwise the same whatever the other queries of its call (fixed lanes, explicit fused multiply-adds, sums padded
+// with zeros): a one-token step and a verification of K + 1 tokens agree exactly, so greedy speculative decoding
+// equals target-only decoding even at near-ties.
 //
 // Without a mask (cache_attention, decoder_layer) the visibility is causal from each row's start: query i of row b
 // sees the columns 0 .. min(starts[b] + i, C - 1), and the columns past the last one any query sees are not read.
@@ -51,39 +54,34 @@ inline void load_row(const T* p, int64_t D, float* out) {
   }
 }
 
-// out[r] = q_r . k for the R rows q_r of q (row stride D): four rows at a time share each load of k and give
-// four independent FMA chains; each row sums in kDotLanes fixed lanes (vectorised without reassociation, the
-// same order on every call).
-inline void dot_rows(const float* q, int64_t R, const float* k, int64_t D, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) {
-    float acc[4][kDotLanes] = {};
-    int64_t d = 0;
-    for (; d + kDotLanes <= D; d += kDotLanes)
-      for (int x = 0; x < 4; ++x)
-        for (int l = 0; l < kDotLanes; ++l) acc[x][l] += q[(r + x) * D + d + l] * k[d + l];
-    for (int x = 0; x < 4; ++x) {
-      float tail = 0.0f;
-      for (int64_t t = d; t < D; ++t) tail += q[(r + x) * D + t] * k[t];
-      for (int w = kDotLanes / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) acc[x][l] += acc[x][l + w];
-      out[r + x] = acc[x][0] + tail;
-    }
-  }
-  for (; r < R; ++r) {  // two chains per row
-    float acc[2][kDotLanes] = {};
-    int64_t d = 0;
-    for (; d + 2 * kDotLanes <= D; d += 2 * kDotLanes)
-      for (int x = 0; x < 2; ++x)
-        for (int l = 0; l < kDotLanes; ++l) acc[x][l] += q[r * D + d + x * kDotLanes + l] * k[d + x * kDotLanes + l];
-    for (; d + kDotLanes <= D; d += kDotLanes)
-      for (int l = 0; l < kDotLanes; ++l) acc[0][l] += q[r * D + d + l] * k[d + l];
+// out[x] = q_x . k for X rows q_x of q (row stride D), X independent chains sharing each load of k. Every row sums
+// the same way whatever X: lane l adds d = l, l + kDotLanes, ... in order, then the lanes in a fixed tree, then the
+// tail: a query's scores are bitwise the same in a one-token step and in a verification of K + 1 tokens.
+template <int X>
+SPECDEC_ALWAYS_INLINE void dot_block(const float* q, const float* k, int64_t D, float* out) {
+  float acc[X][kDotLanes] = {};
+  int64_t d = 0;
+  for (; d + kDotLanes <= D; d += kDotLanes)
+    for (int x = 0; x < X; ++x)
+      for (int l = 0; l < kDotLanes; ++l) acc[x][l] = mul_add(q[x * D + d + l], k[d + l], acc[x][l]);
+  for (int x = 0; x < X; ++x) {
     float tail = 0.0f;
-    for (; d < D; ++d) tail += q[r * D + d] * k[d];
-    for (int l = 0; l < kDotLanes; ++l) acc[0][l] += acc[1][l];
+    for (int64_t t = d; t < D; ++t) tail = mul_add(q[x * D + t], k[t], tail);
     for (int w = kDotLanes / 2; w > 0; w /= 2)
-      for (int l = 0; l < w; ++l) acc[0][l] += acc[0][l + w];
-    out[r] = acc[0][0] + tail;
+      for (int l = 0; l < w; ++l) acc[x][l] += acc[x][l + w];
+    out[x] = acc[x][0] + tail;
+  }
+}
+
+// out[r] = q_r . k for the R rows q_r of q (row stride D), four rows at a time.
+SPECDEC_ALWAYS_INLINE void dot_rows(const float* q, int64_t R, const float* k, int64_t D, float* out) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) dot_block<4>(q + r * D, k, D, out + r);
+  switch (R - r) {
+    case 3: dot_block<3>(q + r * D, k, D, out + r); break;
+    case 2: dot_block<2>(q + r * D, k, D, out + r); break;
+    case 1: dot_block<1>(q + r * D, k, D, out + r); break;
+    default: break;
   }
 }
 
@@ -98,7 +96,8 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
   T* out = static_cast<T*>(a.out);
   const float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t out_rows = a.out_row_stride > 0 ? a.out_row_stride : Hq * D;
-  std::vector<float> qf(R * D), row(D), dots(R), scores(R * C), acc(R * D), norm(R);
+  const int64_t stride = (C + kSumLanes - 1) / kSumLanes * kSumLanes;  // a query's scores, padded
+  std::vector<float> qf(R * D), row(D), dots(R), scores(R * stride), acc(R * D), norm(R);
   std::vector<int64_t> cols(C);
   std::vector<const bool*> mrow(R);
   std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
@@ -131,43 +130,39 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
       load_row(kb + c * a.k_stride[2], D, row.data());
       dot_rows(qf.data(), Rt, row.data(), D, dots.data());
       for (int64_t r = 0; r < Rt; ++r)
-        scores[r * C + m] = (masked ? mrow[r][c * mc] : c <= last[r]) ? dots[r] : kNegInf;
+        scores[r * stride + m] = (masked ? mrow[r][c * mc] : c <= last[r]) ? dots[r] : kNegInf;
       cols[m++] = c;
     }
-    // softmax weights per query row, unnormalised: exp(s - max); norm = their sum
+    // softmax weights per query row, unnormalised: exp(s - max); norm = their sum, column j in lane j % kSumLanes
+    // (the columns past m, up to a multiple of kSumLanes, add zeros: a query's sum does not depend on how many
+    // columns the other queries of its call see)
+    const int64_t padded = (m + kSumLanes - 1) / kSumLanes * kSumLanes;
     for (int64_t r = 0; r < Rt; ++r) {
-      float* s = &scores[r * C];
+      float* s = &scores[r * stride];
       float mx = kNegInf;
       for (int64_t j = 0; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
       float lanes[kSumLanes] = {};
-      float tail = 0.0f;
       if (mx == kNegInf) {  // sees no column: weights 0
-        std::fill(s, s + m, 0.0f);
+        std::fill(s, s + padded, 0.0f);
       } else {
-        int64_t j = 0;
-        for (; j + kSumLanes <= m; j += kSumLanes)
-          for (int l = 0; l < kSumLanes; ++l) {
-            s[j + l] = exp_nonpos(s[j + l] - mx);
-            lanes[l] += s[j + l];
-          }
-        for (; j < m; ++j) {
-          s[j] = exp_nonpos(s[j] - mx);
-          tail += s[j];
-        }
+        for (int64_t j = 0; j < m; ++j) s[j] = exp_nonpos(s[j] - mx);
+        std::fill(s + m, s + padded, 0.0f);
+        for (int64_t j = 0; j < padded; j += kSumLanes)
+          for (int l = 0; l < kSumLanes; ++l) lanes[l] += s[j + l];
       }
       for (int w = kSumLanes / 2; w > 0; w /= 2)
         for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-      norm[r] = lanes[0] + tail;
+      norm[r] = lanes[0];
     }
     // pass 2: sum of weight * value over the seen columns
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t j = 0; j < m; ++j) {
       load_row(vb + cols[j] * a.v_stride[2], D, row.data());
       for (int64_t r = 0; r < Rt; ++r) {
-        const float w = scores[r * C + j];
+        const float w = scores[r * stride + j];
         if (w == 0.0f) continue;
         float* o = &acc[r * D];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * row[d];
+        for (int64_t d = 0; d < D; ++d) o[d] = mul_add(w, row[d], o[d]);
       }
     }
     for (int64_t r = 0; r < Rt; ++r) {

@@ -54,20 +54,32 @@ inline bool avx512_usable() {
     case DType::kFloat16: FN<c10::Half>(ARGS); break;                               \
   }
 
+// a * b + c rounded once where the CPU has fused multiply-add (FP_FAST_FMAF: x86-64 built with -mfma, AArch64), else
+// a * b + c. Written out, not left to the compiler's contraction, which it applies or not loop by loop: a sum that must
+// round the same way in a one-token step and in a verification (the same row in a scalar tail or a vector body, in a
+// block of one row or of four) uses it.
+SPECDEC_ALWAYS_INLINE float mul_add(float a, float b, float c) {
+#ifdef FP_FAST_FMAF
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // exp(x) for x <= 0 (arguments are always shifted by the row maximum): Cody-Waite range
 // reduction and a degree-6 minimax polynomial (Cephes expf coefficients), about 1 ulp;
 // written with plain arithmetic so that element-wise loops vectorise it.
 inline float exp_nonpos(float x) {
   float xc = x < -87.0f ? -87.0f : x;
   float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float r = mul_add(n, 2.12194440e-4f, mul_add(-n, 0.693359375f, xc));  // the same in scalar and vector code
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
+  p = mul_add(p, r, 1.3981999507e-3f);
+  p = mul_add(p, r, 8.3334519073e-3f);
+  p = mul_add(p, r, 4.1665795894e-2f);
+  p = mul_add(p, r, 1.6666665459e-1f);
+  p = mul_add(p, r, 5.0000001201e-1f);
+  float y = mul_add(p * r, r, r) + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

@@ -77,14 +77,14 @@ SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, 
     for (int m = 0; m < MB; ++m) {
       const float xm = x[m * ldx + k];
 #pragma omp simd
-      for (int l = 0; l < kPanel; ++l) acc[m][l] += wk[l] * xm;
+      for (int l = 0; l < kPanel; ++l) acc[m][l] = mul_add(wk[l], xm, acc[m][l]);
     }
   } else {  // bfloat16: the upper halves of float32s
     const uint16_t* wk = reinterpret_cast<const uint16_t*>(w) + k * kPanel;
     for (int m = 0; m < MB; ++m) {
       const float xm = x[m * ldx + k];
 #pragma omp simd
-      for (int l = 0; l < kPanel; ++l) acc[m][l] += upper_half(wk[l]) * xm;
+      for (int l = 0; l < kPanel; ++l) acc[m][l] = mul_add(upper_half(wk[l]), xm, acc[m][l]);
     }
   }
 }
