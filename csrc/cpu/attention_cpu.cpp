@@ -54,33 +54,39 @@ inline void load_row(const T* p, int64_t D, float* out) {
   }
 }
 
-// out[x] = q_x . k for X rows q_x of q (row stride D), X independent chains sharing each load of k. Every row sums
-// the same way whatever X: lane l adds d = l, l + kDotLanes, ... in order, then the lanes in a fixed tree, then the
-// tail: a query's scores are bitwise the same in a one-token step and in a verification of K + 1 tokens.
-template <int X>
-SPECDEC_ALWAYS_INLINE void dot_block(const float* q, const float* k, int64_t D, float* out) {
-  float acc[X][kDotLanes] = {};
+// out[c * ldo + x] = q_x . k_c for X rows q_x of q and NC rows k_c of k (both row stride D), X x NC independent
+// chains sharing each load. Every (row, column) sums the same way whatever X and NC: lane l adds d = l, l + kDotLanes,
+// ... in order, then the lanes in a fixed tree, then the tail: a query's scores are bitwise the same in a one-token
+// step and in a verification of K + 1 tokens. Two columns at a time keep a single query row from waiting on one
+// chain's multiply-add latency.
+template <int X, int NC>
+SPECDEC_ALWAYS_INLINE void dot_block(const float* q, const float* k, int64_t D, float* out, int64_t ldo) {
+  float acc[NC][X][kDotLanes] = {};
   int64_t d = 0;
   for (; d + kDotLanes <= D; d += kDotLanes)
-    for (int x = 0; x < X; ++x)
-      for (int l = 0; l < kDotLanes; ++l) acc[x][l] = mul_add(q[x * D + d + l], k[d + l], acc[x][l]);
-  for (int x = 0; x < X; ++x) {
-    float tail = 0.0f;
-    for (int64_t t = d; t < D; ++t) tail = mul_add(q[x * D + t], k[t], tail);
-    for (int w = kDotLanes / 2; w > 0; w /= 2)
-      for (int l = 0; l < w; ++l) acc[x][l] += acc[x][l + w];
-    out[x] = acc[x][0] + tail;
-  }
+    for (int c = 0; c < NC; ++c)
+      for (int x = 0; x < X; ++x)
+        for (int l = 0; l < kDotLanes; ++l)
+          acc[c][x][l] = mul_add(q[x * D + d + l], k[c * D + d + l], acc[c][x][l]);
+  for (int c = 0; c < NC; ++c)
+    for (int x = 0; x < X; ++x) {
+      float tail = 0.0f;
+      for (int64_t t = d; t < D; ++t) tail = mul_add(q[x * D + t], k[c * D + t], tail);
+      for (int w = kDotLanes / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) acc[c][x][l] += acc[c][x][l + w];
+      out[c * ldo + x] = acc[c][x][0] + tail;
+    }
 }
 
-// out[r] = q_r . k for the R rows q_r of q (row stride D), four rows at a time.
+// out[c * R + r] = q_r . k_c for the R rows q_r of q and NC rows k_c of k (row stride D), four rows at a time.
+template <int NC>
 SPECDEC_ALWAYS_INLINE void dot_rows(const float* q, int64_t R, const float* k, int64_t D, float* out) {
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) dot_block<4>(q + r * D, k, D, out + r);
+  for (; r + 4 <= R; r += 4) dot_block<4, NC>(q + r * D, k, D, out + r, R);
   switch (R - r) {
-    case 3: dot_block<3>(q + r * D, k, D, out + r); break;
-    case 2: dot_block<2>(q + r * D, k, D, out + r); break;
-    case 1: dot_block<1>(q + r * D, k, D, out + r); break;
+    case 3: dot_block<3, NC>(q + r * D, k, D, out + r, R); break;
+    case 2: dot_block<2, NC>(q + r * D, k, D, out + r, R); break;
+    case 1: dot_block<1, NC>(q + r * D, k, D, out + r, R); break;
     default: break;
   }
 }
@@ -97,7 +103,7 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
   const float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t out_rows = a.out_row_stride > 0 ? a.out_row_stride : Hq * D;
   const int64_t stride = (C + kSumLanes - 1) / kSumLanes * kSumLanes;  // a query's scores, padded
-  std::vector<float> qf(R * D), row(D), dots(R), scores(R * stride), acc(R * D), norm(R);
+  std::vector<float> qf(R * D), row(2 * D), dots(2 * R), scores(R * stride), acc(R * D), norm(R);
   std::vector<int64_t> cols(C);
   std::vector<const bool*> mrow(R);
   std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
@@ -120,18 +126,27 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
     const int64_t mc = a.mask_stride[3];
     const bool masked = a.mask != nullptr;
     const int64_t stop = masked ? C : *std::max_element(last.begin(), last.begin() + Rt) + 1;
-    // pass 1: the columns some query sees, and their scores (-inf where that query may not look)
+    // pass 1: the columns some query sees, and their scores (-inf where that query may not look), two at a time
     int64_t m = 0;
     for (int64_t c = 0; c < stop; ++c) {
       bool any = !masked;  // causal: every column up to the last one some query sees
       if (masked)
         for (int64_t r = 0; r < Rt; ++r) any |= mrow[r][c * mc];
-      if (!any) continue;
-      load_row(kb + c * a.k_stride[2], D, row.data());
-      dot_rows(qf.data(), Rt, row.data(), D, dots.data());
-      for (int64_t r = 0; r < Rt; ++r)
-        scores[r * stride + m] = (masked ? mrow[r][c * mc] : c <= last[r]) ? dots[r] : kNegInf;
-      cols[m++] = c;
+      if (any) cols[m++] = c;
+    }
+    for (int64_t j = 0; j < m; j += 2) {
+      const int64_t nc = std::min<int64_t>(2, m - j);
+      for (int64_t c = 0; c < nc; ++c) load_row(kb + cols[j + c] * a.k_stride[2], D, &row[c * D]);
+      if (nc == 2) {
+        dot_rows<2>(qf.data(), Rt, row.data(), D, dots.data());
+      } else {
+        dot_rows<1>(qf.data(), Rt, row.data(), D, dots.data());
+      }
+      for (int64_t c = 0; c < nc; ++c)
+        for (int64_t r = 0; r < Rt; ++r) {
+          const int64_t col = cols[j + c];
+          scores[r * stride + j + c] = (masked ? mrow[r][col * mc] : col <= last[r]) ? dots[c * Rt + r] : kNegInf;
+        }
     }
     // softmax weights per query row, unnormalised: exp(s - max); norm = their sum, column j in lane j % kSumLanes
     // (the columns past m, up to a multiple of kSumLanes, add zeros: a query's sum does not depend on how many

@@ -72,14 +72,14 @@ SPECDEC_ALWAYS_INLINE float mul_add(float a, float b, float c) {
 inline float exp_nonpos(float x) {
   float xc = x < -87.0f ? -87.0f : x;
   float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = mul_add(n, 2.12194440e-4f, mul_add(-n, 0.693359375f, xc));  // the same in scalar and vector code
+  float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
-  p = mul_add(p, r, 1.3981999507e-3f);
-  p = mul_add(p, r, 8.3334519073e-3f);
-  p = mul_add(p, r, 4.1665795894e-2f);
-  p = mul_add(p, r, 1.6666665459e-1f);
-  p = mul_add(p, r, 5.0000001201e-1f);
-  float y = mul_add(p * r, r, r) + 1.0f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
