@@ -50,8 +50,7 @@ def test_packed_linear_bfloat16_accumulates_in_float32():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_row_does_not_depend_on_its_neighbours(isa, dtype, monkeypatch):
     """Each output sums in one chain in k order whatever the row count: a decode step's row and the same row inside a
-    verification of K + 1 rows are bitwise equal (row blocks of 1 to 6 and their remainders; panels in groups of 4, 2
-    and 1, a partial last panel). ``isa="avx2"``: the baseline kernel a CPU without AVX-512 runs
+    verification of K + 1 rows are bitwise equal (row blocks of 1 to 6 and their remainders, a partial last panel). ``isa="avx2"``: the baseline kernel a CPU without AVX-512 runs
     (ATEN_CPU_CAPABILITY, read by the op at each call); its results checked against float64 too."""
     if isa == "avx2":
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")

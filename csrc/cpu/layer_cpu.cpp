@@ -89,84 +89,53 @@ SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, 
   }
 }
 
-// Panels [p, p + PB) of y for MB rows of x (row strides ldx, ldy): y[m, col] = x[m, :] . W[col, :] (+ bias), one
-// chain of multiply-adds per output in k order, the same for every MB and PB. PB panels advance together so that a
-// step over k has MB x PB independent chains: one chain alone waits on its multiply-add's latency (4 cycles), which
-// held a one-token product to about 120 GB/s of float32 weights (60 GB/s of bfloat16) from the cache of a 2-core EPYC.
-template <int MB, int PB, typename W>
+// Panel p of y for MB rows of x (row strides ldx, ldy): y[m, col] = x[m, :] . W[col, :] (+ bias), one chain of
+// multiply-adds per output in k order, the same for every MB. One panel at a time, so each thread streams one run of
+// memory: advancing 2 or 4 panels together gave a one-row product more independent chains (1.5x from the cache) but
+// cost 3-6% end to end on SmolLM2-135M, whose weights come from memory (bench/installs.py side by side).
+template <int MB, typename W>
 SPECDEC_ALWAYS_INLINE void panel_rows(const float* x, int64_t ldx, int64_t K, const W* w, int64_t p, int64_t N,
                                       float* y, int64_t ldy, const float* bias) {
-  float acc[PB][MB][kPanel] = {};
+  float acc[MB][kPanel] = {};
   const W* wp = w + p * K * kPanel;
   const char* ahead = reinterpret_cast<const char*>(wp) + kPrefetchBytes;
-  const int64_t stride = K * kPanel;  // elements from one panel to the next
   for (int64_t k = 0; k < K; ++k) {
-    for (int j = 0; j < PB; ++j) {
-      __builtin_prefetch(ahead + (j * stride + k * kPanel) * sizeof(W), 0, 0);
-      panel_step<MB>(acc[j], x, ldx, wp + j * stride, k);
-    }
+    __builtin_prefetch(ahead + k * kPanel * sizeof(W), 0, 0);
+    panel_step<MB>(acc, x, ldx, wp, k);
   }
-  for (int j = 0; j < PB; ++j) {
-    const int64_t col = (p + j) * kPanel, width = std::min(kPanel, N - col);
-    for (int m = 0; m < MB; ++m)
-      for (int64_t l = 0; l < width; ++l) y[m * ldy + col + l] = acc[j][m][l] + (bias != nullptr ? bias[col + l] : 0.0f);
-  }
+  const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
+  for (int m = 0; m < MB; ++m)
+    for (int64_t l = 0; l < width; ++l) y[m * ldy + col + l] = acc[m][l] + (bias != nullptr ? bias[col + l] : 0.0f);
 }
 
-// Panels [begin, end) of y for MB rows of x by a kernel's Kernel::rows<MB, PB> (a panel_rows), PB panels at a time
-// (Kernel::group(MB)), then one at a time.
-template <class Kernel, int MB, typename W>
-SPECDEC_ALWAYS_INLINE void rows_over_panels(int64_t begin, int64_t end, const float* x, int64_t ldx, int64_t K,
-                                            const W* w, int64_t N, float* y, int64_t ldy, const float* bias) {
-  constexpr int PB = Kernel::group(MB);
-  int64_t p = begin;
-  for (; p + PB <= end; p += PB) Kernel::template rows<MB, PB>(x, ldx, K, w, p, N, y, ldy, bias);
-  for (; p < end; ++p) Kernel::template rows<MB, 1>(x, ldx, K, w, p, N, y, ldy, bias);
-}
-
-// Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16].
-// Up to kMaxRowBlock rows share every load of the weights; more rows go over each panel in blocks of that many (each
-// block reads the panel once: from memory, then from the cache). Each row count is its own loop: one function holding
-// every count's accumulators for several panels kept them in memory, not in registers.
+// Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16], by
+// a kernel's Kernel::rows<MB> (a panel_rows). Up to kMaxRowBlock rows share every load of the weights; more rows go
+// over each panel in blocks of that many (each block reads the panel once: from memory, then from the cache).
 template <class Kernel, typename W>
 SPECDEC_ALWAYS_INLINE void gemm_rows(int64_t begin, int64_t end, const float* x, int64_t ldx, int64_t M, int64_t K,
                                      const W* w, int64_t N, float* y, int64_t ldy, const float* bias) {
-  switch (M) {
-    case 1: return rows_over_panels<Kernel, 1>(begin, end, x, ldx, K, w, N, y, ldy, bias);
-    case 2: return rows_over_panels<Kernel, 2>(begin, end, x, ldx, K, w, N, y, ldy, bias);
-    case 3: return rows_over_panels<Kernel, 3>(begin, end, x, ldx, K, w, N, y, ldy, bias);
-    case 4: return rows_over_panels<Kernel, 4>(begin, end, x, ldx, K, w, N, y, ldy, bias);
-    case 5: return rows_over_panels<Kernel, 5>(begin, end, x, ldx, K, w, N, y, ldy, bias);
-    case 6: return rows_over_panels<Kernel, 6>(begin, end, x, ldx, K, w, N, y, ldy, bias);
-    default: break;
-  }
   for (int64_t p = begin; p < end; ++p) {
     int64_t m = 0;
     for (; m + kMaxRowBlock <= M; m += kMaxRowBlock)
-      Kernel::template rows<kMaxRowBlock, 1>(x + m * ldx, ldx, K, w, p, N, y + m * ldy, ldy, bias);
+      Kernel::template rows<kMaxRowBlock>(x + m * ldx, ldx, K, w, p, N, y + m * ldy, ldy, bias);
     const float* xm = x + m * ldx;
     float* ym = y + m * ldy;
     switch (M - m) {
-      case 5: Kernel::template rows<5, 1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 4: Kernel::template rows<4, 1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 3: Kernel::template rows<3, 1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 2: Kernel::template rows<2, 1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 1: Kernel::template rows<1, 1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+      case 5: Kernel::template rows<5>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+      case 4: Kernel::template rows<4>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+      case 3: Kernel::template rows<3>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+      case 2: Kernel::template rows<2>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+      case 1: Kernel::template rows<1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
       default: break;
     }
   }
 }
 
-// Accumulators as arrays of 16 floats, vectorised by the compiler (AVX2 or AVX-512 clones). Two panels at a time for
-// two rows and four for one (at least four chains); more rows have chains enough, and more panels spill AVX2's 16
-// registers.
-struct Lanes {
-  static constexpr int group(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
-
-  template <int MB, int PB, typename W>
+struct Lanes {  // accumulators as arrays of 16 floats, vectorised by the compiler (AVX2 or AVX-512 clones)
+  template <int MB, typename W>
   SPECDEC_ALWAYS_INLINE static void rows(const float* x, int64_t ldx, int64_t K, const W* w, int64_t p, int64_t N,
                                          float* y, int64_t ldy, const float* bias) {
-    panel_rows<MB, PB>(x, ldx, K, w, p, N, y, ldy, bias);
+    panel_rows<MB>(x, ldx, K, w, p, N, y, ldy, bias);
   }
 };
 
@@ -177,15 +146,12 @@ SPECDEC_CPU_CLONES void gemm_panels(int64_t begin, int64_t end, const float* x, 
 }
 
 #if defined(SPECDEC_AVX512)
-// The same products with AVX-512's 32 registers: every accumulator one 16-lane GCC vector (a zmm register, once
-// inlined into gemm_panels_avx512: the helpers carry no target of their own, so that the generic loops inline them), two
-// panels at a time for every row count (up to 12 accumulators), four for one row. The auto-vectorised loops above
-// spilled with two panels of three rows or more, and widened a bfloat16 line once per row; these do not.
-// 4096 x 576 float32 weights from the cache, 2 threads, EPYC: 5 rows 102 -> 66 us, 6 rows 94 -> 70 us;
-// bfloat16: 5 rows 109 -> 79 us, 3 rows 85 -> 60 us.
+// The same products with every accumulator one 16-lane GCC vector (a zmm register once inlined into
+// gemm_panels_avx512: the helpers carry no target of their own, so that the generic loops inline them) and a bfloat16
+// line widened once for all rows (the auto-vectorised loops above widened it once per row).
+// SmolLM2-135M's bfloat16 forward (bench/fused_layers.py, against ATEN_CPU_CAPABILITY=avx2's kernel, 2-core EPYC):
+// 5 tokens 0.95x, one token 0.95x; float32, whose weights come from memory, level end to end.
 struct Vectors {
-  static constexpr int group(int rows) { return rows == 1 ? 4 : 2; }
-
   typedef float Line __attribute__((vector_size(64), aligned(4)));  // 16 float32 lanes
   typedef uint16_t Halves __attribute__((vector_size(32), aligned(2)));
   typedef uint32_t Bits __attribute__((vector_size(64)));
@@ -201,28 +167,23 @@ struct Vectors {
     }
   }
 
-  template <int MB, int PB, typename W>
+  template <int MB, typename W>
   SPECDEC_ALWAYS_INLINE static void rows(const float* x, int64_t ldx, int64_t K, const W* w, int64_t p, int64_t N,
                                          float* y, int64_t ldy, const float* bias) {
-    Line acc[PB][MB] = {};
+    Line acc[MB] = {};
     const W* wp = w + p * K * kPanel;
     const char* ahead = reinterpret_cast<const char*>(wp) + kPrefetchBytes;
-    const int64_t stride = K * kPanel;
     for (int64_t k = 0; k < K; ++k) {
-      for (int j = 0; j < PB; ++j) {
-        __builtin_prefetch(ahead + (j * stride + k * kPanel) * sizeof(W), 0, 0);
-        Line line;
-        load(wp + j * stride + k * kPanel, &line);
-        for (int m = 0; m < MB; ++m) acc[j][m] += line * x[m * ldx + k];
-      }
+      __builtin_prefetch(ahead + k * kPanel * sizeof(W), 0, 0);
+      Line line;
+      load(wp + k * kPanel, &line);
+      for (int m = 0; m < MB; ++m) acc[m] += line * x[m * ldx + k];
     }
-    for (int j = 0; j < PB; ++j) {
-      const int64_t col = (p + j) * kPanel, width = std::min(kPanel, N - col);
-      for (int m = 0; m < MB; ++m) {
-        float sums[kPanel];
-        std::memcpy(sums, &acc[j][m], sizeof(sums));
-        for (int64_t l = 0; l < width; ++l) y[m * ldy + col + l] = sums[l] + (bias != nullptr ? bias[col + l] : 0.0f);
-      }
+    const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
+    for (int m = 0; m < MB; ++m) {
+      float sums[kPanel];
+      std::memcpy(sums, &acc[m], sizeof(sums));
+      for (int64_t l = 0; l < width; ++l) y[m * ldy + col + l] = sums[l] + (bias != nullptr ? bias[col + l] : 0.0f);
     }
   }
 };
