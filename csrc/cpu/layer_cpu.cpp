@@ -110,23 +110,28 @@ SPECDEC_ALWAYS_INLINE void panel_rows(const float* x, int64_t ldx, int64_t K, co
 
 // Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16], by
 // a kernel's Kernel::rows<MB> (a panel_rows). Up to kMaxRowBlock rows share every load of the weights; more rows go
-// over each panel in blocks of that many (each block reads the panel once: from memory, then from the cache).
+// over each panel in blocks of near-equal size (7 rows: 3 + 4, not 6 + 1, whose one-row block would wait on a single
+// chain), each block reading the panel once: from memory, then from the cache.
 template <class Kernel, typename W>
 SPECDEC_ALWAYS_INLINE void gemm_rows(int64_t begin, int64_t end, const float* x, int64_t ldx, int64_t M, int64_t K,
                                      const W* w, int64_t N, float* y, int64_t ldy, const float* bias) {
+  const int64_t blocks = (M + kMaxRowBlock - 1) / kMaxRowBlock;
   for (int64_t p = begin; p < end; ++p) {
     int64_t m = 0;
-    for (; m + kMaxRowBlock <= M; m += kMaxRowBlock)
-      Kernel::template rows<kMaxRowBlock>(x + m * ldx, ldx, K, w, p, N, y + m * ldy, ldy, bias);
-    const float* xm = x + m * ldx;
-    float* ym = y + m * ldy;
-    switch (M - m) {
-      case 5: Kernel::template rows<5>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 4: Kernel::template rows<4>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 3: Kernel::template rows<3>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 2: Kernel::template rows<2>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      case 1: Kernel::template rows<1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-      default: break;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t rows = (M - m) / (blocks - b);
+      const float* xm = x + m * ldx;
+      float* ym = y + m * ldy;
+      switch (rows) {
+        case 6: Kernel::template rows<6>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+        case 5: Kernel::template rows<5>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+        case 4: Kernel::template rows<4>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+        case 3: Kernel::template rows<3>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+        case 2: Kernel::template rows<2>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+        case 1: Kernel::template rows<1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
+        default: break;
+      }
+      m += rows;
     }
   }
 }
