@@ -275,8 +275,9 @@ def test_prefills_multiply_bucketed_rows_and_compute_the_same(packed, monkeypatc
     got, hidden = lean.forward(cache, x, keep=23)
     assert set(seen[:-1]) == {72} and seen[-1] == 69  # the LM head reads the kept positions alone
     seen.clear()
-    lean.forward(cache, x[:, :5], keep=5)  # a step of 5 tokens per row: 15 rows as they are
-    assert set(seen) == {15}
+    n = model_module.FUSED_MAX_ROWS[torch.float32] // 3 + 1  # a step past the fused layer's tokens: rows as they are
+    lean.forward(cache, x[:, :n], keep=n)
+    assert set(seen) == {3 * n}
     monkeypatch.setattr(model_module, "BUCKET_ABOVE", 10 ** 9)
     plain = lean.cache(3, 64)
     want, want_hidden = lean.forward(plain, x, keep=23)

@@ -108,10 +108,10 @@ ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
 # Forwards of at most this many tokens in all (B x n: decode steps and verifications of a few rows), by the model's
 # dtype, run each layer as one ops.decoder_layer call over weights packed in panels (on a CPU); more tokens go through
 # oneDNN's matmuls, which reuse each weight across rows (a prefill, a batch's verification). bench/fused_layers.py on
-# SmolLM2-135M (2-core AMD EPYC with AVX-512, 256 columns of context; docs/results/smollm2.json.gz, its fused_layers):
-# float32, the fused forward 0.68x the torch-op one at 1 token, 0.81x at 4-6, 0.91x at 8, level from 9 to 16;
-# bfloat16, 0.73x at 1, 0.86-0.93x at 4-6, 1.19x at 7-8.
-FUSED_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 6}
+# SmolLM2-135M (2-core AMD EPYC with AVX-512, 256 columns of context; docs/results/smollm2.json.gz, its fused_layers*):
+# float32, the fused forward 0.74x the torch-op one at 1 token, 0.67-0.78x at 2-6, 0.81-0.85x at 8-12, 0.87x at 16
+# (1.07-1.09x at 20 in a separate run); bfloat16, 0.64x at 1, 0.70-0.83x at 2-6, level at 7-9.
+FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
 # Panels copy the linear weights (beside oneDNN's packed copy): made for models of at most this many bytes of them.
 FUSED_MAX_BYTES = 2 << 30
 
