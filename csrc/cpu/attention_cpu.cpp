@@ -29,12 +29,17 @@
 
 #include "cpu/cpu_math.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace specdec {
 namespace cpu {
 namespace {
 
 constexpr int kDotLanes = 8;
 constexpr int kSumLanes = 8;
+constexpr int kScoreColumns = 8;  // columns scored together (dot_columns; scores are padded to kSumLanes)
 
 // Row of D elements as float32 (bfloat16: the upper 16 bits of a float32, so a shift that vectorises).
 template <typename T>
@@ -54,40 +59,43 @@ inline void load_row(const T* p, int64_t D, float* out) {
   }
 }
 
-// out[c * ldo + x] = q_x . k_c for X rows q_x of q and NC rows k_c of k (both row stride D), X x NC independent
-// chains sharing each load. Every (row, column) sums the same way whatever X and NC: lane l adds d = l, l + kDotLanes,
-// ... in order, then the lanes in a fixed tree, then the tail: a query's scores are bitwise the same in a one-token
-// step and in a verification of K + 1 tokens. Two columns at a time keep a single query row from waiting on one
-// chain's multiply-add latency.
-template <int X, int NC>
-SPECDEC_ALWAYS_INLINE void dot_block(const float* q, const float* k, int64_t D, float* out, int64_t ldo) {
-  float acc[NC][X][kDotLanes] = {};
+// out[c] = q . k_c for the kScoreColumns rows k_c of k (row stride D): lane l of each column adds d = l, l + 8, ...
+// in order (fused multiply-adds), then the eight lanes of the eight columns reduce together, each column as
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then the tail past the last multiple of 8. Every score is
+// computed this way, whatever the number of query rows, so a query's scores are bitwise the same in a one-token step
+// and in a verification of K + 1 tokens; the reduction of eight columns at once costs a few shuffles instead of a
+// tree per (query, column).
+SPECDEC_ALWAYS_INLINE void dot_columns(const float* q, const float* k, int64_t D, float* out) {
+  static_assert(kDotLanes == 8 && kScoreColumns == 8, "the reduction below is written for 8 lanes and 8 columns");
   int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[kScoreColumns];
+  for (int c = 0; c < kScoreColumns; ++c) acc[c] = _mm256_setzero_ps();
+  for (; d + kDotLanes <= D; d += kDotLanes) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int c = 0; c < kScoreColumns; ++c) acc[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c * D + d), acc[c]);
+  }
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);  // per 128-bit half: columns
+  const __m256 low = _mm256_permute2f128_ps(h0123, h4567, 0x20);   // lanes 0-3 of columns 0-7
+  const __m256 high = _mm256_permute2f128_ps(h0123, h4567, 0x31);  // lanes 4-7 of columns 0-7
+  _mm256_storeu_ps(out, _mm256_add_ps(low, high));
+#else
+  float acc[kScoreColumns][kDotLanes] = {};
   for (; d + kDotLanes <= D; d += kDotLanes)
-    for (int c = 0; c < NC; ++c)
-      for (int x = 0; x < X; ++x)
-        for (int l = 0; l < kDotLanes; ++l)
-          acc[c][x][l] = mul_add(q[x * D + d + l], k[c * D + d + l], acc[c][x][l]);
-  for (int c = 0; c < NC; ++c)
-    for (int x = 0; x < X; ++x) {
-      float tail = 0.0f;
-      for (int64_t t = d; t < D; ++t) tail = mul_add(q[x * D + t], k[c * D + t], tail);
-      for (int w = kDotLanes / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) acc[c][x][l] += acc[c][x][l + w];
-      out[c * ldo + x] = acc[c][x][0] + tail;
-    }
-}
-
-// out[c * R + r] = q_r . k_c for the R rows q_r of q and NC rows k_c of k (row stride D), four rows at a time.
-template <int NC>
-SPECDEC_ALWAYS_INLINE void dot_rows(const float* q, int64_t R, const float* k, int64_t D, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) dot_block<4, NC>(q + r * D, k, D, out + r, R);
-  switch (R - r) {
-    case 3: dot_block<3, NC>(q + r * D, k, D, out + r, R); break;
-    case 2: dot_block<2, NC>(q + r * D, k, D, out + r, R); break;
-    case 1: dot_block<1, NC>(q + r * D, k, D, out + r, R); break;
-    default: break;
+    for (int c = 0; c < kScoreColumns; ++c)
+      for (int l = 0; l < kDotLanes; ++l) acc[c][l] = mul_add(q[d + l], k[c * D + d + l], acc[c][l]);
+  for (int c = 0; c < kScoreColumns; ++c) {
+    const float* a = acc[c];
+    out[c] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  }
+#endif
+  if (d == D) return;
+  for (int c = 0; c < kScoreColumns; ++c) {
+    float tail = 0.0f;
+    for (int64_t t = d; t < D; ++t) tail = mul_add(q[t], k[c * D + t], tail);
+    out[c] += tail;
   }
 }
 
@@ -103,7 +111,7 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
   const float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t out_rows = a.out_row_stride > 0 ? a.out_row_stride : Hq * D;
   const int64_t stride = (C + kSumLanes - 1) / kSumLanes * kSumLanes;  // a query's scores, padded
-  std::vector<float> qf(R * D), row(2 * D), dots(2 * R), scores(R * stride), acc(R * D), norm(R);
+  std::vector<float> qf(R * D), row(D), keys(kScoreColumns * D), scores(R * stride), acc(R * D), norm(R);
   std::vector<int64_t> cols(C);
   std::vector<const bool*> mrow(R);
   std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
@@ -126,7 +134,7 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
     const int64_t mc = a.mask_stride[3];
     const bool masked = a.mask != nullptr;
     const int64_t stop = masked ? C : *std::max_element(last.begin(), last.begin() + Rt) + 1;
-    // pass 1: the columns some query sees, and their scores (-inf where that query may not look), two at a time
+    // pass 1: the columns some query sees, and their scores (-inf where that query may not look)
     int64_t m = 0;
     for (int64_t c = 0; c < stop; ++c) {
       bool any = !masked;  // causal: every column up to the last one some query sees
@@ -134,20 +142,15 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
         for (int64_t r = 0; r < Rt; ++r) any |= mrow[r][c * mc];
       if (any) cols[m++] = c;
     }
-    for (int64_t j = 0; j < m; j += 2) {
-      const int64_t nc = std::min<int64_t>(2, m - j);
-      for (int64_t c = 0; c < nc; ++c) load_row(kb + cols[j + c] * a.k_stride[2], D, &row[c * D]);
-      if (nc == 2) {
-        dot_rows<2>(qf.data(), Rt, row.data(), D, dots.data());
-      } else {
-        dot_rows<1>(qf.data(), Rt, row.data(), D, dots.data());
-      }
-      for (int64_t c = 0; c < nc; ++c)
-        for (int64_t r = 0; r < Rt; ++r) {
-          const int64_t col = cols[j + c];
-          scores[r * stride + j + c] = (masked ? mrow[r][col * mc] : col <= last[r]) ? dots[c * Rt + r] : kNegInf;
-        }
+    for (int64_t j = 0; j < m; j += kScoreColumns) {  // the keys of 8 seen columns (zeros past the last), every row
+      const int64_t nc = std::min<int64_t>(kScoreColumns, m - j);
+      for (int64_t c = 0; c < nc; ++c) load_row(kb + cols[j + c] * a.k_stride[2], D, &keys[c * D]);
+      std::fill(keys.begin() + nc * D, keys.end(), 0.0f);
+      for (int64_t r = 0; r < Rt; ++r) dot_columns(&qf[r * D], keys.data(), D, &scores[r * stride + j]);
     }
+    for (int64_t r = 0; r < Rt; ++r)
+      for (int64_t j = 0; j < m; ++j)
+        if (!(masked ? mrow[r][cols[j] * mc] : cols[j] <= last[r])) scores[r * stride + j] = kNegInf;
     // softmax weights per query row, unnormalised: exp(s - max); norm = their sum, column j in lane j % kSumLanes
     // (the columns past m, up to a multiple of kSumLanes, add zeros: a query's sum does not depend on how many
     // columns the other queries of its call see)
