@@ -34,6 +34,16 @@ def _same_device(t: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str, o
         raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def _int64_vector(t: torch.Tensor, name: str, n: int, dim: str, ref: torch.Tensor, ref_name: str, op: str,
+                  meaning: str = "") -> None:
+    """``t`` must be an int64 ``[n]`` tensor (its one dimension called ``dim`` in the message) on ``ref``'s device."""
+    if t.dtype != torch.int64:
+        raise TypeError(f"{op}: {name} must be int64{meaning}, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{op}: {name} must be [{dim}] = [{n}], got {list(t.shape)}")
+    _same_device(t, ref, name, ref_name, op)
+
+
 def _random(uniforms, seed_offset, shape: tuple, ref: torch.Tensor, op: str) -> None:
     if (uniforms is None) == (seed_offset is None):
         raise ValueError(f"{op}: pass exactly one of uniforms or philox_seed_offset")
@@ -266,11 +276,7 @@ def cache_attention_shapes(query, key, value, starts) -> tuple[int, int, int, in
     B = attention_shapes(query, key, value, None, op)[0]
     if query.shape[3] > 256:
         raise ValueError(f"{op}: query must be [B, Hq, n, D] with n >= 1 and 1 <= D <= 256, got {list(query.shape)}")
-    if starts.dtype != torch.int64:
-        raise TypeError(f"{op}: starts must be int64 (positions), got {starts.dtype}")
-    if starts.dim() != 1 or starts.shape[0] != B:
-        raise ValueError(f"{op}: starts must be [B] = [{B}], got {list(starts.shape)}")
-    _same_device(starts, query, "starts", "query", op)
+    _int64_vector(starts, "starts", B, "B", query, "query", op, " (positions)")
     return B, query.shape[2], query.shape[1], query.shape[3]
 
 
@@ -391,17 +397,9 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
     _like(sin, (cos.shape[0], D), "sin", op, x)
     if cos.shape[0] < 1:
         raise ValueError(f"{op}: cos must have a row per position, got {list(cos.shape)}")
-    if lengths.dtype != torch.int64:
-        raise TypeError(f"{op}: lengths must be int64, got {lengths.dtype}")
-    if lengths.dim() != 1 or lengths.shape[0] != S:
-        raise ValueError(f"{op}: lengths must be [S] = [{S}], got {list(lengths.shape)}")
-    _same_device(lengths, x, "lengths", "x", op)
+    _int64_vector(lengths, "lengths", S, "S", x, "x", op)
     if slots is not None:
-        if slots.dtype != torch.int64:
-            raise TypeError(f"{op}: slots must be int64, got {slots.dtype}")
-        if slots.dim() != 1 or slots.shape[0] != B:
-            raise ValueError(f"{op}: slots must be [B] = [{B}], got {list(slots.shape)}")
-        _same_device(slots, x, "slots", "x", op)
+        _int64_vector(slots, "slots", B, "B", x, "x", op)
     elif B > S:
         raise ValueError(f"{op}: x has {B} rows but the cache {S} slots")
     if not _is_fake(x):
