@@ -1,4 +1,5 @@
-"""Typed wrappers of the fused speculative-sampling ops, with fake (meta) kernels.
+"""Typed wrappers of the fused speculative-sampling ops, with fake (meta) kernels; the model-layer ops (attention over
+a KV cache, packed linear, decoder layer) are in ``layer_ops`` and re-exported here.
 
 The ops are registered by the C++ extension as ``torch.ops.specdec_ext.*`` (schemas in
 ``csrc/ops.cpp``) with CPU kernels and, in a CUDA build, CUDA kernels. The fake kernels below
@@ -25,30 +26,16 @@ follow the target distribution exactly.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from . import checks, errors, reference
+from ._library import HAS_EXTENSION, library_path
+from .layer_ops import (  # noqa: F401 (re-exported: the model-layer ops live in layer_ops)
+    PANEL, cache_attention, decode_attention, decoder_layer, pack_linear_weight, packed_linear)
 
 
-
-def library_path() -> Optional[Path]:
-    """The compiled ops library (``specdec_ext/_C*.so``; Python-free: C++ programs link it beside libtorch,
-    see the README), or None on an install without a compiler."""
-    found = sorted(Path(__file__).parent.glob("_C*.so"))
-    return found[0] if found else None
-
-
-try:  # loading the compiled library registers torch.ops.specdec_ext.*
-    _LIB = library_path()
-    if _LIB is None:
-        raise OSError("no compiled library")
-    torch.ops.load_library(str(_LIB))
-    HAS_EXTENSION = True
-except (OSError, RuntimeError):  # pragma: no cover - exercised only on installs without a compiler
-    HAS_EXTENSION = False
 
 __all__ = [
     "HAS_EXTENSION",
@@ -61,6 +48,7 @@ __all__ = [
     "confidence_features",
     "argmax_tokens",
     "decode_attention",
+    "PANEL",
     "cache_attention",
     "pack_linear_weight",
     "packed_linear",
@@ -439,163 +427,6 @@ def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.specdec_ext.argmax_tokens(logits)
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of a few queries per row over a KV cache (a decode step, or a verification pass over K + 1
-    positions): ``softmax(q k^T * scale, masked) v``, reading the cache where it lies and skipping the columns
-    no query may see (left padding, holes of rejected candidates). Scaled dot-product attention (Vaswani et
-    al. 2017, Eq. 1), float32 accumulation, grouped-query attention by sharing each key/value head among
-    ``Hq / Hkv`` query heads.
-
-    A CPU kernel only: on this project's CPUs torch's fused attention takes 4-6x as long for one query per
-    row in bfloat16 (``bench/attention_cpu.py``); on GPUs the flash kernels behind
-    ``scaled_dot_product_attention`` serve decoding well. ``engine.attention`` registers it with transformers
-    as ``attn_implementation="specdec_decode"``.
-
-    Args:
-        query: ``[B, Hq, n, D]`` float32/bfloat16/float16, any strides.
-        key, value: ``[B, Hkv, C, D]`` in query's dtype, any strides (e.g. views of a cache with spare room);
-            ``Hq`` a multiple of ``Hkv``.
-        mask: ``[B or 1, Hq or 1, n, C]`` bool, true where query i may see column c (causality included).
-        scale: multiplies ``q . k`` (usually ``D ** -0.5``).
-
-    Returns:
-        ``[B, n, Hq, D]`` in query's dtype (the layout attention layers reshape to ``[B, n, Hq * D]``). A query
-        that sees no column gets zeros; NaN in q, k or v propagates to the queries that see it.
-
-    Raises:
-        ValueError: shapes (naming the argument), a non-finite scale, or a device other than the CPU.
-        TypeError: dtypes (key/value not query's dtype, a mask that is not bool).
-    """
-    if not HAS_EXTENSION:
-        return reference.decode_attention(query, key, value, mask, scale)
-    if query.device.type != "cpu" and not checks._is_fake(query):
-        raise ValueError(f"decode_attention has a CPU kernel only (query is on {query.device}); on GPUs use "
-                         "cache_attention (a static cache's rows) or torch.nn.functional.scaled_dot_product_attention")
-    return torch.ops.specdec_ext.decode_attention(query, key, value, mask, scale)
-
-
-def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Attention of a few queries per row over a static KV cache, each row read up to its live length only:
-    :func:`decode_attention` where query i of row b sits at position ``starts[b] + i`` and sees the columns
-    ``0 .. min(starts[b] + i, C - 1)`` (causal, as a decode step or a verification of K + 1 positions sees its row;
-    no mask to build or read). On a GPU a flash-decoding kernel (``csrc/cuda/attention.cu``): the columns in chunks of
-    128, one block per (row, key/value head, chunk) reading its keys and values once for every query of the query
-    heads that share them (grouped-query attention), chunks past a row's length ending at once, the chunks' partial
-    softmaxes merged by a second kernel; float32 accumulation. On a CPU the masked :func:`decode_attention` kernel.
-
-    Args:
-        query: ``[B, Hq, n, D]`` float32/bfloat16/float16, 1 <= D <= 256.
-        key, value: ``[B, Hkv, C, D]`` in query's dtype (e.g. views of a cache's first B slots), ``Hq`` a multiple
-            of ``Hkv``.
-        starts: ``[B]`` int64 on query's device: each row's first query's position (its cache length before the
-            forward that wrote the queries' keys); a position below 0 sees no column.
-        scale: multiplies ``q . k``.
-
-    Returns:
-        ``[B, n, Hq, D]`` in query's dtype; a query that sees no column gets zeros.
-
-    Raises:
-        ValueError: shapes (naming the argument), D > 256, a non-finite scale. TypeError: dtypes.
-    """
-    if not HAS_EXTENSION:
-        return reference.cache_attention(query, key, value, starts, scale)
-    return torch.ops.specdec_ext.cache_attention(query, key, value, starts, scale)
-
-
-PANEL = 16  # output features per panel of a packed weight (one 64-byte line of float32)
-
-
-def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``weight`` ``[N, K]`` (a linear layer's, out x in) as :func:`packed_linear` reads it: panels of 16 output
-    features, ``[ceil(N / 16), K, 16]`` (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero), in ``dtype``
-    (float32 or bfloat16; None: the weight's where it is one of them, else float32). A copy, as large as ``weight``.
-
-    Raises:
-        ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor, or another ``dtype``."""
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise TypeError(f"pack_linear_weight: weight must be a floating-point tensor, got "
-                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
-    if weight.dim() != 2 or min(weight.shape) < 1:
-        raise ValueError(f"pack_linear_weight: weight must be [N, K] with N, K >= 1, got {list(weight.shape)}")
-    if dtype is None:
-        dtype = weight.dtype if weight.dtype in checks.LAYER_DTYPES else torch.float32
-    if dtype not in checks.LAYER_DTYPES:
-        raise TypeError(f"pack_linear_weight: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-    N, K = weight.shape
-    padded = torch.nn.functional.pad(weight.detach().to(dtype), (0, 0, 0, -N % PANEL))
-    return padded.view(-1, PANEL, K).transpose(1, 2).contiguous()
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x W^T + bias`` for a weight packed by :func:`pack_linear_weight`: the matrix-vector products of a decode step
-    or a verification (a few rows), reading the weight once at the rate the CPU streams memory
-    (``csrc/cpu/layer_cpu.cpp``). Each output sums its K products in float32, in one chain in k order, so a row's
-    result does not depend on how many rows are multiplied with it. A CPU kernel only.
-
-    Args:
-        x: ``[..., K]`` float32 or bfloat16.
-        weight: ``[ceil(N / 16), K, 16]`` in x's dtype (:func:`pack_linear_weight` of ``W`` ``[N, K]``).
-        out_features: N.
-        bias: ``[N]`` in x's dtype, or None.
-
-    Returns:
-        ``[..., N]`` in x's dtype.
-
-    Raises:
-        ValueError: shapes (naming the argument), a device other than the CPU. TypeError: dtypes.
-    """
-    if not HAS_EXTENSION:
-        return reference.packed_linear(x, weight, bias, out_features)
-    if x.device.type != "cpu" and not checks._is_fake(x):
-        raise ValueError(f"packed_linear has a CPU kernel only (x is on {x.device})")
-    return torch.ops.specdec_ext.packed_linear(x, weight, bias, out_features)
-
-
-def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor],
-                  q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], o: torch.Tensor,
-                  post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, lengths: torch.Tensor, slots: Optional[torch.Tensor], cos: torch.Tensor,
-                  sin: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
-    """One Llama / Qwen2 / Qwen3 decoder layer for a few tokens per row over a static KV cache, in one call
-    (``csrc/cpu/layer_cpu.cpp``): ``h = x + attention(RoPE(rms(x) Wqkv + b)) Wo``, then ``h + W_down(SiLU(rms(h)
-    W_gate) * rms(h) W_up)``, writing the tokens' keys and values into the cache. RMS norm (Zhang and Sennrich 2019,
-    Eq. 4), RoPE with rotate_half (Su et al. 2021, Eq. 34, as transformers' Llama), grouped-query attention over the
-    columns up to each token's position (the ``decode_attention`` kernel), SwiGLU MLP (Shazeer 2020, Eq. 6). What
-    ``engine.model.LeanModel`` computes with ~50 torch ops a layer; a CPU kernel only. The arithmetic is float32; a
-    bfloat16 layer rounds the cache's keys and values, the queries and attention output and its output to bfloat16.
-
-    Args:
-        x: ``[B, n, H]`` float32 or bfloat16: B rows of n tokens (every other floating tensor in x's dtype).
-        input_norm, post_norm: ``[H]``; q_norm, k_norm: ``[D]`` (Qwen3) or both None.
-        qkv, o, gate_up, down: the layer's weights packed by :func:`pack_linear_weight`: Wq, Wk, Wv concatenated
-            (``[(Hq + 2 Hkv) D, H]``), ``Wo`` ``[H, Hq D]``, Wgate and Wup concatenated (``[2 I, H]``), ``Wdown``
-            ``[H, I]``; every N a multiple of 16. qkv_bias: ``[(Hq + 2 Hkv) D]`` (Qwen2) or None.
-        key_cache, value_cache: ``[S, Hkv, C, D]``, contiguous, written in place: the tokens of row b at
-            columns ``min(lengths[slot] + i, C - 1)`` of its slot (the last column: the cache's scratch one).
-        lengths: ``[S]`` int64, each slot's filled columns before the call (not advanced: the caller does).
-        slots: ``[B]`` int64 (row b's slot) or None (row b in slot b).
-        cos, sin: ``[T, D]`` RoPE tables by position (position p reads row ``min(p, T - 1)``).
-        heads: Hq, a multiple of Hkv. eps: the RMS norms'.
-
-    Returns:
-        ``[B, n, H]`` in x's dtype, the layer's output.
-
-    Raises:
-        ValueError: shapes (naming the argument), a slot or length out of range, a device other than the CPU.
-        TypeError: dtypes.
-    """
-    args = (x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache, lengths,
-            slots, cos, sin, int(heads), float(eps))
-    if not HAS_EXTENSION:
-        return reference.decoder_layer(*args)
-    if x.device.type != "cpu" and not checks._is_fake(x):
-        raise ValueError(f"decoder_layer has a CPU kernel only (x is on {x.device})")
-    return torch.ops.specdec_ext.decoder_layer(*args)
-
-
 def graph_chain(anchor: torch.Tensor, pieces: list, flags: list) -> int:
     """One CUDA graph of ``pieces`` (cudaGraph_t handles, as integers: ``torch.cuda.CUDAGraph(keep_graph=True)``'s
     ``raw_cuda_graph()``), the middle ones each under a conditional IF node: ``pieces[0]``, then ``pieces[i]``
@@ -622,11 +453,6 @@ def graph_destroy(anchor: torch.Tensor, graph: int) -> None:
 
 if HAS_EXTENSION:
 
-    @torch.library.register_fake("specdec_ext::cache_attention")
-    def _cache_attention_fake(query, key, value, starts, scale):
-        B, n, Hq, D = checks.cache_attention_shapes(query, key, value, starts)
-        return query.new_empty(B, n, Hq, D)
-
     @torch.library.register_fake("specdec_ext::confidence_features")
     def _confidence_features_fake(dist, tokens, logits):
         B, _ = checks.confidence_shapes(dist, tokens, logits)
@@ -644,18 +470,6 @@ if HAS_EXTENSION:
     @torch.library.register_fake("specdec_ext::argmax_tokens")
     def _argmax_tokens_fake(logits):
         return logits.new_empty(checks.argmax_shapes(logits), dtype=torch.int64)
-
-    @torch.library.register_fake("specdec_ext::packed_linear")
-    def _packed_linear_fake(x, weight, bias, out_features):
-        return x.new_empty(checks.packed_linear_shapes(x, weight, bias, out_features))
-
-    @torch.library.register_fake("specdec_ext::decoder_layer")
-    def _decoder_layer_fake(*args):
-        return args[0].new_empty(checks.decoder_layer_shapes(*args))
-
-    @torch.library.register_fake("specdec_ext::decode_attention")
-    def _decode_attention_fake(query, key, value, mask, scale):
-        return query.new_empty(checks.attention_shapes(query, key, value, mask))
 
     @torch.library.register_fake("specdec_ext::chain_verify")
     def _chain_verify_fake(draft_token_ids, draft_probs, target_probs, num_draft_tokens=None, uniforms=None,

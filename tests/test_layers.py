@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "specdec_ext"
 
 # module (dotted, without the package name) or package prefix -> layer; the longest prefix wins
 LAYERS = {
-    "errors": 0, "checks": 0, "reference": 0, "ops": 0, "_C": 0,
+    "errors": 0, "checks": 0, "reference": 0, "ops": 0, "layer_ops": 0, "_library": 0, "_C": 0,
     "corpus": 0, "prompts": 0,  # the stdlib corpus and the prompt sets read from it: leaves
     "transfer": 0,  # pinned host buffers for copies without a wait (engine and policies)
     "head": 1,
