@@ -24,7 +24,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``Hq / Hkv`` query heads.
 
     A CPU kernel only: on this project's CPUs torch's fused attention takes 4-6x as long for one query per
-    row in bfloat16 (``bench/attention_cpu.py``); on GPUs the flash kernels behind
+    row in bfloat16 (``bench/bench_ops.py --attention``); on GPUs the flash kernels behind
     ``scaled_dot_product_attention`` serve decoding well. ``engine.attention`` registers it with transformers
     as ``attn_implementation="specdec_decode"``.
 

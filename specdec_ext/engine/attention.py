@@ -13,7 +13,7 @@ serves the call, and through transformers' SDPA function otherwise:
 * SDPA: prefills of longer prompts (its flash kernel is faster there), GPUs, and everything else.
 
 Why: torch's fused CPU attention takes 4-6x as long as matmul-softmax-matmul for one query per row in bfloat16
-(``bench/attention_cpu.py``), and at batch sizes of 16-64 half of a padded cache is padding. Measured end to
+(``bench/bench_ops.py --attention``), and at batch sizes of 16-64 half of a padded cache is padding. Measured end to
 end by ``1bd1639:bench/attention_impl.py``.
 """
 
@@ -29,7 +29,7 @@ from .. import ops
 NAME = "specdec_decode"
 # Queries per row the kernel takes (decode steps, verification of K + 1 positions); longer prefills go to SDPA's
 # flash kernel. The kernel wins by 3.5-5.8x at one query per row in bf16, but with 5 queries per row and no
-# padding it is slower than SDPA (bench/attention_cpu.py): it gains there only where it skips padding.
+# padding it is slower than SDPA (bench/bench_ops.py --attention): it gains there only where it skips padding.
 MAX_QUERIES = 16
 
 
