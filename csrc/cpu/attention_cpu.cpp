@@ -41,19 +41,14 @@ constexpr int kDotLanes = 8;
 constexpr int kSumLanes = 8;
 constexpr int kScoreColumns = 8;  // columns scored together (dot_columns; scores are padded to kSumLanes)
 
-// Row of D elements as float32 (bfloat16: the upper 16 bits of a float32, so a shift that vectorises).
+// Row of D elements as float32 (bfloat16: upper_half, a shift that vectorises).
 template <typename T>
 inline void load_row(const T* p, int64_t D, float* out) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(out, p, D * sizeof(float));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t bits = static_cast<uint32_t>(u[d]) << 16;
-      float f;
-      std::memcpy(&f, &bits, sizeof(f));
-      out[d] = f;
-    }
+    for (int64_t d = 0; d < D; ++d) out[d] = upper_half(u[d]);
   } else {
     for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(p[d]);
   }

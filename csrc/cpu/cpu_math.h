@@ -54,6 +54,14 @@ inline bool avx512_usable() {
     case DType::kFloat16: FN<c10::Half>(ARGS); break;                               \
   }
 
+// The float32 whose upper 16 bits are u: a bfloat16's value from its bits (a shift that vectorises).
+SPECDEC_ALWAYS_INLINE float upper_half(uint16_t u) {
+  const uint32_t bits = static_cast<uint32_t>(u) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // a * b + c rounded once where the CPU has fused multiply-add (FP_FAST_FMAF: x86-64 built with -mfma, AArch64), else
 // a * b + c. Written out, not left to the compiler's contraction, which it applies or not loop by loop: a sum that must
 // round the same way in a one-token step and in a verification (the same row in a scalar tail or a vector body, in a

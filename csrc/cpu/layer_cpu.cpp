@@ -42,20 +42,10 @@ constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the line being rea
 constexpr int64_t kMaxRowBlock = 6;     // rows sharing each load of a panel line (6 x 16 float32 accumulators)
 
 inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) {  // the upper 16 bits of a float32: a shift that vectorises
+inline float widen(c10::BFloat16 v) {
   uint16_t u;
   std::memcpy(&u, &v, sizeof(u));
-  const uint32_t bits = static_cast<uint32_t>(u) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-SPECDEC_ALWAYS_INLINE float upper_half(uint16_t u) {  // the float32 whose upper 16 bits are u (a bfloat16's value)
-  const uint32_t bits = static_cast<uint32_t>(u) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
+  return upper_half(u);
 }
 
 // n values of a float32 or bfloat16 array as float32.
@@ -89,6 +79,12 @@ SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, 
   }
 }
 
+// y[col .. col + width) = sums[0 .. width) (+ bias[col ..]): one row of a panel's outputs, the rest of its 16 lanes
+// (past N) dropped.
+SPECDEC_ALWAYS_INLINE void store_panel_row(const float* sums, float* y, int64_t col, int64_t width, const float* bias) {
+  for (int64_t l = 0; l < width; ++l) y[col + l] = sums[l] + (bias != nullptr ? bias[col + l] : 0.0f);
+}
+
 // Panel p of y for MB rows of x (row strides ldx, ldy): y[m, col] = x[m, :] . W[col, :] (+ bias), one chain of
 // multiply-adds per output in k order, the same for every MB. One panel at a time, so each thread streams one run of
 // memory: advancing 2 or 4 panels together gave a one-row product more independent chains (1.5x from the cache) but
@@ -104,8 +100,7 @@ SPECDEC_ALWAYS_INLINE void panel_rows(const float* x, int64_t ldx, int64_t K, co
     panel_step<MB>(acc, x, ldx, wp, k);
   }
   const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
-  for (int m = 0; m < MB; ++m)
-    for (int64_t l = 0; l < width; ++l) y[m * ldy + col + l] = acc[m][l] + (bias != nullptr ? bias[col + l] : 0.0f);
+  for (int m = 0; m < MB; ++m) store_panel_row(acc[m], y + m * ldy, col, width, bias);
 }
 
 // Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16], by
@@ -188,7 +183,7 @@ struct Vectors {
     for (int m = 0; m < MB; ++m) {
       float sums[kPanel];
       std::memcpy(sums, &acc[m], sizeof(sums));
-      for (int64_t l = 0; l < width; ++l) y[m * ldy + col + l] = sums[l] + (bias != nullptr ? bias[col + l] : 0.0f);
+      store_panel_row(sums, y + m * ldy, col, width, bias);
     }
   }
 };
