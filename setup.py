@@ -8,6 +8,8 @@
   C++ programs link it beside libtorch; Python loads it with torch.ops.load_library.
 * CPU flags: -O3 -fopenmp-simd (vectorised reductions without -ffast-math); on x86-64 also
   AVX2/FMA/F16C. Override with SPECDEC_CPU_FLAGS (e.g. "-march=native" or "" for baseline x86-64).
+* -g0: no debug information (Python's own CFLAGS carry -g, which doubled the build's compile time, most of it in
+  the op registrations' templates); SPECDEC_CPU_FLAGS="-g ..." puts it back, as those flags come after.
 * When torch's intra-op backend is OpenMP (its CPU wheels), -fopenmp, compiled and linked: at::parallel_for is a
   header template that runs serially in code compiled without it, so the kernels' row loops would use one
   thread whatever torch.get_num_threads() says. The extension then shares torch's OpenMP runtime (libgomp,
@@ -49,7 +51,7 @@ def openmp_flags() -> list:
 def extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     link = openmp_flags()
-    cxx = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno"] + link + cpu_flags()
+    cxx = ["-O3", "-g0", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno"] + link + cpu_flags()
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not want_cuda():
         sources = [s for s in sources if not s.endswith("bindings_cuda.cpp")]

@@ -150,6 +150,32 @@ def test_a_quantized_gguf_dequantizes_as_the_gguf_package_does(tmp_path):
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)).float())
 
 
+def test_a_conversion_reads_the_file_once_and_leaves_the_gguf_package_as_it_was(tmp_path, tiny, monkeypatch):
+    """transformers' loader would open a reader for the tokenizer, the config and the weights (3) and build the tensor
+    name map once per module; gguf_model_dir hands it one of each, then puts the package's own back, after a
+    failure too."""
+    opened, maps = [], []
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a) or reader(*a, **k))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: maps.append(a) or name_map(*a))
+    counting = (gguf.GGUFReader, gguf.get_tensor_name_map)
+    path, model, _ = tiny
+    d = gguf_model_dir(path, cache=tmp_path / "once", log=lambda m: None)
+    assert len(opened) == 1 and len(maps) == 1, (len(opened), len(maps))
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == counting
+    from transformers import AutoModelForCausalLM
+
+    x = torch.tensor([[0, 5, 17, 42]])
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-5)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:3000])
+    with pytest.raises(ValueError, match="could not read it"):
+        gguf_model_dir(cut, cache=tmp_path / "cut", log=lambda m: None)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == counting
+
+
 def test_bad_gguf_files_raise_one_line_errors_naming_the_file(tmp_path, tiny):
     path, _, _ = tiny
     missing = tmp_path / "missing.gguf"
