@@ -22,15 +22,26 @@ def test_the_readme_has_python_snippets():
     assert len(BLOCKS) >= 2
 
 
+# the namespace each block left, so that a block that continues the previous one runs in it without running the blocks
+# before it again (they run in order on one worker); a block run alone first runs those it continues
+_LEFT: dict[int, dict] = {}
+
+
+def _namespace_after(index: int) -> dict:
+    """The namespace block ``index`` left (running it, and the blocks it continues, if it has not run)."""
+    if index not in _LEFT:
+        continues = BLOCKS[index].lstrip().startswith("# continues")
+        namespace = dict(_namespace_after(index - 1)) if continues and index > 0 else {}
+        exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), namespace)
+        _LEFT[index] = namespace
+    return _LEFT[index]
+
+
 @pytest.mark.skipif(not pair_available(), reason="the bundled pair is not in this checkout")
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_snippet_runs(index, capsys):
-    namespace: dict = {}
-    start = index
-    while start > 0 and BLOCKS[start].lstrip().startswith("# continues"):
-        start -= 1
-    for block in BLOCKS[start : index + 1]:
-        exec(compile(block, f"README.md python block {index}", "exec"), namespace)
+    _LEFT.pop(index, None)  # this block runs now, whatever ran before
+    _namespace_after(index)
 
 
 BASH = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
