@@ -1,8 +1,11 @@
 """One rank of the tensor-parallel tests (run by ``torchrun --nproc-per-node 2`` from test_tensor_parallel.py).
 
-argv: MODELS_DIR OUT_DIR. Loads ``MODELS_DIR/{target,draft,head}`` with ``load_models(tp=2)``, generates
-with every case of ``CASES`` and writes ``OUT_DIR/rank{r}.json``: the new tokens of each case, whether
-``check_same_output`` caught ranks that differ, and the cost table the auto rule used."""
+argv: MODELS_DIR OUT_DIR [TRAIN_HEAD_ARGS...]. Loads ``MODELS_DIR/{target,draft,head}`` with ``load_models(tp=2)``,
+generates with every case of ``CASES`` and writes ``OUT_DIR/rank{r}.json``: the new tokens of each case, whether
+``check_same_output`` caught ranks that differ, and the cost table the auto rule used. Then, with its process group
+ended, the rank runs ``specdec train-head TRAIN_HEAD_ARGS`` (the CLI's ``main``, as the ``specdec`` command calls
+it), if given: with ``--data-only`` each rank makes its shard, by RANK of WORLD_SIZE. One ``torchrun`` serves both
+tests (each launch starts two interpreters that import torch and transformers)."""
 
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def run_cases(pair, costs=None, batch_costs=None) -> dict:
     return out
 
 
-def main(models: Path, out_dir: Path) -> None:
+def main(models: Path, out_dir: Path, train_head: list[str]) -> None:
     pair = load_models(models / "target", models / "draft", models / "head", tokenizer=PAIR_DIR / "target", tp=2)
     result = run_cases(pair, batch_costs=TEST_BATCH_COSTS)  # the single-row cost table is profiled by the ranks
     result["tp_size"] = tp_size(pair.target)
@@ -52,8 +55,13 @@ def main(models: Path, out_dir: Path) -> None:
         result["divergence_caught"] = "ranks produced different outputs" in str(e)
     (out_dir / f"rank{rank()}.json").write_text(json.dumps(result))
     end_process_group()  # gloo's threads left to the interpreter's exit can abort a rank (SIGABRT)
+    if train_head:
+        from specdec_ext import cli
+
+        code = cli.main(train_head)
+        (out_dir / f"train_head_rank{rank()}.json").write_text(json.dumps({"exit": code}))
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
