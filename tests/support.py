@@ -22,6 +22,13 @@ POLICIES = [("autoregressive", {}), ("fixed", {"k": 1}), ("fixed", {"k": 4}), ("
             ("specdecpp", {"threshold": 0.5, "_head": "proposal"}),
             ("specdecpp", {"threshold": "auto", "k_max": 8, "_head": "proposal"})]
 PIDS = [n + "-" + "-".join(k.strip("_") + str(v) for k, v in kw.items()) for n, kw in POLICIES]
+# one policy of each way of running rounds: plain decoding, a fixed K, a stop rule (which decides from the draft's side
+# only, so which rule it is cannot change what happens after it), and the verification budget of a cost-aware batch;
+# for what the engine does around rounds (admissions, processed distributions), once each way is enough
+EACH_WAY = {"autoregressive-", "fixed-k4", "specdecpp-threshold0.3-k_min2",
+            "specdecpp-thresholdauto-k_max8-headproposal"}
+EACH_WAY_POLICIES = [policy for policy, pid in zip(POLICIES, PIDS) if pid in EACH_WAY]
+EACH_WAY_PIDS = [pid for pid in PIDS if pid in EACH_WAY]
 
 # a GPU-like cost model for tests (no profiling): flat verification, draft step 0.15 of it
 TEST_COSTS = CostModel([10.0] * 30, 1.5, 0.0, 0.2, {"kind": "test"})

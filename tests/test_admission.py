@@ -1,7 +1,8 @@
 """Grouped admission in continuous batching (``generate_continuous(admission="grouped")``,
 ``engine/admission.AdmissionRule``): the ski-rental rule's fit and decisions, and a grouped call whose requests wait
 for free slots and whose batch grows back, with every request's output still its output alone (greedy: target-only
-decoding; seeded sampling: its own ``generate()``), under every policy and both draft runners; the same for requests
+decoding; seeded sampling: its own ``generate()``), under one policy of each way of running rounds (support.EACH_WAY;
+test_continuous runs every policy through the default admission) and both draft runners; the same for requests
 prefilled ahead (``admission="ahead"``)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from models import make_pair
-from support import PIDS, POLICIES, make_gen, target_only
+from support import EACH_WAY_PIDS, EACH_WAY_POLICIES, make_gen, target_only
 from test_continuous import queue
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.admission import AdmissionRule, check_admission
@@ -93,7 +94,7 @@ def waits_long(monkeypatch):
     monkeypatch.setattr(AdmissionRule, "fit", lambda self: (1e9, 1.0))
 
 
-@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+@pytest.mark.parametrize("name,kw", EACH_WAY_POLICIES, ids=EACH_WAY_PIDS)
 @pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
 def test_grouped_requests_equal_their_output_alone(name, kw, fast_draft, waits_long):
     target, draft = make_pair("llama")
@@ -133,7 +134,7 @@ def test_a_generator_learns_the_fit_from_its_own_admissions():
     assert out.stats.summary()["admissions"] == out.stats.admissions
 
 
-@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
+@pytest.mark.parametrize("name,kw", EACH_WAY_POLICIES, ids=EACH_WAY_PIDS)
 @pytest.mark.parametrize("fast_draft", [True, False], ids=["fast-draft", "hf-draft"])
 def test_requests_prefilled_ahead_equal_their_output_alone(name, kw, fast_draft):
     """admission="ahead" (the default): the target prefills the queue's next requests together (here batch_size of

@@ -13,7 +13,7 @@ from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig, process_logits, sample_with_uniforms
 from models import make_pair
 from stats import assert_follows
-from support import PIDS, POLICIES, exact_marginals, make_gen
+from support import EACH_WAY, PIDS, POLICIES, exact_marginals, make_gen
 
 N_ROWS = 3000
 N_POS = 3
@@ -29,13 +29,10 @@ def pair_and_marginals():
     return target, draft, prompt, {cfg: exact_marginals(target, prompt, cfg, N_POS) for cfg in SETTINGS}
 
 
-# Every policy at T = 1; the processed distributions (top-k, top-p) with one policy of each way of running rounds:
-# plain decoding, a fixed K, a stop rule, and the verification budget of a cost-aware batch. A stop rule decides from
-# the draft's side only, so what it stops cannot bias the output; the processing is the same for every rule.
-PROCESSED = {"autoregressive-", "fixed-k4", "specdecpp-threshold0.3-k_min2",
-             "specdecpp-thresholdauto-k_max8-headproposal"}
+# Every policy at T = 1; the processed distributions (top-k, top-p) with one policy of each way of running rounds
+# (support.EACH_WAY): the processing is the same for every rule.
 CASES = [(name, kw, cfg, f"{pid}-{cid}") for (name, kw), pid in zip(POLICIES, PIDS)
-         for cfg, cid in zip(SETTINGS, ["T1", "T0.6-topk6", "topp0.8"]) if cid == "T1" or pid in PROCESSED]
+         for cfg, cid in zip(SETTINGS, ["T1", "T0.6-topk6", "topp0.8"]) if cid == "T1" or pid in EACH_WAY]
 
 
 @pytest.mark.slow
