@@ -41,3 +41,18 @@ def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, 
 def assert_follows(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
     stat, df, thr = chi_square(samples, probs)
     assert stat <= thr, f"{what}: chi-square {stat:.1f} > threshold {thr:.1f} (df = {df}, n = {samples.numel()})"
+
+
+def caught_at(n: int, probs: torch.Tensor, wrong: torch.Tensor) -> tuple[float, float]:
+    """A negative control without sampling: ``(expected statistic, threshold)`` of :func:`chi_square` for ``n`` samples
+    drawn from ``wrong`` instead of ``probs`` (df plus the noncentrality n * sum (wrong - probs)^2 / probs over the
+    same bins). A test that draws ``n`` samples would catch a sampler that returned ``wrong`` when the first clears
+    the second by a wide margin."""
+    probs = probs.double().cpu() / probs.double().sum()
+    wrong = wrong.double().cpu() / wrong.double().sum()
+    big = probs * n >= 5
+    p = torch.cat([probs[big], probs[~big].sum().view(1)])
+    q = torch.cat([wrong[big], wrong[~big].sum().view(1)])
+    df = int((p > 0).sum()) - 1
+    lam = n * float(((q[p > 0] - p[p > 0]) ** 2 / p[p > 0]).sum())
+    return df + lam, df + 10 * math.sqrt(2 * max(df, 1))
