@@ -94,7 +94,12 @@ class Install:
         self.name = name
         self.proc = subprocess.Popen([python, __file__, "--worker", pair, dtype], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.where = None
+
+    def ready(self) -> "Install":
+        """Waits for the worker's first line (it has loaded the pair); the workers start together."""
         self.where = self._read()["ready"]
+        return self
 
     def _read(self) -> dict:
         while True:
@@ -110,7 +115,7 @@ class Install:
         return self._read()
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.proc.stdin.close()  # the worker reads end-of-file and returns, also before it is ready
         self.proc.wait(timeout=60)
 
 
@@ -129,17 +134,17 @@ def main(argv=None) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from paired import paired
     from specdec_ext.prompts import load_prompts
-    from specdec_ext.zoo import load_pair
 
-    tok = load_pair(args.pair, with_head=False).tokenizer
-    prompts = [tok(t)["input_ids"] for t in load_prompts("humaneval")[: args.prompts]]
-    methods = args.methods.split(",")
     installs = {n: Install(n, python, args.pair, args.dtype) for n, python in (("this", sys.executable),
                                                                                 ("other", args.other))}
     order = [["this", "other"], ["other", "this"]]
-    t0 = time.perf_counter()
     rows = []
     try:
+        pair = _load(args.pair, args.dtype)  # its tokenizer, and the machine's description
+        prompts = [pair.tokenizer(t)["input_ids"] for t in load_prompts("humaneval")[: args.prompts]]
+        methods = args.methods.split(",")
+        installs = {n: inst.ready() for n, inst in installs.items()}
+        t0 = time.perf_counter()
         for B in (int(b) for b in args.batch_sizes.split(",")):
             for m in methods:
                 for inst in installs.values():
@@ -175,7 +180,7 @@ def main(argv=None) -> dict:
             inst.close()
     from specdec_ext.benchmark import machine_description
 
-    result = {"machine": machine_description(_load(args.pair, args.dtype)), "seconds": time.perf_counter() - t0,
+    result = {"machine": machine_description(pair), "seconds": time.perf_counter() - t0,
               "installs": {n: i.where for n, i in installs.items()},
               "command": "python bench/installs.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rows": rows}
