@@ -3,7 +3,9 @@
 //
 // Input file, one tensor per line: name dtype(f32|i64) ndim d0 .. d{ndim-1} v0 v1 ...
 // Output, one tensor per line: name v0 v1 ... (flattened, as float)
-#include <ATen/ATen.h>
+// Tensor and the one factory used here, not <ATen/ATen.h> (every op's header: twice the compile time)
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <dlfcn.h>
