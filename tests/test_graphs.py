@@ -12,18 +12,20 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import (CHAIN_CASES, PIDS, POLICIES, chain_pieces, exact_marginals, graphed, head_for, make_gen,
+from support import (CHAIN_CASES, EACH_WAY, PIDS, POLICIES, chain_pieces, exact_marginals, graphed, head_for, make_gen,
                      sampled_rows, target_only)
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.sampling import SamplingConfig
 
 
-# every stop rule under each way of reading its flags; plain decoding and fixed K have no stop rule, so
-# ``early_exit`` changes nothing in their rounds (engine/round.py reads nothing without a rule): run once
+# every policy drafting to the cap, and every stop rule with the stop decided inside the round ("device"); plain
+# decoding and fixed K have no stop rule, so ``early_exit`` changes nothing in their rounds (engine/round.py reads
+# nothing without a rule). Reading the rule's flag after each step or after some steps reads it the same way whichever
+# rule set it: those run with the stop rules of support.EACH_WAY
 EXITS = {"early-exit": True, "to-cap": False, "tiers": (1, 3), "device": "device"}
 REPLAYED = [(name, kw, mode, f"{mode}-{pid}") for mode in EXITS for (name, kw), pid in zip(POLICIES, PIDS)
-            if mode == "to-cap" or name not in ("autoregressive", "fixed")]
+            if mode == "to-cap" or (name not in ("autoregressive", "fixed") and (mode == "device" or pid in EACH_WAY))]
 
 
 @pytest.mark.parametrize("name,kw,mode", [c[:3] for c in REPLAYED], ids=[c[3] for c in REPLAYED])
