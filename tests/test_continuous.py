@@ -14,7 +14,7 @@ import torch
 
 from models import make_pair
 from stats import assert_follows
-from support import (PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen,
+from support import (EACH_WAY, PIDS, POLICIES, TEST_BATCH_COSTS, TEST_COSTS, exact_marginals, head_for, make_gen,
                      spy_draft_reads, target_only)
 from specdec_ext import SpeculativeGenerator
 from specdec_ext.engine import backends, round as round_module
@@ -37,9 +37,14 @@ def mixed_rounds(stats, first: int) -> int:
     return sum(1 for r in stats.rounds if min(r.rows) < first <= max(r.rows))
 
 
-@pytest.mark.parametrize("name,kw", POLICIES, ids=PIDS)
-@pytest.mark.parametrize("arch,fast_draft", [("llama", True), ("llama", False), ("gpt2", False)],
-                         ids=["llama-fast-draft", "llama-hf-draft", "gpt2"])
+# every policy with both draft runners of a Llama pair; a GPT-2 pair (transformers' forward on both sides, learned
+# positions) with one policy of each way of running rounds (support.EACH_WAY)
+CONTINUOUS = [(name, kw, arch, fast_draft, f"{pid}-{aid}") for arch, fast_draft, aid in
+              [("llama", True, "llama-fast-draft"), ("llama", False, "llama-hf-draft"), ("gpt2", False, "gpt2")]
+              for (name, kw), pid in zip(POLICIES, PIDS) if arch == "llama" or pid in EACH_WAY]
+
+
+@pytest.mark.parametrize("name,kw,arch,fast_draft", [c[:4] for c in CONTINUOUS], ids=[c[4] for c in CONTINUOUS])
 def test_each_request_equals_its_output_alone(name, kw, arch, fast_draft):
     target, draft = make_pair(arch)
     V = target.config.vocab_size
