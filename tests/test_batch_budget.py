@@ -509,7 +509,7 @@ N_ROWS, N_POS = 3000, 3
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [MID, DEAR], ids=["mid", "dear"])
 def test_budgeted_sampling_is_lossless(batch):
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     cfg = SamplingConfig(1.0)
     marg = exact_marginals(target, prompt, cfg, N_POS)

@@ -299,7 +299,7 @@ N_ROWS, N_POS = 1500, 3
 @pytest.mark.slow
 @pytest.mark.parametrize("in_round", [True, False], ids=["in-round", "blind"])
 def test_budgeted_continuous_sampling_is_lossless(in_round):
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([0, 5, 7, 3, 9])
     cfg = SamplingConfig(1.0)
     marg = exact_marginals(target, prompt.view(1, -1), cfg, N_POS)
@@ -320,7 +320,7 @@ def test_continuous_sampling_with_eos_is_lossless():
     """Requests that end at EOS leave their slots to queued ones: each generated position follows target-only
     sampling over the requests still running there (chi-square per position; EOS a likely token, so rows end and
     new ones join at every round), for fixed K and SpecDec++ with its per-row rule."""
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([0, 5, 7, 3, 9])
     cfg = SamplingConfig(1.0)
     first = exact_marginals(target, prompt.view(1, -1), cfg, 1)[0]
@@ -359,7 +359,7 @@ def test_a_draft_that_reads_a_recent_window_keeps_the_target_output(monkeypatch,
 
 @pytest.mark.slow
 def test_sampling_with_a_windowed_draft_is_lossless():
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([0, 5, 7, 3, 9])
     marg = exact_marginals(target, prompt.view(1, -1), SamplingConfig(1.0), N_POS)
     gen = SpeculativeGenerator(target, draft, policy="fixed", k=3, draft_context=2)

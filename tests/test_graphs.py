@@ -334,7 +334,7 @@ def test_sampling_through_replayed_steps_is_lossless(early_exit):
     """Seeded sampling (T = 1) through recorded graphs of 64-row rounds, SpecDec++ with a fixed h: with the steps
     decided on the device (skipped steps' candidates and logits left at 0, the draft rolled back by the steps that
     ran) and with tiers, each of the first three positions follows the target's exact marginal (chi-square)."""
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marg = exact_marginals(target, prompt, SamplingConfig(1.0), 3)
     gen = graphed(make_gen(target, draft, "specdecpp", {"threshold": 0.3, "k_max": 4}, early_exit=early_exit))

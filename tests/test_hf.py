@@ -59,7 +59,7 @@ def test_return_dict_in_generate(pair):
 @pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.6, top_k=6)], ids=["T1", "T0.6-topk6"])
 def test_sampling_follows_the_target(cfg):
     """do_sample, temperature and top_k reach the engine: the first two positions follow target-only sampling."""
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marg = exact_marginals(target, prompt, cfg, 2)
     n = 3000
@@ -141,7 +141,7 @@ def test_sampling_with_a_logits_processor_follows_the_processed_target():
 
     from specdec_ext import SpeculativeGenerator
 
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     proc = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(2.0)])
     marg = processed_marginals(target, prompt, proc, 0.8)

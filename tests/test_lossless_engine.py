@@ -24,7 +24,7 @@ SETTINGS = [SamplingConfig(1.0), SamplingConfig(0.6, top_k=6), SamplingConfig(1.
 
 @pytest.fixture(scope="module")
 def pair_and_marginals():
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     return target, draft, prompt, {cfg: exact_marginals(target, prompt, cfg, N_POS) for cfg in SETTINGS}
 

@@ -95,7 +95,7 @@ def test_overlapped_rounds_sample_the_targets_distribution(name, kw):
     positions follows the target's exact marginal (chi-square), and rounds were launched ahead. (The negative controls
     are exact: a broken advance changes greedy tokens, below; this tiny model's next token depends too little on
     the last one for a stale token to fail a chi-square of 3,008 rows.)"""
-    target, draft = make_pair("llama", vocab=12, noise=0.5)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marg = exact_marginals(target, prompt, SamplingConfig(1.0), 4)
     gen, ahead = recorded(make_gen(target, draft, name, kw, early_exit=False), True)

@@ -156,7 +156,7 @@ def test_a_verifier_that_ignores_rejections_fails_the_engines_check(monkeypatch)
     """Negative control: an engine whose verification accepts every candidate (the draft's distribution, not the
     target's) fails the chi-square check of test_lossless_engine against the target's exact marginals; the same
     engine with the real verification passes it."""
-    target, draft = make_pair("llama", vocab=12, noise=0.3)
+    target, draft = make_pair("llama", vocab=12, noise=0.3, ctx=48)
     draft = noisy_copy(target, 3.0)  # far from the target, so accepting blindly shows
     prompt = torch.tensor([[3, 7, 5]])
     marg = exact_marginals(target, prompt, SamplingConfig(temperature=1.0), 1)[0]

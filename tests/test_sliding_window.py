@@ -53,7 +53,7 @@ def test_greedy_equals_generate_beyond_the_window(pair, name, kw, B):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
 def test_sampling_is_lossless_with_a_prompt_longer_than_the_window(arch):
-    target, draft = make_pair(arch, vocab=12, noise=0.5, window=4)
+    target, draft = make_pair(arch, vocab=12, noise=0.5, window=4, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9, 2, 8]])  # 7 tokens > window 4: every generated token sees a cut window
     cfg = SamplingConfig(1.0)
     marg = exact_marginals(target, prompt, cfg, 3)

@@ -101,7 +101,7 @@ N_POS = 3
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
 def test_sampling_follows_the_target_with_a_subset_draft(lean):
     """Target V = 12, a draft over ids {0, 2, 3, 5, 8, 9, 11}: the residual keeps the target's mass on the rest."""
-    target = make_target("llama", vocab=12)
+    target = make_target("llama", vocab=12, ctx=48)
     draft = subset_draft(target, [0, 2, 3, 5, 8, 9, 11], noise=0.5)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     cfg = SamplingConfig(1.0)

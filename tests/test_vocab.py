@@ -80,7 +80,7 @@ N_POS = 3
 def test_sampling_follows_the_target_when_embedding_sizes_differ(rows, lean, cfg):
     """Target V = 12; a draft of 9 rows never proposes ids 9..11 (the residual keeps the target's mass there), a
     draft of 15 rows has its 3 extra rows cut from its proposals; on the lean and the transformers backends."""
-    target = make_target("llama", vocab=12)
+    target = make_target("llama", vocab=12, ctx=48)
     draft = resized_draft(target, rows, noise=0.5)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marginals = exact_marginals(target, prompt, cfg, N_POS)
