@@ -4,7 +4,6 @@ import tempfile
 import threading
 import time
 
-import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -18,9 +17,6 @@ if not WORKER:
 # serial: torch at two threads (these machines have two cores); under pytest-xdist (PYTEST_XDIST_WORKER set) each
 # worker takes one, so two workers share two cores without oversubscribing them
 torch.set_num_threads(1 if WORKER else max(1, min(2, os.cpu_count() or 1)))
-
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 UNPACKED = ".unpacked"  # in the shared scratch cache: the controller's unpacking ended ("ok" or its error)
 
