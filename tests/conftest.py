@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 # profiles a test triggers go to a scratch directory, never the user's cache. Under pytest-xdist each worker has
-# its own, and the weights the controller unpacked or converted into its directory before the workers started
+# its own, and the weights the controller unpacked into its directory (while the workers start; they wait for them)
 # (SPECDEC_TEST_SHARED_CACHE, inherited) are linked into it, so they are made once a run, not once a worker
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
