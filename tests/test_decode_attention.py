@@ -295,3 +295,16 @@ def test_cache_attention_checks_and_fake_kernel():
         out = torch.compile(lambda *a: torch.ops.specdec_ext.cache_attention(*a, 0.125), fullgraph=True,
                             backend="aot_eager")(q, k, v, s)
         torch.testing.assert_close(out, reference.cache_attention(q, k, v, s, 0.125))
+
+
+def test_importing_the_package_registers_the_attention_name():
+    """engine/attention.py's contract: ``import specdec_ext`` alone (nothing else of it) lets transformers load a model
+    with ``attn_implementation="specdec_decode"``."""
+    import subprocess
+    import sys
+
+    code = ("import specdec_ext\nfrom transformers import AttentionInterface\n"
+            "print('specdec_decode' in AttentionInterface().valid_keys())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "True", "import specdec_ext did not register attn_implementation='specdec_decode'"
