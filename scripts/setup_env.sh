@@ -3,7 +3,7 @@
 # torch through --system-site-packages; SPECDEC_VENV_ARGS="" makes an isolated one), torch==2.13.0
 # only when no torch is importable, then this project built with --no-build-isolation so that its
 # extension compiles against that torch. The dependencies that do not need torch install in the background
-# meanwhile (a fresh set-up on a 2-core machine: 58 s -> about 45 s).
+# meanwhile (a fresh set-up on a 2-core machine: 58 s -> 48 s).
 # Source it: `. scripts/setup_env.sh`. Idempotent; a second run rebuilds only when the build's inputs changed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
