@@ -13,6 +13,16 @@ import math
 import torch
 
 
+def _merged(values: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
+    """``values`` of the bins ``big`` selects, then the sum of the rest as one bin."""
+    return torch.cat([values[big], values[~big].sum().view(1)])
+
+
+def threshold(df: int) -> float:
+    """The statistic a correct sampler stays under: df + 10 * sqrt(2 * df) (module docstring)."""
+    return df + 10 * math.sqrt(2 * df)
+
+
 def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
     """Return (statistic, df, threshold) for integer ``samples`` against distribution ``probs`` [V]."""
     samples = samples.reshape(-1).long().cpu()
@@ -24,8 +34,7 @@ def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, 
     assert observed.numel() == probs.numel(), "a sample lies outside the vocabulary"
     expected = probs * n
     big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    obs, exp = _merged(observed, big), _merged(expected, big)
     keep = exp > 0
     # Any sample in a bin of zero probability is an outright failure.
     if bool((obs[~keep] > 0).any()):
@@ -35,7 +44,7 @@ def chi_square(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, 
     if df == 0:
         return (0.0 if obs[0] == n else math.inf), 0, 0.0
     stat = float(((obs - exp) ** 2 / exp).sum())
-    return stat, df, df + 10 * math.sqrt(2 * df)
+    return stat, df, threshold(df)
 
 
 def assert_follows(samples: torch.Tensor, probs: torch.Tensor, what: str) -> None:
@@ -51,8 +60,8 @@ def caught_at(n: int, probs: torch.Tensor, wrong: torch.Tensor) -> tuple[float, 
     probs = probs.double().cpu() / probs.double().sum()
     wrong = wrong.double().cpu() / wrong.double().sum()
     big = probs * n >= 5
-    p = torch.cat([probs[big], probs[~big].sum().view(1)])
-    q = torch.cat([wrong[big], wrong[~big].sum().view(1)])
-    df = int((p > 0).sum()) - 1
-    lam = n * float(((q[p > 0] - p[p > 0]) ** 2 / p[p > 0]).sum())
-    return df + lam, df + 10 * math.sqrt(2 * max(df, 1))
+    p, q = _merged(probs, big), _merged(wrong, big)
+    keep = p > 0
+    df = int(keep.sum()) - 1
+    lam = n * float(((q[keep] - p[keep]) ** 2 / p[keep]).sum())
+    return df + lam, threshold(max(df, 1))
