@@ -43,11 +43,9 @@ def torchrun(args, tmp_path, timeout=600):
 
 
 def head_data_args(tmp: Path, name: str) -> list[str]:
-    """``specdec train-head --data-only`` on the bundled pair, five prompts, into ``tmp/w{name}``."""
-    prompts = tmp / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(5)))
+    """``specdec train-head --data-only`` on the bundled pair, the five prompts tp_run wrote, into ``tmp/w{name}``."""
     return ["train-head", "--target", str(bundled("target")), "--draft", str(bundled("draft")), "--prompts",
-            str(prompts), "--max-new-tokens", "6", "--data-only", "--eval-prompts", "none", "--out",
+            str(tmp / "p.jsonl"), "--max-new-tokens", "6", "--data-only", "--eval-prompts", "none", "--out",
             str(tmp / f"h{name}"), "--work-dir", str(tmp / f"w{name}")]
 
 
@@ -61,6 +59,7 @@ def tp_run(tmp_path_factory):
     draft.save_pretrained(tmp / "models" / "draft")
     head_for(draft, kind="proposal").save_pretrained(tmp / "models" / "head")
     (tmp / "out").mkdir()
+    (tmp / "p.jsonl").write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(5)))
     head_data = head_data_args(tmp, "2") if pair_available() else []
     torchrun([str(HERE / "tp_worker.py"), str(tmp / "models"), str(tmp / "out"), *head_data], tmp)
     return tmp, tmp / "models", [json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in range(2)]
