@@ -8,10 +8,11 @@ SpecDec++ acceptance head (``AcceptanceHead``) with its training pipeline.
 
 from . import ops
 from .engine import GenerationOutput, GenerationStats, SpeculativeGenerator
+from .engine.lookup import PromptLookup
 from .head import AcceptanceHead
 from .policies import AdaEDL, Autoregressive, Confidence, FixedK, Heuristic, SpecDecPP, make_policy
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "SpeculativeGenerator", "GenerationOutput", "GenerationStats", "AcceptanceHead", "Autoregressive",
+__all__ = ["ops", "SpeculativeGenerator", "PromptLookup", "GenerationOutput", "GenerationStats", "AcceptanceHead", "Autoregressive",
            "FixedK", "Heuristic", "Confidence", "AdaEDL", "SpecDecPP", "make_policy", "__version__"]

@@ -126,6 +126,7 @@ class Method:
     family: str = ""                        # for tables and plots: plain, fixed, specdecpp, ...
     param: Optional[float] = None           # K or h (None: the auto rule)
     target: str = "default"                 # "float32": the fp32 copy of the target (a reference baseline)
+    draft: str = "model"                    # "ngram": prompt lookup (engine/lookup.py) in place of the draft model
     _instance: Optional[CandidateLengthPolicy] = field(default=None, repr=False, compare=False)
 
     def instance(self) -> CandidateLengthPolicy:
@@ -136,6 +137,7 @@ class Method:
 
 
 DEFAULT_KS = (1, 2, 3, 4, 5, 6, 7, 8)
+LOOKUP_KS = (2, 4, 8)  # prompt lookup's fixed candidate lengths (arms "lookup K=k")
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 PAPER_THRESHOLDS = (0.3, 0.7, 0.9)
 
@@ -143,7 +145,7 @@ PAPER_THRESHOLDS = (0.3, 0.7, 0.9)
 def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(1, 20),
                      adaptive=True, oracle=True, auto=True, paper_head=None, paper_thresholds=PAPER_THRESHOLDS,
                      paper_bounds=(2, 20), fp32_plain=False, auto_uncalibrated=False,
-                     hf_static=False, auto_copies=0, auto_rule_only=False) -> list[Method]:
+                     hf_static=False, auto_copies=0, auto_rule_only=False, lookup_ks=LOOKUP_KS) -> list[Method]:
     """The benchmark's methods: plain decoding (ours, ``transformers``', and with ``fp32_plain`` our plain
     decoding of a float32 copy of the target), fixed K for each of ``ks``, SpecDec++ with ``head`` for each
     stop threshold in ``thresholds`` and with ``threshold="auto"`` (bounds ``k_bounds``; with ``auto_uncalibrated``
@@ -153,7 +155,9 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
     paper-recipe ``paper_head`` at ``paper_thresholds`` (bounds ``paper_bounds``, the paper's [2, 20]),
     the heuristic / confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks``
     (default: ``ks``) with its constant, heuristic and confidence schedules, with ``hf_static`` ``transformers``'
-    plain ``generate(cache_implementation="static")`` (its forward compiled by transformers on a GPU), and the greedy
+    plain ``generate(cache_implementation="static")`` (its forward compiled by transformers on a GPU), prompt lookup
+    (no draft model: ``engine/lookup.py``) at each of ``lookup_ks`` and under the heuristic, with ``hf``
+    ``transformers``' own prompt lookup (``prompt_lookup_num_tokens=10``, its default size), and the greedy
     oracle."""
     hf_ks = ks if hf_ks is None else hf_ks
     m = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain")]
@@ -196,7 +200,15 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
         m.append(Method("heuristic", "ours", lambda **_: make_policy("heuristic"), family="heuristic"))
         m.append(Method("confidence 0.4", "ours", lambda **_: make_policy("confidence"), family="confidence"))
         m.append(Method("adaedl", "ours", lambda **_: make_policy("adaedl"), family="adaedl"))
+    for k in lookup_ks:
+        m.append(Method(f"lookup K={k}", "ours", (lambda k=k, **_: make_policy("fixed", k=k)), family="lookup-fixed",
+                        param=k, draft="ngram"))
+    if lookup_ks:
+        m.append(Method("lookup heuristic", "ours", lambda **_: make_policy("heuristic"), family="lookup-heuristic",
+                        draft="ngram"))
     if hf:
+        if lookup_ks:
+            m.append(Method("hf prompt lookup", "hf", None, None, {"prompt_lookup_num_tokens": 10}, family="hf-lookup"))
         for k in hf_ks:
             m.append(Method(f"hf assisted K={k}", "hf", None, {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
                                                                  "assistant_confidence_threshold": 0.0},
@@ -241,7 +253,8 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
                 policy = Oracle([reference])
             else:
                 policy = method.instance()
-            gen = SpeculativeGenerator(target, draft if policy.speculative else None, policy=policy, costs=costs)
+            proposer = method.draft if method.draft == "ngram" else draft
+            gen = SpeculativeGenerator(target, proposer if policy.speculative else None, policy=policy, costs=costs)
             out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos)
             wall = time.perf_counter() - t0
             toks = out.new_tokens[0]

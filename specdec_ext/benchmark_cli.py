@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .benchmark import (DEFAULT_KS, DEFAULT_THRESHOLDS, PAPER_THRESHOLDS, format_table, machine_description,
+from .benchmark import (DEFAULT_KS, DEFAULT_THRESHOLDS, LOOKUP_KS, PAPER_THRESHOLDS, format_table, machine_description,
                         run_benchmark, save_json, standard_methods, summarize)
 from .engine.admission import ADMISSION_MODES, DEFAULT_ADMISSION
 
@@ -48,6 +48,10 @@ def add_arguments(p):
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="directory for JSON, Markdown and plots")
     p.add_argument("--cost-ratios", default="0.05,0.1,0.2", help="draft/target cost ratios for the replay")
     p.add_argument("--ks", type=_numbers(int), default=DEFAULT_KS, help="fixed candidate lengths K")
+    p.add_argument("--lookup-ks", type=_numbers(int), default=LOOKUP_KS,
+                   help="prompt lookup's fixed candidate lengths K (arms 'lookup K=k', beside 'lookup heuristic' and, "
+                        "unless --no-hf, transformers' prompt_lookup_num_tokens=10)")
+    p.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup arms")
     p.add_argument("--thresholds", type=_numbers(float), default=DEFAULT_THRESHOLDS,
                    help="SpecDec++ stop thresholds h; threshold='auto' runs as well")
     p.add_argument("--auto-uncalibrated", action="store_true",
@@ -104,10 +108,10 @@ def _command_line(args) -> str:
     if args.quick:
         parts.append("--quick")
     else:
-        for key in ("ks", "thresholds", "paper_thresholds", "hf_ks"):
-            if getattr(args, key) is not None:
+        for key in ("ks", "thresholds", "paper_thresholds", "hf_ks", "lookup_ks"):
+            if getattr(args, key, None) is not None:
                 parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
-    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only", "no_adaptive", "no_paper"):
+    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only", "no_adaptive", "no_paper", "no_lookup"):
         if getattr(args, key, False):
             parts.append(f"--{key.replace('_', '-')}")
     if getattr(args, "hf_static", None) is not None:
@@ -263,7 +267,7 @@ def run(args, pair):
     if args.quick:
         methods = standard_methods(pair.head, ks=(2, 3, 4), thresholds=(0.7,), hf=not args.no_hf, hf_ks=(2,),
                                    adaptive=False, paper_head=paper, paper_thresholds=(0.3,), fp32_plain=fp32_plain,
-                                   hf_static=hf_static)
+                                   hf_static=hf_static, lookup_ks=() if args.no_lookup else (4,))
         methods = [m for m in methods if m.family not in ("hf-heuristic", "hf-confidence")]
     else:
         methods = standard_methods(pair.head, ks=args.ks, thresholds=args.thresholds, hf=not args.no_hf,
@@ -271,7 +275,8 @@ def run(args, pair):
                                    paper_thresholds=args.paper_thresholds, adaptive=not args.no_adaptive,
                                    fp32_plain=fp32_plain, auto_uncalibrated=args.auto_uncalibrated,
                                    hf_static=hf_static, auto_copies=args.auto_copies,
-                                   auto_rule_only=args.auto_rule_only)
+                                   auto_rule_only=args.auto_rule_only,
+                                   lookup_ks=() if args.no_lookup else args.lookup_ks)
     print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
           f"draft {pair.draft.dtype}")

@@ -244,11 +244,13 @@ def test_bench_runs_end_to_end_and_records_auto_and_its_costs(capsys, tmp_path, 
     monkeypatch.setattr(SpeculativeGenerator, "costs", lambda self, policy=None: CostModel([8.0, 8.5, 9.0], 1.0, 0.1,
                                                                                          0.5))
     code, out, err = run(["bench", "--prompts", "1", "--max-new-tokens", "8", "--ks", "2", "--thresholds", "0.7",
-                          "--no-hf", "--no-fp32-plain", "--no-adaptive", "--no-paper", "--out", str(tmp_path)], capsys)
+                          "--no-hf", "--no-fp32-plain", "--no-adaptive", "--no-paper", "--lookup-ks", "3", "--out", str(tmp_path)],
+                         capsys)
     assert code == 0, err
     data = load_results(tmp_path / "bench-humaneval.json.gz")
     assert {r["method"] for r in data["summary"]} == {"plain", "fixed K=2", "specdec++ h=0.7", "specdec++ auto",
-                                                       "oracle"}
+                                                       "lookup K=3", "lookup heuristic", "oracle"}
+    assert "--lookup-ks 3 " in data["meta"]["command"]
     assert data["meta"]["command"].endswith("--no-adaptive --no-paper")
     chosen = data["meta"]["auto_selection"]["specdec++ auto"]
     assert chosen["arms"] == ["h=0.4", "h=0.5", "h=0.6", "h=0.7", "h=0.8", "goodput"] and chosen["played"]

@@ -26,6 +26,7 @@ from ..policies.costs import CostModel
 from .admission import DEFAULT_ADMISSION, check_admission
 from .backends import backend_for
 from .graphs import chain_nodes
+from .lookup import LookupBackend, PromptLookup
 from .model import supports
 from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
 from .round import BUCKETS, StepRunner
@@ -71,7 +72,11 @@ class SpeculativeGenerator:
             rows may differ from the target's by padding rows (e.g. Qwen2.5 0.5B's 151,936 against 7B's 152,064):
             the draft's probability of an id beyond its rows is 0, and it reads a stand-in for such an id
             (``engine/backends.py``, ``VocabMap``); a one-line warning names the extra rows unless ``tokenizers``
-            shows the pair shares one tokenizer.
+            shows the pair shares one tokenizer. Or ``"ngram"`` (a :class:`~specdec_ext.engine.lookup.PromptLookup`
+            with its defaults) or a ``PromptLookup``: prompt lookup, candidates copied from each request's own
+            context after the longest earlier match of its last tokens, no draft model (``engine/lookup.py``); any
+            policy whose stop rule does not read a draft model's hidden state (plain, fixed K, heuristic,
+            confidence, AdaEDL), each row drafting at most its match's continuation.
         policy: a :class:`~specdec_ext.policies.CandidateLengthPolicy` or a name: ``"autoregressive"``,
             ``"fixed"`` (``k=``), ``"heuristic"``, ``"confidence"``, ``"adaedl"``, ``"specdecpp"`` (needs ``head``).
         head: the :class:`~specdec_ext.head.AcceptanceHead` for ``specdecpp``.
@@ -131,7 +136,8 @@ class SpeculativeGenerator:
             a head for another draft (hidden size, or fingerprint unless ``allow_other_draft``), models on the meta
             device, a speculative policy without a draft, a ``draft_context`` that is not None or an integer >= 1,
             ``cuda_graphs=True`` for models that are not lean on a CUDA device, ``compile=True`` without CUDA
-            graphs, ``overlap`` that is not None or a bool, ``overlap=True`` without CUDA graphs.
+            graphs, ``overlap`` that is not None or a bool, ``overlap=True`` without CUDA graphs, a ``draft`` string
+            other than ``"ngram"``, a prompt-lookup draft with a policy that reads a draft model's hidden state.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
@@ -148,14 +154,20 @@ class SpeculativeGenerator:
         self.tokenizers = tokenizers
         self.target = target
         self._batch_costs = self._given_batch_costs = batch_costs
+        if isinstance(draft, str):
+            if draft != PromptLookup.name:
+                raise ValueError(f"draft: expected a causal LM, {PromptLookup.name!r} (prompt lookup) or a "
+                                 f"PromptLookup, got {draft!r}")
+            draft = PromptLookup()
+        self.lookup = isinstance(draft, PromptLookup)  # a proposer, not a model: no weights, no cache
         self.draft = draft
         self.head = head
         self._costs = costs
         self.allow_other_draft = allow_other_draft
-        for m in (target, draft):  # attention that cannot be rolled back is refused here, naming the model
+        for m in (target, None if self.lookup else draft):  # attention that cannot be rolled back is refused here
             if m is not None:
                 sliding_layout(m)
-        self.fast_draft = bool(fast_draft) and draft is not None and supports(draft)
+        self.fast_draft = bool(fast_draft) and draft is not None and not self.lookup and supports(draft)
         self.fast_target = bool(fast_target) and supports(target)
         self.early_exit = exit_steps(early_exit)
         self.vocab = vocab_size(target)
@@ -202,8 +214,14 @@ class SpeculativeGenerator:
         if pol.speculative:
             if self.draft is None:
                 raise ValueError(f"policy {pol.name!r} needs a draft model (draft=...)")
-            check_vocabularies(self.target, self.draft, self.tokenizers)
             heads = getattr(pol, "heads", {}).values()
+            if self.lookup:
+                if heads or pol.needs_hidden or pol.needs_costs:
+                    raise ValueError(f"policy: {pol.name!r} reads a draft model's hidden state or profiles its steps; "
+                                     f"draft='ngram' (prompt lookup) has neither: use 'fixed', 'heuristic', "
+                                     f"'confidence' or 'adaedl'")
+                return pol
+            check_vocabularies(self.target, self.draft, self.tokenizers)
             fp = fingerprint(self.draft) if any(h.draft_fingerprint for h in heads) else None
             for head_obj in heads:
                 head_obj.check_draft(hidden_size(self.draft), fp, self.allow_other_draft)
@@ -289,7 +307,7 @@ class SpeculativeGenerator:
         vt = vocab_size(self.target)
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= vt:
             raise ValueError(f"input_ids holds ids outside the vocabulary [0, {vt})")
-        models = [("target", self.target)] + ([("draft", self.draft)] if policy.speculative else [])
+        models = [("target", self.target)] + ([("draft", self.draft)] if policy.speculative and not self.lookup else [])
         T = int(attention_mask.sum(-1).max())
         for name, m in models:
             ctx = context_length(m)
@@ -472,7 +490,7 @@ class SpeculativeGenerator:
         if admission == "ahead" and continuous and len(requests) > batch_size:
             staging = (self._backend("target", True), self._backend("draft", True) if pol.speculative else None)
         if self._draft_share is None and self.draft is not None:
-            self._draft_share = param_count(self.draft) / max(1, param_count(self.target))
+            self._draft_share = 0.0 if self.lookup else param_count(self.draft) / max(1, param_count(self.target))
         settings = Settings(eos, streamer, processor, admission, self.early_exit, self.draft_context, continuous,
                             timed=tp_size(self.target) == 1, draft_share=self._draft_share, overlap=self.overlap)
         before = {k: (b.calls, b.seconds) for k, b in self._backends.items()}
@@ -495,6 +513,9 @@ class SpeculativeGenerator:
         key = (role, staging)
         if key not in self._backends:
             model = self.target if role == "target" else self.draft
+            if self.lookup and role == "draft":
+                self._backends[key] = LookupBackend(self.draft, self.vocab, usable_device(self.target, "target"))
+                return self._backends[key]
             self._backends[key] = backend_for(model, role, self.fast_target if role == "target" else self.fast_draft,
                                               self.vocab)
         return self._backends[key]

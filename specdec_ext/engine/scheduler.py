@@ -56,7 +56,8 @@ class Request:
 @dataclass
 class Row:
     """A live request's host state: ``ctx`` its context (prompt, then generated tokens); ``rounds`` the rounds it
-    took part in (its Philox offset); the draft holds ``ctx[draft_from:draft_to]`` (``draft_from`` None: unread)."""
+    took part in (its Philox offset); the draft holds ``ctx[draft_from:draft_to]`` (``draft_from`` None: unread);
+    ``lookup``: a prompt-lookup draft's n-gram index of ``ctx`` (``engine/lookup.py``), made at its first round."""
 
     req: int
     ctx: list
@@ -64,6 +65,7 @@ class Row:
     rounds: int = 0
     draft_from: Optional[int] = None
     draft_to: int = 0
+    lookup: Optional[object] = None
 
     @property
     def generated(self) -> int:
@@ -390,6 +392,21 @@ class Scheduler:
     def _room(self, row: Row) -> int:
         return 0 if len(row.ctx) < 2 else self.requests[row.req].limit - row.generated - 1
 
+    def _propose(self, room: list) -> list:
+        """A proposer draft (prompt lookup, ``engine/lookup.py``): each live row's candidates, at most its room, from
+        its context, handed to the draft backend for the round; returns each row's room capped at its candidates'
+        count (0 where nothing matched: the row does not draft, and a round where no row matches is a plain step)."""
+        t0 = time.perf_counter()
+        prop = self.draft.proposer
+        cands = []
+        for r, k in zip(self.live, room):
+            if r.lookup is None:
+                r.lookup = prop.new_state()
+            cands.append(prop.propose(r.lookup, r.ctx, k)[0])
+        self.draft.set_candidates(cands)
+        self.stats.draft_forward_ms += (time.perf_counter() - t0) * 1e3
+        return [len(c) for c in cands]
+
     def _plan(self, room: Optional[list], width: int) -> tuple:
         """The policy's plan for the live rows (``room``: each row's cap, None for a policy that never drafts;
         ``width``: the target cache's widest row) and the round's depth: ``(cap, plan)``."""
@@ -406,6 +423,8 @@ class Scheduler:
     def _launch(self) -> "_Flight":
         """Plan a round from the host's state, catch the draft up, and launch it."""
         room = [self._room(r) for r in self.live] if self.pol.speculative else None
+        if room is not None and getattr(self.draft, "proposes", False):
+            room = self._propose(room)
         cap, plan = self._plan(room, max(len(r.ctx) for r in self.live) - 1)
         if cap > 0:
             self._catch_up()
@@ -425,6 +444,7 @@ class Scheduler:
         the draft on the target's device, no host logits processor (it reads each round's tokens), and a policy
         that plans ahead (:attr:`~specdec_ext.policies.CandidateLengthPolicy.plans_ahead`)."""
         return (self.set.overlap and self.runner.buckets is not None and self.set.processor is None
+                and not getattr(self.draft, "proposes", False)  # a proposer reads the host's contexts before a round
                 and (self.draft is None or self.draft.device == self.target.device) and self.pol.plans_ahead)
 
     def _launch_ahead(self, flight: "_Flight") -> Optional["_Flight"]:
