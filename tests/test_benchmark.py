@@ -155,9 +155,10 @@ def test_cli_sweeps_parse_and_reject_bad_lists():
             ap.parse_args(bad)
     assert _command_line(ap.parse_args(["--ks", "1,2,8", "--max-new-tokens", "64"])) == (
         "specdec bench --dataset humaneval --max-new-tokens 64 --temperature 0.0 --ks 1,2,8 "
-        "--thresholds 0.5,0.6,0.7,0.8,0.9 --paper-thresholds 0.3,0.7,0.9")
+        "--thresholds 0.5,0.6,0.7,0.8,0.9 --paper-thresholds 0.3,0.7,0.9 --lookup-ks 2,4,8")
     assert _command_line(ap.parse_args(["--no-hf", "--auto-uncalibrated", "--auto-copies", "2", "--ks", "3"])).endswith(
-        "--ks 3 --thresholds 0.5,0.6,0.7,0.8,0.9 --paper-thresholds 0.3,0.7,0.9 --no-hf --auto-uncalibrated "
+        "--ks 3 --thresholds 0.5,0.6,0.7,0.8,0.9 --paper-thresholds 0.3,0.7,0.9 --lookup-ks 2,4,8 --no-hf "
+        "--auto-uncalibrated "
         "--auto-copies 2")  # the arms' flags too: the command reproduces the run's methods
     methods = standard_methods(None, ks=(1, 2), hf_ks=None)
     assert [m.param for m in methods if m.family == "hf-fixed"] == [1, 2]
