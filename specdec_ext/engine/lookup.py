@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-NEG = -1e4  # the logit of every id but the copied one: exp(NEG - 0) is 0 in float32 at any temperature <= 1
+NEG = -1e4  # the logit of every id but the copied one: exp(NEG / T) is 0 in float32 for any temperature T below 100
 
 
 class LookupState:
@@ -67,7 +67,7 @@ class PromptLookup:
         indexed; a later occurrence replaces an earlier one (the most recent is proposed). The context only grows
         between calls (a request's prompt, then its emitted tokens)."""
         end = len(ctx) - 1  # n-grams ending at positions e < end, i.e. ctx[e - n + 1 .. e] followed by ctx[e + 1]
-        for e in range(max(state.read, 0), end):
+        for e in range(state.read, end):
             for n in self.sizes:
                 if e + 1 >= n:
                     state.seen[n][tuple(ctx[e + 1 - n: e + 1])] = e + 1
@@ -105,6 +105,15 @@ class LookupBackend:
         self.calls, self.seconds = 0, 0.0
         self._cands: Optional[torch.Tensor] = None  # [B, K] int64
         self._step = 0
+
+    def propose(self, rows: Sequence[tuple], room: Sequence[int]) -> list:
+        """The round's candidates: for each live row ``(state, ctx)`` (its :class:`LookupState` and context) at most
+        its ``room`` tokens from :meth:`PromptLookup.propose`, set for the draft steps (:meth:`set_candidates`).
+        Returns each row's candidate count, its room for the round (0 where nothing matched: the row does not draft,
+        and a round where no row matches is a plain step)."""
+        cands = [self.proposer.propose(state, ctx, k)[0] for (state, ctx), k in zip(rows, room)]
+        self.set_candidates(cands)
+        return [len(c) for c in cands]
 
     def set_candidates(self, rows: Sequence[Sequence[int]]) -> None:
         """The round's candidates, a list per live row (shorter rows padded with token 0)."""

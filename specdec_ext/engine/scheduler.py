@@ -29,6 +29,7 @@ from ..policies.base import RoundContext, RoundPlan, RoundResult
 from .admission import AdmissionRule
 from .cache import check_fits
 from .kv_cache import compaction
+from .processor import HostProcessor
 from .steps import RoundInputs
 from .sampling import RowSampling, SamplingConfig
 from .stats import GenerationStats, RoundStats
@@ -393,19 +394,15 @@ class Scheduler:
         return 0 if len(row.ctx) < 2 else self.requests[row.req].limit - row.generated - 1
 
     def _propose(self, room: list) -> list:
-        """A proposer draft (prompt lookup, ``engine/lookup.py``): each live row's candidates, at most its room, from
-        its context, handed to the draft backend for the round; returns each row's room capped at its candidates'
-        count (0 where nothing matched: the row does not draft, and a round where no row matches is a plain step)."""
+        """A proposer draft (prompt lookup, ``engine/lookup.py``): each live row's candidates from its context, set for
+        the round; returns each row's room capped at its candidates' count (:meth:`LookupBackend.propose`)."""
         t0 = time.perf_counter()
-        prop = self.draft.proposer
-        cands = []
-        for r, k in zip(self.live, room):
+        for r in self.live:
             if r.lookup is None:
-                r.lookup = prop.new_state()
-            cands.append(prop.propose(r.lookup, r.ctx, k)[0])
-        self.draft.set_candidates(cands)
+                r.lookup = self.draft.proposer.new_state()
+        room = self.draft.propose([(r.lookup, r.ctx) for r in self.live], room)
         self.stats.draft_forward_ms += (time.perf_counter() - t0) * 1e3
-        return [len(c) for c in cands]
+        return room
 
     def _plan(self, room: Optional[list], width: int) -> tuple:
         """The policy's plan for the live rows (``room``: each row's cap, None for a policy that never drafts;
@@ -565,33 +562,6 @@ class _Flight:
     cap: int
     plan: RoundPlan
     t0: float
-
-
-class HostProcessor:
-    """A logits processor ``(input_ids [1, t] int64, scores [1, V] float32) -> scores`` applied row by row, each row
-    and position with its own prefix (the row's ``bases`` entry, then the candidates before the position): the
-    host path of a round (the candidates are read to build the prefixes)."""
-
-    def __init__(self, fn: Callable, bases: list):
-        self.fn, self.bases = fn, bases
-
-    def _rows(self, logits: torch.Tensor, cands: Optional[list]) -> torch.Tensor:
-        out = []
-        for i, base in enumerate(self.bases):
-            prefix = list(base) + ([int(c) for c in cands[i]] if cands is not None else [])
-            ids = torch.tensor([prefix], dtype=torch.int64, device=logits.device)
-            out.append(self.fn(ids, logits[i: i + 1].float().clone())[0])
-        return torch.stack(out)
-
-    def draft(self, logits: torch.Tensor, cands: list) -> torch.Tensor:
-        """The draft's logits ``[B, V]`` after the candidates ``cands`` (a list of ``[B]`` tensors) so far."""
-        so_far = torch.stack(cands, 1).tolist() if cands else None
-        return self._rows(logits, so_far)
-
-    def target(self, logits: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
-        """The target's logits ``[B, K + 1, V]``, position i after the first i candidates of ``cands`` ``[B, K]``."""
-        c = cands.tolist()
-        return torch.stack([self._rows(logits[:, i], [row[:i] for row in c]) for i in range(logits.shape[1])], 1)
 
 
 def _drafting(rounds: list, recent: int = 4) -> bool:
