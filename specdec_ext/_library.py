@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from pathlib import Path
 from typing import Optional
 
@@ -23,3 +25,12 @@ try:  # loading the compiled library registers torch.ops.specdec_ext.*
     HAS_EXTENSION = True
 except (OSError, RuntimeError):  # pragma: no cover - exercised only on installs without a compiler
     HAS_EXTENSION = False
+
+
+@functools.lru_cache(maxsize=1)
+def build_id() -> Optional[str]:
+    """A digest of the loaded library's bytes (None without one): what a measurement of the kernels' speed is keyed
+    by, beside the machine (a rebuilt kernel is measured again, ``engine/profile.py``)."""
+    if not HAS_EXTENSION:
+        return None
+    return hashlib.sha1(_LIB.read_bytes()).hexdigest()[:16]

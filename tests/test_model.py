@@ -126,9 +126,9 @@ def test_supports_and_bad_sizes():
         columns_for(301, 300)
 
 
-def _logits(model, ids, packed=None):
+def _logits(model, ids, packed=None, fused=None):
     """The lean model's logits over ``ids`` ``[B, T]`` (a fresh cache)."""
-    lean = LeanModel(model, packed=packed)
+    lean = LeanModel(model, packed=packed, fused=fused)
     return lean.forward(lean.cache(ids.shape[0], 64), ids, keep=ids.shape[1])[0]
 
 
@@ -174,12 +174,13 @@ def test_packed_linear_needs_a_cpu_model_of_float32_or_bfloat16():
 @torch.inference_mode()
 def test_a_bfloat16_model_packs_only_where_onednn_has_a_bf16_path():
     """On a CPU without oneDNN's bf16 path (AVX2 only, e.g. AMD Zen 3), packing a bf16 weight raises inside oneDNN:
-    the default lean model then uses F.linear, and computes what transformers' forward computes."""
+    the default lean model then uses F.linear, and its torch-op path (the fused layer's float32 arithmetic rounds
+    otherwise) computes what transformers' forward computes."""
     with torch.inference_mode(False):
         m = make_target("llama").to(torch.bfloat16)
     assert LeanModel(m).packed == (PACKED and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     ids = torch.randint(2, 48, (2, 6), generator=torch.Generator().manual_seed(0))
-    got, want = _logits(m, ids), m(ids).logits.float()
+    got, want = _logits(m, ids, fused=False), m(ids).logits.float()
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.1)  # bf16 rounding in different operation orders
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 

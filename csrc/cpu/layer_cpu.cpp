@@ -39,7 +39,11 @@ namespace {
 
 constexpr int64_t kPanel = 16;          // output features per panel: one 64-byte line of float32 per k
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the line being read the next lines are fetched
-constexpr int64_t kMaxRowBlock = 6;     // rows sharing each load of a panel line (6 x 16 float32 accumulators)
+
+// Fetches the weight line at p into every cache level (prefetcht0). The non-temporal hint (prefetchnta), which
+// bypasses L2 on Intel server cores, made SmolLM2-135M's float32 one-token step 2.4x slower on a 2-core Xeon with AMX
+// (56 against 23 ms, bench/fused_layers.py; 1,024 to 4,096 bytes ahead within 5% of each other).
+SPECDEC_ALWAYS_INLINE void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 3); }
 
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) {
@@ -96,42 +100,45 @@ SPECDEC_ALWAYS_INLINE void panel_rows(const float* x, int64_t ldx, int64_t K, co
   const W* wp = w + p * K * kPanel;
   const char* ahead = reinterpret_cast<const char*>(wp) + kPrefetchBytes;
   for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(ahead + k * kPanel * sizeof(W), 0, 0);
+    prefetch_line(ahead + k * kPanel * sizeof(W));
     panel_step<MB>(acc, x, ldx, wp, k);
   }
   const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
   for (int m = 0; m < MB; ++m) store_panel_row(acc[m], y + m * ldy, col, width, bias);
 }
 
+// Kernel::rows<MB> for the run-time row count rows (1 <= rows <= MB).
+template <class Kernel, int MB, typename W>
+SPECDEC_ALWAYS_INLINE void rows_upto(int64_t rows, const float* x, int64_t ldx, int64_t K, const W* w, int64_t p,
+                                     int64_t N, float* y, int64_t ldy, const float* bias) {
+  if constexpr (MB >= 1) {
+    if (rows == MB) return Kernel::template rows<MB>(x, ldx, K, w, p, N, y, ldy, bias);
+    rows_upto<Kernel, MB - 1>(rows, x, ldx, K, w, p, N, y, ldy, bias);
+  }
+}
+
 // Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16], by
-// a kernel's Kernel::rows<MB> (a panel_rows). Up to kMaxRowBlock rows share every load of the weights; more rows go
-// over each panel in blocks of near-equal size (7 rows: 3 + 4, not 6 + 1, whose one-row block would wait on a single
-// chain), each block reading the panel once: from memory, then from the cache.
+// a kernel's Kernel::rows<MB> (a panel_rows). Up to Kernel::kMaxRows rows share every load of the weights (as many as
+// its accumulators fit the vector registers); more rows go over each panel in blocks of near-equal size (7 rows of a
+// 6-row kernel: 3 + 4, not 6 + 1, whose one-row block would wait on a single chain), each block reading the panel
+// once: from memory, then from the cache.
 template <class Kernel, typename W>
 SPECDEC_ALWAYS_INLINE void gemm_rows(int64_t begin, int64_t end, const float* x, int64_t ldx, int64_t M, int64_t K,
                                      const W* w, int64_t N, float* y, int64_t ldy, const float* bias) {
-  const int64_t blocks = (M + kMaxRowBlock - 1) / kMaxRowBlock;
+  constexpr int64_t kMax = Kernel::kMaxRows;
+  const int64_t blocks = (M + kMax - 1) / kMax;
   for (int64_t p = begin; p < end; ++p) {
     int64_t m = 0;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t rows = (M - m) / (blocks - b);
-      const float* xm = x + m * ldx;
-      float* ym = y + m * ldy;
-      switch (rows) {
-        case 6: Kernel::template rows<6>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-        case 5: Kernel::template rows<5>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-        case 4: Kernel::template rows<4>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-        case 3: Kernel::template rows<3>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-        case 2: Kernel::template rows<2>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-        case 1: Kernel::template rows<1>(xm, ldx, K, w, p, N, ym, ldy, bias); break;
-        default: break;
-      }
+      rows_upto<Kernel, Kernel::kMaxRows>(rows, x + m * ldx, ldx, K, w, p, N, y + m * ldy, ldy, bias);
       m += rows;
     }
   }
 }
 
 struct Lanes {  // accumulators as arrays of 16 floats, vectorised by the compiler (AVX2 or AVX-512 clones)
+  static constexpr int kMaxRows = 6;  // 6 x 16 float32 accumulators: 12 of AVX2's 16 ymm registers
   template <int MB, typename W>
   SPECDEC_ALWAYS_INLINE static void rows(const float* x, int64_t ldx, int64_t K, const W* w, int64_t p, int64_t N,
                                          float* y, int64_t ldy, const float* bias) {
@@ -155,6 +162,10 @@ struct Vectors {
   typedef float Line __attribute__((vector_size(64), aligned(4)));  // 16 float32 lanes
   typedef uint16_t Halves __attribute__((vector_size(32), aligned(2)));
   typedef uint32_t Bits __attribute__((vector_size(64)));
+  // 16 accumulators of AVX-512's 32 zmm registers: a verification of up to 16 tokens reads each weight once (with
+  // 6-row blocks, 7 tokens read them twice: bfloat16 SmolLM2-135M's forward 1.4x slower at 7 tokens than at 6 on a
+  // 2-core Xeon with AMX, bench/fused_layers.py).
+  static constexpr int kMaxRows = 16;
 
   // *out = the 16 weights at w (bfloat16: each the upper half of a float32).
   template <typename W>
@@ -174,7 +185,7 @@ struct Vectors {
     const W* wp = w + p * K * kPanel;
     const char* ahead = reinterpret_cast<const char*>(wp) + kPrefetchBytes;
     for (int64_t k = 0; k < K; ++k) {
-      __builtin_prefetch(ahead + k * kPanel * sizeof(W), 0, 0);
+      prefetch_line(ahead + k * kPanel * sizeof(W));
       Line line;
       load(wp + k * kPanel, &line);
       for (int m = 0; m < MB; ++m) acc[m] += line * x[m * ldx + k];

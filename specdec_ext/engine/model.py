@@ -108,10 +108,11 @@ ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
 # Forwards of at most this many tokens in all (B x n: decode steps and verifications of a few rows), by the model's
 # dtype, run each layer as one ops.decoder_layer call over weights packed in panels (on a CPU); more tokens go through
 # oneDNN's matmuls, which reuse each weight across rows (a prefill, a batch's verification). bench/fused_layers.py on
-# SmolLM2-135M (2-core AMD EPYC with AVX-512, 256 columns of context; docs/results/smollm2.json.gz, its fused_layers*):
-# float32, the fused forward 0.74x the torch-op one at 1 token, 0.67-0.78x at 2-6, 0.81-0.85x at 8-12, 0.87x at 16
-# (1.07-1.09x at 20 in a separate run); bfloat16, 0.64x at 1, 0.70-0.83x at 2-6, level at 7-9.
-FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 6}
+# SmolLM2-135M, 256 columns of context (docs/results/smollm2.json.gz): on a 2-core Intel Xeon with AMX
+# (fused_layers*_xeon_amx), the fused forward 0.61-0.69x the torch-op one at 1-16 tokens in float32, 0.66-0.86x at
+# 1-12 and level at 16 in bfloat16; on a 2-core AMD EPYC with AVX-512 (fused_layers*, before the AVX-512 kernel's
+# 16-row blocks), float32 0.74x at 1 token, 0.87x at 16 (1.07-1.09x at 20 in a separate run).
+FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 # Panels copy the linear weights (beside oneDNN's packed copy): made for models of at most this many bytes of them.
 FUSED_MAX_BYTES = 2 << 30
 
@@ -405,5 +406,5 @@ class LeanModel:
             cache.lengths.index_add_(0, slots, torch.full_like(slots, n))
         else:
             cache.lengths[:b] += n
-        logits = ops.packed_linear(hn, self.head_panels, self.vocab_rows)
+        logits = ops.packed_linear(hn, self.head_panels, self.vocab_rows).float()  # float32, as the torch-op path
         return (logits if self.subset is None else self.subset.scatter(logits)), hn

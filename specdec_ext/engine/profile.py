@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from .._library import build_id
 from ..policies.costs import CostModel, isotonic
 from . import onednn_linear
 from .backends import backend_for, uses_lean
@@ -63,7 +64,7 @@ def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool =
             "target_runner": "lean" if uses_lean(target, "target", fast_target) else "transformers",
             "target_attention": getattr(target.config, "_attn_implementation", None),
             "draft_attention": "decode_attention" if lean and p.device.type == "cpu" else "sdpa",
-            "engine": "static",
+            "engine": "static", "kernels": build_id(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tp": tp_size(target)}
     return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
