@@ -156,7 +156,8 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
     the heuristic / confidence / AdaEDL policies, ``transformers``' assisted generation at ``hf_ks``
     (default: ``ks``) with its constant, heuristic and confidence schedules, with ``hf_static`` ``transformers``'
     plain ``generate(cache_implementation="static")`` (its forward compiled by transformers on a GPU), prompt lookup
-    (no draft model: ``engine/lookup.py``) at each of ``lookup_ks`` and under the heuristic, with ``hf``
+    (no draft model: ``engine/lookup.py``) at each of ``lookup_ks``, under the heuristic and (with ``auto``) under
+    SpecDec++'s stop rule with ``threshold="auto"`` (``policies/lookup.py``), with ``hf``
     ``transformers``' own prompt lookup (``prompt_lookup_num_tokens=10``, its default size), and the greedy
     oracle."""
     hf_ks = ks if hf_ks is None else hf_ks
@@ -206,6 +207,9 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
     if lookup_ks:
         m.append(Method("lookup heuristic", "ours", lambda **_: make_policy("heuristic"), family="lookup-heuristic",
                         draft="ngram"))
+        if auto:
+            m.append(Method("lookup auto", "ours", lambda **_: make_policy("lookup", threshold="auto"),
+                            family="lookup-auto", draft="ngram"))
     if hf:
         if lookup_ks:
             m.append(Method("hf prompt lookup", "hf", None, None, {"prompt_lookup_num_tokens": 10}, family="hf-lookup"))
@@ -254,7 +258,8 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
             else:
                 policy = method.instance()
             proposer = method.draft if method.draft == "ngram" else draft
-            gen = SpeculativeGenerator(target, proposer if policy.speculative else None, policy=policy, costs=costs)
+            gen = SpeculativeGenerator(target, proposer if policy.speculative else None, policy=policy,
+                                       costs=None if method.draft == "ngram" else costs)  # a proposer's own profile
             out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos)
             wall = time.perf_counter() - t0
             toks = out.new_tokens[0]

@@ -9,6 +9,10 @@ import torch
 
 from specdec_ext import PromptLookup, SpeculativeGenerator
 from specdec_ext.engine.sampling import SamplingConfig
+from specdec_ext.policies import LookupStop, make_policy
+from specdec_ext.policies.base import RoundContext, RoundPlan, RoundResult
+from specdec_ext.policies.costs import CostModel
+from specdec_ext.policies.lookup import AcceptanceTable
 from models import make_pair
 from stats import assert_follows, chi_square
 from support import exact_marginals, head_for, target_only
@@ -46,6 +50,49 @@ def test_bad_drafts_and_policies_are_refused_in_one_line():
     with pytest.raises(ValueError, match="hidden state") as e:
         SpeculativeGenerator(target, "ngram", policy="specdecpp", head=head_for(draft), threshold=0.5)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="needs draft='ngram'"):
+        SpeculativeGenerator(target, draft, policy="lookup")
+    for bad in (1.5, -0.1, "x", True):
+        with pytest.raises(ValueError, match="^threshold: expected"):
+            LookupStop(threshold=bad)
+    with pytest.raises(ValueError, match="^k_max must be"):
+        LookupStop(k_max=0)
+
+
+def test_the_acceptance_table_counts_each_candidate_tried():
+    """Candidate t is tried when candidates 1 .. t - 1 were accepted: a copy of 4 with 2 accepted tried 3."""
+    table = AcceptanceTable(k_max=6)
+    key = ("greedy", 2, False)
+    table.add(key, 4, 2)
+    table.add(key, 3, 3)
+    assert table.counts[key] == ([2, 2, 2, 0, 0, 0], [2, 2, 1, 0, 0, 0])
+    a = table.rates(key, 5)
+    pooled = (5 + 2 * 0.5) / (6 + 2)
+    assert a == pytest.approx([(2 + 4 * pooled) / 6, (2 + 4 * pooled) / 6, (1 + 4 * pooled) / 6, pooled, pooled])
+    assert table.rates(("greedy", 1, True), 3) == pytest.approx([0.5] * 3)  # unseen: the prior
+
+
+def test_the_stop_rule_verifies_what_pays():
+    """h: up to the first candidate whose cumulative rejection probability exceeds h (SpecDec++'s rule). auto:
+    the depth of the best expected tokens per ms: deep where verification is nearly flat and copies are accepted,
+    none where each verified token costs a step and copies are rejected."""
+    assert LookupStop(threshold=0.25).depth([0.9] * 6) == 3  # 1 - 0.9^3 = 0.271 > 0.25
+    assert LookupStop(threshold=1.0).depth([0.1] * 4) == 4
+    flat, steep = CostModel([10.0 + 0.1 * n for n in range(9)], 0.01), CostModel([10.0 * (n + 1) for n in range(9)], 0.01)
+    auto = LookupStop(threshold="auto", k_max=8)
+    auto.configure(SamplingConfig(0.0), flat)
+    assert auto.depth([0.9] * 8) == 8
+    assert auto.depth([0.9, 0.9, 0.01, 0.9]) == 2
+    auto.configure(SamplingConfig(0.0), steep)
+    assert auto.depth([0.3] * 8) == 0
+    # a round's plan: rows without a match do not draft; a row's streak follows its last copy
+    pol = make_policy("lookup", threshold=0.6)
+    pol.reset(2, torch.device("cpu"))
+    plan = pol.plan(RoundContext(2, room=[5, 4], matches=[3, 0]))
+    assert plan.row_caps == [2, 0] and plan.cap == 2  # the prior 0.5: 1 - 0.5^2 > 0.6 first at t = 2
+    pol.observe(RoundResult([2, 0], [2, 0], steps=2, plan=plan))
+    assert pol.streak == [True, False]
+    assert pol.table.counts[("greedy", 3, False)] == ([1, 1] + [0] * 6, [1, 1] + [0] * 6)
 
 
 # a prompt that repeats itself, so that lookups match from the first round
@@ -53,7 +100,8 @@ PROMPT = torch.tensor([[0, 5, 7, 3, 9, 12, 5, 7, 3, 9, 12, 5]])
 
 
 @pytest.mark.parametrize("policy,kw", [("fixed", {"k": 1}), ("fixed", {"k": 5}), ("heuristic", {}),
-                                       ("confidence", {}), ("adaedl", {})])
+                                       ("confidence", {}), ("adaedl", {}), ("specdecpp", {"threshold": "auto"}),
+                                       ("specdecpp", {"threshold": 0.5})])
 def test_greedy_equals_target_only_decoding(policy, kw):
     target, _ = make_pair("llama", vocab=48)
     g = torch.Generator().manual_seed(3)
@@ -96,10 +144,14 @@ def target_and_marginals():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", SAMPLING, ids=["T1", "T0.6-topk6"])
-def test_sampling_is_lossless(target_and_marginals, cfg):
+@pytest.mark.parametrize("cfg,policy", [(SAMPLING[0], {"policy": "fixed", "k": 3}),
+                                        (SAMPLING[1], {"policy": "fixed", "k": 3}),
+                                        (SAMPLING[0], {"policy": "specdecpp", "threshold": "auto",
+                                                       "costs": CostModel([1.0 + 0.05 * n for n in range(21)], 0.01)})],
+                         ids=["T1", "T0.6-topk6", "T1-auto"])
+def test_sampling_is_lossless(target_and_marginals, cfg, policy):
     target, prompt, marg = target_and_marginals
-    gen = SpeculativeGenerator(target, "ngram", policy="fixed", k=3)
+    gen = SpeculativeGenerator(target, "ngram", **policy)
     out = gen.generate(prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=cfg.temperature, top_k=cfg.top_k,
                        seed=1000)
     toks = torch.tensor(out.new_tokens)

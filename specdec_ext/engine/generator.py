@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..head import AcceptanceHead
-from ..policies import CandidateLengthPolicy, make_policy
+from ..policies import CandidateLengthPolicy, LookupStop, make_policy
 from ..policies.costs import CostModel
 from .admission import DEFAULT_ADMISSION, check_admission
 from .backends import backend_for
@@ -208,18 +208,24 @@ class SpeculativeGenerator:
         return lean and on_cuda
 
     def _make_policy(self, policy, head, kwargs) -> CandidateLengthPolicy:
+        if (self.lookup and head is None and isinstance(policy, str)
+                and policy.lower().replace("+", "p").replace("-", "").replace("_", "") == "specdecpp"):
+            policy = "lookup"  # SpecDec++ over prompt lookup: its stop rule on the copy's own features
         pol = make_policy(policy, head=head, **kwargs) if isinstance(policy, str) else policy
         if not isinstance(pol, CandidateLengthPolicy):
             raise TypeError(f"policy must be a name or a CandidateLengthPolicy, got {type(pol).__name__}")
+        if isinstance(pol, LookupStop) and not self.lookup:
+            raise ValueError(f"policy {pol.name!r} decides how much of a prompt-lookup copy to verify: it needs "
+                             f"draft='ngram', got a draft model")
         if pol.speculative:
             if self.draft is None:
                 raise ValueError(f"policy {pol.name!r} needs a draft model (draft=...)")
             heads = getattr(pol, "heads", {}).values()
             if self.lookup:
-                if heads or pol.needs_hidden or pol.needs_costs:
+                if heads or pol.needs_hidden or (pol.needs_costs and not isinstance(pol, LookupStop)):
                     raise ValueError(f"policy: {pol.name!r} reads a draft model's hidden state or profiles its steps; "
-                                     f"draft='ngram' (prompt lookup) has neither: use 'fixed', 'heuristic', "
-                                     f"'confidence' or 'adaedl'")
+                                     f"draft='ngram' (prompt lookup) has neither: use 'specdecpp' (its stop rule "
+                                     f"over the copy, without a head), 'fixed', 'heuristic', 'confidence' or 'adaedl'")
                 return pol
             check_vocabularies(self.target, self.draft, self.tokenizers)
             fp = fingerprint(self.draft) if any(h.draft_fingerprint for h in heads) else None

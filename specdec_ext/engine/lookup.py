@@ -105,13 +105,16 @@ class LookupBackend:
         self.calls, self.seconds = 0, 0.0
         self._cands: Optional[torch.Tensor] = None  # [B, K] int64
         self._step = 0
+        self.matched: list = []  # per live row, the length of the suffix its last proposal matched (0: none)
 
     def propose(self, rows: Sequence[tuple], room: Sequence[int]) -> list:
         """The round's candidates: for each live row ``(state, ctx)`` (its :class:`LookupState` and context) at most
         its ``room`` tokens from :meth:`PromptLookup.propose`, set for the draft steps (:meth:`set_candidates`).
         Returns each row's candidate count, its room for the round (0 where nothing matched: the row does not draft,
-        and a round where no row matches is a plain step)."""
-        cands = [self.proposer.propose(state, ctx, k)[0] for (state, ctx), k in zip(rows, room)]
+        and a round where no row matches is a plain step); :attr:`matched` keeps each row's matched suffix length."""
+        found = [self.proposer.propose(state, ctx, k) for (state, ctx), k in zip(rows, room)]
+        cands = [c for c, _ in found]
+        self.matched = [n for _, n in found]
         self.set_candidates(cands)
         return [len(c) for c in cands]
 

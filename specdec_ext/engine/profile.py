@@ -26,6 +26,7 @@ from .._library import build_id
 from ..policies.costs import CostModel, isotonic
 from . import onednn_linear
 from .backends import backend_for, uses_lean
+from .lookup import LookupBackend, PromptLookup
 from .model import supports, uses_packed
 from .tensor_parallel import from_rank0, is_main_process, tp_size
 
@@ -55,15 +56,19 @@ def _model_key(model) -> dict:
 
 
 def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool = True) -> str:
-    p = next(draft.parameters())  # the lean runner's matmuls (packed oneDNN weights or F.linear) change its costs
-    lean = bool(fast_draft) and supports(draft)
-    packed = uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, None)
-    desc = {"target": _model_key(target), "draft": _model_key(draft), "fast_draft": fast_draft, "k_max": k_max,
+    if isinstance(draft, PromptLookup):  # a proposer: no weights
+        lean, packed, draft_desc = False, False, repr(draft)
+    else:
+        p = next(draft.parameters())  # the lean runner's matmuls (packed oneDNN weights or F.linear) change its costs
+        lean = bool(fast_draft) and supports(draft)
+        packed = uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, None)
+        draft_desc = _model_key(draft)
+    desc = {"target": _model_key(target), "draft": draft_desc, "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
             "target_linear": "onednn-packed" if onednn_linear.wanted(target, None) else "torch",
             "target_runner": "lean" if uses_lean(target, "target", fast_target) else "transformers",
             "target_attention": getattr(target.config, "_attn_implementation", None),
-            "draft_attention": "decode_attention" if lean and p.device.type == "cpu" else "sdpa",
+            "draft_attention": "decode_attention" if lean and next(draft.parameters()).device.type == "cpu" else "sdpa",
             "engine": "static", "kernels": build_id(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "processor": processor_name(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "tp": tp_size(target)}
@@ -111,9 +116,10 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     V = vocab_size(target)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, V, (1, context), generator=g)
-    use_fast = fast_draft and supports(draft)
+    lookup = isinstance(draft, PromptLookup)
+    use_fast = fast_draft and not lookup and supports(draft)
     t_run = backend_for(target, "target", fast_target)
-    d_run = backend_for(draft, "draft", use_fast, V)
+    d_run = LookupBackend(draft, V, t_run.device) if lookup else backend_for(draft, "draft", use_fast, V)
     for r in (t_run, d_run):
         r.start(1, context + k_max + 8)
         r.append([0], [prompt[0].tolist()], [0])
@@ -149,10 +155,11 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     # per-round and per-candidate work outside the forwards, from short fixed-K generations at K = 1 and 4
     gen = generator_cls(target, draft, policy="fixed", k=1, fast_draft=fast_draft, fast_target=fast_target)
     outside = {}
+    short = prompt[:, :16].repeat(1, 2) if lookup else prompt[:, :32]  # prompt lookup: a context it can copy from
     for k in (1, 4):
         per_round = []
         for _ in range(3):
-            out = gen.generate(prompt[:, :32], max_new_tokens=24, temperature=0, policy="fixed", k=k)
+            out = gen.generate(short, max_new_tokens=24, temperature=0, policy="fixed", k=k)
             st = out.stats
             rounds = len(st.rounds)
             in_rounds = st.decode_ms
@@ -164,7 +171,8 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     if log is not None:
         log("\n")
     meta = {"processor": processor_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "target_dtype": str(next(target.parameters()).dtype), "draft_dtype": str(next(draft.parameters()).dtype),
+            "target_dtype": str(next(target.parameters()).dtype),
+            "draft_dtype": draft.name if lookup else str(next(draft.parameters()).dtype),
             "device": str(t_run.device), "fast_draft": use_fast, "context": context, "reps": reps,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     return CostModel(verify, draft_ms, step_ms, round_ms, meta)

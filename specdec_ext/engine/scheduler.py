@@ -413,7 +413,7 @@ class Scheduler:
         left = {self.requests[r.req].limit - r.generated for r in live}
         plan = self.pol.plan(RoundContext(len(live), width, room, self._draft_overhead(live), self._draft_reads(live),
                                           self.set.continuous and len(live) > 1 and len(left) == 1,
-                                          self.set.early_exit))
+                                          self.set.early_exit, getattr(self.draft, "matched", ())))
         caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
         return max(0, min(plan.cap, max(caps))), plan
 

@@ -2,7 +2,8 @@
 
 from .base import CandidateLengthPolicy, DraftStep
 from .builtin import AdaEDL, Autoregressive, Confidence, FixedK, Heuristic, make_policy
+from .lookup import LookupStop
 from .specdecpp import SpecDecPP
 
 __all__ = ["CandidateLengthPolicy", "DraftStep", "Autoregressive", "FixedK", "Heuristic", "Confidence", "AdaEDL",
-           "SpecDecPP", "make_policy"]
+           "SpecDecPP", "LookupStop", "make_policy"]

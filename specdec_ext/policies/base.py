@@ -69,7 +69,9 @@ class RoundContext:
     live rows it has not read, were the round to draft. together: a continuous batch's live rows are in lockstep
     (several rows, each with the same number of tokens left). early_exit: the engine reads, between draft steps,
     whether any row still drafts (False: the draft runs to the cap whatever the rule says; a frozenset of steps:
-    only after those; ``"device"``: the GPU decides in a captured round, ``engine.steps.exit_steps``)."""
+    only after those; ``"device"``: the GPU decides in a captured round, ``engine.steps.exit_steps``). matches: per
+    row, the length n of the suffix a prompt-lookup draft matched this round (0: none; ``engine/lookup.py``), empty
+    for a draft model."""
 
     batch_size: int
     width: int = 0
@@ -78,6 +80,7 @@ class RoundContext:
     draft_reads: float = 0.0
     together: bool = False
     early_exit: Union[bool, frozenset, str] = True
+    matches: Sequence[int] = ()
 
 
 @dataclass

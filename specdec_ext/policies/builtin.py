@@ -9,6 +9,7 @@ import torch
 
 from ..head import AcceptanceHead
 from .base import CandidateLengthPolicy, RoundPlan, StopRule, _check_k
+from .lookup import LookupStop
 from .specdecpp import SpecDecPP
 
 
@@ -124,7 +125,8 @@ class AdaEDL(CandidateLengthPolicy):
 
 
 def make_policy(name: str, head: Optional[AcceptanceHead] = None, **kwargs) -> CandidateLengthPolicy:
-    """Build a policy by name: autoregressive, fixed (k), heuristic, confidence, adaedl, specdecpp (head)."""
+    """Build a policy by name: autoregressive, fixed (k), heuristic, confidence, adaedl, specdecpp (head), lookup
+    (SpecDec++'s stop rule over prompt lookup, :class:`~specdec_ext.policies.lookup.LookupStop`)."""
     key = name.lower().replace("-", "").replace("+", "p").replace("_", "")
     if key in ("autoregressive", "ar", "plain"):
         return Autoregressive()
@@ -140,4 +142,7 @@ def make_policy(name: str, head: Optional[AcceptanceHead] = None, **kwargs) -> C
         if head is None:
             raise ValueError("the specdecpp policy needs an acceptance head (head=...)")
         return SpecDecPP(head, **kwargs)
-    raise ValueError(f"unknown policy {name!r}: expected autoregressive, fixed, heuristic, confidence, adaedl or specdecpp")
+    if key == "lookup":
+        return LookupStop(**kwargs)
+    raise ValueError(f"unknown policy {name!r}: expected autoregressive, fixed, heuristic, confidence, adaedl, "
+                     "specdecpp or lookup")

@@ -1,0 +1,142 @@
+"""SpecDec++'s stop rule over prompt lookup: how many of a match's copied tokens to verify, row by row.
+
+A prompt-lookup round (``engine/lookup.py``) can verify any prefix of the continuation it copied. Copying more is
+worth it only while the next copied token is likely enough to be accepted for its verification to pay. SpecDec++
+(Huang et al. 2024, Sec. 3) stops drafting when the predicted probability that at least one candidate is rejected
+exceeds a stop threshold h; its acceptance head reads the draft's hidden state. A copy has no hidden state, but it
+has what predicts its acceptance: the length n of the suffix it matched, the candidate's position t in the copy, and
+whether the row's previous copy was accepted whole (a copy that keeps matching tends to go on). The acceptance
+head here is a table over those features, learned online from the verifications themselves: candidate t's
+conditional acceptance probability
+
+    a(n, s, t) = (accepted + w m) / (tried + w),   m = (accepted over all t + w0 a0) / (tried over all t + w0),
+
+counts of candidates t that were verified after candidates 1 .. t - 1 were accepted, shrunk to the pooled rate m
+of the same (n, s) (prior a0 = 0.5, weights w = 4, w0 = 2), kept per decoding mode (greedy, sampled).
+
+With a number h the round verifies candidates up to the first t where 1 - prod_{i <= t} a_i > h (SpecDec++'s rule,
+Sec. 3.2). With ``"auto"`` it verifies the j that maximises the expected goodput
+
+    E(j) / T(j),   E(j) = 1 + sum_{i=1..j} prod_{t<=i} a_t,   T(j) = round_ms + j (draft_ms + step_ms) + verify_ms(j+1),
+
+the expected tokens emitted over the round's time priced by the pair's measured costs (``policies/costs.py``; the
+emitted-token expectation of Leviathan et al. 2023, Eq. 1, with per-position rates); j = 0 is a plain step. Rows
+decide alone (a batch verifies its deepest row's candidates).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from .base import CandidateLengthPolicy, RoundPlan, _check_k
+
+PRIOR, PRIOR_WEIGHT, POOL_WEIGHT = 0.5, 2.0, 4.0
+
+
+class AcceptanceTable:
+    """Online per-feature acceptance counts of copied candidates (module docstring): ``rates(n, streak, L)`` gives
+    a(n, s, t) for t = 1 .. L; ``add(n, streak, verified, accepted)`` counts a verified copy."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.counts: dict = {}  # (mode, n, streak) -> ([tried per t], [accepted per t])
+
+    def _cell(self, key):
+        if key not in self.counts:
+            self.counts[key] = ([0] * self.k_max, [0] * self.k_max)
+        return self.counts[key]
+
+    def rates(self, key: tuple, length: int) -> list[float]:
+        tried, acc = self._cell(key)
+        pooled = (sum(acc) + PRIOR_WEIGHT * PRIOR) / (sum(tried) + PRIOR_WEIGHT)
+        return [(acc[t] + POOL_WEIGHT * pooled) / (tried[t] + POOL_WEIGHT) for t in range(min(length, self.k_max))]
+
+    def add(self, key: tuple, verified: int, accepted: int) -> None:
+        tried, acc = self._cell(key)
+        for t in range(min(verified, accepted + 1, self.k_max)):  # candidates 1 .. accepted + 1 were tried
+            tried[t] += 1
+            acc[t] += t < accepted
+
+
+class LookupStop(CandidateLengthPolicy):
+    """SpecDec++'s stop rule for a prompt-lookup draft (module docstring): per row, the number of copied candidates
+    verified this round, from an online acceptance table over (match length, previous copy accepted whole,
+    position) and the stop threshold ``threshold`` (a number h in [0, 1], or ``"auto"``: the expected goodput
+    priced by the pair's measured costs). At most ``k_max`` candidates a round.
+
+    Raises ValueError for a threshold outside [0, 1] that is not ``"auto"`` or a ``k_max`` below 1."""
+
+    def __init__(self, threshold: Union[float, str] = "auto", k_max: int = 8):
+        self.auto = threshold == "auto"
+        if not self.auto and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                              or not 0.0 <= threshold <= 1.0):
+            raise ValueError(f"threshold: expected a stop threshold h in [0, 1] or 'auto', got {threshold!r}")
+        self.threshold = threshold
+        self.max_candidates = _check_k("k_max", k_max)
+        self.needs_costs = self.auto
+        self.name = f"lookup-{'auto' if self.auto else f'h={threshold:g}'}"
+        self.table = AcceptanceTable(self.max_candidates)
+        self.costs = None
+        self.mode = "greedy"
+        self.streak: list[bool] = []  # per row: its previous round's copy was accepted whole
+        self._planned: Optional[RoundPlan] = None
+
+    def configure(self, sampling, costs=None):
+        self.mode = "greedy" if sampling is None or sampling.greedy else "sample"
+        if self.auto:
+            if costs is None:
+                raise ValueError("threshold='auto' needs the pair's CostModel (configure(sampling, costs))")
+            self.costs = costs
+
+    def reset(self, batch_size, device):
+        self.streak = [False] * batch_size
+
+    def depth(self, rates: list[float]) -> int:
+        """The candidates to verify given candidate t's acceptance rate ``rates[t - 1]`` (all the row may copy)."""
+        if not rates:
+            return 0
+        survive, spans = 1.0, []
+        for a in rates:
+            survive *= a
+            spans.append(survive)  # P(candidates 1 .. t all accepted)
+        if not self.auto:
+            for t, s in enumerate(spans, 1):
+                if 1.0 - s > self.threshold:
+                    return t
+            return len(spans)
+        c = self.costs
+        best, best_rate, tokens = 0, 1.0 / (c.round_ms + c.verify(1)), 1.0
+        for j, s in enumerate(spans, 1):
+            tokens += s
+            rate = tokens / (c.round_ms + j * (c.draft_ms + c.step_ms) + c.verify(j + 1))
+            if rate > best_rate:
+                best, best_rate = j, rate
+        return best
+
+    def plan(self, ctx):
+        matches = list(ctx.matches) or [0] * ctx.batch_size
+        keys, caps = [], []
+        for room, n, streak in zip(ctx.room, matches, self.streak):
+            key = (self.mode, n, streak)
+            keys.append(key)
+            caps.append(self.depth(self.table.rates(key, room)) if n > 0 and room > 0 else 0)
+        self._planned = RoundPlan(max(caps, default=0), row_caps=caps, note=keys)
+        return self._planned
+
+    def observe(self, result):
+        plan = result.plan if result.plan is not None else self._planned
+        keys = plan.note if plan is not None else None
+        for b, (d, a) in enumerate(zip(result.drafted, result.accepted)):
+            if keys is not None and d > 0:
+                self.table.add(keys[b], d, a)
+            if b < len(self.streak):
+                self.streak[b] = d > 0 and a >= d
+
+    def select_rows(self, index):
+        self.streak = [self.streak[i] for i in index.tolist()]
+
+    def add_rows(self, n):
+        self.streak = self.streak + [False] * n
+
+    def describe(self) -> str:
+        return self.name
