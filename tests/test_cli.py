@@ -96,6 +96,22 @@ def test_prompt_file_is_parsed_and_only_text_goes_to_stdout(capsys, tmp_path):
     assert err.count("tokens/s") == 2  # the statistics go to stderr, once per prompt
 
 
+@needs_pair
+def test_generate_with_prompt_lookup_prints_what_plain_decoding_prints(capsys, tmp_path):
+    """`specdec generate --draft ngram`: prompt lookup, no draft model, SpecDec++'s stop rule over the copies by
+    default; greedy, the text is plain decoding's. Other commands refuse it in one line."""
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n"
+    texts = {}
+    for policy in ("autoregressive", "specdecpp", "fixed"):
+        code, out, err = run(["generate", "--draft", "ngram", "--policy", policy, "--threshold", "0.7", "--prompt",
+                              prompt, "--max-new-tokens", "24"], capsys)
+        assert code == 0, err
+        texts[policy] = out
+    assert texts["specdecpp"] == texts["autoregressive"] == texts["fixed"] and texts["fixed"].startswith(prompt)
+    code, _, err = run(["bench", "--draft", "ngram", "--prompts", "1"], capsys)
+    assert_one_line_error(code, err, "--draft ngram (prompt lookup) is taken by `specdec generate`")
+
+
 def test_cuda_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

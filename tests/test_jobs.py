@@ -147,8 +147,8 @@ def _fork_cli(argv, target, draft, err):
 
         for bar in (tqdm.tqdm, tqdm.auto.tqdm):
             bar.set_lock(threading.RLock())
-        cli._models = lambda args, need_head: SimpleNamespace(target=target, draft=draft, head=None,
-                                                             tokenizer=DigitTokenizer())
+        cli._models = lambda args, need_head, lookup_ok=False: SimpleNamespace(target=target, draft=draft,
+                                                                               head=None, tokenizer=DigitTokenizer())
         os.read(go, 1)
         code = cli.main(argv)
     except SystemExit as e:
