@@ -109,9 +109,9 @@ ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
 # dtype, run each layer as one ops.decoder_layer call over weights packed in panels (on a CPU); more tokens go through
 # oneDNN's matmuls, which reuse each weight across rows (a prefill, a batch's verification). bench/fused_layers.py on
 # SmolLM2-135M, 256 columns of context (docs/results/smollm2.json.gz): on a 2-core Intel Xeon with AMX
-# (fused_layers*_xeon_amx), the fused forward 0.61-0.69x the torch-op one at 1-16 tokens in float32, 0.66-0.86x at
+# (fused_layers*_xeon_amx), the fused forward 0.52-0.67x the torch-op one at 1-16 tokens in float32, 0.54-0.87x at
 # 1-12 and level at 16 in bfloat16; on a 2-core AMD EPYC with AVX-512 (fused_layers*, before the AVX-512 kernel's
-# 16-row blocks), float32 0.74x at 1 token, 0.87x at 16 (1.07-1.09x at 20 in a separate run).
+# 16-row blocks and panel groups), float32 0.74x at 1 token, 0.87x at 16 (1.07-1.09x at 20 in a separate run).
 FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 # Panels copy the linear weights (beside oneDNN's packed copy): made for models of at most this many bytes of them.
 FUSED_MAX_BYTES = 2 << 30
