@@ -8,6 +8,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -52,6 +53,12 @@ def add_arguments(p):
                    help="prompt lookup's fixed candidate lengths K (arms 'lookup K=k', beside 'lookup heuristic' and, "
                         "unless --no-hf, transformers' prompt_lookup_num_tokens=10)")
     p.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup arms")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run the target's GGUF file through llama.cpp (llama-cpp-python, an optional install), "
+                        "plain and with its prompt lookup, after our arms, same prompt tokens and threads; the JSON's "
+                        "meta.decode_prefill gives every arm's decode and prefill rates apart")
+    p.add_argument("--llama-cpp-lookup", type=int, default=10,
+                   help="tokens llama.cpp's prompt-lookup decoding proposes a round (its num_pred_tokens)")
     p.add_argument("--thresholds", type=_numbers(float), default=DEFAULT_THRESHOLDS,
                    help="SpecDec++ stop thresholds h; threshold='auto' runs as well")
     p.add_argument("--auto-uncalibrated", action="store_true",
@@ -111,7 +118,8 @@ def _command_line(args) -> str:
         for key in ("ks", "thresholds", "paper_thresholds", "hf_ks", "lookup_ks"):
             if getattr(args, key, None) is not None:
                 parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
-    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only", "no_adaptive", "no_paper", "no_lookup"):
+    for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only", "no_adaptive", "no_paper", "no_lookup",
+                "llama_cpp"):
         if getattr(args, key, False):
             parts.append(f"--{key.replace('_', '-')}")
     if getattr(args, "hf_static", None) is not None:
@@ -119,6 +127,64 @@ def _command_line(args) -> str:
     if getattr(args, "auto_copies", 0):
         parts.append(f"--auto-copies {args.auto_copies}")
     return " ".join(parts)
+
+
+def _gguf(args, pair) -> Optional[Path]:
+    """The target's GGUF file: the named pair's (``--pair``) or ``--target X.gguf``; None for a model directory."""
+    from .zoo.gguf import is_gguf
+    from .zoo.named import target_file
+
+    if getattr(args, "pair", None):
+        return target_file(args.pair)
+    target = getattr(args, "target", None)
+    return Path(target) if target and is_gguf(Path(target)) else None
+
+
+def llama_cpp_arms(args, pair, prompts, methods, records) -> dict:
+    """``--llama-cpp``: llama.cpp plain and with its prompt lookup on the target's GGUF file (``llamacpp.py``), its
+    records and methods appended to ``records`` and ``methods`` (family ``llama.cpp``; their greedy texts are not
+    checked against ours: llama.cpp multiplies the stored quantized weights by quantized activations). Returns what
+    the JSON's ``meta.llama_cpp`` records (the repack, or why it is skipped).
+
+    Raises ValueError where the target is not a GGUF file."""
+    from . import llamacpp
+    from .benchmark import Method, RunRecord
+
+    why = llamacpp.missing()
+    if why is not None:
+        print(why)
+        return {"skipped": why}
+    gguf = _gguf(args, pair)
+    if gguf is None:
+        raise ValueError("--llama-cpp runs the target's GGUF file: give --pair NAME or --target FILE.gguf")
+    ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
+    out = {"file": gguf.name, "threads": torch.get_num_threads()}
+    for name, lookup in (("llama.cpp plain", 0), ("llama.cpp prompt lookup", args.llama_cpp_lookup)):
+        print(f"{name}: {len(ids)} prompts")
+        res = llamacpp.run(str(gguf), ids, args.max_new_tokens, torch.get_num_threads(), lookup,
+                           pair.tokenizer.eos_token_id)
+        methods.append(Method(name, "llama.cpp", family="llama.cpp", param=lookup or None, target="gguf"))
+        records += [RunRecord(name, i, len(r["tokens"]), r["wall_s"], 0, 0, tokens=r["tokens"], forward_s=r["wall_s"],
+                              engine={"prefill_ms": 1e3 * r["prefill_s"]}) for i, r in enumerate(res["records"])]
+        out[name] = {"repack": res["repack"], "note": res["note"]}
+        if res["note"]:
+            print(res["note"])
+    return out
+
+
+def decode_prefill(records, pair, prompts) -> dict:
+    """Per method, over all prompts: decode tokens/s (the tokens after the first over the time after the prefill)
+    and prefill tokens/s (prompt tokens over the time to the first token), from each record's ``prefill_ms``."""
+    lengths = [len(pair.tokenizer(p)["input_ids"]) for p in prompts]
+    out = {}
+    for name in dict.fromkeys(r.method for r in records):
+        recs = [r for r in records if r.method == name and r.engine and "prefill_ms" in r.engine]
+        pre = sum(r.engine["prefill_ms"] for r in recs) / 1e3
+        dec = sum(r.wall_s for r in recs) - pre
+        if recs and pre > 0 and dec > 0:
+            out[name] = {"decode_tokens_per_s": sum(max(0, r.new_tokens - 1) for r in recs) / dec,
+                         "prefill_tokens_per_s": sum(lengths[r.prompt] for r in recs) / pre}
+    return out
 
 
 def cost_model_replay(records, rows, ratios: list[float]) -> list[dict]:
@@ -131,6 +197,8 @@ def cost_model_replay(records, rows, ratios: list[float]) -> list[dict]:
         tokens = sum(r.new_tokens for r in recs)
         tc = sum(r.target_calls for r in recs)
         dc = sum(r.draft_calls for r in recs)
+        if tc == 0:  # an engine whose calls are not counted (llama.cpp)
+            continue
         out.append({"method": row["method"], **{f"c={c:g}": tokens / (tc + c * dc) for c in ratios}})
     return out
 
@@ -281,6 +349,7 @@ def run(args, pair):
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
           f"draft {pair.draft.dtype}")
     records = run_benchmark(pair, prompts, methods, args.max_new_tokens, args.temperature, args.seed)
+    llama = llama_cpp_arms(args, pair, prompts, methods, records) if args.llama_cpp else None
     exact = pair.target.dtype == torch.float32
     rows = summarize(records, methods, greedy=args.temperature == 0, exact=exact,
                      reference="plain fp32" if fp32_plain else None)
@@ -294,6 +363,9 @@ def run(args, pair):
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "processor": machine_description(pair)["processor"],
             "duration_s": time.time() - t0, "command": _command_line(args), "cost_model_replay": replay}
+    meta["decode_prefill"] = decode_prefill(records, pair, prompts)
+    if llama is not None:
+        meta["llama_cpp"] = llama
     chosen, chosen_lines, chosen_plot = selection(methods, args.out, prefix=f"{tag}-")
     if chosen:
         meta["auto_selection"] = chosen
@@ -312,6 +384,16 @@ def run(args, pair):
     if chosen_lines:
         md += "\nthreshold='auto', the stop rule it chose by measured goodput:\n\n" + "\n".join(
             f"- {line}" for line in chosen_lines) + "\n"
+    if meta["decode_prefill"]:
+        md += "\nDecode and prefill apart (all prompts' tokens over their time; prefill: to the first token):\n\n"
+        md += "| method | decode tokens/s | prefill tokens/s |\n|---|---|---|\n" + "".join(
+            f"| {name} | {v['decode_tokens_per_s']:.1f} | {v['prefill_tokens_per_s']:.0f} |\n"
+            for name, v in meta["decode_prefill"].items())
+    for name, v in (llama or {}).items():
+        if isinstance(v, dict) and v.get("note"):
+            md += f"\n{name}: {v['note']}\n"
+    if "skipped" in (llama or {}):
+        md += f"\n{llama['skipped']}\n"
     if "cost_model" in meta:
         c = meta["cost_model"]
         md += (f"\nThe profiled costs the cost-aware arms started from (ms): draft step {c['draft_ms']:.2f}, per candidate "

@@ -97,6 +97,26 @@ def test_prompt_file_is_parsed_and_only_text_goes_to_stdout(capsys, tmp_path):
 
 
 @needs_pair
+def test_bench_without_llama_cpp_skips_its_arms_in_one_line_and_times_decode_and_prefill_apart(capsys, tmp_path,
+                                                                                                monkeypatch):
+    from specdec_ext import llamacpp
+    from specdec_ext.benchmark import load_results
+
+    monkeypatch.setattr(llamacpp, "missing", lambda: "llama.cpp arms skipped: not installed (pip install X)")
+    code, out, err = run(["bench", "--prompts", "1", "--max-new-tokens", "6", "--ks", "2", "--thresholds", "0.7",
+                          "--no-hf", "--no-fp32-plain", "--no-adaptive", "--no-paper", "--no-lookup", "--llama-cpp",
+                          "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert out.count("llama.cpp arms skipped: not installed (pip install X)") >= 1
+    data = load_results(tmp_path / "bench-humaneval.json.gz")
+    assert data["meta"]["llama_cpp"] == {"skipped": "llama.cpp arms skipped: not installed (pip install X)"}
+    assert "--llama-cpp" in data["meta"]["command"]
+    rates = data["meta"]["decode_prefill"]["plain"]
+    assert rates["decode_tokens_per_s"] > 0 and rates["prefill_tokens_per_s"] > 0
+    assert not any(r["method"].startswith("llama.cpp") for r in data["summary"])
+
+
+@needs_pair
 def test_generate_with_prompt_lookup_prints_what_plain_decoding_prints(capsys, tmp_path):
     """`specdec generate --draft ngram`: prompt lookup, no draft model, SpecDec++'s stop rule over the copies by
     default; greedy, the text is plain decoding's. Other commands refuse it in one line."""
