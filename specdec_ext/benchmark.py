@@ -383,7 +383,7 @@ def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "
         if ref is not None:
             row["speedup_vs_reference"] = statistics.median(runs[p].tokens_per_s / ref[p].tokens_per_s
                                                             for p in prompts if p in ref)
-        eng = [runs[p].engine for p in prompts if runs[p].engine]
+        eng = [runs[p].engine for p in prompts if runs[p].engine and "rounds" in runs[p].engine]  # our engine's
         if eng:
             ver = sum(e["rounds"] for e in eng)
             row.update({

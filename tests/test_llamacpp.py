@@ -58,3 +58,41 @@ def test_llama_cpp_decodes_the_real_file_greedily():
     assert len(plain["records"]) == 1 and len(plain["records"][0]["tokens"]) == 6
     assert lookup["records"][0]["tokens"] == plain["records"][0]["tokens"]  # its lookup decoding is greedy-exact
     assert plain["records"][0]["prefill_s"] > 0 and plain["records"][0]["decode_s"] > 0
+
+
+def test_bench_puts_llama_cpp_beside_our_arms(capsys, tmp_path, monkeypatch):
+    """`specdec bench --llama-cpp` (llama.cpp's run faked: the arm's plumbing, not llama.cpp): its two arms join the
+    table, their texts are not held to ours, and every arm's decode and prefill rates are recorded; a target that is
+    not a GGUF file is refused in one line."""
+    from specdec_ext import cli
+    from specdec_ext.benchmark import load_results
+    from specdec_ext.zoo import pair_available
+
+    if not pair_available():
+        pytest.skip("the bundled pair is not in this checkout")
+    seen = []
+
+    def fake_run(model, prompts, max_new_tokens, threads, lookup=0, eos=None):
+        seen.append((model, lookup))
+        return {"records": [{"tokens": [7] * max_new_tokens, "wall_s": 0.5, "prefill_s": 0.1, "decode_s": 0.4}
+                            for _ in prompts], "repack": "off", "note": "repack failed here"}
+
+    monkeypatch.setattr(llamacpp, "missing", lambda: None)
+    monkeypatch.setattr(llamacpp, "run", fake_run)
+    monkeypatch.setattr("specdec_ext.benchmark_cli._gguf", lambda args, pair: tmp_path / "t.gguf")
+    argv = ["bench", "--prompts", "1", "--max-new-tokens", "5", "--ks", "2", "--thresholds", "0.7", "--no-hf",
+            "--no-fp32-plain", "--no-adaptive", "--no-paper", "--no-lookup", "--llama-cpp", "--llama-cpp-lookup", "6",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert seen == [(str(tmp_path / "t.gguf"), 0), (str(tmp_path / "t.gguf"), 6)] and "repack failed here" in out
+    data = load_results(tmp_path / "bench-humaneval.json.gz")
+    rows = {r["method"]: r for r in data["summary"]}
+    assert rows["llama.cpp plain"]["tokens_per_s"] == pytest.approx(10.0) and not rows["llama.cpp plain"]["greedy_checked"]
+    rates = data["meta"]["decode_prefill"]
+    assert rates["llama.cpp prompt lookup"]["decode_tokens_per_s"] == pytest.approx(4 / 0.4)
+    assert rates["plain"]["prefill_tokens_per_s"] > 0
+    monkeypatch.undo()
+    monkeypatch.setattr(llamacpp, "missing", lambda: None)
+    code = cli.main(argv)
+    assert code == 2 and "--llama-cpp runs the target's GGUF file" in capsys.readouterr().err
