@@ -7,8 +7,12 @@ target's measured verification costs (``--costs``: a profile JSON, ``engine/prof
 ``meta.cost_model``, its draft terms dropped: a proposer has no draft forward). Reported, as ratios to plain decoding
 modelled the same way: fixed K, the oracle (verifies exactly the candidates that will be accepted: the bound of any
 rule), and SpecDec++'s goodput rule (``policies/lookup.py``) over acceptance tables keyed by several feature sets.
+With ``--hybrid`` also the pair's draft model (its greedy candidates at every position, computed once): the draft
+alone (depth by its confidence, step by step) and a per-round choice between the copy and the draft by expected
+goodput from tables known before the round (the bound: the better of the two in hindsight); the draft's costs from
+the bench file's profile.
 
-    python bench/lookup_replay.py docs/results/smollm2_lookup.json.gz --pair smollm2-135m
+    python bench/lookup_replay.py "docs/results/smollm2_lookup.json.gz#fp32" --pair smollm2-135m
 """
 
 from __future__ import annotations
@@ -90,16 +94,119 @@ FEATURES = {
 }
 
 
+def draft_chains(pair, seqs, k_max: int = 8) -> list:
+    """For each (prompt, output) and each output position L: the draft's greedy chain of ``k_max`` tokens after the
+    first L tokens and its probability of each (teacher-forced on the output, as the engine's draft reads it)."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for prompt, gen in seqs:
+            full, chains = prompt + gen, {}
+            for L in range(len(prompt), len(full)):
+                o = pair.draft(torch.tensor([full[:L]]), use_cache=True)
+                cache, logits, chain = o.past_key_values, o.logits[0, -1], []
+                for _ in range(k_max):
+                    p = torch.softmax(logits.float(), -1)
+                    t = int(p.argmax())
+                    chain.append((t, float(p[t])))
+                    o = pair.draft(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+                    cache, logits = o.past_key_values, o.logits[0, -1]
+                chains[L] = chain
+            out.append(chains)
+    return out
+
+
+def hybrid(seqs, chains, look: CostModel, pair_costs: CostModel, k_max: int = 8) -> dict:
+    """Modelled tokens per ms of the draft alone, the per-round choice, and its bound (:func:`draft_chains`)."""
+    lookup = PromptLookup(1, 4, k_max)
+    tables = {"copy": AcceptanceTable(k_max), "draft": AcceptanceTable(k_max)}
+    conf: dict = {}  # the draft's q(y) bin -> (tried, accepted): its confidence calibrated
+
+    def calibrated(q):
+        tried, acc = conf.get(min(9, int(q * 10)), (0, 0))
+        return (acc + 2 * q) / (tried + 2)
+
+    def goodput(rates, costs):
+        best, best_rate, tokens, survive = 0, 1.0 / costs.plain_ms(), 1.0, 1.0
+        for j, a in enumerate(rates, 1):
+            survive *= a
+            tokens += survive
+            if tokens / costs.round_time(j) > best_rate:
+                best, best_rate = j, tokens / costs.round_time(j)
+        return best, best_rate
+
+    def draft_depth(chain, mean):  # step by step: stop once one more step's expected goodput is lower
+        tokens, survive = 1.0, 1.0
+        for t, (_, q) in enumerate(chain):
+            now = survive * calibrated(q)
+            if t + 1 < len(chain) and (tokens + now + now * mean[t + 1]) / pair_costs.round_time(t + 2) <= \
+                    (tokens + now) / pair_costs.round_time(t + 1):
+                return t + 1
+            tokens, survive = tokens + now, now
+        return len(chain)
+
+    def run(mode):
+        ms = tokens = 0.0
+        for (prompt, gen), ch in zip(seqs, chains):
+            full, L, prev = prompt + gen, len(prompt), (0, 0)
+            state = lookup.new_state()
+            while L < len(full):
+                room = min(k_max, len(full) - L - 1)
+                cands, n = lookup.propose(state, full[:L], room) if room > 0 else ([], 0)
+                chain = ch[L][:room]
+                truth_c = next((i for i, c in enumerate(cands) if c != full[L + i]), len(cands))
+                truth_d = next((i for i, (t, _) in enumerate(chain) if t != full[L + i]), len(chain))
+                key = (n, prev[0] > 0 and prev[1] == prev[0])
+                if mode == "bound":
+                    g = lambda a, c: (a + 1) / (c.round_time(a) if a else c.plain_ms())  # noqa: E731
+                    kind = "copy" if g(truth_c, look) >= g(truth_d, pair_costs) else "draft"
+                    j = truth_c if kind == "copy" else truth_d
+                else:
+                    jc, gc = goodput(tables["copy"].rates(key, len(cands)), look) if cands else (0, 0.0)
+                    mean = tables["draft"].rates("d", room)
+                    gd = goodput(mean, pair_costs)[1] if room else 0.0
+                    kind = "copy" if mode == "choice" and gc >= gd else "draft"
+                    j = jc if kind == "copy" else draft_depth(chain, mean)
+                a = min(truth_c if kind == "copy" else truth_d, j)
+                costs = look if kind == "copy" else pair_costs
+                ms += costs.round_time(j) if j else costs.plain_ms()
+                tokens += a + 1
+                if j and kind == "copy":
+                    tables["copy"].add(key, j, a)
+                elif j:
+                    tables["draft"].add("d", j, a)
+                    for t in range(min(j, a + 1)):
+                        b = min(9, int(chain[t][1] * 10))
+                        tried, acc = conf.get(b, (0, 0))
+                        conf[b] = (tried + 1, acc + (t < a))
+                prev, L = ((j, a) if kind == "copy" else (0, 0)), L + a + 1
+        return tokens / ms
+
+    out = {}
+    for mode, name in (("draft", "draft alone, depth by its confidence"),
+                       ("choice", "per round: copy or draft (choice before the round)"),
+                       ("bound", "per round: the better of copy and draft in hindsight (bound)")):
+        tables = {"copy": AcceptanceTable(k_max), "draft": AcceptanceTable(k_max)}
+        conf.clear()
+        out[name] = run(mode)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", type=Path, help="a `specdec bench` JSON (.json or .json.gz) with a greedy plain arm")
+    ap.add_argument("results", help="a `specdec bench` JSON (.json or .json.gz) with a greedy plain arm, or FILE#SET "
+                                    "for one set of a file that joins several runs ({'sets': {SET: results}})")
     ap.add_argument("--pair", default="smollm2-135m", help="the named pair whose tokenizer encoded the prompts")
     ap.add_argument("--costs", type=Path, default=None, help="a profile JSON (default: the results' meta.cost_model)")
+    ap.add_argument("--hybrid", action="store_true", help="also the pair's draft model, alone and chosen per round")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    opener = gzip.open if args.results.suffix == ".gz" else open
-    with opener(args.results, "rt") as fh:
+    path, _, name = args.results.partition("#")
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
         data = json.load(fh)
+    if name:
+        data = data["sets"][name]
     cm = json.loads(args.costs.read_text()) if args.costs else data["meta"]["cost_model"]
     costs = CostModel(cm["verify_ms"], 0.0, 0.0, cm.get("round_ms", 0.0))  # a proposer: no draft forward
 
@@ -108,7 +215,10 @@ def main(argv=None) -> dict:
 
     meta = data["meta"]
     outs = {r["prompt"]: r["tokens"] for r in data["runs"] if r["method"] == "plain"}
-    tok = load_pair(args.pair).tokenizer
+    import torch
+
+    pair = load_pair(args.pair, target_dtype=torch.float32, draft_dtype=torch.float32)
+    tok = pair.tokenizer
     prompts = load_prompts(meta.get("dataset", "humaneval"), limit=len(outs))
     seqs = [(tok(p)["input_ids"], outs[i]) for i, p in enumerate(prompts)]
     plain = replay(seqs, costs, lambda f: 0)
@@ -116,6 +226,10 @@ def main(argv=None) -> dict:
     res["oracle"] = replay(seqs, costs, lambda f: f["truth"]) / plain
     for name, key in FEATURES.items():
         res[f"auto, table over {name}"] = replay(seqs, costs, *goodput_rule(costs, key)) / plain
+    if args.hybrid:
+        pair_costs = CostModel(cm["verify_ms"], cm["draft_ms"], cm.get("step_ms", 0.0), cm.get("round_ms", 0.0))
+        for name, rate in hybrid(seqs, draft_chains(pair, seqs), costs, pair_costs).items():
+            res[name] = rate / plain
     for k, v in res.items():
         print(f"{k:45s} {v:.3f}x plain (modelled)")
     out = {"meta": {"results": str(args.results), "command": "python bench/lookup_replay.py " + " ".join(

@@ -496,7 +496,8 @@ def format_table(rows: list[dict]) -> str:
         else:
             speed = f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}× ({r['speedup_q1']:.2f}–{r['speedup_q3']:.2f})"
             if not r.get("greedy_checked", True):
-                same = "– (sampling)" if r["family"] != "plain-fp32" else "– (fp32 reference)"
+                same = {"plain-fp32": "– (fp32 reference)", "llama.cpp": "– (its own arithmetic)"}.get(r["family"],
+                                                                                                   "– (sampling)")
             elif not r["greedy_mismatches"]:
                 same = "same"
             else:

@@ -282,7 +282,10 @@ def cmd_demo(args):
     methods = [Method("plain", "ours", lambda **_: make_policy("autoregressive"), family="plain"),
                Method(f"fixed K={args.k}", "ours", lambda **_: make_policy("fixed", k=args.k), family="fixed"),
                Method(f"specdec++ {'auto' if args.threshold == 'auto' else f'h={args.threshold:g}'}", "ours",
-                      lambda **_: make_policy("specdecpp", head=pair.head, threshold=args.threshold), family="specdecpp")]
+                      lambda **_: make_policy("specdecpp", head=pair.head, threshold=args.threshold), family="specdecpp"),
+               Method("prompt lookup, specdec++ " + ("auto" if args.threshold == "auto" else f"h={args.threshold:g}"),
+                      "ours", lambda **_: make_policy("lookup", threshold=args.threshold), family="lookup-auto",
+                      draft="ngram")]
     print(f"specdec demo: {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens each, "
           f"temperature {args.temperature}, {args.pair or 'bundled'} pair (target "
           f"{sum(p.numel() for p in pair.target.parameters()) / 1e6:.1f}M, draft {_own_params(pair) / 1e6:.1f}M "
@@ -443,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", action="store_true", help="print every round (to stderr)")
     g.set_defaults(fn=cmd_generate)
 
-    d = sub.add_parser("demo", help="SpecDec++ vs fixed K vs plain decoding on HumanEval (the bundled pair, or --pair)",
+    d = sub.add_parser("demo", help="SpecDec++ (with the draft, and over prompt lookup) vs fixed K vs plain decoding on "
+                                    "HumanEval (the bundled pair, or --pair)",
                        formatter_class=HF)
     _model_args(d)
     d.add_argument("--prompts", type=int, default=8, help="HumanEval prompts")

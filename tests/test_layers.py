@@ -20,7 +20,7 @@ LAYERS = {
     "policies": 2,
     "engine": 3,
     "training": 4,
-    "zoo": 5, "benchmark": 5, "batch_bench": 5, "serving": 5, "jobs": 5, "hf": 5,
+    "zoo": 5, "benchmark": 5, "batch_bench": 5, "serving": 5, "jobs": 5, "hf": 5, "llamacpp": 5,
     "benchmark_cli": 6, "cli": 6, "__init__": 6,
 }
 
