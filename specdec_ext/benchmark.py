@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from .engine import SpeculativeGenerator
 from .policies import CandidateLengthPolicy, DraftStep, make_policy
+from .policies.lookup import CopyOrDraft
 
 
 def balanced_order(items, i: int) -> list:
@@ -126,7 +127,8 @@ class Method:
     family: str = ""                        # for tables and plots: plain, fixed, specdecpp, ...
     param: Optional[float] = None           # K or h (None: the auto rule)
     target: str = "default"                 # "float32": the fp32 copy of the target (a reference baseline)
-    draft: str = "model"                    # "ngram": prompt lookup (engine/lookup.py) in place of the draft model
+    draft: str = "model"                    # "ngram": prompt lookup (engine/lookup.py) in place of the draft model;
+    #                                         "both": prompt lookup beside it (lookup=True: a copy or a draft a round)
     _instance: Optional[CandidateLengthPolicy] = field(default=None, repr=False, compare=False)
 
     def instance(self) -> CandidateLengthPolicy:
@@ -157,7 +159,8 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
     (default: ``ks``) with its constant, heuristic and confidence schedules, with ``hf_static`` ``transformers``'
     plain ``generate(cache_implementation="static")`` (its forward compiled by transformers on a GPU), prompt lookup
     (no draft model: ``engine/lookup.py``) at each of ``lookup_ks``, under the heuristic and (with ``auto``) under
-    SpecDec++'s stop rule with ``threshold="auto"`` (``policies/lookup.py``), with ``hf``
+    SpecDec++'s stop rule with ``threshold="auto"`` (``policies/lookup.py``) and beside the draft model (``lookup=True``:
+    a copy or a draft a round, the draft's rounds under SpecDec++ ``auto``), with ``hf``
     ``transformers``' own prompt lookup (``prompt_lookup_num_tokens=10``, its default size), and the greedy
     oracle."""
     hf_ks = ks if hf_ks is None else hf_ks
@@ -210,6 +213,11 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
         if auto:
             m.append(Method("lookup auto", "ours", lambda **_: make_policy("lookup", threshold="auto"),
                             family="lookup-auto", draft="ngram"))
+            if head is not None:
+                m.append(Method("copy or draft, auto", "ours",
+                                lambda **_: CopyOrDraft(make_policy("specdecpp", head=head, threshold="auto",
+                                                                    k_min=k_bounds[0], k_max=k_bounds[1])),
+                                family="copy-or-draft", draft="both"))
     if hf:
         if lookup_ks:
             m.append(Method("hf prompt lookup", "hf", None, None, {"prompt_lookup_num_tokens": 10}, family="hf-lookup"))
@@ -259,7 +267,8 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
                 policy = method.instance()
             proposer = method.draft if method.draft == "ngram" else draft
             gen = SpeculativeGenerator(target, proposer if policy.speculative else None, policy=policy,
-                                       costs=None if method.draft == "ngram" else costs)  # a proposer's own profile
+                                       costs=None if method.draft == "ngram" else costs,  # a proposer's own profile
+                                       lookup=method.draft == "both" and policy.speculative)
             out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos)
             wall = time.perf_counter() - t0
             toks = out.new_tokens[0]

@@ -285,7 +285,8 @@ def test_bench_runs_end_to_end_and_records_auto_and_its_costs(capsys, tmp_path, 
     assert code == 0, err
     data = load_results(tmp_path / "bench-humaneval.json.gz")
     assert {r["method"] for r in data["summary"]} == {"plain", "fixed K=2", "specdec++ h=0.7", "specdec++ auto",
-                                                       "lookup K=3", "lookup heuristic", "lookup auto", "oracle"}
+                                                       "lookup K=3", "lookup heuristic", "lookup auto", "copy or draft, auto",
+                                                       "oracle"}
     assert "--lookup-ks 3 " in data["meta"]["command"]
     assert data["meta"]["command"].endswith("--no-adaptive --no-paper")
     chosen = data["meta"]["auto_selection"]["specdec++ auto"]

@@ -133,31 +133,36 @@ def test_continuous_batching_gives_each_request_its_own_output():
 
 
 N_ROWS, N_POS = 3000, 3
+COSTS = CostModel([1.0 + 0.05 * n for n in range(21)], 0.2, 0.01, 0.1)  # verification nearly flat, a draft step 0.2
 SAMPLING = [SamplingConfig(1.0), SamplingConfig(0.6, top_k=6)]
 
 
 @pytest.fixture(scope="module")
 def target_and_marginals():
-    target, _ = make_pair("llama", vocab=12, noise=0.5, ctx=48)
+    target, draft = make_pair("llama", vocab=12, noise=0.5, ctx=48)
     prompt = torch.tensor([[0, 5, 7, 3, 9, 5, 7, 3]])  # [3] occurred before, followed by 9, 5, 7, 3
-    return target, prompt, {cfg: exact_marginals(target, prompt, cfg, N_POS) for cfg in SAMPLING}
+    return target, prompt, {cfg: exact_marginals(target, prompt, cfg, N_POS) for cfg in SAMPLING}, draft
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg,policy", [(SAMPLING[0], {"policy": "fixed", "k": 3}),
                                         (SAMPLING[1], {"policy": "fixed", "k": 3}),
                                         (SAMPLING[0], {"policy": "specdecpp", "threshold": "auto",
-                                                       "costs": CostModel([1.0 + 0.05 * n for n in range(21)], 0.01)})],
-                         ids=["T1", "T0.6-topk6", "T1-auto"])
+                                                       "costs": CostModel([1.0 + 0.05 * n for n in range(21)], 0.01)}),
+                                        (SAMPLING[0], {"policy": "fixed", "k": 3, "lookup": True, "costs": COSTS})],
+                         ids=["T1", "T0.6-topk6", "T1-auto", "T1-copy-or-draft"])
 def test_sampling_is_lossless(target_and_marginals, cfg, policy):
-    target, prompt, marg = target_and_marginals
-    gen = SpeculativeGenerator(target, "ngram", **policy)
+    target, prompt, marg, draft = target_and_marginals
+    gen = SpeculativeGenerator(target, draft if policy.get("lookup") else "ngram", **policy)
     out = gen.generate(prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=cfg.temperature, top_k=cfg.top_k,
                        seed=1000)
     toks = torch.tensor(out.new_tokens)
     for i in range(N_POS):
         assert_follows(toks[:, i], marg[cfg][i], f"prompt lookup {cfg}, position {i + 1}")
     assert out.stats.accepted > 0 and out.stats.discarded > 0, "prompt lookup was not exercised"
+    if policy.get("lookup"):  # rounds of copies and rounds of the draft model both ran
+        tried = [sum(sum(t) for t, _ in table.counts.values()) for table in (gen.policy.copy.table, gen.policy.drafted)]
+        assert min(tried) > 0, tried
 
 
 @pytest.mark.slow
@@ -172,10 +177,81 @@ def test_chi_square_catches_copied_candidates_let_through(target_and_marginals, 
         return out, n.clone()
 
     monkeypatch.setattr(steps.ops, "chain_verify_logits", accept_all)
-    target, prompt, marg = target_and_marginals
+    target, prompt, marg, _ = target_and_marginals
     gen = SpeculativeGenerator(target, "ngram", policy="fixed", k=3)
     out = gen.generate(prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=1.0, seed=1000)
     toks = torch.tensor(out.new_tokens)
     failures = sum(chi_square(toks[:, i], marg[SamplingConfig(1.0)][i])[0] >
                    chi_square(toks[:, i], marg[SamplingConfig(1.0)][i])[2] for i in range(N_POS))
     assert failures >= 1, "the chi-square test cannot tell copied candidates let through from the target's samples"
+
+
+@pytest.mark.parametrize("policy,kw", [("fixed", {"k": 3}), ("heuristic", {}), ("specdecpp", {"threshold": 0.7})])
+def test_copy_or_draft_equals_target_only_decoding(policy, kw):
+    """lookup=True beside a draft model: each round copies or drafts (CopyOrDraft); greedy, every policy of the
+    draft's rounds gives target-only decoding's tokens, alone, in a left-padded batch and in continuous batching,
+    and both kinds of round ran."""
+    target, draft = make_pair("llama", vocab=48)
+    if policy == "specdecpp":
+        kw = {**kw, "head": head_for(draft)}
+    g = torch.Generator().manual_seed(3)
+    prompts = [PROMPT[0]] + [torch.randint(2, 48, (9,), generator=g) for _ in range(2)]
+    gen = SpeculativeGenerator(target, draft, policy=policy, lookup=True, costs=COSTS, **kw)
+    for p in prompts:
+        assert gen.generate(p.view(1, -1), max_new_tokens=40, temperature=0).new_tokens[0] == target_only(target, p, 40)
+    copies = sum(sum(tried) for tried, _ in gen.policy.copy.table.counts.values())
+    drafts = sum(sum(tried) for tried, _ in gen.policy.drafted.counts.values())
+    assert copies > 0 and drafts > 0, (copies, drafts)
+    batch = torch.stack([prompts[1], prompts[2]])
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    out = gen.generate(batch, attention_mask=mask, max_new_tokens=24, temperature=0)
+    assert out.new_tokens == [target_only(target, prompts[1][3:], 24), target_only(target, prompts[2], 24)]
+    served = gen.generate_continuous([p.tolist() for p in prompts], max_new_tokens=20, batch_size=2, temperature=0)
+    assert served.new_tokens == [target_only(target, p, 20) for p in prompts]
+
+
+def test_copy_or_draft_runs_the_round_that_promises_more():
+    """The copy's expected goodput (its table at the row's match) against the draft rounds' (their table): a copy
+    accepted whole so far wins over a draft rejected so far, and the other way round; a round without a copy
+    drafts; the sub-policies learn only from their own rounds."""
+    from specdec_ext.policies import CopyOrDraft
+
+    pol = CopyOrDraft(make_policy("fixed", k=3))
+    pol.configure(SamplingConfig(0.0), COSTS)
+    pol.reset(1, torch.device("cpu"))
+    for _ in range(20):
+        pol.copy.table.add(("greedy", 3, False), 4, 4)
+        pol.drafted.add(("draft", "greedy"), 3, 0)
+    ctx = RoundContext(1, room=[10], matches=[3], copies=[4])
+    plan = pol.plan(ctx)
+    assert plan.proposer and plan.row_caps == [4]
+    pol.observe(RoundResult([4], [1], steps=4, plan=plan))
+    assert pol.copy.table.counts[("greedy", 3, False)][0][:2] == [21, 21] and pol.drafted.counts[("draft", "greedy")][0][0] == 20
+    assert not pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).proposer  # nothing to copy: draft
+    pol = CopyOrDraft(make_policy("fixed", k=3))
+    pol.configure(SamplingConfig(0.0), COSTS)
+    pol.reset(1, torch.device("cpu"))
+    for _ in range(20):
+        pol.copy.table.add(("greedy", 3, False), 4, 0)
+        pol.drafted.add(("draft", "greedy"), 3, 3)
+    plan = pol.plan(ctx)
+    assert not plan.proposer and plan.cap == 3
+    pol.observe(RoundResult([3], [2], steps=3, plan=plan))
+    assert pol.drafted.counts[("draft", "greedy")][0][:3] == [21, 21, 21]
+
+
+def test_copy_or_draft_refuses_what_it_cannot_do():
+    from specdec_ext.policies import CopyOrDraft
+
+    target, draft = make_pair("llama", vocab=48)
+    with pytest.raises(ValueError, match="^lookup: prompt lookup beside a draft model needs the draft model"):
+        SpeculativeGenerator(target, "ngram", lookup=True)
+    with pytest.raises(ValueError, match="^lookup: expected True, False or a PromptLookup"):
+        SpeculativeGenerator(target, draft, lookup="yes")
+    with pytest.raises(ValueError, match="^cuda_graphs=True: rounds with prompt lookup"):
+        SpeculativeGenerator(target, draft, lookup=True, cuda_graphs=True)
+    with pytest.raises(TypeError, match="^draft: expected the policy of a draft model's rounds"):
+        CopyOrDraft(make_policy("autoregressive"))
+    with pytest.raises(TypeError, match="^copy: expected a LookupStop"):
+        CopyOrDraft(make_policy("fixed", k=2), copy=make_policy("fixed", k=2))

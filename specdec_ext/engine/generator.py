@@ -22,6 +22,7 @@ import torch
 
 from ..head import AcceptanceHead
 from ..policies import CandidateLengthPolicy, LookupStop, make_policy
+from ..policies.lookup import CopyOrDraft
 from ..policies.costs import CostModel
 from .admission import DEFAULT_ADMISSION, check_admission
 from .backends import backend_for
@@ -76,7 +77,8 @@ class SpeculativeGenerator:
             with its defaults) or a ``PromptLookup``: prompt lookup, candidates copied from each request's own
             context after the longest earlier match of its last tokens, no draft model (``engine/lookup.py``); any
             policy whose stop rule does not read a draft model's hidden state (plain, fixed K, heuristic,
-            confidence, AdaEDL), each row drafting at most its match's continuation.
+            confidence, AdaEDL; ``"specdecpp"`` without a head: SpecDec++'s stop rule over the copy), each row
+            drafting at most its match's continuation.
         policy: a :class:`~specdec_ext.policies.CandidateLengthPolicy` or a name: ``"autoregressive"``,
             ``"fixed"`` (``k=``), ``"heuristic"``, ``"confidence"``, ``"adaedl"``, ``"specdecpp"`` (needs ``head``).
         head: the :class:`~specdec_ext.head.AcceptanceHead` for ``specdecpp``.
@@ -126,6 +128,9 @@ class SpeculativeGenerator:
             not under its batch verification budget or with a head that reads the acceptance history), no logits
             processor is given and no queued request could join (``engine/scheduler.py``).
             None (default): on where the rounds replay CUDA graphs; True requires them; False: rounds one at a time.
+        lookup: with a draft model, also prompt lookup (True, or a ``PromptLookup``): each round runs as a round of
+            copies or as the policy's draft round, whichever promises more tokens per ms
+            (:class:`~specdec_ext.policies.lookup.CopyOrDraft` wraps the policy; it profiles the pair's costs).
         **policy_kwargs: passed to the named policy (e.g. ``k=4``, ``threshold=0.7`` or ``"auto"``, ``k_min=1``,
             ``k_max=20``).
 
@@ -137,7 +142,8 @@ class SpeculativeGenerator:
             device, a speculative policy without a draft, a ``draft_context`` that is not None or an integer >= 1,
             ``cuda_graphs=True`` for models that are not lean on a CUDA device, ``compile=True`` without CUDA
             graphs, ``overlap`` that is not None or a bool, ``overlap=True`` without CUDA graphs, a ``draft`` string
-            other than ``"ngram"``, a prompt-lookup draft with a policy that reads a draft model's hidden state.
+            other than ``"ngram"``, a prompt-lookup draft with a policy that reads a draft model's hidden state,
+            ``lookup`` without a draft model or with CUDA graphs asked for.
     """
 
     def __init__(self, target, draft=None, policy: Union[str, CandidateLengthPolicy] = "fixed",
@@ -145,7 +151,7 @@ class SpeculativeGenerator:
                  allow_other_draft: bool = False, batch_costs=None, draft_context: Optional[int] = None,
                  fast_target: bool = True, early_exit=True, tokenizers: Optional[tuple] = None,
                  cuda_graphs: Optional[bool] = None, compile: bool = False, overlap: Optional[bool] = None,
-                 **policy_kwargs):
+                 lookup: Union[bool, PromptLookup] = False, **policy_kwargs):
         if draft_context is not None and (isinstance(draft_context, bool) or not isinstance(draft_context, int)
                                           or draft_context < 1):
             raise ValueError(f"draft_context must be None or an integer >= 1 (tokens), got {draft_context!r}")
@@ -160,6 +166,13 @@ class SpeculativeGenerator:
                                  f"PromptLookup, got {draft!r}")
             draft = PromptLookup()
         self.lookup = isinstance(draft, PromptLookup)  # a proposer, not a model: no weights, no cache
+        if lookup is not False and not isinstance(lookup, PromptLookup) and lookup is not True:
+            raise ValueError(f"lookup: expected True, False or a PromptLookup, got {lookup!r}")
+        if lookup is not False and (draft is None or self.lookup):
+            raise ValueError("lookup: prompt lookup beside a draft model needs the draft model (draft=...); for "
+                             "prompt lookup alone pass draft='ngram'")
+        # prompt lookup beside the draft model: each round copies or drafts (policies/lookup.py, CopyOrDraft)
+        self.hybrid = (PromptLookup() if lookup is True else lookup) if lookup is not False else None
         self.draft = draft
         self.head = head
         self._costs = costs
@@ -198,6 +211,11 @@ class SpeculativeGenerator:
             raise ValueError(f"cuda_graphs must be None, True or False, got {asked!r}")
         if asked is False:
             return False
+        if self.hybrid is not None:  # rounds of copies read the host's contexts
+            if asked:
+                raise ValueError("cuda_graphs=True: rounds with prompt lookup beside the draft (lookup=...) run "
+                                 "eagerly; use cuda_graphs=None or False")
+            return False
         lean = self.fast_target and (self.draft is None or self.fast_draft)
         on_cuda = usable_device(self.target, "target").type == "cuda"
         if asked and not (lean and on_cuda):
@@ -214,13 +232,15 @@ class SpeculativeGenerator:
         pol = make_policy(policy, head=head, **kwargs) if isinstance(policy, str) else policy
         if not isinstance(pol, CandidateLengthPolicy):
             raise TypeError(f"policy must be a name or a CandidateLengthPolicy, got {type(pol).__name__}")
+        if self.hybrid is not None and pol.speculative and not isinstance(pol, (CopyOrDraft, LookupStop)):
+            pol = CopyOrDraft(pol)  # its draft rounds checked below as the policy's own
         if isinstance(pol, LookupStop) and not self.lookup:
             raise ValueError(f"policy {pol.name!r} decides how much of a prompt-lookup copy to verify: it needs "
                              f"draft='ngram', got a draft model")
         if pol.speculative:
             if self.draft is None:
                 raise ValueError(f"policy {pol.name!r} needs a draft model (draft=...)")
-            heads = getattr(pol, "heads", {}).values()
+            heads = getattr(pol.draft if isinstance(pol, CopyOrDraft) else pol, "heads", {}).values()
             if self.lookup:
                 if heads or pol.needs_hidden or (pol.needs_costs and not isinstance(pol, LookupStop)):
                     raise ValueError(f"policy: {pol.name!r} reads a draft model's hidden state or profiles its steps; "
@@ -500,8 +520,9 @@ class SpeculativeGenerator:
         settings = Settings(eos, streamer, processor, admission, self.early_exit, self.draft_context, continuous,
                             timed=tp_size(self.target) == 1, draft_share=self._draft_share, overlap=self.overlap)
         before = {k: (b.calls, b.seconds) for k, b in self._backends.items()}
+        proposer = self._backend("proposer") if self.hybrid is not None and isinstance(pol, CopyOrDraft) else None
         served = Scheduler(self.steps, pol, target, draft, requests, batch_size, settings, self.vocab, self.measured,
-                           staging).run()
+                           staging, proposer).run()
         self.measured = served.measured
         stats = served.stats
         for key, b in self._backends.items():  # forward calls and time of this call
@@ -519,8 +540,9 @@ class SpeculativeGenerator:
         key = (role, staging)
         if key not in self._backends:
             model = self.target if role == "target" else self.draft
-            if self.lookup and role == "draft":
-                self._backends[key] = LookupBackend(self.draft, self.vocab, usable_device(self.target, "target"))
+            if (self.lookup and role == "draft") or role == "proposer":
+                proposer = self.draft if role == "draft" else self.hybrid
+                self._backends[key] = LookupBackend(proposer, self.vocab, usable_device(self.target, "target"))
                 return self._backends[key]
             self._backends[key] = backend_for(model, role, self.fast_target if role == "target" else self.fast_draft,
                                               self.vocab)

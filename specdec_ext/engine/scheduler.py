@@ -139,8 +139,10 @@ class Scheduler:
     works on a copy and returns it in its output)."""
 
     def __init__(self, runner, policy, target, draft, requests: list, batch_size: int, settings: Settings, vocab: int,
-                 measured: Optional[Measured] = None, staging: Optional[tuple] = None):
+                 measured: Optional[Measured] = None, staging: Optional[tuple] = None, proposer=None):
         self.runner, self.pol, self.target, self.draft, self.vocab = runner, policy, target, draft, vocab
+        # the prompt-lookup backend: the draft itself (draft="ngram"), or beside a draft model (lookup=True), or None
+        self.proposer = proposer if proposer is not None else (draft if getattr(draft, "proposes", False) else None)
         self.requests, self.batch_size, self.set = requests, batch_size, settings
         self.stats = GenerationStats(policy=policy.describe(), batch_size=batch_size)
         self.measured = (measured or Measured()).copy()
@@ -394,43 +396,48 @@ class Scheduler:
         return 0 if len(row.ctx) < 2 else self.requests[row.req].limit - row.generated - 1
 
     def _propose(self, room: list) -> list:
-        """A proposer draft (prompt lookup, ``engine/lookup.py``): each live row's candidates from its context, set for
+        """The prompt-lookup proposer (``engine/lookup.py``): each live row's candidates from its context, set for
         the round; returns each row's room capped at its candidates' count (:meth:`LookupBackend.propose`)."""
         t0 = time.perf_counter()
         for r in self.live:
             if r.lookup is None:
-                r.lookup = self.draft.proposer.new_state()
-        room = self.draft.propose([(r.lookup, r.ctx) for r in self.live], room)
+                r.lookup = self.proposer.proposer.new_state()
+        room = self.proposer.propose([(r.lookup, r.ctx) for r in self.live], room)
         self.stats.draft_forward_ms += (time.perf_counter() - t0) * 1e3
         return room
 
-    def _plan(self, room: Optional[list], width: int) -> tuple:
+    def _plan(self, room: Optional[list], width: int, copies: Optional[list] = None) -> tuple:
         """The policy's plan for the live rows (``room``: each row's cap, None for a policy that never drafts;
-        ``width``: the target cache's widest row) and the round's depth: ``(cap, plan)``."""
+        ``width``: the target cache's widest row; ``copies``: each row's prompt-lookup copy, where the pair has a
+        proposer) and the round's depth: ``(cap, plan)``; a plan on the proposer's copies is capped at them."""
         if not self.pol.speculative:
             return 0, RoundPlan(0)
         live = self.live
         left = {self.requests[r.req].limit - r.generated for r in live}
+        matched = self.proposer.matched if self.proposer is not None else ()
         plan = self.pol.plan(RoundContext(len(live), width, room, self._draft_overhead(live), self._draft_reads(live),
                                           self.set.continuous and len(live) > 1 and len(left) == 1,
-                                          self.set.early_exit, getattr(self.draft, "matched", ())))
+                                          self.set.early_exit, matched, copies or ()))
+        room = copies if plan.proposer else room
         caps = room if plan.row_caps is None else [min(a, c) for a, c in zip(room, plan.row_caps)]
         return max(0, min(plan.cap, max(caps))), plan
 
     def _launch(self) -> "_Flight":
         """Plan a round from the host's state, catch the draft up, and launch it."""
         room = [self._room(r) for r in self.live] if self.pol.speculative else None
-        if room is not None and getattr(self.draft, "proposes", False):
-            room = self._propose(room)
-        cap, plan = self._plan(room, max(len(r.ctx) for r in self.live) - 1)
-        if cap > 0:
+        copies = self._propose(room) if room is not None and self.proposer is not None else None
+        if copies is not None and self.proposer is self.draft:  # draft="ngram": the copies are the candidates
+            room = copies
+        cap, plan = self._plan(room, max(len(r.ctx) for r in self.live) - 1, copies)
+        if cap > 0 and not plan.proposer:
             self._catch_up()
         t0 = time.perf_counter()
-        inp = self._inputs(cap > 0, room)
+        inp = self._inputs(cap > 0, copies if plan.proposer else room)
         return self._enqueue(cap, plan, inp, t0)
 
     def _enqueue(self, cap: int, plan: RoundPlan, inp: RoundInputs, t0: float) -> "_Flight":
-        launched = self.runner.launch(self.draft if cap > 0 else None, self.target, inp,
+        drafter = None if cap == 0 else self.proposer if plan.proposer else self.draft
+        launched = self.runner.launch(drafter, self.target, inp,
                                       RoundPlan(cap, plan.rule, plan.row_caps), self.set.early_exit,
                                       stage=self._overlaps())
         return _Flight(launched, cap, plan, t0)
@@ -441,7 +448,7 @@ class Scheduler:
         the draft on the target's device, no host logits processor (it reads each round's tokens), and a policy
         that plans ahead (:attr:`~specdec_ext.policies.CandidateLengthPolicy.plans_ahead`)."""
         return (self.set.overlap and self.runner.buckets is not None and self.set.processor is None
-                and not getattr(self.draft, "proposes", False)  # a proposer reads the host's contexts before a round
+                and self.proposer is None  # a proposer reads the host's contexts before a round
                 and (self.draft is None or self.draft.device == self.target.device) and self.pol.plans_ahead)
 
     def _launch_ahead(self, flight: "_Flight") -> Optional["_Flight"]:
@@ -512,7 +519,7 @@ class Scheduler:
                     break
             row.ctx += toks
             row.rounds += 1
-            if cap > 0:
+            if cap > 0 and not plan.proposer:  # after a round of copies the draft model reads them later
                 row.draft_to = len(row.ctx) - 2
                 if row.draft_from is None:
                     row.draft_from = 0

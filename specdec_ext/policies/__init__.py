@@ -2,8 +2,8 @@
 
 from .base import CandidateLengthPolicy, DraftStep
 from .builtin import AdaEDL, Autoregressive, Confidence, FixedK, Heuristic, make_policy
-from .lookup import LookupStop
+from .lookup import CopyOrDraft, LookupStop
 from .specdecpp import SpecDecPP
 
 __all__ = ["CandidateLengthPolicy", "DraftStep", "Autoregressive", "FixedK", "Heuristic", "Confidence", "AdaEDL",
-           "SpecDecPP", "LookupStop", "make_policy"]
+           "SpecDecPP", "LookupStop", "CopyOrDraft", "make_policy"]

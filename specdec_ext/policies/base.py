@@ -71,7 +71,8 @@ class RoundContext:
     whether any row still drafts (False: the draft runs to the cap whatever the rule says; a frozenset of steps:
     only after those; ``"device"``: the GPU decides in a captured round, ``engine.steps.exit_steps``). matches: per
     row, the length n of the suffix a prompt-lookup draft matched this round (0: none; ``engine/lookup.py``), empty
-    for a draft model."""
+    for a draft model. copies: per row, the tokens the prompt-lookup proposer copied for it this round (its
+    continuation; 0: no match), where the pair has one."""
 
     batch_size: int
     width: int = 0
@@ -81,6 +82,7 @@ class RoundContext:
     together: bool = False
     early_exit: Union[bool, frozenset, str] = True
     matches: Sequence[int] = ()
+    copies: Sequence[int] = ()
 
 
 @dataclass
@@ -90,12 +92,14 @@ class RoundPlan:
     row_caps: per row, a cap of its own (at most ``cap``). note: the policy's own record of what it planned, handed
     back with the round's result (:attr:`RoundResult.plan`), so that a policy which plans a round before it has
     observed the one before (overlapped rounds, :attr:`CandidateLengthPolicy.plans_ahead`) credits each result to
-    the plan it ran."""
+    the plan it ran. proposer: the round verifies the prompt-lookup proposer's copies (capped at each row's copy)
+    instead of the draft model's candidates, where the pair has both (:class:`~specdec_ext.policies.lookup.CopyOrDraft`)."""
 
     cap: int
     rule: Optional["StopRule"] = None
     row_caps: Optional[Sequence[int]] = None
     note: object = None
+    proposer: bool = False
 
 
 @dataclass

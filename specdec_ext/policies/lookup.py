@@ -58,6 +58,20 @@ class AcceptanceTable:
             acc[t] += t < accepted
 
 
+def best_depth(spans: list[float], costs) -> tuple:
+    """(j, rate): the candidates j of a round that maximise its expected tokens per ms E(j) / T(j) (module
+    docstring), given ``spans[t - 1]`` = P(candidates 1 .. t all accepted) and a :class:`CostModel`; j = 0 is a plain
+    step."""
+    c = costs
+    best, best_rate, tokens = 0, 1.0 / (c.round_ms + c.verify(1)), 1.0
+    for j, s in enumerate(spans, 1):
+        tokens += s
+        rate = tokens / (c.round_ms + j * (c.draft_ms + c.step_ms) + c.verify(j + 1))
+        if rate > best_rate:
+            best, best_rate = j, rate
+    return best, best_rate
+
+
 class LookupStop(CandidateLengthPolicy):
     """SpecDec++'s stop rule for a prompt-lookup draft (module docstring): per row, the number of copied candidates
     verified this round, from an online acceptance table over (match length, previous copy accepted whole,
@@ -93,25 +107,19 @@ class LookupStop(CandidateLengthPolicy):
 
     def depth(self, rates: list[float]) -> int:
         """The candidates to verify given candidate t's acceptance rate ``rates[t - 1]`` (all the row may copy)."""
+        return self.best(rates)[0]
+
+    def best(self, rates: list[float]) -> tuple:
+        """(:meth:`depth`, its expected tokens per ms under the costs; 0.0 with a threshold h)."""
         if not rates:
-            return 0
-        survive, spans = 1.0, []
-        for a in rates:
-            survive *= a
-            spans.append(survive)  # P(candidates 1 .. t all accepted)
+            return 0, 0.0
+        spans = _spans(rates)
         if not self.auto:
             for t, s in enumerate(spans, 1):
                 if 1.0 - s > self.threshold:
-                    return t
-            return len(spans)
-        c = self.costs
-        best, best_rate, tokens = 0, 1.0 / (c.round_ms + c.verify(1)), 1.0
-        for j, s in enumerate(spans, 1):
-            tokens += s
-            rate = tokens / (c.round_ms + j * (c.draft_ms + c.step_ms) + c.verify(j + 1))
-            if rate > best_rate:
-                best, best_rate = j, rate
-        return best
+                    return t, 0.0
+            return len(spans), 0.0
+        return best_depth(spans, self.costs)
 
     def plan(self, ctx):
         matches = list(ctx.matches) or [0] * ctx.batch_size
@@ -140,3 +148,117 @@ class LookupStop(CandidateLengthPolicy):
 
     def describe(self) -> str:
         return self.name
+
+
+class CopyOrDraft(CandidateLengthPolicy):
+    """Per round, prompt lookup's copy or a draft model's candidates: whichever promises more tokens per ms.
+
+    A copy is worth a great deal where the output repeats its context and nothing elsewhere; a draft model predicts
+    the text a copy cannot. Before each round this policy compares the copy's expected goodput (:class:`LookupStop`'s
+    acceptance table at the rows' matches, priced without draft forwards) with the draft's (its rounds' acceptance by
+    position, counted online, priced by the pair's measured costs), and runs the round as a copy round (the plan's
+    ``proposer``) or as ``draft``'s round (any policy: its own plan and stop rule). The batch decides together (mean
+    goodput over the live rows). Each sub-policy learns only from the rounds it planned.
+
+    Args: draft: the policy of the draft model's rounds. copy: the copy rounds' :class:`LookupStop` (default
+    ``LookupStop("auto")``, which needs the pair's costs: so does this policy).
+
+    Raises TypeError for a ``copy`` that is not a LookupStop or a ``draft`` that does not draft."""
+
+    plans_ahead = False
+    needs_costs = True
+
+    def __init__(self, draft: CandidateLengthPolicy, copy: Optional[LookupStop] = None):
+        copy = LookupStop("auto") if copy is None else copy
+        if not isinstance(copy, LookupStop):
+            raise TypeError(f"copy: expected a LookupStop, got {type(copy).__name__}")
+        if not isinstance(draft, CandidateLengthPolicy) or not draft.speculative or isinstance(draft, LookupStop):
+            raise TypeError(f"draft: expected the policy of a draft model's rounds, got {draft!r}")
+        self.copy, self.draft = copy, draft
+        self.name = f"copy-or-draft({copy.describe()}, {draft.describe()})"
+        self.max_candidates = max(copy.max_candidates, draft.max_candidates)
+        self.needs_batch_costs = bool(getattr(draft, "needs_batch_costs", False))
+        self.drafted = AcceptanceTable(min(draft.max_candidates, 32))  # the draft rounds' acceptance by position
+        self.copy_costs = self.pair_costs = None
+        self._planned: Optional[RoundPlan] = None
+
+    @property
+    def needs_hidden(self) -> bool:
+        return bool(getattr(self.draft, "needs_hidden", False))
+
+    @property
+    def needs_probs(self) -> bool:
+        return bool(getattr(self.draft, "needs_probs", False))
+
+    def configure(self, sampling, costs=None, batch_costs=None):
+        from .costs import CostModel
+
+        if costs is None:
+            raise ValueError("CopyOrDraft needs the pair's CostModel (configure(sampling, costs))")
+        self.pair_costs = costs
+        self.copy_costs = CostModel(costs.verify_ms, 0.0, 0.0, costs.round_ms, costs.meta)  # no draft forward
+        self.copy.configure(sampling, self.copy_costs)
+        given = costs if self.draft.needs_costs else None
+        if self.needs_batch_costs:
+            self.draft.configure(sampling, given, batch_costs=batch_costs)
+        else:
+            self.draft.configure(sampling, given)
+
+    def reset(self, batch_size, device):
+        self.copy.reset(batch_size, device)
+        self.draft.reset(batch_size, device)
+
+    def plan(self, ctx):
+        from dataclasses import replace
+
+        copies = list(ctx.copies) or [0] * ctx.batch_size
+        cctx = replace(ctx, room=[min(r, c) for r, c in zip(ctx.room, copies)])
+        rates = []
+        for room, n, streak in zip(cctx.room, list(ctx.matches) or [0] * ctx.batch_size, self.copy.streak):
+            key = (self.copy.mode, n, streak)
+            rates.append(best_depth(_spans(self.copy.table.rates(key, room)), self.copy_costs)[1] if n and room else
+                         1.0 / self.copy_costs.plain_ms())
+        deepest = max(ctx.room, default=0)
+        draft_rate = best_depth(_spans(self.drafted.rates(("draft", self.copy.mode), deepest)), self.pair_costs)[1]
+        if any(copies) and sum(rates) / len(rates) >= draft_rate:
+            plan = self.copy.plan(cctx)
+            self._planned = RoundPlan(plan.cap, plan.rule, plan.row_caps, ("copy", plan), proposer=True)
+        else:
+            plan = self.draft.plan(ctx)
+            self._planned = RoundPlan(plan.cap, plan.rule, plan.row_caps, ("draft", plan))
+        return self._planned
+
+    def observe(self, result):
+        from dataclasses import replace
+
+        plan = result.plan if result.plan is not None else self._planned
+        source, inner = plan.note if plan is not None and isinstance(plan.note, tuple) else ("draft", None)
+        if source == "copy":
+            self.copy.observe(replace(result, plan=inner))
+            return
+        self.draft.observe(replace(result, plan=inner))
+        self.copy.streak = [False] * len(self.copy.streak)
+        if result.steps:
+            for d, a in zip(result.drafted, result.accepted):
+                if d:
+                    self.drafted.add(("draft", self.copy.mode), d, a)
+
+    def select_rows(self, index):
+        self.copy.select_rows(index)
+        self.draft.select_rows(index)
+
+    def add_rows(self, n):
+        self.copy.add_rows(n)
+        self.draft.add_rows(n)
+
+    def describe(self) -> str:
+        return self.name
+
+
+def _spans(rates: list[float]) -> list[float]:
+    """P(candidates 1 .. t all accepted) from each candidate's conditional rate."""
+    out, s = [], 1.0
+    for a in rates:
+        s *= a
+        out.append(s)
+    return out
