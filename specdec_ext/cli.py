@@ -190,6 +190,9 @@ def _policy_args(p):
                    help="SpecDec++ stop threshold h in [0, 1], or 'auto' (the cost-aware goodput rule)")
     p.add_argument("--k-min", type=int, default=1, help="SpecDec++ lower bound on K")
     p.add_argument("--k-max", type=int, default=20, help="SpecDec++ upper bound on K")
+    p.add_argument("--lookup", action="store_true",
+                   help="prompt lookup beside the draft model: each round copies from the context or drafts, whichever "
+                        "promises more tokens per ms (policies/lookup.py, CopyOrDraft)")
 
 
 def _policy(args, head):
@@ -225,8 +228,9 @@ def cmd_generate(args):
         raise UsageError("--out is for batch jobs: give --prompts FILE (or a data set name)")
     lookup = _lookup(args)
     pair = _models(args, args.policy == "specdecpp" and not lookup, lookup_ok=True)
-    gen = SpeculativeGenerator(pair.target, "ngram" if lookup and args.policy != "autoregressive" else pair.draft,
-                               policy=_policy(args, pair.head))
+    speculative = args.policy != "autoregressive"
+    gen = SpeculativeGenerator(pair.target, "ngram" if lookup and speculative else pair.draft,
+                               policy=_policy(args, pair.head), lookup=args.lookup and speculative)
     main = is_main_process()  # under --tp every rank generates; rank 0 prints and writes
     log = _log if main else (lambda *a: None)
     if args.prompts is not None:
@@ -269,7 +273,7 @@ def cmd_generate(args):
 
 def cmd_demo(args):
     from .benchmark import Method, format_table, run_benchmark, summarize
-    from .policies import make_policy
+    from .policies import CopyOrDraft, make_policy
     from .prompts import load_prompts
 
     from .zoo.named import PAIRS
@@ -285,7 +289,10 @@ def cmd_demo(args):
                       lambda **_: make_policy("specdecpp", head=pair.head, threshold=args.threshold), family="specdecpp"),
                Method("prompt lookup, specdec++ " + ("auto" if args.threshold == "auto" else f"h={args.threshold:g}"),
                       "ours", lambda **_: make_policy("lookup", threshold=args.threshold), family="lookup-auto",
-                      draft="ngram")]
+                      draft="ngram"),
+               Method("copy or draft, specdec++ " + ("auto" if args.threshold == "auto" else f"h={args.threshold:g}"),
+                      "ours", lambda **_: CopyOrDraft(make_policy("specdecpp", head=pair.head, threshold=args.threshold)),
+                      family="copy-or-draft", draft="both")]
     print(f"specdec demo: {len(prompts)} HumanEval prompts, {args.max_new_tokens} new tokens each, "
           f"temperature {args.temperature}, {args.pair or 'bundled'} pair (target "
           f"{sum(p.numel() for p in pair.target.parameters()) / 1e6:.1f}M, draft {_own_params(pair) / 1e6:.1f}M "

@@ -127,7 +127,10 @@ def test_generate_with_prompt_lookup_prints_what_plain_decoding_prints(capsys, t
                               prompt, "--max-new-tokens", "24"], capsys)
         assert code == 0, err
         texts[policy] = out
-    assert texts["specdecpp"] == texts["autoregressive"] and texts["specdecpp"].startswith(prompt)
+    code, out, err = run(["generate", "--lookup", "--threshold", "0.7", "--prompt", prompt, "--max-new-tokens", "24"],
+                         capsys)  # the draft model with prompt lookup beside it
+    assert code == 0 and "copy-or-draft" in err, err
+    assert texts["specdecpp"] == texts["autoregressive"] == out and out.startswith(prompt)
     code, _, err = run(["bench", "--draft", "ngram", "--prompts", "1"], capsys)
     assert_one_line_error(code, err, "--draft ngram (prompt lookup) is taken by `specdec generate`")
 
