@@ -12,10 +12,8 @@ so its output does not depend on the requests beside it.
 from __future__ import annotations
 
 import functools
-import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -35,18 +33,9 @@ from .steps import exit_steps
 from .runner import sliding_layout, usable_device
 from .sampling import SamplingConfig
 from .scheduler import ContinuousOutput, Measured, Request, Scheduler, Settings
-from .stats import GenerationStats
+from .call_args import (GenerationOutput, arrivals, check_processor, eos_set, make_output, per_request,
+                        seeds_for)
 from .tensor_parallel import check_same_output, tp_size
-
-
-@dataclass
-class GenerationOutput:
-    """sequences: ``[B, T + L]`` int64, prompt then generated tokens, right-padded with ``pad_token_id``.
-    new_tokens: the generated token ids of each row. stats: :class:`GenerationStats`."""
-
-    sequences: torch.Tensor
-    new_tokens: list[list[int]]
-    stats: GenerationStats
 
 
 _GENERATE_ARGS = ("input_ids", "attention_mask", "max_new_tokens", "temperature", "top_k", "top_p", "eos_token_id",
@@ -389,18 +378,18 @@ class SpeculativeGenerator:
         B, T = input_ids.shape
         if streamer is not None and B != 1:
             raise ValueError("streamer supports batch size 1 only")
-        _check_processor(logits_processor)
-        seeds = _seeds(seed, B)
+        check_processor(logits_processor)
+        seeds = seeds_for(seed, B)
         rows = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(B)]
         padded = input_ids.tolist() if logits_processor is not None else None  # the processor sees the padding
         requests = [Request(rows[b], max_new_tokens, seeds[b], cfg, padded[b] if padded else None) for b in range(B)]
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        served = self._serve(pol, cfg, requests, B, _eos_set(eos_token_id), streamer, logits_processor, "eager",
+        served = self._serve(pol, cfg, requests, B, eos_set(eos_token_id), streamer, logits_processor, "eager",
                              continuous=False)
         if streamer is not None:
             streamer.end()
-        out = _output(input_ids, served.new_tokens, _eos_set(eos_token_id), pad_token_id, served.stats)
+        out = make_output(input_ids, served.new_tokens, eos_set(eos_token_id), pad_token_id, served.stats)
         if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
             check_same_output(out.sequences)
         return out
@@ -466,7 +455,7 @@ class SpeculativeGenerator:
         pol = self._policy_for_call(policy, policy_kwargs)
         if isinstance(prompts, torch.Tensor) or not len(prompts):
             raise ValueError("prompts: give a non-empty sequence of prompts (1-D tensors or lists of token ids)")
-        settings = [_per_request(name, v, len(prompts)) for name, v in
+        settings = [per_request(name, v, len(prompts)) for name, v in
                     (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))]
         cfgs = []
         for i, (t, k, p) in enumerate(zip(*settings)):
@@ -477,12 +466,12 @@ class SpeculativeGenerator:
         cfg = next((c for c in cfgs if not c.greedy), cfgs[0])  # what the policy configures itself for
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        per_request = not isinstance(max_new_tokens, int)
-        if per_request and (isinstance(max_new_tokens, (str, bytes, torch.Tensor))
+        listed = not isinstance(max_new_tokens, int)
+        if listed and (isinstance(max_new_tokens, (str, bytes, torch.Tensor))
                             or not isinstance(max_new_tokens, Sequence) or len(max_new_tokens) != len(prompts)):
             raise ValueError(f"max_new_tokens must be an integer >= 1 or a sequence of them, one per prompt "
                              f"({len(prompts)}), got {max_new_tokens!r}")
-        limits = list(max_new_tokens) if per_request else [max_new_tokens] * len(prompts)
+        limits = list(max_new_tokens) if listed else [max_new_tokens] * len(prompts)
         ids = []
         for i, p in enumerate(prompts):
             x = p if isinstance(p, torch.Tensor) else torch.tensor(list(p), dtype=torch.int64)
@@ -492,12 +481,12 @@ class SpeculativeGenerator:
                 ids.append(self._check_inputs(x.view(1, -1), None, limits[i], pol)[0][0].tolist())
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
-        _check_processor(logits_processor)
-        seeds = _seeds(seed, len(ids))
-        arrivals = _arrivals(arrival_ms, len(ids))
+        check_processor(logits_processor)
+        seeds = seeds_for(seed, len(ids))
+        arrived = arrivals(arrival_ms, len(ids))
         requests = [Request(x, lim, s, c, list(x) if logits_processor is not None else None, at)
-                    for x, lim, s, c, at in zip(ids, limits, seeds, cfgs, arrivals)]
-        served = self._serve(pol, cfg, requests, batch_size, _eos_set(eos_token_id), None, logits_processor,
+                    for x, lim, s, c, at in zip(ids, limits, seeds, cfgs, arrived)]
+        served = self._serve(pol, cfg, requests, batch_size, eos_set(eos_token_id), None, logits_processor,
                              admission, continuous=True)
         if tp_size(self.target) > 1:  # every rank decided for itself: prove they agree
             check_same_output(torch.tensor([t for g in served.new_tokens for t in g + [-1]], dtype=torch.int64))
@@ -562,61 +551,3 @@ class SpeculativeGenerator:
                             f"{', '.join(_GENERATE_ARGS)}, and policy keyword arguments (k, threshold, k_min, k_max, "
                             "...) only together with policy=")
         return self.policy if policy is None else self._make_policy(policy, self.head, policy_kwargs)
-
-
-def _arrivals(arrival_ms, n: int) -> list:
-    """``arrival_ms`` checked: one finite time >= 0 per prompt, non-decreasing (None: every request at 0)."""
-    if arrival_ms is None:
-        return [0.0] * n
-    if isinstance(arrival_ms, (str, bytes, torch.Tensor)) or not isinstance(arrival_ms, Sequence) \
-            or len(arrival_ms) != n:
-        raise ValueError(f"arrival_ms must be a sequence of {n} times in ms, one per prompt, got {arrival_ms!r}")
-    out = []
-    for i, t in enumerate(arrival_ms):
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0 \
-                or (out and t < out[-1]):
-            raise ValueError(f"arrival_ms[{i}] must be a finite time in ms >= 0 and >= the one before, got {t!r}")
-        out.append(float(t))
-    return out
-
-
-def _check_processor(logits_processor) -> None:
-    if logits_processor is not None and not callable(logits_processor):
-        raise TypeError(f"logits_processor must be callable (input_ids, scores) -> scores, got "
-                        f"{type(logits_processor).__name__}")
-
-
-def _eos_set(eos_token_id) -> set:
-    if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
-
-
-def _per_request(name: str, value, n: int) -> list:
-    """``value`` for each of ``n`` requests: the value itself for every one, or a sequence of one per request.
-
-    Raises ValueError for a sequence of another length."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise ValueError(f"{name} must be one value or a sequence of one per prompt ({n}), got {len(value)}")
-        return list(value)
-    return [value] * n
-
-
-def _seeds(seed, n: int) -> list[int]:
-    """Each request's Philox seed: ``seed + i``, or ``seed[i]``."""
-    seeds = [seed + i for i in range(n)] if isinstance(seed, int) else [int(s) for s in seed]
-    if len(seeds) != n:
-        raise ValueError(f"seed: need one seed per row ({n}), got {len(seeds)}")
-    return seeds
-
-
-def _output(input_ids, generated, eos, pad_token_id, stats) -> GenerationOutput:
-    B, T = input_ids.shape
-    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-    L = max(len(g) for g in generated)
-    seq = torch.full((B, T + L), pad, dtype=torch.int64)
-    seq[:, :T] = input_ids.cpu()
-    for b, g in enumerate(generated):
-        seq[b, T : T + len(g)] = torch.tensor(g, dtype=torch.int64)
-    return GenerationOutput(seq, generated, stats)
