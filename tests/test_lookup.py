@@ -217,24 +217,24 @@ def test_copy_or_draft_runs_the_round_that_promises_more():
     drafts; the sub-policies learn only from their own rounds."""
     from specdec_ext.policies import CopyOrDraft
 
-    pol = CopyOrDraft(make_policy("fixed", k=3))
-    pol.configure(SamplingConfig(0.0), COSTS)
-    pol.reset(1, torch.device("cpu"))
-    for _ in range(20):
-        pol.copy.table.add(("greedy", 3, False), 4, 4)
-        pol.drafted.add(("draft", "greedy"), 3, 0)
-    ctx = RoundContext(1, room=[10], matches=[3], copies=[4])
+    def trained(copied: int, drafted: int):
+        """A CopyOrDraft whose copies of 4 had ``copied`` accepted and whose drafts of 3 ``drafted``, 20 times each."""
+        pol = CopyOrDraft(make_policy("fixed", k=3))
+        pol.configure(SamplingConfig(0.0), COSTS)
+        pol.reset(1, torch.device("cpu"))
+        for _ in range(20):
+            pol.copy.table.add(("greedy", 3, False), 4, copied)
+            pol.drafted.add(("draft", "greedy"), 3, drafted)
+        return pol
+
+    pol, ctx = trained(4, 0), RoundContext(1, room=[10], matches=[3], copies=[4])
     plan = pol.plan(ctx)
     assert plan.proposer and plan.row_caps == [4]
     pol.observe(RoundResult([4], [1], steps=4, plan=plan))
-    assert pol.copy.table.counts[("greedy", 3, False)][0][:2] == [21, 21] and pol.drafted.counts[("draft", "greedy")][0][0] == 20
+    assert pol.copy.table.counts[("greedy", 3, False)][0][:2] == [21, 21]
+    assert pol.drafted.counts[("draft", "greedy")][0][0] == 20
     assert not pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).proposer  # nothing to copy: draft
-    pol = CopyOrDraft(make_policy("fixed", k=3))
-    pol.configure(SamplingConfig(0.0), COSTS)
-    pol.reset(1, torch.device("cpu"))
-    for _ in range(20):
-        pol.copy.table.add(("greedy", 3, False), 4, 0)
-        pol.drafted.add(("draft", "greedy"), 3, 3)
+    pol = trained(0, 3)
     plan = pol.plan(ctx)
     assert not plan.proposer and plan.cap == 3
     pol.observe(RoundResult([3], [2], steps=3, plan=plan))
