@@ -22,6 +22,9 @@ Sec. 3.2). With ``"auto"`` it verifies the j that maximises the expected goodput
 the expected tokens emitted over the round's time priced by the pair's measured costs (``policies/costs.py``; the
 emitted-token expectation of Leviathan et al. 2023, Eq. 1, with per-position rates); j = 0 is a plain step. Rows
 decide alone (a batch verifies its deepest row's candidates).
+
+:class:`CopyOrDraft` puts the copy beside a draft model: before each round it compares the copy's best expected
+goodput with the draft rounds' and runs the round as the better of the two.
 """
 
 from __future__ import annotations
