@@ -12,7 +12,7 @@ from specdec_ext.engine.sampling import SamplingConfig
 from specdec_ext.policies import LookupStop, make_policy
 from specdec_ext.policies.base import RoundContext, RoundPlan, RoundResult
 from specdec_ext.policies.costs import CostModel
-from specdec_ext.policies.lookup import AcceptanceTable
+from specdec_ext.policies.lookup import PLAIN_AFTER, AcceptanceTable
 from models import make_pair
 from stats import assert_follows, chi_square
 from support import exact_marginals, head_for, target_only
@@ -213,16 +213,16 @@ def test_copy_or_draft_equals_target_only_decoding(policy, kw):
 
 def test_copy_or_draft_runs_the_round_that_promises_more():
     """The copy's expected goodput (its table at the row's match) against the draft rounds' (their table): a copy
-    accepted whole so far wins over a draft rejected so far, and the other way round; a round without a copy
-    drafts; the sub-policies learn only from their own rounds."""
+    accepted whole so far wins over a draft rejected so far, and the other way round; without a copy the round
+    drafts, or takes a plain step where drafts were rejected; the sub-policies learn only from their own rounds."""
     from specdec_ext.policies import CopyOrDraft
 
     def trained(copied: int, drafted: int):
-        """A CopyOrDraft whose copies of 4 had ``copied`` accepted and whose drafts of 3 ``drafted``, 20 times each."""
+        """A CopyOrDraft whose copies of 4 had ``copied`` accepted and whose drafts of 3 ``drafted``, PLAIN_AFTER times."""
         pol = CopyOrDraft(make_policy("fixed", k=3))
         pol.configure(SamplingConfig(0.0), COSTS)
         pol.reset(1, torch.device("cpu"))
-        for _ in range(20):
+        for _ in range(PLAIN_AFTER):
             pol.copy.table.add(("greedy", 3, False), 4, copied)
             pol.drafted.add(("draft", "greedy"), 3, drafted)
         return pol
@@ -231,14 +231,25 @@ def test_copy_or_draft_runs_the_round_that_promises_more():
     plan = pol.plan(ctx)
     assert plan.proposer and plan.row_caps == [4]
     pol.observe(RoundResult([4], [1], steps=4, plan=plan))
-    assert pol.copy.table.counts[("greedy", 3, False)][0][:2] == [21, 21]
-    assert pol.drafted.counts[("draft", "greedy")][0][0] == 20
-    assert not pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).proposer  # nothing to copy: draft
+    n = PLAIN_AFTER
+    assert pol.copy.table.counts[("greedy", 3, False)][0][:2] == [n + 1, n + 1]
+    assert pol.drafted.counts[("draft", "greedy")][0][0] == n
+    plan = pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0]))  # nothing to copy, drafts rejected: plain
+    assert not plan.proposer and plan.cap == 0
+    pol.observe(RoundResult([0], [0], steps=0, plan=plan))
+    assert pol.drafted.counts[("draft", "greedy")][0][0] == n
+    fresh = CopyOrDraft(make_policy("fixed", k=3))  # without that evidence, an unlucky start still drafts
+    fresh.configure(SamplingConfig(0.0), COSTS)
+    fresh.reset(1, torch.device("cpu"))
+    for _ in range(8):
+        fresh.drafted.add(("draft", "greedy"), 3, 0)
+    assert fresh.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).cap == 3
     pol = trained(0, 3)
     plan = pol.plan(ctx)
     assert not plan.proposer and plan.cap == 3
     pol.observe(RoundResult([3], [2], steps=3, plan=plan))
-    assert pol.drafted.counts[("draft", "greedy")][0][:3] == [21, 21, 21]
+    assert pol.drafted.counts[("draft", "greedy")][0][:3] == [n + 1] * 3
+    assert pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).cap == 3  # nothing to copy: the draft
 
 
 def test_copy_or_draft_refuses_what_it_cannot_do():

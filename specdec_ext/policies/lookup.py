@@ -34,6 +34,9 @@ from typing import Optional, Union
 from .base import CandidateLengthPolicy, RoundPlan, _check_k
 
 PRIOR, PRIOR_WEIGHT, POOL_WEIGHT = 0.5, 2.0, 4.0
+# CopyOrDraft: draft rounds tried (first candidates verified) before a plain step may replace them where nothing is
+# copied: with fewer, an unlucky start (the first few drafts rejected) would stop the draft for good
+PLAIN_AFTER = 64
 
 
 class AcceptanceTable:
@@ -53,6 +56,10 @@ class AcceptanceTable:
         tried, acc = self._cell(key)
         pooled = (sum(acc) + PRIOR_WEIGHT * PRIOR) / (sum(tried) + PRIOR_WEIGHT)
         return [(acc[t] + POOL_WEIGHT * pooled) / (tried[t] + POOL_WEIGHT) for t in range(min(length, self.k_max))]
+
+    def tried(self, key: tuple) -> int:
+        """How many first candidates were verified under ``key``."""
+        return self.counts[key][0][0] if key in self.counts else 0
 
     def add(self, key: tuple, verified: int, accepted: int) -> None:
         tried, acc = self._cell(key)
@@ -160,8 +167,9 @@ class CopyOrDraft(CandidateLengthPolicy):
     the text a copy cannot. Before each round this policy compares the copy's expected goodput (:class:`LookupStop`'s
     acceptance table at the rows' matches, priced without draft forwards) with the draft's (its rounds' acceptance by
     position, counted online, priced by the pair's measured costs), and runs the round as a copy round (the plan's
-    ``proposer``) or as ``draft``'s round (any policy: its own plan and stop rule). The batch decides together (mean
-    goodput over the live rows). Each sub-policy learns only from the rounds it planned.
+    ``proposer``), as ``draft``'s round (any policy: its own plan and stop rule), or, where nothing is copied and the
+    draft's rounds (at least :data:`PLAIN_AFTER` of them) do not pay for their steps, as a plain step. The batch decides together (mean goodput over the
+    live rows). Each sub-policy learns only from the rounds it planned.
 
     Args: draft: the policy of the draft model's rounds. copy: the copy rounds' :class:`LookupStop` (default
     ``LookupStop("auto")``, which needs the pair's costs: so does this policy).
@@ -222,10 +230,12 @@ class CopyOrDraft(CandidateLengthPolicy):
             rates.append(best_depth(_spans(self.copy.table.rates(key, room)), self.copy_costs)[1] if n and room else
                          1.0 / self.copy_costs.plain_ms())
         deepest = max(ctx.room, default=0)
-        draft_rate = best_depth(_spans(self.drafted.rates(("draft", self.copy.mode), deepest)), self.pair_costs)[1]
+        depth, draft_rate = best_depth(_spans(self.drafted.rates(("draft", self.copy.mode), deepest)), self.pair_costs)
         if any(copies) and sum(rates) / len(rates) >= draft_rate:
             plan = self.copy.plan(cctx)
             self._planned = RoundPlan(plan.cap, plan.rule, plan.row_caps, ("copy", plan), proposer=True)
+        elif depth == 0 and self.drafted.tried(("draft", self.copy.mode)) >= PLAIN_AFTER:
+            self._planned = RoundPlan(0, note=("plain", None))  # the draft's rounds have not paid for their steps
         else:
             plan = self.draft.plan(ctx)
             self._planned = RoundPlan(plan.cap, plan.rule, plan.row_caps, ("draft", plan))
@@ -239,8 +249,10 @@ class CopyOrDraft(CandidateLengthPolicy):
         if source == "copy":
             self.copy.observe(replace(result, plan=inner))
             return
-        self.draft.observe(replace(result, plan=inner))
         self.copy.streak = [False] * len(self.copy.streak)
+        if source == "plain":
+            return
+        self.draft.observe(replace(result, plan=inner))
         if result.steps:
             for d, a in zip(result.drafted, result.accepted):
                 if d:
