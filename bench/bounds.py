@@ -1,4 +1,54 @@
-"""How much a stop rule over prompt lookup can gain: a replay of the greedy outputs of a `specdec bench` run.
+"""Bounds of stop rules, by replay: ``labels``, what any acceptance head could gain over the best fixed K; ``lookup``,
+what any stop rule over prompt lookup could gain, and a copy or a draft chosen per round.
+
+    python bench/bounds.py labels --out docs/results/label_bound.json
+    python bench/bounds.py lookup "docs/results/smollm2_lookup.json.gz#fp32" --hybrid
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from specdec_ext import SpeculativeGenerator  # noqa: E402
+from specdec_ext.benchmark import machine_description  # noqa: E402
+from specdec_ext.engine.lookup import PromptLookup  # noqa: E402
+from specdec_ext.policies.costs import CostModel  # noqa: E402
+from specdec_ext.policies.lookup import AcceptanceTable  # noqa: E402
+from specdec_ext.prompts import load_prompts  # noqa: E402
+from specdec_ext.training.head_data import HeadDataConfig, generate_head_data  # noqa: E402
+from specdec_ext.training.head_features import draft_features  # noqa: E402
+from specdec_ext.training.pipeline import EVAL_MODES, replay_report  # noqa: E402
+from specdec_ext.training.replay import flat_costs  # noqa: E402
+from specdec_ext.zoo import load_pair  # noqa: E402
+
+LABELS_DOC = """How much any acceptance head could gain over the best fixed K: the offline replay of the auto rule with
+the bundled heads' p_hat beside the same rule fed the recorded labels.
+
+For every HumanEval prompt the target generates a response (greedy, and sampled at temperature 1), and the
+draft's candidate at each response position is labelled (``training/head_data.py``): greedy, 1 when it
+equals the target's token; sampling, its acceptance probability min(1, p(y) / q(y)) with one accept/reject
+draw of it. The replay (``training/replay.py``) plays speculative rounds over those outcomes under a cost
+model. Fed the labels themselves, the auto rule knows the target's p(y), which no head sees (a head's best
+prediction is the expectation of the label given the draft's side): its gain over the best fixed K bounds
+any head's gain under that rule on these responses. Greedy labels are the outcomes, so there the bound is
+the oracle; at temperature 1 it tells whether a sampling head can beat the best fixed K at all.
+
+Cost models: flat GPU-like verification with a draft step of 0.1 and 0.2 target forwards, and the pair's
+profile on this machine (the one ``threshold="auto"`` uses).
+
+    python bench/bounds.py labels --out docs/results/label_bound.json"""
+
+LOOKUP_DOC = """How much a stop rule over prompt lookup can gain: a replay of the greedy outputs of a `specdec bench` run.
 
 Greedy decoding's output is fixed, a prompt-lookup proposal at context length L is a function of the context, and
 its accepted length is its common prefix with the output: so any rule that decides how many copied candidates to
@@ -12,22 +62,45 @@ alone (depth by its confidence, step by step) and a per-round choice between the
 goodput from tables known before the round (the bound: the better of the two in hindsight); the draft's costs from
 the bench file's profile.
 
-    python bench/lookup_replay.py "docs/results/smollm2_lookup.json.gz#fp32" --pair smollm2-135m
-"""
+    python bench/bounds.py lookup "docs/results/smollm2_lookup.json.gz#fp32" --hybrid"""
 
-from __future__ import annotations
 
-import argparse
-import gzip
-import json
-import sys
-from pathlib import Path
+def labels(argv=None) -> None:
+    """``labels``: the auto rule replayed with the heads' p_hat beside the same rule fed the recorded labels."""
+    ap = argparse.ArgumentParser(prog="bench/bounds.py labels", description=LABELS_DOC)
+    ap.add_argument("--prompts", type=int, default=None, help="first N HumanEval prompts (default: all 164)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("docs/results/label_bound.json"))
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    pair = load_pair()
+    prompts = load_prompts("humaneval", args.prompts)
+    here = SpeculativeGenerator(pair.target, pair.draft, policy="specdecpp", head=pair.head, threshold="auto").costs()
+    cost_models = {"flat, draft step 0.1": flat_costs(0.1), "flat, draft step 0.2": flat_costs(0.2),
+                   "this machine's profile": here}
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for mode, head_name in (("greedy", "greedy"), ("sample-T1", "sample")):
+            head = pair.heads[head_name]
+            cfg = HeadDataConfig(mix_ratio=0.0, max_new_tokens=args.max_new_tokens, **EVAL_MODES[mode])
+            data = generate_head_data(pair.target, pair.draft, pair.tokenizer, prompts, cfg,
+                                      path=Path(work) / f"{mode}.safetensors")
+            feats = draft_features(pair.draft, data, head.input_position, contexts="target")
+            for name, costs in cost_models.items():
+                r = replay_report(head, feats, costs)
+                rows.append({"decoding": mode, "head": head_name, "positions": int(feats["labels"].numel()),
+                             "cost_model": name, **{k: v for k, v in r.items() if k != "cost_model"}})
+                print(f"{mode:9s} {name:24s} best fixed K = {r['best_fixed_k']}: head {r['auto_vs_best_fixed']:.3f}x, "
+                      f"labels (bound) {r['label_bound_vs_best_fixed']:.3f}x, oracle {r['oracle_vs_best_fixed']:.3f}x "
+                      "(median speedup over the best fixed K's)")
+    meta = {"machine": machine_description(pair), "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "profile": here.meta, "duration_s": time.time() - t0,
+            "command": "python bench/bounds.py labels" + (f" --prompts {args.prompts}" if args.prompts else "")
+            + (f" --max-new-tokens {args.max_new_tokens}" if args.max_new_tokens != 64 else "")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specdec_ext.engine.lookup import PromptLookup  # noqa: E402
-from specdec_ext.policies.costs import CostModel  # noqa: E402
-from specdec_ext.policies.lookup import AcceptanceTable  # noqa: E402
 
 
 def suffix_match(ctx: list, at: int, L: int, cap: int = 32) -> int:
@@ -97,8 +170,6 @@ FEATURES = {
 def draft_chains(pair, seqs, k_max: int = 8) -> list:
     """For each (prompt, output) and each output position L: the draft's greedy chain of ``k_max`` tokens after the
     first L tokens and its probability of each (teacher-forced on the output, as the engine's draft reads it)."""
-    import torch
-
     out = []
     with torch.inference_mode():
         for prompt, gen in seqs:
@@ -193,8 +264,10 @@ def hybrid(seqs, chains, look: CostModel, pair_costs: CostModel, k_max: int = 8)
     return out
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def lookup(argv=None) -> dict:
+    """``lookup``: stop rules over prompt lookup (and ``--hybrid``: beside the draft) replayed on a run's outputs."""
+    ap = argparse.ArgumentParser(prog="bench/bounds.py lookup", description=LOOKUP_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="a `specdec bench` JSON (.json or .json.gz) with a greedy plain arm, or FILE#SET "
                                     "for one set of a file that joins several runs ({'sets': {SET: results}})")
     ap.add_argument("--pair", default="smollm2-135m", help="the named pair whose tokenizer encoded the prompts")
@@ -210,13 +283,8 @@ def main(argv=None) -> dict:
     cm = json.loads(args.costs.read_text()) if args.costs else data["meta"]["cost_model"]
     costs = CostModel(cm["verify_ms"], 0.0, 0.0, cm.get("round_ms", 0.0))  # a proposer: no draft forward
 
-    from specdec_ext.prompts import load_prompts
-    from specdec_ext.zoo import load_pair
-
     meta = data["meta"]
     outs = {r["prompt"]: r["tokens"] for r in data["runs"] if r["method"] == "plain"}
-    import torch
-
     pair = load_pair(args.pair, target_dtype=torch.float32, draft_dtype=torch.float32)
     tok = pair.tokenizer
     prompts = load_prompts(meta.get("dataset", "humaneval"), limit=len(outs))
@@ -232,12 +300,17 @@ def main(argv=None) -> dict:
             res[name] = rate / plain
     for k, v in res.items():
         print(f"{k:45s} {v:.3f}x plain (modelled)")
-    out = {"meta": {"results": str(args.results), "command": "python bench/lookup_replay.py " + " ".join(
+    out = {"meta": {"results": str(args.results), "command": "python bench/bounds.py lookup " + " ".join(
         sys.argv[1:] if argv is None else argv), "plain_tokens_per_s": plain * 1e3}, "ratios": res}
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return out
 
 
+
 if __name__ == "__main__":
-    main()
+    torch.set_num_threads(2)
+    commands = {"labels": labels, "lookup": lookup}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        sys.exit(f"usage: python bench/bounds.py {{labels,lookup}} ... (got {sys.argv[1:2] or 'nothing'})")
+    commands[sys.argv[1]](sys.argv[2:])
