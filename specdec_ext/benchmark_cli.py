@@ -140,9 +140,9 @@ def _gguf(args, pair) -> Optional[Path]:
     return Path(target) if target and is_gguf(Path(target)) else None
 
 
-def llama_cpp_arms(args, pair, prompts, methods, records) -> dict:
-    """``--llama-cpp``: llama.cpp plain and with its prompt lookup on the target's GGUF file (``llamacpp.py``), its
-    records and methods appended to ``records`` and ``methods`` (family ``llama.cpp``; their greedy texts are not
+def llama_cpp_arms(args, pair, ids, methods, records) -> dict:
+    """``--llama-cpp``: llama.cpp plain and with its prompt lookup on the target's GGUF file (``llamacpp.py``) over
+    the prompts' token ids ``ids``, its records and methods appended to ``records`` and ``methods`` (family ``llama.cpp``; their greedy texts are not
     checked against ours: llama.cpp multiplies the stored quantized weights by quantized activations). Returns what
     the JSON's ``meta.llama_cpp`` records (the repack, or why it is skipped).
 
@@ -157,7 +157,6 @@ def llama_cpp_arms(args, pair, prompts, methods, records) -> dict:
     gguf = _gguf(args, pair)
     if gguf is None:
         raise ValueError("--llama-cpp runs the target's GGUF file: give --pair NAME or --target FILE.gguf")
-    ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
     out = {"file": gguf.name, "threads": torch.get_num_threads()}
     for name, lookup in (("llama.cpp plain", 0), ("llama.cpp prompt lookup", args.llama_cpp_lookup)):
         print(f"{name}: {len(ids)} prompts")
@@ -172,10 +171,9 @@ def llama_cpp_arms(args, pair, prompts, methods, records) -> dict:
     return out
 
 
-def decode_prefill(records, pair, prompts) -> dict:
+def decode_prefill(records, lengths: list) -> dict:
     """Per method, over all prompts: decode tokens/s (the tokens after the first over the time after the prefill)
-    and prefill tokens/s (prompt tokens over the time to the first token), from each record's ``prefill_ms``."""
-    lengths = [len(pair.tokenizer(p)["input_ids"]) for p in prompts]
+    and prefill tokens/s (prompt tokens, ``lengths[prompt]``, over the time to the first token), from each record's ``prefill_ms``."""
     out = {}
     for name in dict.fromkeys(r.method for r in records):
         recs = [r for r in records if r.method == name and r.engine and "prefill_ms" in r.engine]
@@ -349,7 +347,8 @@ def run(args, pair):
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
           f"draft {pair.draft.dtype}")
     records = run_benchmark(pair, prompts, methods, args.max_new_tokens, args.temperature, args.seed)
-    llama = llama_cpp_arms(args, pair, prompts, methods, records) if args.llama_cpp else None
+    ids = [pair.tokenizer(p)["input_ids"] for p in prompts]
+    llama = llama_cpp_arms(args, pair, ids, methods, records) if args.llama_cpp else None
     exact = pair.target.dtype == torch.float32
     rows = summarize(records, methods, greedy=args.temperature == 0, exact=exact,
                      reference="plain fp32" if fp32_plain else None)
@@ -363,7 +362,7 @@ def run(args, pair):
             "draft_dtype": str(pair.draft.dtype).replace("torch.", ""),
             "processor": machine_description(pair)["processor"],
             "duration_s": time.time() - t0, "command": _command_line(args), "cost_model_replay": replay}
-    meta["decode_prefill"] = decode_prefill(records, pair, prompts)
+    meta["decode_prefill"] = decode_prefill(records, [len(i) for i in ids])
     if llama is not None:
         meta["llama_cpp"] = llama
     chosen, chosen_lines, chosen_plot = selection(methods, args.out, prefix=f"{tag}-")
