@@ -173,7 +173,8 @@ def llama_cpp_arms(args, pair, ids, methods, records) -> dict:
 
 def decode_prefill(records, lengths: list) -> dict:
     """Per method, over all prompts: decode tokens/s (the tokens after the first over the time after the prefill)
-    and prefill tokens/s (prompt tokens, ``lengths[prompt]``, over the time to the first token), from each record's ``prefill_ms``."""
+    and prefill tokens/s (prompt tokens, ``lengths[prompt]``, over the time to the first token), from each record's
+    ``prefill_ms``."""
     out = {}
     for name in dict.fromkeys(r.method for r in records):
         recs = [r for r in records if r.method == name and r.engine and "prefill_ms" in r.engine]
