@@ -23,7 +23,7 @@ from specdec_ext import SpeculativeGenerator  # noqa: E402
 from specdec_ext.benchmark import machine_description  # noqa: E402
 from specdec_ext.engine.lookup import PromptLookup  # noqa: E402
 from specdec_ext.policies.costs import CostModel  # noqa: E402
-from specdec_ext.policies.lookup import AcceptanceTable  # noqa: E402
+from specdec_ext.policies.lookup import AcceptanceTable, best_depth  # noqa: E402
 from specdec_ext.prompts import load_prompts  # noqa: E402
 from specdec_ext.training.head_data import HeadDataConfig, generate_head_data  # noqa: E402
 from specdec_ext.training.head_features import draft_features  # noqa: E402
@@ -143,14 +143,7 @@ def goodput_rule(costs: CostModel, key, k_max: int = 8):
     table = AcceptanceTable(k_max)
 
     def choose(f):
-        best, best_rate, tokens, survive = 0, 1.0 / costs.plain_ms(), 1.0, 1.0
-        for j, a in enumerate(table.rates(key(f), f["length"]), 1):
-            survive *= a
-            tokens += survive
-            rate = tokens / costs.round_time(j)
-            if rate > best_rate:
-                best, best_rate = j, rate
-        return best
+        return best_depth(table.rates(key(f), f["length"]), costs)[0]
 
     return choose, lambda f, j, a: table.add(key(f), j, a)
 
@@ -198,15 +191,6 @@ def hybrid(seqs, chains, look: CostModel, pair_costs: CostModel, k_max: int = 8)
         tried, acc = conf.get(min(9, int(q * 10)), (0, 0))
         return (acc + 2 * q) / (tried + 2)
 
-    def goodput(rates, costs):
-        best, best_rate, tokens, survive = 0, 1.0 / costs.plain_ms(), 1.0, 1.0
-        for j, a in enumerate(rates, 1):
-            survive *= a
-            tokens += survive
-            if tokens / costs.round_time(j) > best_rate:
-                best, best_rate = j, tokens / costs.round_time(j)
-        return best, best_rate
-
     def draft_depth(chain, mean):  # step by step: stop once one more step's expected goodput is lower
         tokens, survive = 1.0, 1.0
         for t, (_, q) in enumerate(chain):
@@ -234,9 +218,9 @@ def hybrid(seqs, chains, look: CostModel, pair_costs: CostModel, k_max: int = 8)
                     kind = "copy" if g(truth_c, look) >= g(truth_d, pair_costs) else "draft"
                     j = truth_c if kind == "copy" else truth_d
                 else:
-                    jc, gc = goodput(tables["copy"].rates(key, len(cands)), look) if cands else (0, 0.0)
+                    jc, gc = best_depth(tables["copy"].rates(key, len(cands)), look) if cands else (0, 0.0)
                     mean = tables["draft"].rates("d", room)
-                    gd = goodput(mean, pair_costs)[1] if room else 0.0
+                    gd = best_depth(mean, pair_costs)[1] if room else 0.0
                     kind = "copy" if mode == "choice" and gc >= gd else "draft"
                     j = jc if kind == "copy" else draft_depth(chain, mean)
                 a = min(truth_c if kind == "copy" else truth_d, j)

@@ -29,9 +29,11 @@ goodput with the draft rounds' and runs the round as the better of the two.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Union
 
 from .base import CandidateLengthPolicy, RoundPlan, _check_k
+from .costs import CostModel
 
 PRIOR, PRIOR_WEIGHT, POOL_WEIGHT = 0.5, 2.0, 4.0
 # CopyOrDraft: draft rounds tried (first candidates verified) before a plain step may replace them where nothing is
@@ -68,15 +70,14 @@ class AcceptanceTable:
             acc[t] += t < accepted
 
 
-def best_depth(spans: list[float], costs) -> tuple:
+def best_depth(rates: list[float], costs) -> tuple:
     """(j, rate): the candidates j of a round that maximise its expected tokens per ms E(j) / T(j) (module
-    docstring), given ``spans[t - 1]`` = P(candidates 1 .. t all accepted) and a :class:`CostModel`; j = 0 is a plain
-    step."""
-    c = costs
-    best, best_rate, tokens = 0, 1.0 / (c.round_ms + c.verify(1)), 1.0
-    for j, s in enumerate(spans, 1):
+    docstring), given candidate t's conditional acceptance rate ``rates[t - 1]`` and a :class:`CostModel`
+    (``round_time``, ``plain_ms``); j = 0 is a plain step."""
+    best, best_rate, tokens = 0, 1.0 / costs.plain_ms(), 1.0
+    for j, s in enumerate(_spans(rates), 1):
         tokens += s
-        rate = tokens / (c.round_ms + j * (c.draft_ms + c.step_ms) + c.verify(j + 1))
+        rate = tokens / costs.round_time(j)
         if rate > best_rate:
             best, best_rate = j, rate
     return best, best_rate
@@ -123,13 +124,13 @@ class LookupStop(CandidateLengthPolicy):
         """(:meth:`depth`, its expected tokens per ms under the costs; 0.0 with a threshold h)."""
         if not rates:
             return 0, 0.0
-        spans = _spans(rates)
         if not self.auto:
+            spans = _spans(rates)
             for t, s in enumerate(spans, 1):
                 if 1.0 - s > self.threshold:
                     return t, 0.0
             return len(spans), 0.0
-        return best_depth(spans, self.costs)
+        return best_depth(rates, self.costs)
 
     def plan(self, ctx):
         matches = list(ctx.matches) or [0] * ctx.batch_size
@@ -202,8 +203,6 @@ class CopyOrDraft(CandidateLengthPolicy):
         return bool(getattr(self.draft, "needs_probs", False))
 
     def configure(self, sampling, costs=None, batch_costs=None):
-        from .costs import CostModel
-
         if costs is None:
             raise ValueError("CopyOrDraft needs the pair's CostModel (configure(sampling, costs))")
         self.pair_costs = costs
@@ -220,17 +219,15 @@ class CopyOrDraft(CandidateLengthPolicy):
         self.draft.reset(batch_size, device)
 
     def plan(self, ctx):
-        from dataclasses import replace
-
         copies = list(ctx.copies) or [0] * ctx.batch_size
         cctx = replace(ctx, room=[min(r, c) for r, c in zip(ctx.room, copies)])
         rates = []
         for room, n, streak in zip(cctx.room, list(ctx.matches) or [0] * ctx.batch_size, self.copy.streak):
             key = (self.copy.mode, n, streak)
-            rates.append(best_depth(_spans(self.copy.table.rates(key, room)), self.copy_costs)[1] if n and room else
+            rates.append(best_depth(self.copy.table.rates(key, room), self.copy_costs)[1] if n and room else
                          1.0 / self.copy_costs.plain_ms())
         deepest = max(ctx.room, default=0)
-        depth, draft_rate = best_depth(_spans(self.drafted.rates(("draft", self.copy.mode), deepest)), self.pair_costs)
+        depth, draft_rate = best_depth(self.drafted.rates(("draft", self.copy.mode), deepest), self.pair_costs)
         if any(copies) and sum(rates) / len(rates) >= draft_rate:
             plan = self.copy.plan(cctx)
             self._planned = RoundPlan(plan.cap, plan.rule, plan.row_caps, ("copy", plan), proposer=True)
@@ -242,8 +239,6 @@ class CopyOrDraft(CandidateLengthPolicy):
         return self._planned
 
     def observe(self, result):
-        from dataclasses import replace
-
         plan = result.plan if result.plan is not None else self._planned
         source, inner = plan.note if plan is not None and isinstance(plan.note, tuple) else ("draft", None)
         if source == "copy":
