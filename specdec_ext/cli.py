@@ -389,18 +389,24 @@ def cmd_train_draft(args):
     _check_device(args.device)
     target = target_file(args.target) if args.target in PAIRS else _model_dir(args.target, "--target")
     try:
-        layers = tuple(int(x) for x in args.layers.split(","))
+        layers = tuple(int(x) for x in (args.layers or ("0" if args.kind == "eagle" else "0,1")).split(","))
     except ValueError:
         raise UsageError(f"--layers: expected comma-separated layer indices of the target (e.g. 0,1), got {args.layers!r}")
+    if args.kind == "eagle" and len(layers) != 1:
+        raise UsageError(f"--layers: a feature draft (--kind eagle) is one decoder layer: give one index, got "
+                         f"{args.layers!r}")
     pair = load_models(target, None, None, _dtype(args.target_dtype, args.device), device=args.device,
                        attn_implementation=None)
-    metrics = distill_draft(pair.target, pair.tokenizer, args.out, args.work_dir or Path(args.out) / "work",
-                            prompts=args.prompts, max_new_tokens=args.max_new_tokens, vocab=args.vocab, layers=layers,
-                            minutes=args.minutes, batch_size=args.batch_size, lr=args.lr, seed=args.seed, log=_log,
-                            progress=tqdm)
-    print(json.dumps({k: metrics[k] for k in ("vocab_subset", "coverage_of_generated", "before", "after",
-                                              "stage_minutes")},
-                     indent=2))
+    common = dict(prompts=args.prompts, max_new_tokens=args.max_new_tokens, vocab=args.vocab, minutes=args.minutes,
+                  batch_size=args.batch_size, lr=args.lr, seed=args.seed, log=_log, progress=tqdm)
+    work = args.work_dir or Path(args.out) / "work"
+    if args.kind == "eagle":
+        from .training.feature_train import train_feature_draft
+
+        metrics = train_feature_draft(pair.target, pair.tokenizer, args.out, work, layer=layers[0], **common)
+    else:
+        metrics = distill_draft(pair.target, pair.tokenizer, args.out, work, layers=layers, **common)
+    print(json.dumps({k: metrics[k] for k in ("vocab_subset", "before", "after", "stage_minutes")}, indent=2))
 
 
 def cmd_zoo_train(args):
@@ -519,8 +525,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="seed of data generation, split and training")
     t.set_defaults(fn=cmd_train_head)
 
-    r = sub.add_parser("train-draft", help="distil a small draft for a target from its own continuations",
+    r = sub.add_parser("train-draft", help="train a small draft for a target on its own continuations",
                        formatter_class=HF)
+    r.add_argument("--kind", default="distilled", choices=["distilled", "eagle"],
+                   help="distilled: decoder layers reading tokens; eagle: one layer reading the target's hidden states "
+                        "(EAGLE)")
     r.add_argument("--target", required=True, help="a named pair's target (smollm2-135m), a model directory or a .gguf file")
     r.add_argument("--out", required=True, type=Path, help="directory for the draft (config.json, model.safetensors, "
                                                           "metrics.json)")
@@ -530,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-new-tokens", type=int, default=96, help="tokens the target writes per prompt")
     r.add_argument("--vocab", type=int, default=8192, help="the draft's output vocabulary: the target's N most frequent "
                                                           "tokens (FR-Spec)")
-    r.add_argument("--layers", default="0,1", help="the target's decoder layers the draft starts from")
+    r.add_argument("--layers", default=None, help="the target's decoder layers the draft starts from (default 0,1; "
+                                                  "eagle: one, default 0)")
     r.add_argument("--minutes", type=float, default=30.0, help="training time (wall clock)")
     r.add_argument("--lr", type=float, default=5e-4, help="AdamW peak learning rate")
     r.add_argument("--batch-size", type=int, default=64, help="rows of the target's batched decoding")

@@ -25,6 +25,7 @@ from ..policies.costs import CostModel
 from .admission import DEFAULT_ADMISSION, check_admission
 from .backends import backend_for
 from .graphs import chain_nodes
+from .feature_draft import FeatureBackend, FeatureDraft
 from .lookup import LookupBackend, PromptLookup
 from .model import supports
 from .models import check_vocabularies, context_length, fingerprint, hidden_size, param_count, vocab_size
@@ -155,6 +156,13 @@ class SpeculativeGenerator:
                                  f"PromptLookup, got {draft!r}")
             draft = PromptLookup()
         self.lookup = isinstance(draft, PromptLookup)  # a proposer, not a model: no weights, no cache
+        self.feature = isinstance(draft, FeatureDraft)  # a draft that reads the target's hidden states (EAGLE)
+        if self.feature and not (fast_target and supports(target)):
+            raise ValueError("draft: a FeatureDraft reads the target's hidden states through the lean forward: the "
+                             "target must be a Llama, Qwen2 or Qwen3 model on one device, with fast_target=True")
+        if self.feature and draft_context is not None:
+            raise ValueError("draft_context: a FeatureDraft reads the whole context with the target's features "
+                             f"at the same positions; pass draft_context=None, got {draft_context}")
         if lookup is not False and not isinstance(lookup, PromptLookup) and lookup is not True:
             raise ValueError(f"lookup: expected True, False or a PromptLookup, got {lookup!r}")
         if lookup is not False and (draft is None or self.lookup):
@@ -166,10 +174,10 @@ class SpeculativeGenerator:
         self.head = head
         self._costs = costs
         self.allow_other_draft = allow_other_draft
-        for m in (target, None if self.lookup else draft):  # attention that cannot be rolled back is refused here
+        for m in (target, None if self.lookup or self.feature else draft):  # attention that cannot be rolled back
             if m is not None:
                 sliding_layout(m)
-        self.fast_draft = bool(fast_draft) and draft is not None and not self.lookup and supports(draft)
+        self.fast_draft = bool(fast_draft) and draft is not None and not self.lookup and supports(draft)  # lean
         self.fast_target = bool(fast_target) and supports(target)
         self.early_exit = exit_steps(early_exit)
         self.vocab = vocab_size(target)
@@ -200,10 +208,10 @@ class SpeculativeGenerator:
             raise ValueError(f"cuda_graphs must be None, True or False, got {asked!r}")
         if asked is False:
             return False
-        if self.hybrid is not None:  # rounds of copies read the host's contexts
+        if self.hybrid is not None or self.feature:  # rounds of copies, a feature draft's steps: the host's state
             if asked:
-                raise ValueError("cuda_graphs=True: rounds with prompt lookup beside the draft (lookup=...) run "
-                                 "eagerly; use cuda_graphs=None or False")
+                raise ValueError("cuda_graphs=True: rounds with prompt lookup beside the draft (lookup=...) or with a "
+                                 "FeatureDraft run eagerly; use cuda_graphs=None or False")
             return False
         lean = self.fast_target and (self.draft is None or self.fast_draft)
         on_cuda = usable_device(self.target, "target").type == "cuda"
@@ -236,7 +244,7 @@ class SpeculativeGenerator:
                                      f"draft='ngram' (prompt lookup) has neither: use 'specdecpp' (its stop rule "
                                      f"over the copy, without a head), 'fixed', 'heuristic', 'confidence' or 'adaedl'")
                 return pol
-            check_vocabularies(self.target, self.draft, self.tokenizers)
+            check_vocabularies(self.target, self.draft.model if self.feature else self.draft, self.tokenizers)
             fp = fingerprint(self.draft) if any(h.draft_fingerprint for h in heads) else None
             for head_obj in heads:
                 head_obj.check_draft(hidden_size(self.draft), fp, self.allow_other_draft)
@@ -502,7 +510,7 @@ class SpeculativeGenerator:
         target = self._backend("target")
         draft = self._backend("draft") if pol.speculative else None
         staging = None
-        if admission == "ahead" and continuous and len(requests) > batch_size:
+        if admission == "ahead" and continuous and len(requests) > batch_size and not self.feature:
             staging = (self._backend("target", True), self._backend("draft", True) if pol.speculative else None)
         if self._draft_share is None and self.draft is not None:
             self._draft_share = 0.0 if self.lookup else param_count(self.draft) / max(1, param_count(self.target))
@@ -532,6 +540,9 @@ class SpeculativeGenerator:
             if (self.lookup and role == "draft") or role == "proposer":
                 proposer = self.draft if role == "draft" else self.hybrid
                 self._backends[key] = LookupBackend(proposer, self.vocab, usable_device(self.target, "target"))
+                return self._backends[key]
+            if self.feature and role == "draft":  # reads the target's features: the target's backend, not a staging one
+                self._backends[key] = FeatureBackend(self.draft, self._backend("target"), self.vocab)
                 return self._backends[key]
             self._backends[key] = backend_for(model, role, self.fast_target if role == "target" else self.fast_draft,
                                               self.vocab)

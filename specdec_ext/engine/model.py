@@ -195,6 +195,10 @@ class LeanModel:
                              f"{self.device}, attention={attention!r})")
         self.fused = can_fuse if fused is None else bool(fused)
         self.panels, self.head_panels = self._panels(model) if self.fused else (None, None)
+        # called as tap(slots, starts, x) by each forward before its final norm (a feature draft's record of the
+        # target's hidden states, engine/feature_draft.py): slots ``[b]`` int64, starts ``[b]`` the rows' lengths
+        # before the forward, x ``[b, n, H]`` the last layer's output at those positions. None: nothing is called.
+        self.tap: Optional[Callable] = None
 
     def fusable(self, model) -> bool:
         """Whether this model's decode steps can run as ``ops.decoder_layer`` calls (the class docstring's ``fused``):
@@ -314,7 +318,8 @@ class LeanModel:
         return x + self._project(F.silu(g) * u, layer.down)
 
     def forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows = None, keep: int = 1,
-                width: Optional[int] = None, start: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                width: Optional[int] = None, start: Optional[int] = None,
+                embeds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over ``tokens`` ``[b, n]`` int64, row i's at positions ``lengths[s_i] .. lengths[s_i] + n - 1`` of
         its slot s_i: the slots ``0 .. b - 1`` (``rows`` None), a ``slice`` of them, or an index tensor ``[b]``.
 
@@ -324,14 +329,15 @@ class LeanModel:
         row has, where the host knows they share one (one request, or rows of one length): the positions, masks and
         writes are then slices, not per-row indices; None reads each row's length on the device (what compiled and
         captured steps do). Positions past the cache's ``max_len`` write its scratch column (rows computed beyond
-        what they keep; ``engine/cache.py``).
+        what they keep; ``engine/cache.py``). ``embeds``: the first layer's input ``[b, n, H]`` in the model's dtype
+        instead of the tokens' embeddings (a feature draft's, ``engine/feature_draft.py``).
 
         Returns float32 logits ``[b, keep, V]`` of the last ``keep`` positions and the final norm's output there
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read). A draft with a
         :class:`~specdec_ext.engine.subset_head.SubsetLMHead` computes its N rows and gives the rest -inf."""
         b, n = tokens.shape
         if self.fused and b * n <= FUSED_MAX_ROWS[self.dtype]:
-            return self._fused_forward(cache, tokens, rows, keep)
+            return self._fused_forward(cache, tokens, rows, keep, embeds)
         M = cache.max_len
         W = M + 1 if width is None else width
         index = rows if isinstance(rows, torch.Tensor) else None
@@ -358,7 +364,7 @@ class LeanModel:
         else:  # [b or 1, 1, n, W]: query i sees the columns up to its position
             rows_pos = pos.view(1, n) if pos.dim() == 1 else pos
             mask = (torch.arange(W, device=dev).view(1, 1, W) <= rows_pos.unsqueeze(2)).unsqueeze(1)
-        x = F.embedding(tokens, self.embed)
+        x = F.embedding(tokens, self.embed) if embeds is None else embeds
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv(layer, x, cos, sin)
             kc, vc = cache.k[li], cache.v[li]
@@ -378,6 +384,9 @@ class LeanModel:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                    enable_gqa=self.gqa).transpose(1, 2)
             x = self.block_out(layer, x, o)
+        if self.tap is not None:
+            slot = index if index is not None else torch.arange(span.start or 0, (span.start or 0) + b, device=dev)
+            self.tap(slot, cache.lengths[slot], x)
         hn = self._rms(x[:, -keep:], self.final_norm)
         if index is not None:
             cache.lengths.index_add_(0, index, torch.full_like(index, n))
@@ -386,7 +395,8 @@ class LeanModel:
         logits = self._linear(hn, self.lm_head).float()
         return (logits if self.subset is None else self.subset.scatter(logits)), hn
 
-    def _fused_forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows, keep: int):
+    def _fused_forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows, keep: int,
+                       embeds: Optional[torch.Tensor] = None):
         """:meth:`forward` with each layer one ``ops.decoder_layer`` call and the LM head ``ops.packed_linear``: the
         same function, the lengths read from the cache by the kernel (so ``width`` and ``start`` are not needed)."""
         b, n = tokens.shape
@@ -396,11 +406,14 @@ class LeanModel:
             slots = None
         else:
             slots = torch.arange(rows.start, rows.start + b, device=tokens.device)
-        x = F.embedding(tokens, self.embed)
+        x = F.embedding(tokens, self.embed) if embeds is None else embeds
         for li, (layer, panel) in enumerate(zip(self.layers, self.panels)):
             x = ops.decoder_layer(x, layer.input_norm, panel.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, panel.o,
                                   layer.post_norm, panel.gate_up, panel.down, cache.k[li], cache.v[li], cache.lengths,
                                   slots, self.cos, self.sin, self.n_heads, self.eps)
+        if self.tap is not None:
+            slot = slots if slots is not None else torch.arange(b, device=tokens.device)
+            self.tap(slot, cache.lengths[slot], x)
         hn = self._rms(x[:, -keep:], self.final_norm)
         if slots is not None:
             cache.lengths.index_add_(0, slots, torch.full_like(slots, n))

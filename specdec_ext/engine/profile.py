@@ -26,6 +26,7 @@ from .._library import build_id
 from ..policies.costs import CostModel, isotonic
 from . import onednn_linear
 from .backends import backend_for, uses_lean
+from .feature_draft import FeatureBackend, FeatureDraft
 from .lookup import LookupBackend, PromptLookup
 from .model import supports, uses_packed
 from .tensor_parallel import from_rank0, is_main_process, tp_size
@@ -63,6 +64,8 @@ def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool =
         lean = bool(fast_draft) and supports(draft)
         packed = uses_packed(p.device, p.dtype) if lean else onednn_linear.wanted(draft, None)
         draft_desc = _model_key(draft)
+        if isinstance(draft, FeatureDraft):  # its forward reads the target's features through its own backend
+            draft_desc["kind"] = draft.kind
     desc = {"target": _model_key(target), "draft": draft_desc, "fast_draft": fast_draft, "k_max": k_max,
             "draft_linear": "onednn-packed" if packed else "torch",
             "target_linear": "onednn-packed" if onednn_linear.wanted(target, None) else "torch",
@@ -119,7 +122,8 @@ def profile_pair(target, draft, fast_draft: bool = True, k_max: int = 20, reps: 
     lookup = isinstance(draft, PromptLookup)
     use_fast = fast_draft and not lookup and supports(draft)
     t_run = backend_for(target, "target", fast_target)
-    d_run = LookupBackend(draft, V, t_run.device) if lookup else backend_for(draft, "draft", use_fast, V)
+    d_run = LookupBackend(draft, V, t_run.device) if lookup else FeatureBackend(draft, t_run, V) \
+        if isinstance(draft, FeatureDraft) else backend_for(draft, "draft", use_fast, V)
     for r in (t_run, d_run):
         r.start(1, context + k_max + 8)
         r.append([0], [prompt[0].tolist()], [0])

@@ -4,7 +4,8 @@ A directory with ``config.json`` (the draft's Llama configuration, plus ``"specd
 target, the target's fingerprint and the distillation's record) and ``model.safetensors`` holding the decoder
 layers' matrices as int8 with one float32 scale per output row (symmetric, round to nearest), the norms in float32
 and the subset's token ids. Token embedding and output rows come from the target when the draft is loaded
-(:func:`load_draft`). Two decoder layers of SmolLM2-135M take 7.1 MB this way, against 28 MB in float32;
+(:func:`load_draft`). A feature draft (:class:`~specdec_ext.engine.feature_draft.FeatureDraft`, ``"kind": "eagle"``
+in its record) stores its ``fc`` in float16 beside its one decoder layer. Two decoder layers of SmolLM2-135M take 7.1 MB this way, against 28 MB in float32;
 the int8 rounding moves the draft's distribution a little, not the output's (speculation is lossless for any draft),
 and the shipped draft is the one every figure measures.
 """
@@ -37,8 +38,13 @@ def save_draft(draft, out: Union[str, Path], target_fingerprint: str, record: di
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, t in draft.model.layers.state_dict().items():
-        name = f"model.layers.{name}"
+    fc = getattr(draft, "fc", None)  # a FeatureDraft: its one-layer model and fc
+    items = [(f"model.layers.{k}", t) for k, t in (draft.model if fc is not None else draft).model.layers.state_dict().items()]
+    if fc is not None:  # float16: int8 rows would round the embedding's half, small beside the feature's
+        tensors["fc.weight"] = fc.weight.detach().to(torch.float16).contiguous()
+        tensors["fc.bias"] = fc.bias.detach().float().contiguous()
+        draft = draft.model
+    for name, t in items:
         if t.dim() == 2:
             q, s = _quantize(t)
             tensors[name + ".int8"] = q.contiguous()
@@ -109,6 +115,8 @@ def load_draft(path: Union[str, Path], target, dtype: torch.dtype = torch.float3
             state[name[: -len(".int8")]] = t.float() * blob[name[: -len(".int8")] + ".scale"].unsqueeze(1)
         elif not name.endswith(".scale") and name.startswith("model."):
             state[name] = t
+        elif name in ("fc.weight", "fc.bias"):
+            state[name] = t.float()
     layers = {k[len("model.layers."):]: v for k, v in state.items() if k.startswith("model.layers.")}
     try:
         draft.model.layers.load_state_dict(layers)
@@ -120,4 +128,14 @@ def load_draft(path: Union[str, Path], target, dtype: torch.dtype = torch.float3
     draft = draft.to(dtype=dtype, device=target.device)
     attach_target_rows(draft, target, token_ids)
     draft.config._name_or_path = path.name
+    if meta.get("kind") == "eagle":
+        from ..engine.feature_draft import FeatureDraft
+
+        if "fc.weight" not in state or "fc.bias" not in state:
+            raise ValueError(f"{path}: a feature draft (kind 'eagle') must store fc.weight and fc.bias")
+        H = cfg.hidden_size
+        fc = torch.nn.Linear(2 * H, H, bias=True)
+        fc.weight.data.copy_(state["fc.weight"])
+        fc.bias.data.copy_(state["fc.bias"])
+        draft = FeatureDraft(draft, fc.to(dtype=dtype, device=target.device))
     return draft.eval().requires_grad_(False)

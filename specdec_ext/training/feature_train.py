@@ -1,0 +1,264 @@
+"""Training a feature-level draft (EAGLE) for a given target (``specdec train-draft --kind eagle``).
+
+The draft (:class:`~specdec_ext.engine.feature_draft.FeatureDraft`) reads, at position t, the token x_t and the
+target's feature f_{t-1} (its final-norm output, what its LM head reads) and predicts f_t; the target's output rows
+of the N ids it emits most often turn the prediction into a distribution over x_{t+1}. It starts from one of the
+target's decoder layers (its first by default) with ``fc`` reading the embedding alone.
+
+The data are the target's own continuations of prompts drawn from what ships on the machine, never the evaluation
+prompts (:mod:`.draft_data`, the distilled draft's), and the target's features at every position of them, computed
+once (the target as it is loaded, bfloat16 for speed) into ``work/features-NNNN.pt``.
+
+The loss (Li et al. 2024, EAGLE, section 3.2: a feature regression beside the token loss), at every position:
+forward KL from the target's distribution over the subset (softmax of its own output rows over f_t, so no teacher
+file) to the draft's, plus :data:`FEATURE_WEIGHT` times the smooth L1 distance between the predicted and the true
+f_t. Drafting k tokens ahead reads the draft's own predicted features, so each batch runs twice: once reading the
+target's features, once reading the first pass's predictions (detached), both losses summed (a one-step form of
+the training-time test of EAGLE-3, Li et al. 2025, section 3.2). Checkpoints into ``work/eagle-checkpoint.pt``;
+a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.feature_draft import FeatureDraft, shifted
+from .draft_train import _batches, _pad, choose_vocabulary, new_draft
+
+FEATURE_WEIGHT = 0.5  # the smooth L1 feature term beside the KL term (nats per position)
+SHARD = 512  # sequences per features file
+
+
+def new_feature_draft(target, token_ids: torch.Tensor, layer: int = 0) -> FeatureDraft:
+    """A :class:`FeatureDraft` for ``target``: the target's decoder layer ``layer`` and final norm, its token
+    embedding and output rows of ``token_ids`` (frozen), and ``fc`` passing the embedding through (the feature's
+    half zero). float32.
+
+    Raises ValueError for a layer index outside the target's layers."""
+    model = new_draft(target, token_ids, (layer,))
+    H = model.config.hidden_size
+    fc = torch.nn.Linear(2 * H, H, bias=True)
+    with torch.no_grad():
+        fc.weight.zero_()
+        fc.weight[:, :H].copy_(torch.eye(H))
+        fc.bias.zero_()
+    return FeatureDraft(model, fc)
+
+
+def trainable(draft: FeatureDraft) -> list[torch.nn.Parameter]:
+    """What training changes and a shipped feature draft stores: ``fc``, the decoder layer and the final norm."""
+    m = draft.model.model
+    return list(draft.fc.parameters()) + list(m.layers.parameters()) + list(m.norm.parameters())
+
+
+@torch.inference_mode()
+def target_features(target, seqs, work: Path, batch_tokens: int = 4096, progress: Optional[Callable] = None) -> list:
+    """The target's final-norm output at every position of every sequence: ``[n_i, H]`` bfloat16 per sequence, in
+    files of :data:`SHARD` sequences under ``work`` (each written once; a rerun reads them)."""
+    out: list = []
+    bar = progress(total=sum(len(s[0]) for s in seqs), desc="target features", unit="tok") if progress else None
+    for lo in range(0, len(seqs), SHARD):
+        part = seqs[lo: lo + SHARD]
+        path = Path(work) / f"features-{lo // SHARD:04d}.pt"
+        if path.exists():
+            feats = torch.load(path)
+        else:
+            feats = [None] * len(part)
+            order = sorted(range(len(part)), key=lambda i: len(part[i][0]))
+            batch: list = []
+            for j, i in enumerate(order):
+                batch.append(i)
+                if j + 1 < len(order) and len(part[order[j + 1]][0]) * (len(batch) + 1) <= batch_tokens:
+                    continue
+                ids, mask = _pad(part, batch)
+                h = target.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+                for r, i2 in enumerate(batch):
+                    feats[i2] = h[r, : len(part[i2][0])].to(torch.bfloat16).clone()
+                batch = []
+            tmp = path.with_suffix(".tmp")
+            torch.save(feats, tmp)
+            tmp.replace(path)
+        out += feats
+        if bar is not None:
+            bar.update(sum(len(s[0]) for s in part))
+    if bar is not None:
+        bar.close()
+    return out
+
+
+def _pad_features(feats: list, batch: list, T: int) -> torch.Tensor:
+    H = feats[batch[0]].shape[-1]
+    x = torch.zeros(len(batch), T, H)
+    for r, i in enumerate(batch):
+        x[r, : feats[i].shape[0]] = feats[i].float()
+    return x
+
+
+def _losses(draft: FeatureDraft, ids, mask, f, noise: float = 0.0, gen: Optional[torch.Generator] = None):
+    """Both passes' losses summed over valid positions, the positions counted, and per pass the positions where the
+    draft's argmax is the target's (greedy acceptance, teacher-forced)."""
+    rows = draft.model.get_output_embeddings().weight
+    with torch.no_grad():
+        logp = F.linear(f, rows.float()).log_softmax(-1)  # the target's distribution over the subset at each t
+        best = logp.argmax(-1)
+    valid = mask
+    n = int(valid.sum())
+    total, agree = 0.0, []
+    inp = shifted(f)
+    if noise:
+        inp = inp + noise * inp.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn(inp.shape, generator=gen)
+    for _ in range(2):
+        logits, h = draft(ids, inp, mask.long())
+        lq = logits.log_softmax(-1)
+        kl = (logp.exp() * (logp - lq)).sum(-1)
+        reg = F.smooth_l1_loss(h.float(), f, reduction="none").mean(-1)
+        total = total + ((kl + FEATURE_WEIGHT * reg) * valid).sum()
+        agree.append(int(((logits.argmax(-1) == best) & valid).sum()))
+        inp = shifted(h.detach().float())
+    return total, n, agree
+
+
+def evaluate(draft: FeatureDraft, seqs, feats, held: list, batch_tokens: int = 4096) -> dict:
+    """On the held-out sequences: the mean loss per position and the greedy agreement reading the target's features
+    (a round's first candidate) and reading the draft's own predictions (the candidates after it)."""
+    tot, n, a1, a2 = 0.0, 0, 0, 0
+    sub = [seqs[i] for i in held]
+    sub_f = [feats[i] for i in held]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for batch in _batches(sub, batch_tokens, torch.Generator().manual_seed(0)):
+            ids, mask = _pad(sub, batch)
+            loss, k, (x1, x2) = _losses(draft, ids, mask, _pad_features(sub_f, batch, ids.shape[1]))
+            tot, n, a1, a2 = tot + float(loss), n + k, a1 + x1, a2 + x2
+    n = max(n, 1)
+    return {"loss": tot / n, "agreement_target_features": a1 / n, "agreement_own_features": a2 / n, "positions": n}
+
+
+def train(draft: FeatureDraft, seqs, feats, work: Path, minutes: float = 30.0, lr: float = 5e-4,
+          batch_tokens: int = 2048, held_out: float = 0.03, noise: float = 0.05, seed: int = 0,
+          log: Callable = print, progress: Optional[Callable] = None, steps: Optional[int] = None) -> dict:
+    """Train ``draft`` (:func:`trainable`) for about ``minutes`` of wall time, or exactly ``steps`` optimizer steps
+    where given: AdamW, bfloat16 autocast, linear warm-up then cosine decay (the steps estimated from the first
+    steps' pace), the module docstring's loss; ``noise``: Gaussian noise on the target's features of the first
+    pass, relative to their RMS. Checkpoints to ``work/eagle-checkpoint.pt`` and resumes from it. Returns the
+    held-out metrics (:func:`evaluate`) before and after and the training log."""
+    work = Path(work)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(seqs), generator=g).tolist()
+    n_held = max(1, int(len(seqs) * held_out))
+    held, train_idx = perm[:n_held], perm[n_held:]
+    params = trainable(draft)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    ckpt = work / "eagle-checkpoint.pt"
+    state = {"step": 0, "seconds": 0.0, "total_steps": steps, "history": [], "before": None}
+    if ckpt.exists():
+        blob = torch.load(ckpt)
+        draft.load_state_dict(blob["draft"], strict=False)
+        opt.load_state_dict(blob["opt"])
+        state = blob["state"]
+        log(f"[train-draft] resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    if state["before"] is None:
+        state["before"] = evaluate(draft, seqs, feats, held, batch_tokens)
+        log(f"[train-draft] held out before: {state['before']}")
+    tr_seqs = [seqs[i] for i in train_idx]
+    tr_feats = [feats[i] for i in train_idx]
+    budget, warm = minutes * 60.0, 30
+    bar = progress(total=int(budget), desc="training the feature draft", unit="s") if progress else None
+    if bar is not None:
+        bar.update(int(state["seconds"]))
+    gen = torch.Generator().manual_seed(seed + 7 + state["step"])
+    epoch, running, done = state["step"], None, False
+    while not done:
+        for batch in _batches(tr_seqs, batch_tokens, torch.Generator().manual_seed(seed + 1 + epoch)):
+            t0 = time.perf_counter()
+            total, s = state["total_steps"], state["step"]
+            frac = min(1.0, s / total) if total else 0.0
+            scale = min(1.0, (s + 1) / warm) * (0.5 * (1 + math.cos(math.pi * frac)) if total else 1.0)
+            for group in opt.param_groups:
+                group["lr"] = lr * max(scale, 0.02)
+            ids, mask = _pad(tr_seqs, batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, n, (a1, a2) = _losses(draft, ids, mask, _pad_features(tr_feats, batch, ids.shape[1]), noise, gen)
+            loss = loss / max(n, 1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            state["step"] += 1
+            state["seconds"] += time.perf_counter() - t0
+            if state["total_steps"] is None and state["step"] == 20:
+                state["total_steps"] = max(40, int(budget / (state["seconds"] / 20)))
+            running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+            if bar is not None:
+                bar.update(int(state["seconds"]) - bar.n)
+                bar.set_postfix(loss=f"{running:.3f}", agree=f"{a1 / max(n, 1):.2f}/{a2 / max(n, 1):.2f}")
+            if state["step"] % 100 == 0:
+                state["history"].append({"step": state["step"], "minutes": round(state["seconds"] / 60, 2),
+                                         "loss": round(running, 4)})
+            finished = state["step"] >= steps if steps is not None else state["seconds"] >= budget
+            if state["step"] % 100 == 0 or finished:
+                tmp = ckpt.with_suffix(".tmp")
+                torch.save({"draft": {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k
+                                      and "lm_head" not in k}, "opt": opt.state_dict(), "state": state}, tmp)
+                tmp.replace(ckpt)
+            if finished:
+                done = True
+                break
+        epoch += 1
+    if bar is not None:
+        bar.close()
+    after = evaluate(draft, seqs, feats, held, batch_tokens)
+    log(f"[train-draft] held out after {state['step']} steps: {after}")
+    for p in params:
+        p.requires_grad_(False)
+    return {"before": state["before"], "after": after, "steps": state["step"],
+            "minutes": round(state["seconds"] / 60, 2), "history": state["history"], "held_out_sequences": n_held,
+            "train_sequences": len(train_idx)}
+
+
+def train_feature_draft(target, tokenizer, out: Path, work: Path, prompts: int = 4096, max_new_tokens: int = 96,
+                        vocab: int = 8192, layer: int = 0, minutes: float = 30.0, batch_size: int = 64,
+                        lr: float = 5e-4, seed: int = 0, log: Callable = print,
+                        progress: Optional[Callable] = None) -> dict:
+    """The whole of ``specdec train-draft --kind eagle``: the target's continuations (:mod:`.draft_data`), the
+    draft's vocabulary (the ``vocab`` ids most frequent in them, special tokens included), the target's features, a
+    draft trained for ``minutes``, stored in ``out`` (:mod:`.draft_store`) with ``metrics.json``. Every stage
+    resumes from what it finds in ``work``. Returns the metrics.
+
+    Raises ValueError for ``vocab`` < 2 or ``minutes`` <= 0."""
+    from ..engine.models import fingerprint, special_ids, vocab_size
+    from .draft_data import generate_continuations, load_sequences
+    from .draft_store import save_draft
+
+    if vocab < 2 or minutes <= 0:
+        raise ValueError(f"vocab must be >= 2 and minutes > 0, got {vocab} and {minutes}")
+    work, out = Path(work), Path(out)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    paths = generate_continuations(target, tokenizer, work, prompts, max_new_tokens, batch_size, seed=seed,
+                                   progress=progress)
+    seqs = load_sequences(paths)
+    t_data = time.perf_counter() - t0
+    V = vocab_size(target)
+    always = [i for i in special_ids(target) + [tokenizer.eos_token_id] if i is not None and 0 <= i < V]
+    token_ids = choose_vocabulary(seqs, V, vocab, always)
+    t1 = time.perf_counter()
+    feats = target_features(target, seqs, work, progress=progress)
+    t_feats = time.perf_counter() - t1
+    draft = new_feature_draft(target, token_ids, layer)
+    report = train(draft, seqs, feats, work, minutes, lr=lr, seed=seed, log=log, progress=progress)
+    record = {"kind": FeatureDraft.kind, "layer_from": layer, "vocab_subset": len(token_ids), "prompts": prompts,
+              "max_new_tokens": max_new_tokens, "stage_minutes": {
+                  "data": round(t_data / 60, 1), "features": round(t_feats / 60, 1), "training": report["minutes"]}}
+    save_draft(draft, out, fingerprint(target), record)
+    metrics = {**record, **report}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    return metrics
