@@ -128,7 +128,8 @@ class Method:
     param: Optional[float] = None           # K or h (None: the auto rule)
     target: str = "default"                 # "float32": the fp32 copy of the target (a reference baseline)
     draft: str = "model"                    # "ngram": prompt lookup (engine/lookup.py) in place of the draft model;
-    #                                         "both": prompt lookup beside it (lookup=True: a copy or a draft a round)
+    #                                         "both": prompt lookup beside it (lookup=True: a copy or a draft a round);
+    #                                         "eagle": the pair's feature draft; "eagle+lookup": prompt lookup beside it
     _instance: Optional[CandidateLengthPolicy] = field(default=None, repr=False, compare=False)
 
     def instance(self) -> CandidateLengthPolicy:
@@ -147,7 +148,8 @@ PAPER_THRESHOLDS = (0.3, 0.7, 0.9)
 def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf=True, hf_ks=None, k_bounds=(1, 20),
                      adaptive=True, oracle=True, auto=True, paper_head=None, paper_thresholds=PAPER_THRESHOLDS,
                      paper_bounds=(2, 20), fp32_plain=False, auto_uncalibrated=False,
-                     hf_static=False, auto_copies=0, auto_rule_only=False, lookup_ks=LOOKUP_KS) -> list[Method]:
+                     hf_static=False, auto_copies=0, auto_rule_only=False, lookup_ks=LOOKUP_KS,
+                     feature_ks=()) -> list[Method]:
     """The benchmark's methods: plain decoding (ours, ``transformers``', and with ``fp32_plain`` our plain
     decoding of a float32 copy of the target), fixed K for each of ``ks``, SpecDec++ with ``head`` for each
     stop threshold in ``thresholds`` and with ``threshold="auto"`` (bounds ``k_bounds``; with ``auto_uncalibrated``
@@ -218,6 +220,14 @@ def standard_methods(head=None, ks=DEFAULT_KS, thresholds=DEFAULT_THRESHOLDS, hf
                                 lambda **_: CopyOrDraft(make_policy("specdecpp", head=head, threshold="auto",
                                                                     k_min=k_bounds[0], k_max=k_bounds[1])),
                                 family="copy-or-draft", draft="both"))
+    for k in feature_ks:
+        m.append(Method(f"eagle K={k}", "ours", (lambda k=k, **_: make_policy("fixed", k=k)), family="eagle-fixed",
+                        param=k, draft="eagle"))
+    if feature_ks:
+        m.append(Method("eagle confidence", "ours", lambda **_: make_policy("confidence"), family="eagle-confidence",
+                        draft="eagle"))
+        m.append(Method("copy or eagle, confidence", "ours", lambda **_: CopyOrDraft(make_policy("confidence")),
+                        family="copy-or-eagle", draft="eagle+lookup"))
     if hf:
         if lookup_ks:
             m.append(Method("hf prompt lookup", "hf", None, None, {"prompt_lookup_num_tokens": 10}, family="hf-lookup"))
@@ -265,10 +275,10 @@ def _run(method: Method, pair, ids, max_new_tokens, temperature, seed, eos, refe
                 policy = Oracle([reference])
             else:
                 policy = method.instance()
-            proposer = method.draft if method.draft == "ngram" else draft
+            proposer = {"ngram": "ngram", "eagle": pair.feature, "eagle+lookup": pair.feature}.get(method.draft, draft)
             gen = SpeculativeGenerator(target, proposer if policy.speculative else None, policy=policy,
-                                       costs=None if method.draft == "ngram" else costs,  # a proposer's own profile
-                                       lookup=method.draft == "both" and policy.speculative)
+                                       costs=costs if method.draft in ("model", "both") else None,  # others: their own
+                                       lookup=method.draft in ("both", "eagle+lookup") and policy.speculative)
             out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_id=eos)
             wall = time.perf_counter() - t0
             toks = out.new_tokens[0]
@@ -314,7 +324,8 @@ def run_benchmark(pair, prompts: list[str], methods: list[Method], max_new_token
     targets = {"default": pair.target}
     if any(m.target == "float32" for m in methods):
         targets["float32"] = copy.deepcopy(pair.target).float().eval()
-    if costs is None and any(m.policy is not None and m.policy().needs_costs for m in methods if m.kind == "ours"):
+    if costs is None and any(m.policy is not None and m.policy().needs_costs for m in methods
+                             if m.kind == "ours" and m.draft in ("model", "both")):  # others profile their own pair
         costs = SpeculativeGenerator(pair.target, pair.draft).costs()
     if warmup:  # first calls pay for allocation and lazy initialisation
         longest = max(encoded, key=lambda ids: ids.shape[1])

@@ -53,6 +53,9 @@ def add_arguments(p):
                    help="prompt lookup's fixed candidate lengths K (arms 'lookup K=k', beside 'lookup heuristic' and, "
                         "unless --no-hf, transformers' prompt_lookup_num_tokens=10)")
     p.add_argument("--no-lookup", action="store_true", help="skip the prompt-lookup arms")
+    p.add_argument("--eagle-ks", type=_numbers(int), default=(),
+                   help="the pair's feature draft (EAGLE) at these fixed K (arms 'eagle K=k', beside 'eagle confidence' "
+                        "and 'copy or eagle, confidence'); needs a pair with one")
     p.add_argument("--llama-cpp", action="store_true",
                    help="also run the target's GGUF file through llama.cpp (llama-cpp-python, an optional install), "
                         "plain and with its prompt lookup, after our arms, same prompt tokens and threads; the JSON's "
@@ -115,8 +118,8 @@ def _command_line(args) -> str:
     if args.quick:
         parts.append("--quick")
     else:
-        for key in ("ks", "thresholds", "paper_thresholds", "hf_ks", "lookup_ks"):
-            if getattr(args, key, None) is not None:
+        for key in ("ks", "thresholds", "paper_thresholds", "hf_ks", "lookup_ks", "eagle_ks"):
+            if getattr(args, key, None):
                 parts.append(f"--{key.replace('_', '-')} " + ",".join(f"{x:g}" for x in getattr(args, key)))
     for key in ("no_hf", "no_fp32_plain", "auto_uncalibrated", "auto_rule_only", "no_adaptive", "no_paper", "no_lookup",
                 "llama_cpp"):
@@ -325,6 +328,9 @@ def run(args, pair):
     if batch_only:  # options of the batch benchmark would otherwise be ignored without a word
         raise ValueError(f"{', '.join(batch_only)}: only with --batch-sizes (the batch benchmark)")
     paper = pair.heads.get("paper")
+    if args.eagle_ks and getattr(pair, "feature", None) is None:
+        raise ValueError(f"--eagle-ks: the {args.pair} pair has no feature draft (`specdec train-draft --kind eagle` "
+                         "makes one)")
     hf_static = args.hf_static if args.hf_static is not None else args.device.startswith("cuda")
     if args.auto_copies < 0:
         raise ValueError(f"--auto-copies: expected a count >= 0, got {args.auto_copies}")
@@ -343,7 +349,7 @@ def run(args, pair):
                                    fp32_plain=fp32_plain, auto_uncalibrated=args.auto_uncalibrated,
                                    hf_static=hf_static, auto_copies=args.auto_copies,
                                    auto_rule_only=args.auto_rule_only,
-                                   lookup_ks=() if args.no_lookup else args.lookup_ks)
+                                   lookup_ks=() if args.no_lookup else args.lookup_ks, feature_ks=args.eagle_ks)
     print(f"specdec bench: {len(prompts)} {args.dataset} prompts x {len(methods)} methods, "
           f"{args.max_new_tokens} new tokens, temperature {args.temperature}, target {pair.target.dtype}, "
           f"draft {pair.draft.dtype}")

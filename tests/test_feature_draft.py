@@ -175,3 +175,28 @@ def test_training_moves_the_feature_draft_towards_the_target(tmp_path):
     assert after["loss"] < 0.7 * before["loss"]
     assert after["agreement_target_features"] > before["agreement_target_features"]
     assert after["agreement_own_features"] > before["agreement_own_features"]
+
+
+def test_the_benchmark_runs_the_feature_draft_arms(pair):
+    """``specdec bench --eagle-ks``: the feature draft at fixed K, under the confidence stop and beside prompt lookup,
+    every greedy text equal to plain decoding's."""
+    from specdec_ext.benchmark import run_benchmark, standard_methods, summarize
+    from specdec_ext.zoo import ModelPair
+    from support import DigitTokenizer
+
+    from models import noisy_copy
+
+    target, draft = pair
+    bench_pair = ModelPair(target, noisy_copy(target), DigitTokenizer(), None, feature=draft)
+    methods = standard_methods(None, ks=(), thresholds=(), hf=False, adaptive=False, oracle=False, auto=False,
+                               lookup_ks=(), feature_ks=(3,))
+    assert [(m.name, m.draft) for m in methods] == [
+        ("plain", "model"), ("eagle K=3", "eagle"), ("eagle confidence", "eagle"),
+        ("copy or eagle, confidence", "eagle+lookup")]
+    records = run_benchmark(bench_pair, ["5 9 12 33 7 5 9 12", "40 41 2 8 16 23"], methods, max_new_tokens=16,
+                            progress=False)
+    rows = {r["method"]: r for r in summarize(records, methods)}
+    assert set(rows) == {m.name for m in methods}
+    for name, r in rows.items():
+        assert r["greedy_mismatches"] == [], name
+    assert rows["eagle K=3"]["draft_calls_per_token"] > 0

