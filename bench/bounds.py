@@ -2,7 +2,7 @@
 what any stop rule over prompt lookup could gain, and a copy or a draft chosen per round.
 
     python bench/bounds.py labels --out docs/results/label_bound.json
-    python bench/bounds.py lookup "docs/results/smollm2_lookup.json.gz#fp32" --hybrid
+    python bench/bounds.py lookup "docs/results/smollm2_proposers.json.gz#fp32" --hybrid
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ alone (depth by its confidence, step by step) and a per-round choice between the
 goodput from tables known before the round (the bound: the better of the two in hindsight); the draft's costs from
 the bench file's profile.
 
-    python bench/bounds.py lookup "docs/results/smollm2_lookup.json.gz#fp32" --hybrid"""
+    python bench/bounds.py lookup "docs/results/smollm2_proposers.json.gz#fp32" --hybrid"""
 
 
 def labels(argv=None) -> None:

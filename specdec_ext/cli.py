@@ -80,7 +80,7 @@ def _models(args, need_head: bool, lookup_ok: bool = False):
     """The one place that loads models for every subcommand: the bundled pair by default, a named pair (--pair), or
     --target / --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``; with ``--draft ngram`` (prompt lookup,
     where the subcommand takes it: ``lookup_ok``) its draft is None."""
-    from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models, unpacked_pair
+    from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models, named_feature_draft, unpacked_pair
     from .zoo.named import draft_dir, heads_dir, target_file
 
     _check_device(args.device)
@@ -89,12 +89,19 @@ def _models(args, need_head: bool, lookup_ok: bool = False):
         raise UsageError(f"--draft ngram (prompt lookup) is taken by `specdec generate`; this command runs a draft "
                          f"model (`specdec bench` has its own prompt-lookup arms: --lookup-ks)")
     name = getattr(args, "pair", None) or "bundled"
-    if name != "bundled" and (getattr(args, "target", None) or (getattr(args, "draft", None) and not lookup)):
+    eagle = getattr(args, "draft", None) == "eagle"  # a named pair's feature draft
+    if eagle and name == "bundled":
+        raise UsageError("--draft eagle: the feature draft of a named pair (--pair smollm2-135m); the bundled pair has "
+                         "none")
+    if name != "bundled" and (getattr(args, "target", None) or (getattr(args, "draft", None) and not (lookup or eagle))):
         raise UsageError(f"--pair {name} brings its own target and draft: drop --target/--draft, or drop --pair")
     bundled = not getattr(args, "target", None)
     if name != "bundled":
         root, heads = None, heads_dir(name).parent
-        target, draft = target_file(name), draft_dir(name)
+        target, draft = target_file(name), draft_dir(name).parent / "eagle" if eagle else draft_dir(name)
+        if eagle and not (draft / "config.json").is_file():
+            raise UsageError(f"--draft eagle: the {name} pair has no feature draft (`specdec train-draft --kind eagle` "
+                             "makes one)")
     else:
         root = unpacked_pair() if bundled else None
         heads = PAIR_DIR
@@ -121,6 +128,8 @@ def _models(args, need_head: bool, lookup_ok: bool = False):
                        _dtype(args.draft_dtype, args.device), args.device, device_map, tokenizer=tokenizer,
                        allow_other_draft=getattr(args, "allow_other_draft", False), tp=_tp(args),
                        attn_implementation=attn)
+    if name != "bundled":  # its feature draft beside its draft (bench's eagle arms)
+        pair.feature = pair.draft if eagle else named_feature_draft(name, pair.target, pair.draft.dtype)
     if need_head and head is None:
         pair.heads = load_heads(heads)
         if not {"greedy", "sample"} <= set(pair.heads):
@@ -160,7 +169,7 @@ def _model_args(p):
     p.add_argument("--draft", help="draft model directory or .gguf file (default: the bundled pair); `specdec generate` "
                                    "also takes 'ngram': prompt lookup, candidates copied from the context, no draft "
                                    "model (--policy specdecpp then stops by the copy's own acceptance, "
-                                   "policies/lookup.py)")
+                                   "policies/lookup.py); with --pair, 'eagle': the pair's feature draft")
     p.add_argument("--head", help="acceptance head directory (default: the bundled pair's heads, one per decoding mode)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     p.add_argument("--allow-other-draft", action="store_true",

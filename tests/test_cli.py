@@ -133,6 +133,8 @@ def test_generate_with_prompt_lookup_prints_what_plain_decoding_prints(capsys, t
     assert texts["specdecpp"] == texts["autoregressive"] == out and out.startswith(prompt)
     code, _, err = run(["bench", "--draft", "ngram", "--prompts", "1"], capsys)
     assert_one_line_error(code, err, "--draft ngram (prompt lookup) is taken by `specdec generate`")
+    code, _, err = run(["generate", "--draft", "eagle", "--prompt", prompt], capsys)
+    assert_one_line_error(code, err, "--draft eagle: the feature draft of a named pair")
 
 
 def test_cuda_without_cuda(capsys):

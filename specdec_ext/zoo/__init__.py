@@ -180,6 +180,16 @@ def load_heads(path: Path = PAIR_DIR) -> dict:
             for d in sorted(root.iterdir()) if (d / "config.json").exists()} if root.is_dir() else {}
 
 
+def named_feature_draft(name: str, target, dtype: torch.dtype):
+    """The feature draft (EAGLE) shipped for the named pair ``name``'s target (its ``eagle/`` directory), loaded onto
+    ``target`` in ``dtype``; None where the pair has none."""
+    from ..training.draft_store import load_draft
+    from .named import draft_dir
+
+    path = draft_dir(name).parent / "eagle"
+    return load_draft(path, target, dtype) if (path / "config.json").is_file() else None
+
+
 def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
               draft_dtype: Optional[torch.dtype] = None, device: str = "cpu", with_head: bool = True,
               path: Path = PAIR_DIR, tp: int = 1, attn_implementation: Optional[str] = None) -> ModelPair:
@@ -214,11 +224,8 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
     else:
         target, draft, heads = target_file(name), draft_dir(name), heads_dir(name)
     pair = load_models(target, draft, None, target_dtype, draft_dtype, device, tp=tp, attn_implementation=attn)
-    feature = draft.parent / "eagle"
-    if name != "bundled" and (feature / "config.json").is_file():
-        from ..training.draft_store import load_draft
-
-        pair.feature = load_draft(feature, pair.target, draft_dtype)
+    if name != "bundled":
+        pair.feature = named_feature_draft(name, pair.target, draft_dtype)
     if with_head:
         from ..engine.models import fingerprint, hidden_size
 
