@@ -21,7 +21,7 @@ LAYERS = {
     "engine": 3,
     "training": 4,
     "zoo": 5, "benchmark": 5, "batch_bench": 5, "serving": 5, "jobs": 5, "hf": 5, "llamacpp": 5,
-    "benchmark_cli": 6, "cli": 6, "__init__": 6,
+    "benchmark_cli": 6, "cli": 6, "cli_models": 6, "__init__": 6,
 }
 
 
