@@ -37,6 +37,16 @@ TEST_BATCH_COSTS = BatchCosts([1, 8192], [[10.0 + 1.6 * k for k in range(9)]] * 
                               [[10.0 + 0.1 * n for n in range(1, 10)]] * 2, {"kind": "test"})
 
 
+def perturbed(model, params, noise: float, seed: int):
+    """``model`` in eval mode after Gaussian noise of ``noise`` times each of ``params``' standard deviation (1 for a
+    single number) was added to them: a draft that partly agrees with the target it was made from."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g) * noise * (p.std() if p.numel() > 1 else 1.0))
+    return model.eval()
+
+
 def head_for(draft, bias=1.5, seed=0, kind="candidate"):
     """A random acceptance head for ``draft``: the paper's kind (hidden state at the candidate), a "proposal" head
     reading the hidden state and every feature (confidence and acceptance history), or a "confidence" one (a

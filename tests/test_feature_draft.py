@@ -17,7 +17,7 @@ from specdec_ext.training import feature_train
 from specdec_ext.training.draft_store import is_stored_draft, load_draft, save_draft
 from models import make_target
 from stats import assert_follows
-from support import exact_marginals, greedy_against_target
+from support import exact_marginals, greedy_against_target, perturbed
 
 IDS = sorted(set(range(20)) | set(range(20, 64, 3)))
 
@@ -25,11 +25,7 @@ IDS = sorted(set(range(20)) | set(range(20, 64, 3)))
 def feature_draft(target, ids, noise: float = 0.3, seed: int = 1) -> FeatureDraft:
     """The target's first layer as a feature draft over ``ids``, its trained parameters perturbed."""
     draft = feature_train.new_feature_draft(target, torch.as_tensor(ids), 0)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in feature_train.trainable(draft):
-            p.add_(torch.randn(p.shape, generator=g) * noise * (p.std() if p.numel() > 1 else 1.0))
-    return draft.eval()
+    return perturbed(draft, feature_train.trainable(draft), noise, seed)
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,13 @@ from specdec_ext.training import draft_train
 from specdec_ext.training.draft_store import is_stored_draft, load_draft, save_draft
 from models import make_target
 from stats import assert_follows
-from support import exact_marginals, greedy_against_target, head_for
+from support import exact_marginals, greedy_against_target, head_for, perturbed
 
 
 def subset_draft(target, ids, noise: float = 0.3, seed: int = 1):
     """A draft of ``target``'s first layer (noisy) with a :class:`SubsetLMHead` over ``ids``."""
     draft = draft_train.new_draft(target, torch.as_tensor(ids), layers=(0,))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft_train.trainable(draft):
-            p.add_(torch.randn(p.shape, generator=g) * noise * (p.std() if p.numel() > 1 else 1.0))
-    return draft.eval()
+    return perturbed(draft, draft_train.trainable(draft), noise, seed)
 
 
 @pytest.fixture(scope="module")

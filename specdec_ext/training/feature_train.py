@@ -21,7 +21,6 @@ a rerun resumes.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.feature_draft import FeatureDraft, shifted
-from .draft_train import _batches, _pad, choose_vocabulary, new_draft
+from .draft_train import _batches, _pad, lr_scale, new_draft, sequences_and_vocabulary
 
 FEATURE_WEIGHT = 0.5  # the smooth L1 feature term beside the KL term (nats per position)
 SHARD = 512  # sequences per features file
@@ -179,11 +178,8 @@ def train(draft: FeatureDraft, seqs, feats, work: Path, minutes: float = 30.0, l
     while not done:
         for batch in _batches(tr_seqs, batch_tokens, torch.Generator().manual_seed(seed + 1 + epoch)):
             t0 = time.perf_counter()
-            total, s = state["total_steps"], state["step"]
-            frac = min(1.0, s / total) if total else 0.0
-            scale = min(1.0, (s + 1) / warm) * (0.5 * (1 + math.cos(math.pi * frac)) if total else 1.0)
             for group in opt.param_groups:
-                group["lr"] = lr * max(scale, 0.02)
+                group["lr"] = lr * lr_scale(state["step"], state["total_steps"], warm)
             ids, mask = _pad(tr_seqs, batch)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, n, (a1, a2) = _losses(draft, ids, mask, _pad_features(tr_feats, batch, ids.shape[1]), noise, gen)
@@ -234,22 +230,15 @@ def train_feature_draft(target, tokenizer, out: Path, work: Path, prompts: int =
     resumes from what it finds in ``work``. Returns the metrics.
 
     Raises ValueError for ``vocab`` < 2 or ``minutes`` <= 0."""
-    from ..engine.models import fingerprint, special_ids, vocab_size
-    from .draft_data import generate_continuations, load_sequences
+    from ..engine.models import fingerprint
     from .draft_store import save_draft
 
     if vocab < 2 or minutes <= 0:
         raise ValueError(f"vocab must be >= 2 and minutes > 0, got {vocab} and {minutes}")
     work, out = Path(work), Path(out)
     work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    paths = generate_continuations(target, tokenizer, work, prompts, max_new_tokens, batch_size, seed=seed,
-                                   progress=progress)
-    seqs = load_sequences(paths)
-    t_data = time.perf_counter() - t0
-    V = vocab_size(target)
-    always = [i for i in special_ids(target) + [tokenizer.eos_token_id] if i is not None and 0 <= i < V]
-    token_ids = choose_vocabulary(seqs, V, vocab, always)
+    seqs, token_ids, data_minutes = sequences_and_vocabulary(target, tokenizer, work, prompts, max_new_tokens, vocab,
+                                                             batch_size, seed, progress)
     t1 = time.perf_counter()
     feats = target_features(target, seqs, work, progress=progress)
     t_feats = time.perf_counter() - t1
@@ -257,7 +246,7 @@ def train_feature_draft(target, tokenizer, out: Path, work: Path, prompts: int =
     report = train(draft, seqs, feats, work, minutes, lr=lr, seed=seed, log=log, progress=progress)
     record = {"kind": FeatureDraft.kind, "layer_from": layer, "vocab_subset": len(token_ids), "prompts": prompts,
               "max_new_tokens": max_new_tokens, "stage_minutes": {
-                  "data": round(t_data / 60, 1), "features": round(t_feats / 60, 1), "training": report["minutes"]}}
+                  "data": round(data_minutes, 1), "features": round(t_feats / 60, 1), "training": report["minutes"]}}
     save_draft(draft, out, fingerprint(target), record)
     metrics = {**record, **report}
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
