@@ -252,33 +252,6 @@ def test_copy_or_draft_runs_the_round_that_promises_more():
     assert pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).cap == 3  # nothing to copy: the draft
 
 
-def test_copy_or_draft_prices_each_kind_of_round_by_its_measured_time():
-    """Drafts accepted 2 of 3 and copies 1 of 4: by the profile the draft's rounds pay more. Once its rounds are timed
-    at 4x their modelled time (copies as modelled), copies win where there is one, plain steps where there is not;
-    before MEASURED_AFTER timed rounds, or with untimed ones (ms 0), nothing changes."""
-    from specdec_ext.policies import CopyOrDraft
-    from specdec_ext.policies.lookup import MEASURED_AFTER
-
-    pol = CopyOrDraft(make_policy("fixed", k=3))
-    pol.configure(SamplingConfig(0.0), COSTS)
-    pol.reset(1, torch.device("cpu"))
-    for _ in range(PLAIN_AFTER):
-        pol.copy.table.add(("greedy", 3, False), 4, 1)
-        pol.drafted.add(("draft", "greedy"), 3, 2)
-    copy_ctx, bare = RoundContext(1, room=[10], matches=[3], copies=[4]), RoundContext(1, room=[10], matches=[0],
-                                                                                       copies=[0])
-    assert not pol.plan(copy_ctx).proposer and pol.plan(bare).cap == 3
-    modelled = COSTS.round_time(3)
-    for i in range(MEASURED_AFTER):
-        assert pol.scale("draft") == 1.0
-        plan = pol.plan(bare)
-        pol.observe(RoundResult([3], [2], steps=3, verified=3, ms=4 * modelled, plan=plan))
-        pol.observe(RoundResult([3], [2], steps=3, verified=3, ms=0.0, plan=plan))  # untimed: not counted
-    assert pol.scale("draft") == pytest.approx(4.0) and pol.scale("copy") == 1.0
-    assert pol.plan(copy_ctx).proposer
-    assert pol.plan(bare).cap == 0  # plain: the draft's measured goodput is below a plain step's
-
-
 def test_copy_or_draft_refuses_what_it_cannot_do():
     from specdec_ext.policies import CopyOrDraft
 

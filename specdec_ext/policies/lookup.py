@@ -39,9 +39,6 @@ PRIOR, PRIOR_WEIGHT, POOL_WEIGHT = 0.5, 2.0, 4.0
 # CopyOrDraft: draft rounds tried (first candidates verified) before a plain step may replace them where nothing is
 # copied: with fewer, an unlucky start (the first few drafts rejected) would stop the draft for good
 PLAIN_AFTER = 64
-# CopyOrDraft: rounds of a kind (copy, draft) measured before their measured time rescales the profile's prices of
-# that kind: a draft that reads what copies wrote, or a profile made on a quieter machine, costs more than modelled
-MEASURED_AFTER = 8
 
 
 class AcceptanceTable:
@@ -172,11 +169,8 @@ class CopyOrDraft(CandidateLengthPolicy):
     acceptance table at the rows' matches, priced without draft forwards) with the draft's (its rounds' acceptance by
     position, counted online, priced by the pair's measured costs), and runs the round as a copy round (the plan's
     ``proposer``), as ``draft``'s round (any policy: its own plan and stop rule), or, where nothing is copied and the
-    draft's rounds (at least :data:`PLAIN_AFTER` of them) do not pay for their steps, as a plain step. The batch
-    decides together (mean goodput over the live rows). Each sub-policy learns only from the rounds it planned. Once
-    :data:`MEASURED_AFTER` rounds of a kind are timed, that kind's prices are scaled by its rounds' measured time
-    over their modelled time (copies' scale also prices plain steps, which verify alike): a draft whose rounds cost
-    more than its profile says loses rounds to copies and plain steps.
+    draft's rounds (at least :data:`PLAIN_AFTER` of them) do not pay for their steps, as a plain step. The batch decides together (mean goodput over the
+    live rows). Each sub-policy learns only from the rounds it planned.
 
     Args: draft: the policy of the draft model's rounds. copy: the copy rounds' :class:`LookupStop` (default
     ``LookupStop("auto")``, which needs the pair's costs: so does this policy).
@@ -199,7 +193,6 @@ class CopyOrDraft(CandidateLengthPolicy):
         self.drafted = AcceptanceTable(min(draft.max_candidates, 32))  # the draft rounds' acceptance by position
         self.copy_costs = self.pair_costs = None
         self._planned: Optional[RoundPlan] = None
-        self.timed = {"copy": [0, 0.0, 0.0], "draft": [0, 0.0, 0.0]}  # per kind: rounds, measured ms, modelled ms
 
     @property
     def needs_hidden(self) -> bool:
@@ -225,29 +218,20 @@ class CopyOrDraft(CandidateLengthPolicy):
         self.copy.reset(batch_size, device)
         self.draft.reset(batch_size, device)
 
-    def scale(self, kind: str) -> float:
-        """Measured over modelled time of the ``kind`` rounds (``"copy"`` or ``"draft"``) timed so far; 1 before
-        :data:`MEASURED_AFTER` of them."""
-        n, measured, modelled = self.timed[kind]
-        return measured / modelled if n >= MEASURED_AFTER and modelled > 0 else 1.0
-
     def plan(self, ctx):
         copies = list(ctx.copies) or [0] * ctx.batch_size
         cctx = replace(ctx, room=[min(r, c) for r, c in zip(ctx.room, copies)])
-        c_copy, c_draft = self.scale("copy"), self.scale("draft")
-        plain_rate = 1.0 / (self.copy_costs.plain_ms() * c_copy)
         rates = []
         for room, n, streak in zip(cctx.room, list(ctx.matches) or [0] * ctx.batch_size, self.copy.streak):
             key = (self.copy.mode, n, streak)
-            rates.append(best_depth(self.copy.table.rates(key, room), self.copy_costs)[1] / c_copy if n and room
-                         else plain_rate)
+            rates.append(best_depth(self.copy.table.rates(key, room), self.copy_costs)[1] if n and room else
+                         1.0 / self.copy_costs.plain_ms())
         deepest = max(ctx.room, default=0)
         depth, draft_rate = best_depth(self.drafted.rates(("draft", self.copy.mode), deepest), self.pair_costs)
-        draft_rate /= c_draft
         if any(copies) and sum(rates) / len(rates) >= draft_rate:
             plan = self.copy.plan(cctx)
             self._planned = RoundPlan(plan.cap, plan.rule, plan.row_caps, ("copy", plan), proposer=True)
-        elif (depth == 0 or draft_rate < plain_rate) and self.drafted.tried(("draft", self.copy.mode)) >= PLAIN_AFTER:
+        elif depth == 0 and self.drafted.tried(("draft", self.copy.mode)) >= PLAIN_AFTER:
             self._planned = RoundPlan(0, note=("plain", None))  # the draft's rounds have not paid for their steps
         else:
             plan = self.draft.plan(ctx)
@@ -257,12 +241,6 @@ class CopyOrDraft(CandidateLengthPolicy):
     def observe(self, result):
         plan = result.plan if result.plan is not None else self._planned
         source, inner = plan.note if plan is not None and isinstance(plan.note, tuple) else ("draft", None)
-        if source in self.timed and result.ms > 0 and result.steps:  # a timed round that verified candidates
-            c = self.copy_costs if source == "copy" else self.pair_costs
-            t = self.timed[source]
-            t[0] += 1
-            t[1] += result.ms
-            t[2] += c.round_ms + result.steps * (c.draft_ms + c.step_ms) + c.verify(result.verified + 1)
         if source == "copy":
             self.copy.observe(replace(result, plan=inner))
             return
