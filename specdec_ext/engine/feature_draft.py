@@ -142,7 +142,8 @@ class FeatureBackend(_Timed):
         self._alloc(c.slots, c.max_len)
 
     def new_bytes(self, slots: int, columns: int) -> int:
-        return self.inner.new_bytes(slots, columns) + slots * (columns + 1) * (self.H * self.draft.fc.weight.element_size() + 8)
+        per_column = self.H * self.draft.fc.weight.element_size() + 8  # a feature and a token id
+        return self.inner.new_bytes(slots, columns) + slots * (columns + 1) * per_column
 
     def reserve(self, slots: int, columns: int, live: int) -> None:
         self.inner.reserve(slots, columns, live)

@@ -177,7 +177,7 @@ class SpeculativeGenerator:
         for m in (target, None if self.lookup or self.feature else draft):  # attention that cannot be rolled back
             if m is not None:
                 sliding_layout(m)
-        self.fast_draft = bool(fast_draft) and draft is not None and not self.lookup and supports(draft)  # lean
+        self.fast_draft = bool(fast_draft) and draft is not None and not self.lookup and supports(draft)
         self.fast_target = bool(fast_target) and supports(target)
         self.early_exit = exit_steps(early_exit)
         self.vocab = vocab_size(target)

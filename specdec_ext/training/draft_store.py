@@ -5,9 +5,9 @@ target, the target's fingerprint and the distillation's record) and ``model.safe
 layers' matrices as int8 with one float32 scale per output row (symmetric, round to nearest), the norms in float32
 and the subset's token ids. Token embedding and output rows come from the target when the draft is loaded
 (:func:`load_draft`). A feature draft (:class:`~specdec_ext.engine.feature_draft.FeatureDraft`, ``"kind": "eagle"``
-in its record) stores its ``fc`` in float16 beside its one decoder layer. Two decoder layers of SmolLM2-135M take 7.1 MB this way, against 28 MB in float32;
-the int8 rounding moves the draft's distribution a little, not the output's (speculation is lossless for any draft),
-and the shipped draft is the one every figure measures.
+in its record) stores its ``fc`` in float16 beside its one decoder layer. Two decoder layers of SmolLM2-135M take
+7.1 MB this way, against 28 MB in float32; the int8 rounding moves the draft's distribution a little, not the
+output's (speculation is lossless for any draft), and the shipped draft is the one every figure measures.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ def save_draft(draft, out: Union[str, Path], target_fingerprint: str, record: di
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    fc = getattr(draft, "fc", None)  # a FeatureDraft: its one-layer model and fc
-    items = [(f"model.layers.{k}", t) for k, t in (draft.model if fc is not None else draft).model.layers.state_dict().items()]
+    fc = getattr(draft, "fc", None)  # a FeatureDraft: its fc, then its one-layer model as any draft
     if fc is not None:  # float16: int8 rows would round the embedding's half, small beside the feature's
         tensors["fc.weight"] = fc.weight.detach().to(torch.float16).contiguous()
         tensors["fc.bias"] = fc.bias.detach().float().contiguous()
         draft = draft.model
-    for name, t in items:
+    for name, t in draft.model.layers.state_dict().items():
+        name = f"model.layers.{name}"
         if t.dim() == 2:
             q, s = _quantize(t)
             tensors[name + ".int8"] = q.contiguous()
