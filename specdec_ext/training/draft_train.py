@@ -214,78 +214,116 @@ def train(draft, seqs, teacher, work: Path, minutes: float = 30.0, lr: float = 5
     forward KL on the teacher's top-k probabilities (module docstring). Checkpoints to ``work/checkpoint.pt``;
     resumes from it. Returns the held-out metrics (:func:`evaluate`) before and after, and the training log."""
     work = Path(work)
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(seqs), generator=g).tolist()
-    n_held = max(1, int(len(seqs) * held_out))
-    held, train_idx = perm[:n_held], perm[n_held:]
+    held, train_idx = held_out_split(len(seqs), held_out, seed)
     params = trainable(draft)
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = optimizer(params, lr)
     ckpt = work / "checkpoint.pt"
-    state = {"step": 0, "seconds": 0.0, "total_steps": steps, "history": [], "before": None}
-    if ckpt.exists():
-        blob = torch.load(ckpt)
-        draft.model.layers.load_state_dict(blob["layers"])
-        draft.model.norm.load_state_dict(blob["norm"])
-        opt.load_state_dict(blob["opt"])
-        state = blob["state"]
-        log(f"[train-draft] resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    state = resumed(ckpt, opt, steps, log, lambda blob: (draft.model.layers.load_state_dict(blob["layers"]),
+                                                         draft.model.norm.load_state_dict(blob["norm"])))
     if state["before"] is None:
         state["before"] = evaluate(draft, seqs, teacher, held, batch_tokens)
         log(f"[train-draft] held out before: {state['before']}")
     train_seqs, train_teacher = _select(seqs, teacher, train_idx)
-    budget = minutes * 60.0
-    warm = 30
-    bar = progress(total=int(budget), desc="distilling the draft", unit="s") if progress else None
+
+    def step_loss(batch):
+        ids, mask = _pad(train_seqs, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = _draft_logits(draft, ids, mask)
+        kl, n, agree, _ = _loss_and_agreement(logits, mask, batch, train_teacher)
+        return kl / max(n, 1), {"agree": f"{agree / max(n, 1):.2f}"}
+
+    def passes(epoch):
+        return _batches(train_seqs, batch_tokens, torch.Generator().manual_seed(seed + 1 + epoch))
+
+    fit(opt, params, state, passes, step_loss, lambda: _save(ckpt, draft, opt, state), minutes, lr, steps,
+        "distilling the draft", "kl", 200, progress)
+    return training_report(params, state, evaluate(draft, seqs, teacher, held, batch_tokens), held, train_idx, log)
+
+
+def held_out_split(n: int, held_out: float, seed: int) -> tuple[list, list]:
+    """Sequence indices ``0 .. n - 1`` shuffled by ``seed`` and split: ``(held out: at least one, about held_out of
+    them; trained on: the rest)``."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = max(1, int(n * held_out))
+    return perm[:n_held], perm[n_held:]
+
+
+def optimizer(params, lr: float) -> torch.optim.Optimizer:
+    """AdamW over ``params`` (made trainable), no weight decay, betas (0.9, 0.98): both draft trainers'."""
+    for p in params:
+        p.requires_grad_(True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+
+
+def training_report(params, state: dict, after: dict, held: list, train_idx: list, log: Callable) -> dict:
+    """A trainer's result: held-out metrics before (``state["before"]``) and ``after``, steps, minutes and history;
+    ``params`` are frozen again."""
+    log(f"[train-draft] held out after {state['step']} steps: {after}")
+    for p in params:
+        p.requires_grad_(False)
+    return {"before": state["before"], "after": after, "steps": state["step"],
+            "minutes": round(state["seconds"] / 60, 2), "history": state["history"], "held_out_sequences": len(held),
+            "train_sequences": len(train_idx)}
+
+
+def resumed(ckpt: Path, opt, steps: Optional[int], log: Callable, restore: Callable) -> dict:
+    """A trainer's state (:func:`fit`'s): read back from the checkpoint ``ckpt`` where there is one (``restore(blob)``
+    loads the model's part, ``opt`` its own), else a new one for ``steps`` steps (None: set by :func:`fit`)."""
+    if not ckpt.exists():
+        return {"step": 0, "seconds": 0.0, "total_steps": steps, "history": [], "before": None}
+    blob = torch.load(ckpt)
+    restore(blob)
+    opt.load_state_dict(blob["opt"])
+    state = blob["state"]
+    log(f"[train-draft] resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    return state
+
+
+def fit(opt, params, state: dict, batches: Callable, step_loss: Callable, save: Callable, minutes: float, lr: float,
+        steps: Optional[int], desc: str, key: str, every: int, progress: Optional[Callable] = None) -> None:
+    """The optimisation loop of both draft trainers, from ``state`` (``step``, ``seconds``, ``total_steps``,
+    ``history``; updated in place) until about ``minutes`` of training time, or exactly ``steps`` optimizer steps
+    where given: ``batches(epoch)`` yields a pass's batches (a new shuffle per pass, seeded by where it starts),
+    ``step_loss(batch)`` returns the mean loss and the progress bar's other figures, ``opt`` steps over ``params``
+    (gradients clipped to norm 1) at ``lr`` times :func:`lr_scale` (the schedule's length estimated from the first
+    20 steps' pace), ``save()`` checkpoints every ``every`` steps and at the end; the running loss is logged as
+    ``key`` every 100 steps."""
+    budget, warm = minutes * 60.0, 30
+    bar = progress(total=int(budget), desc=desc, unit="s") if progress else None
     if bar is not None:
         bar.update(int(state["seconds"]))
-    epoch = state["step"]  # a new shuffle per pass, seeded by where it starts
-    running = None
-    done = False
+    epoch, running, done = state["step"], None, False
     while not done:
-        for batch in _batches(train_seqs, batch_tokens, torch.Generator().manual_seed(seed + 1 + epoch)):
+        for batch in batches(epoch):
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr * lr_scale(state["step"], state["total_steps"], warm)
-            ids, mask = _pad(train_seqs, batch)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = _draft_logits(draft, ids, mask)
-            kl, n, agree, _ = _loss_and_agreement(logits, mask, batch, train_teacher)
-            loss = kl / max(n, 1)
+            loss, shown = step_loss(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            dt = time.perf_counter() - t0
             state["step"] += 1
-            state["seconds"] += dt
+            state["seconds"] += time.perf_counter() - t0
             if state["total_steps"] is None and state["step"] == 20:  # the schedule's length from the measured pace
                 state["total_steps"] = max(40, int(budget / (state["seconds"] / 20)))
             value = loss.item()
             running = value if running is None else 0.98 * running + 0.02 * value
             if bar is not None:
                 bar.update(int(state["seconds"]) - bar.n)
-                bar.set_postfix(kl=f"{running:.3f}", agree=f"{agree / max(n, 1):.2f}")
+                bar.set_postfix(**{key: f"{running:.3f}"}, **shown)
             if state["step"] % 100 == 0:
                 state["history"].append({"step": state["step"], "minutes": round(state["seconds"] / 60, 2),
-                                         "kl": round(running, 4)})
+                                         key: round(running, 4)})
             finished = state["step"] >= steps if steps is not None else state["seconds"] >= budget
-            if state["step"] % 200 == 0 or finished:
-                _save(ckpt, draft, opt, state)
+            if state["step"] % every == 0 or finished:
+                save()
             if finished:
                 done = True
                 break
         epoch += 1
     if bar is not None:
         bar.close()
-    after = evaluate(draft, seqs, teacher, held, batch_tokens)
-    log(f"[train-draft] held out after {state['step']} steps: {after}")
-    for p in params:
-        p.requires_grad_(False)
-    return {"before": state["before"], "after": after, "steps": state["step"],
-            "minutes": round(state["seconds"] / 60, 2), "history": state["history"], "held_out_sequences": n_held,
-            "train_sequences": len(train_idx)}
 
 
 def _save(path: Path, draft, opt, state) -> None:
@@ -332,9 +370,6 @@ def distill_draft(target, tokenizer, out: Path, work: Path, prompts: int = 4096,
     Every stage resumes from what it finds in ``work``. Returns the metrics.
 
     Raises ValueError for ``vocab`` < 2 or ``minutes`` <= 0."""
-    from ..engine.models import fingerprint
-    from .draft_store import save_draft
-
     if vocab < 2 or minutes <= 0:
         raise ValueError(f"vocab must be >= 2 and minutes > 0, got {vocab} and {minutes}")
     work, out = Path(work), Path(out)
@@ -353,7 +388,16 @@ def distill_draft(target, tokenizer, out: Path, work: Path, prompts: int = 4096,
     record = {"layers_from": list(layers), "vocab_subset": len(token_ids), "coverage_of_generated": round(coverage, 4),
               "prompts": prompts, "max_new_tokens": max_new_tokens, "stage_minutes": {
                   "data": round(data_minutes, 1), "teacher": round(t_teacher / 60, 1), "training": report["minutes"]}}
+    return stored(draft, target, out, record, report)
+
+
+def stored(draft, target, out: Path, record: dict, report: dict) -> dict:
+    """Store a trained draft for ``target`` in ``out`` (:func:`~.draft_store.save_draft`, with ``record``) and its
+    ``metrics.json`` (the record and the training's ``report``); returns the metrics."""
+    from ..engine.models import fingerprint
+    from .draft_store import save_draft
+
     save_draft(draft, out, fingerprint(target), record)
     metrics = {**record, **report}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    (Path(out) / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics

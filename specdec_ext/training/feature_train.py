@@ -20,7 +20,6 @@ a rerun resumes.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -29,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.feature_draft import FeatureDraft, shifted
-from .draft_train import _batches, _pad, lr_scale, new_draft, sequences_and_vocabulary
+from .draft_train import (_batches, _pad, fit, held_out_split, new_draft, optimizer, resumed,
+                          sequences_and_vocabulary, stored, training_report)
 
 FEATURE_WEIGHT = 0.5  # the smooth L1 feature term beside the KL term (nats per position)
 SHARD = 512  # sequences per features file
@@ -145,79 +145,39 @@ def train(draft: FeatureDraft, seqs, feats, work: Path, minutes: float = 30.0, l
     """Train ``draft`` (:func:`trainable`) for about ``minutes`` of wall time, or exactly ``steps`` optimizer steps
     where given: AdamW, bfloat16 autocast, linear warm-up then cosine decay (the steps estimated from the first
     steps' pace), the module docstring's loss; ``noise``: Gaussian noise on the target's features of the first
-    pass, relative to their RMS. Checkpoints to ``work/eagle-checkpoint.pt`` and resumes from it. Returns the
-    held-out metrics (:func:`evaluate`) before and after and the training log."""
+    pass, relative to their RMS (the loop: :func:`~.draft_train.fit`). Checkpoints to ``work/eagle-checkpoint.pt``
+    and resumes from it. Returns the held-out metrics (:func:`evaluate`) before and after and the training log."""
     work = Path(work)
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(seqs), generator=g).tolist()
-    n_held = max(1, int(len(seqs) * held_out))
-    held, train_idx = perm[:n_held], perm[n_held:]
+    held, train_idx = held_out_split(len(seqs), held_out, seed)
     params = trainable(draft)
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = optimizer(params, lr)
     ckpt = work / "eagle-checkpoint.pt"
-    state = {"step": 0, "seconds": 0.0, "total_steps": steps, "history": [], "before": None}
-    if ckpt.exists():
-        blob = torch.load(ckpt)
-        draft.load_state_dict(blob["draft"], strict=False)
-        opt.load_state_dict(blob["opt"])
-        state = blob["state"]
-        log(f"[train-draft] resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    state = resumed(ckpt, opt, steps, log, lambda blob: draft.load_state_dict(blob["draft"], strict=False))
     if state["before"] is None:
         state["before"] = evaluate(draft, seqs, feats, held, batch_tokens)
         log(f"[train-draft] held out before: {state['before']}")
     tr_seqs = [seqs[i] for i in train_idx]
     tr_feats = [feats[i] for i in train_idx]
-    budget, warm = minutes * 60.0, 30
-    bar = progress(total=int(budget), desc="training the feature draft", unit="s") if progress else None
-    if bar is not None:
-        bar.update(int(state["seconds"]))
     gen = torch.Generator().manual_seed(seed + 7 + state["step"])
-    epoch, running, done = state["step"], None, False
-    while not done:
-        for batch in _batches(tr_seqs, batch_tokens, torch.Generator().manual_seed(seed + 1 + epoch)):
-            t0 = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = lr * lr_scale(state["step"], state["total_steps"], warm)
-            ids, mask = _pad(tr_seqs, batch)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, n, (a1, a2) = _losses(draft, ids, mask, _pad_features(tr_feats, batch, ids.shape[1]), noise, gen)
-            loss = loss / max(n, 1)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            state["step"] += 1
-            state["seconds"] += time.perf_counter() - t0
-            if state["total_steps"] is None and state["step"] == 20:
-                state["total_steps"] = max(40, int(budget / (state["seconds"] / 20)))
-            running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
-            if bar is not None:
-                bar.update(int(state["seconds"]) - bar.n)
-                bar.set_postfix(loss=f"{running:.3f}", agree=f"{a1 / max(n, 1):.2f}/{a2 / max(n, 1):.2f}")
-            if state["step"] % 100 == 0:
-                state["history"].append({"step": state["step"], "minutes": round(state["seconds"] / 60, 2),
-                                         "loss": round(running, 4)})
-            finished = state["step"] >= steps if steps is not None else state["seconds"] >= budget
-            if state["step"] % 100 == 0 or finished:
-                tmp = ckpt.with_suffix(".tmp")
-                torch.save({"draft": {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k
-                                      and "lm_head" not in k}, "opt": opt.state_dict(), "state": state}, tmp)
-                tmp.replace(ckpt)
-            if finished:
-                done = True
-                break
-        epoch += 1
-    if bar is not None:
-        bar.close()
-    after = evaluate(draft, seqs, feats, held, batch_tokens)
-    log(f"[train-draft] held out after {state['step']} steps: {after}")
-    for p in params:
-        p.requires_grad_(False)
-    return {"before": state["before"], "after": after, "steps": state["step"],
-            "minutes": round(state["seconds"] / 60, 2), "history": state["history"], "held_out_sequences": n_held,
-            "train_sequences": len(train_idx)}
+
+    def step_loss(batch):
+        ids, mask = _pad(tr_seqs, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, n, (a1, a2) = _losses(draft, ids, mask, _pad_features(tr_feats, batch, ids.shape[1]), noise, gen)
+        return loss / max(n, 1), {"agree": f"{a1 / max(n, 1):.2f}/{a2 / max(n, 1):.2f}"}
+
+    def save():
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"draft": {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k
+                              and "lm_head" not in k}, "opt": opt.state_dict(), "state": state}, tmp)
+        tmp.replace(ckpt)
+
+    def passes(epoch):
+        return _batches(tr_seqs, batch_tokens, torch.Generator().manual_seed(seed + 1 + epoch))
+
+    fit(opt, params, state, passes, step_loss, save, minutes, lr, steps, "training the feature draft", "loss", 100,
+        progress)
+    return training_report(params, state, evaluate(draft, seqs, feats, held, batch_tokens), held, train_idx, log)
 
 
 def train_feature_draft(target, tokenizer, out: Path, work: Path, prompts: int = 4096, max_new_tokens: int = 96,
@@ -230,9 +190,6 @@ def train_feature_draft(target, tokenizer, out: Path, work: Path, prompts: int =
     resumes from what it finds in ``work``. Returns the metrics.
 
     Raises ValueError for ``vocab`` < 2 or ``minutes`` <= 0."""
-    from ..engine.models import fingerprint
-    from .draft_store import save_draft
-
     if vocab < 2 or minutes <= 0:
         raise ValueError(f"vocab must be >= 2 and minutes > 0, got {vocab} and {minutes}")
     work, out = Path(work), Path(out)
@@ -247,7 +204,4 @@ def train_feature_draft(target, tokenizer, out: Path, work: Path, prompts: int =
     record = {"kind": FeatureDraft.kind, "layer_from": layer, "vocab_subset": len(token_ids), "prompts": prompts,
               "max_new_tokens": max_new_tokens, "stage_minutes": {
                   "data": round(data_minutes, 1), "features": round(t_feats / 60, 1), "training": report["minutes"]}}
-    save_draft(draft, out, fingerprint(target), record)
-    metrics = {**record, **report}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    return metrics
+    return stored(draft, target, out, record, report)
