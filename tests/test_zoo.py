@@ -92,6 +92,21 @@ def test_specdecpp_greedy_equals_target_only_on_humaneval(pair32, index):
     assert out.new_tokens[0] == ref[0, ids.shape[1]:].tolist()
 
 
+def test_the_pairs_own_generator_copies_or_drafts_and_equals_plain_decoding(pair32):
+    """``pair.generator()``: a copy or a draft each round under SpecDec++ auto with the pair's heads; greedy, the
+    tokens of plain decoding; keyword arguments override its choices."""
+    from specdec_ext.policies import CopyOrDraft
+
+    gen = pair32.generator()
+    assert isinstance(gen.policy, CopyOrDraft) and gen.policy.draft.name.startswith("specdec++")
+    text = humaneval_prompts()[3]
+    ids = torch.tensor([pair32.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    plain = SpeculativeGenerator(pair32.target, policy="autoregressive").generate(ids, max_new_tokens=32, temperature=0)
+    out = gen.generate(ids, max_new_tokens=32, temperature=0)
+    assert out.new_tokens == plain.new_tokens and out.stats.accepted > 0
+    assert not isinstance(pair32.generator(lookup=False, policy="fixed", k=2).policy, CopyOrDraft)
+
+
 def test_lr_schedule_with_warm_restart_and_stage_extension(tmp_path):
     from specdec_ext.zoo.train import StageConfig, _stage_due, lr_at
 

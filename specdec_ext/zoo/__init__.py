@@ -26,6 +26,22 @@ class ModelPair:
     heads: dict = field(default_factory=dict)
     feature: Optional[torch.nn.Module] = None
 
+    def generator(self, **kwargs):
+        """A :class:`~specdec_ext.engine.generator.SpeculativeGenerator` of this pair with the proposers that measured
+        fastest on the real pair (README, Results): a copy or a draft each round (``lookup=True``), the draft's rounds
+        under SpecDec++'s ``threshold="auto"`` with the pair's heads (a fixed K = 3 where it has none). ``kwargs``
+        override or add to these (``lookup=False``; a ``policy`` given replaces the chosen one and its arguments).
+        """
+        from ..engine.generator import SpeculativeGenerator
+
+        if "policy" in kwargs:
+            chosen = {}
+        elif self.head is not None:
+            chosen = dict(policy="specdecpp", head=self.head, threshold="auto")
+        else:
+            chosen = dict(policy="fixed", k=3)
+        return SpeculativeGenerator(self.target, self.draft, **{"lookup": True, **chosen, **kwargs})
+
 
 def pair_available(path: Path = PAIR_DIR) -> bool:
     return (path / "target" / "config.json").exists() and (path / "draft" / "config.json").exists()
