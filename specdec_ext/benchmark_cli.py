@@ -328,7 +328,11 @@ def run(args, pair):
     if batch_only:  # options of the batch benchmark would otherwise be ignored without a word
         raise ValueError(f"{', '.join(batch_only)}: only with --batch-sizes (the batch benchmark)")
     paper = pair.heads.get("paper")
-    if args.eagle_ks and getattr(pair, "feature", None) is None:
+    if args.eagle_ks and pair.feature is None and args.pair not in (None, "bundled"):  # loaded where it is asked for
+        from .zoo import named_feature_draft
+
+        pair.feature = named_feature_draft(args.pair, pair.target, pair.draft.dtype)
+    if args.eagle_ks and pair.feature is None:
         raise ValueError(f"--eagle-ks: the {args.pair} pair has no feature draft (`specdec train-draft --kind eagle` "
                          "makes one)")
     hf_static = args.hf_static if args.hf_static is not None else args.device.startswith("cuda")

@@ -62,8 +62,8 @@ def _models(args, need_head: bool, lookup_ok: bool = False):
     """The one place that loads models for every subcommand: the bundled pair by default, a named pair (--pair), or
     --target / --draft / --head / --tokenizer. Returns a ``zoo.ModelPair``; with ``--draft ngram`` (prompt lookup,
     where the subcommand takes it: ``lookup_ok``) its draft is None."""
-    from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models, named_feature_draft, unpacked_pair
-    from .zoo.named import draft_dir, heads_dir, target_file
+    from .zoo import PAIR_DIR, default_attn_implementation, load_heads, load_models, unpacked_pair
+    from .zoo.named import draft_dir, feature_dir, heads_dir, target_file
 
     _check_device(args.device)
     lookup = _lookup(args)
@@ -80,7 +80,7 @@ def _models(args, need_head: bool, lookup_ok: bool = False):
     bundled = not getattr(args, "target", None)
     if name != "bundled":
         root, heads = None, heads_dir(name).parent
-        target, draft = target_file(name), draft_dir(name).parent / "eagle" if eagle else draft_dir(name)
+        target, draft = target_file(name), feature_dir(name) if eagle else draft_dir(name)
         if eagle and not (draft / "config.json").is_file():
             raise UsageError(f"--draft eagle: the {name} pair has no feature draft (`specdec train-draft --kind eagle` "
                              "makes one)")
@@ -110,8 +110,8 @@ def _models(args, need_head: bool, lookup_ok: bool = False):
                        _dtype(args.draft_dtype, args.device), args.device, device_map, tokenizer=tokenizer,
                        allow_other_draft=getattr(args, "allow_other_draft", False), tp=_tp(args),
                        attn_implementation=attn)
-    if name != "bundled":  # its feature draft beside its draft (bench's eagle arms)
-        pair.feature = pair.draft if eagle else named_feature_draft(name, pair.target, pair.draft.dtype)
+    if eagle:
+        pair.feature = pair.draft
     if need_head and head is None:
         pair.heads = load_heads(heads)
         if not {"greedy", "sample"} <= set(pair.heads):

@@ -200,9 +200,9 @@ def named_feature_draft(name: str, target, dtype: torch.dtype):
     """The feature draft (EAGLE) shipped for the named pair ``name``'s target (its ``eagle/`` directory), loaded onto
     ``target`` in ``dtype``; None where the pair has none."""
     from ..training.draft_store import load_draft
-    from .named import draft_dir
+    from .named import feature_dir
 
-    path = draft_dir(name).parent / "eagle"
+    path = feature_dir(name)
     return load_draft(path, target, dtype) if (path / "config.json").is_file() else None
 
 

@@ -65,5 +65,10 @@ def draft_dir(name: str) -> Path:
     return named(name).root / "draft"
 
 
+def feature_dir(name: str) -> Path:
+    """Where a feature draft (EAGLE) for the pair's target is found (``specdec train-draft --kind eagle --out``)."""
+    return named(name).root / "eagle"
+
+
 def heads_dir(name: str) -> Path:
     return named(name).root / "heads"
