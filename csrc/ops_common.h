@@ -543,11 +543,22 @@ inline void check_like(const at::Tensor& t, at::IntArrayRef shape, const char* o
   check_device(t, ref, name, "x");
 }
 
-// A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16], x's dtype.
+// A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16] in x's
+// dtype, or int8 [ceil(N / 16), K + 4, 16] (each panel's K lines of int8 weights, then its 16 float32 scales).
 inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* op, const char* name,
                          const at::Tensor& ref) {
+  if (w.scalar_type() == at::kChar) {
+    SPECDEC_CHK_VALUE(w.dim() == 3 && w.size(0) == (N + 15) / 16 && w.size(1) == K + 4 && w.size(2) == 16, op, ": ",
+                      name, " (int8 panels) must be [", (N + 15) / 16, ", ", K + 4, ", 16], got ", w.sizes());
+    SPECDEC_CHK_VALUE(w.is_contiguous(), op, ": ", name, " must be contiguous");
+    check_device(w, ref, name, "x");
+    return;
+  }
   check_like(w, {(N + 15) / 16, K, 16}, op, name, ref);
 }
+
+// A packed weight's in_features K: [P, K, 16], or int8 [P, K + 4, 16].
+inline int64_t packed_in_features(const at::Tensor& w) { return w.size(1) - (w.scalar_type() == at::kChar ? 4 : 0); }
 
 struct PackedLinearTensors {
   at::Tensor x, out;
@@ -573,6 +584,7 @@ inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::
   PackedLinearArgs& a = t.args;
   a.rows = x.numel() / K; a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
   a.dtype = float_dtype(x, "x");
+  a.int8_weights = weight.scalar_type() == at::kChar;
   a.x = t.x.data_ptr();
   a.weight = weight.data_ptr();
   a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
@@ -585,7 +597,8 @@ struct DecoderLayerTensors {
   DecoderLayerArgs args;
 };
 
-// decoder_layer: x [B, n, H] float32 or bfloat16 (every floating tensor in x's dtype); packed weights (ops.pack_linear_weight) qkv [(Hq + 2 Hkv) D / 16, H, 16],
+// decoder_layer: x [B, n, H] float32 or bfloat16 (every floating tensor in x's dtype, the packed weights too or all
+// four int8 panels [P, K + 4, 16]); packed weights (ops.pack_linear_weight) qkv [(Hq + 2 Hkv) D / 16, H, 16],
 // o [H / 16, Hq D, 16], gate_up [2 I / 16, H, 16], down [H / 16, I, 16] (every N a multiple of 16); norms [H]
 // ([D] for q_norm, k_norm); caches [S, Hkv, C, D] contiguous; lengths [S] int64; slots [B] int64 or None; cos/sin
 // [T, D]; heads Hq a multiple of Hkv.
@@ -607,9 +620,14 @@ inline DecoderLayerTensors prepare_decoder_layer(
   const int64_t S = key_cache.size(0), Hkv = key_cache.size(1), C = key_cache.size(2), D = key_cache.size(3);
   SPECDEC_CHK_VALUE(heads >= 1 && heads % Hkv == 0, op, ": heads must be a multiple of key_cache's ", Hkv,
                     " key/value heads, got ", heads);
-  SPECDEC_CHK_VALUE(down.dim() == 3 && down.size(1) >= 1, op, ": down must be packed [H / 16, I, 16], got ",
-                    down.sizes());
-  const int64_t I = down.size(1), QKV = (heads + 2 * Hkv) * D;
+  SPECDEC_CHK_VALUE(down.dim() == 3 && packed_in_features(down) >= 1, op,
+                    ": down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]), got ", down.sizes());
+  const bool int8 = down.scalar_type() == at::kChar;
+  for (const at::Tensor* w : {&qkv, &o, &gate_up})
+    SPECDEC_CHK_TYPE((w->scalar_type() == at::kChar) == int8, op,
+                     ": qkv, o, gate_up and down must all be int8 panels or all in x's dtype, got ",
+                     qkv.scalar_type(), ", ", o.scalar_type(), ", ", gate_up.scalar_type(), ", ", down.scalar_type());
+  const int64_t I = packed_in_features(down), QKV = (heads + 2 * Hkv) * D;
   SPECDEC_CHK_VALUE(H % 16 == 0 && QKV % 16 == 0 && (2 * I) % 16 == 0, op,
                     ": every product's out features must be a multiple of 16 (H = ", H, ", QKV = ", QKV, ", 2 I = ",
                     2 * I, ")");
@@ -662,6 +680,7 @@ inline DecoderLayerTensors prepare_decoder_layer(
   a.heads = heads; a.kv_heads = Hkv; a.head_dim = D; a.intermediate = I;
   a.slots = S; a.columns = C; a.positions = cos.size(0);
   a.dtype = float_dtype(x, "x");
+  a.int8_weights = int8;
   a.eps = static_cast<float>(eps);
   a.x = x.data_ptr();
   a.input_norm = input_norm.data_ptr();

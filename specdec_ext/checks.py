@@ -340,6 +340,25 @@ def _like(t, shape: tuple, name: str, op: str, ref) -> None:
     _same_device(t, ref, name, "x", op)
 
 
+def _packed(w, out_features: int, in_features: int, name: str, op: str, x) -> None:
+    """``w`` a weight packed by ``ops.pack_linear_weight``: ``[ceil(N / 16), K, 16]`` in x's dtype, or int8 panels
+    ``[ceil(N / 16), K + 4, 16]`` (the kernels' messages)."""
+    if isinstance(w, torch.Tensor) and w.dtype == torch.int8:
+        shape = [-(-out_features // 16), in_features + 4, 16]
+        if list(w.shape) != shape:
+            raise ValueError(f"{op}: {name} (int8 panels) must be {shape}, got {list(w.shape)}")
+        if not w.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous")
+        _same_device(w, x, name, "x", op)
+        return
+    _like(w, (-(-out_features // 16), in_features, 16), name, op, x)
+
+
+def packed_in_features(w) -> int:
+    """A packed weight's in_features K (``[P, K, 16]``, or int8 ``[P, K + 4, 16]``)."""
+    return w.shape[1] - (4 if w.dtype == torch.int8 else 0)
+
+
 def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
     """Checks of ``packed_linear`` (the kernel's, with the same messages); returns the output's shape."""
     op = "packed_linear"
@@ -349,7 +368,7 @@ def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
         raise ValueError(f"{op}: x must be [..., K] with K >= 1, got {list(x.shape)}")
     if out_features < 1:
         raise ValueError(f"{op}: out_features must be >= 1, got {out_features}")
-    _like(weight, (-(-out_features // 16), x.shape[-1], 16), "weight", op, x)
+    _packed(weight, out_features, x.shape[-1], "weight", op, x)
     if bias is not None:
         _like(bias, (out_features,), "bias", op, x)
     return (*x.shape[:-1], out_features)
@@ -370,9 +389,14 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
     S, Hkv, C, D = key_cache.shape
     if heads < 1 or heads % Hkv:
         raise ValueError(f"{op}: heads must be a multiple of key_cache's {Hkv} key/value heads, got {heads}")
-    if down.dim() != 3 or down.shape[1] < 1:
-        raise ValueError(f"{op}: down must be packed [H / 16, I, 16], got {list(down.shape)}")
-    inter, width = down.shape[1], (heads + 2 * Hkv) * D
+    if down.dim() != 3 or packed_in_features(down) < 1:
+        raise ValueError(f"{op}: down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]), got "
+                         f"{list(down.shape)}")
+    kinds = [getattr(w, "dtype", None) == torch.int8 for w in (qkv, o, gate_up, down)]
+    if len(set(kinds)) > 1:
+        raise TypeError(f"{op}: qkv, o, gate_up and down must all be int8 panels or all in x's dtype, got "
+                        f"{', '.join(str(getattr(w, 'dtype', None)) for w in (qkv, o, gate_up, down))}")
+    inter, width = packed_in_features(down), (heads + 2 * Hkv) * D
     if H % 16 or width % 16 or (2 * inter) % 16:
         raise ValueError(f"{op}: every product's out features must be a multiple of 16 (H = {H}, QKV = {width}, "
                          f"2 I = {2 * inter})")
@@ -383,7 +407,7 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
     _like(post_norm, (H,), "post_norm", op, x)
     for name, w, out_f, in_f in (("qkv", qkv, width, H), ("o", o, H, heads * D), ("gate_up", gate_up, 2 * inter, H),
                                  ("down", down, H, inter)):
-        _like(w, (-(-out_f // 16), in_f, 16), name, op, x)
+        _packed(w, out_f, in_f, name, op, x)
     if qkv_bias is not None:
         _like(qkv_bias, (width,), "qkv_bias", op, x)
     if (q_norm is None) != (k_norm is None):

@@ -83,10 +83,30 @@ def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 PANEL = 16  # output features per panel of a packed weight (one 64-byte line of float32)
 
 
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 weight-only quantization with one scale per output feature (row): ``scale = max |W[n, :]| /
+    127`` and ``q = round(W / scale)`` in [-127, 127] (a row of zeros: scale 0, q 0), so ``W ~ q * scale`` to half a
+    step (``scale / 2``) per weight. Requantizing ``q * scale`` gives the same ``q``.
+
+    Args:
+        weight: ``[N, K]`` floating point.
+
+    Returns:
+        ``(q, scale)``: ``[N, K]`` int8 and ``[N]`` float32."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8), scale
+
+
 def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``weight`` ``[N, K]`` (a linear layer's, out x in) as :func:`packed_linear` reads it: panels of 16 output
     features, ``[ceil(N / 16), K, 16]`` (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero), in ``dtype``
     (float32 or bfloat16; None: the weight's where it is one of them, else float32). A copy, as large as ``weight``.
+
+    ``dtype=torch.int8``: weight-only quantization (:func:`quantize_rows`, a scale per output feature), panels
+    ``[ceil(N / 16), K + 4, 16]`` int8: each panel's K lines of 16 int8 weights, then its 16 float32 scales as 64
+    bytes (read in the same stream). A quarter of the float32 weight's bytes (plus 4 bytes a row).
 
     Raises:
         ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor, or another ``dtype``."""
@@ -97,10 +117,19 @@ def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None
         raise ValueError(f"pack_linear_weight: weight must be [N, K] with N, K >= 1, got {list(weight.shape)}")
     if dtype is None:
         dtype = weight.dtype if weight.dtype in checks.LAYER_DTYPES else torch.float32
-    if dtype not in checks.LAYER_DTYPES:
-        raise TypeError(f"pack_linear_weight: dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    if dtype not in (*checks.LAYER_DTYPES, torch.int8):
+        raise TypeError(f"pack_linear_weight: dtype must be torch.float32, torch.bfloat16 or torch.int8, got {dtype}")
     N, K = weight.shape
-    padded = torch.nn.functional.pad(weight.detach().to(dtype), (0, 0, 0, -N % PANEL))
+    if dtype == torch.int8:
+        q, scale = quantize_rows(weight)
+        panels = _panels(q, N, K)  # [P, K, 16]
+        scales = torch.nn.functional.pad(scale, (0, -N % PANEL)).view(-1, PANEL).view(torch.int8).view(-1, 4, PANEL)
+        return torch.cat([panels, scales], dim=1).contiguous()
+    return _panels(weight.detach().to(dtype), N, K)
+
+
+def _panels(w: torch.Tensor, N: int, K: int) -> torch.Tensor:  # [N, K] -> [ceil(N / 16), K, 16], rows past N zero
+    padded = torch.nn.functional.pad(w, (0, 0, 0, -N % PANEL))
     return padded.view(-1, PANEL, K).transpose(1, 2).contiguous()
 
 
@@ -113,7 +142,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
 
     Args:
         x: ``[..., K]`` float32 or bfloat16.
-        weight: ``[ceil(N / 16), K, 16]`` in x's dtype (:func:`pack_linear_weight` of ``W`` ``[N, K]``).
+        weight: ``[ceil(N / 16), K, 16]`` in x's dtype, or int8 ``[ceil(N / 16), K + 4, 16]`` (each output's sum
+            times its scale) (:func:`pack_linear_weight` of ``W`` ``[N, K]``).
         out_features: N.
         bias: ``[N]`` in x's dtype, or None.
 
@@ -148,7 +178,8 @@ def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, 
         input_norm, post_norm: ``[H]``; q_norm, k_norm: ``[D]`` (Qwen3) or both None.
         qkv, o, gate_up, down: the layer's weights packed by :func:`pack_linear_weight`: Wq, Wk, Wv concatenated
             (``[(Hq + 2 Hkv) D, H]``), ``Wo`` ``[H, Hq D]``, Wgate and Wup concatenated (``[2 I, H]``), ``Wdown``
-            ``[H, I]``; every N a multiple of 16. qkv_bias: ``[(Hq + 2 Hkv) D]`` (Qwen2) or None.
+            ``[H, I]``; every N a multiple of 16; all four in x's dtype or all four int8 panels.
+            qkv_bias: ``[(Hq + 2 Hkv) D]`` (Qwen2) or None.
         key_cache, value_cache: ``[S, Hkv, C, D]``, contiguous, written in place: the tokens of row b at
             columns ``min(lengths[slot] + i, C - 1)`` of its slot (the last column: the cache's scratch one).
         lengths: ``[S]`` int64, each slot's filled columns before the call (not advanced: the caller does).

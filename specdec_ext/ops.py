@@ -33,7 +33,7 @@ import torch
 from . import checks, errors, reference
 from ._library import HAS_EXTENSION, library_path
 from .layer_ops import (  # noqa: F401 (re-exported: the model-layer ops live in layer_ops)
-    PANEL, cache_attention, decode_attention, decoder_layer, pack_linear_weight, packed_linear)
+    PANEL, cache_attention, decode_attention, decoder_layer, pack_linear_weight, packed_linear, quantize_rows)
 
 
 
@@ -51,6 +51,7 @@ __all__ = [
     "PANEL",
     "cache_attention",
     "pack_linear_weight",
+    "quantize_rows",
     "packed_linear",
     "decoder_layer",
     "draw_philox_seed_offset",

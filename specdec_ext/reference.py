@@ -458,7 +458,13 @@ def decode_attention(query, key, value, mask, scale):
 
 
 def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``W`` ``[N, K]`` from its panels ``[ceil(N / 16), K, 16]`` (``ops.pack_linear_weight``'s inverse)."""
+    """``W`` ``[N, K]`` from its panels ``[ceil(N / 16), K, 16]`` (``ops.pack_linear_weight``'s inverse); from int8
+    panels ``[ceil(N / 16), K + 4, 16]``, the float32 weights they stand for: each int8 times its row's scale."""
+    if packed.dtype == torch.int8:
+        P, K4, L = packed.shape
+        scales = packed[:, K4 - 4:].contiguous().view(torch.float32).reshape(P * L, 1)  # [P, 4, 16] bytes: 16 floats
+        q = packed[:, :K4 - 4].permute(0, 2, 1).reshape(P * L, K4 - 4)
+        return (q.float() * scales)[:out_features]
     P, K, L = packed.shape
     return packed.permute(0, 2, 1).reshape(P * L, K)[:out_features]
 
@@ -495,7 +501,7 @@ def decoder_layer(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, ga
     dt = x.dtype
     f = (lambda t: None if t is None else t.float())
     S, hk, C, D = key_cache.shape
-    inter = down.shape[1]
+    inter = checks.packed_in_features(down)
     rows = slots if slots is not None else torch.arange(B, device=x.device)
     starts = lengths[rows]  # [B]
     pos = starts.view(B, 1) + torch.arange(n, device=x.device)  # [B, n]

@@ -1,5 +1,7 @@
 // CPU kernels of a decoding step's matrix-vector products (packed_linear) and of a whole decoder layer
-// (decoder_layer), for float32 and bfloat16 weights (bfloat16 widened to float32 as it is read: a shift).
+// (decoder_layer), for float32 and bfloat16 weights (bfloat16 widened to float32 as it is read: a shift) and for int8
+// weights with a float32 scale per output feature (weight-only quantization: each int8 widened to float32 as it is
+// read, each output's sum multiplied by its scale once, at the end).
 //
 // Why: a decode step or a verification multiplies a few rows (1 to K + 1 tokens) by every weight of the model once,
 // so its time is the time to read the weights; on a 2-core AMD EPYC oneDNN's packed matmul read them at 0.7-0.8x the
@@ -7,8 +9,9 @@
 // attention call) cost as much again in dispatch (bench/scale_probe.py: 1,570 ops a step for SmolLM2-135M).
 //
 // packed_linear reads W [N, K] stored as panels of 16 output features, [P, K, 16]: each step of the reduction over
-// k loads one cache line (16 weights) and multiplies it by x[m, k] for every row m, so the weight streams front to
-// back with the next lines prefetched. Every output sums its K products in one chain in k order, whatever the number
+// k loads 16 weights (one cache line of float32) and multiplies them by x[m, k] for every row m, so the weight
+// streams front to back with the next lines prefetched. An int8 panel is [K + 4, 16] bytes: the K lines of 16 int8
+// weights, then the panel's 16 float32 scales (64 bytes), so the scales stream with their weights. Every output sums its K products in one chain in k order, whatever the number
 // of rows: a row's result is the same in a one-token step and in a verification of K + 1 tokens.
 //
 // Activations are float32 inside a call; a bfloat16 layer rounds to bfloat16 where its tensors are stored: the keys
@@ -45,6 +48,21 @@ constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the line being rea
 // (56 against 23 ms, bench/fused_layers.py; 1,024 to 4,096 bytes ahead within 5% of each other).
 SPECDEC_ALWAYS_INLINE void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 3); }
 
+// Elements of W after each panel's K lines: an int8 panel's 16 float32 scales (64 bytes); none for float weights.
+template <typename W>
+constexpr int64_t kTail = std::is_same_v<W, int8_t> ? 64 : 0;
+
+// Elements of W from one panel's start to the next's.
+template <typename W>
+SPECDEC_ALWAYS_INLINE int64_t panel_stride(int64_t K) { return K * kPanel + kTail<W>; }
+
+// The 16 scales of the panel starting at wp (in K lines), or nullptr for float weights.
+template <typename W>
+SPECDEC_ALWAYS_INLINE const float* panel_scales(const W* wp, int64_t K) {
+  if constexpr (std::is_same_v<W, int8_t>) return reinterpret_cast<const float*>(wp + K * kPanel);
+  return nullptr;
+}
+
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) {
   uint16_t u;
@@ -63,7 +81,8 @@ inline void from_float(const float* p, int64_t n, T* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(p[i]);
 }
 
-// acc[m][:] += w[k, :] * x[m, k] for MB rows: one line of 16 weights (float32, or bfloat16 widened in registers).
+// acc[m][:] += w[k, :] * x[m, k] for MB rows: one line of 16 weights (float32, or bfloat16 or int8 widened in
+// registers).
 template <int MB, typename W>
 SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, int64_t ldx, const W* w, int64_t k) {
   if constexpr (std::is_same_v<W, float>) {
@@ -72,6 +91,13 @@ SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, 
       const float xm = x[m * ldx + k];
 #pragma omp simd
       for (int l = 0; l < kPanel; ++l) acc[m][l] = mul_add(wk[l], xm, acc[m][l]);
+    }
+  } else if constexpr (std::is_same_v<W, int8_t>) {
+    const int8_t* wk = w + k * kPanel;
+    for (int m = 0; m < MB; ++m) {
+      const float xm = x[m * ldx + k];
+#pragma omp simd
+      for (int l = 0; l < kPanel; ++l) acc[m][l] = mul_add(static_cast<float>(wk[l]), xm, acc[m][l]);
     }
   } else {  // bfloat16: the upper halves of float32s
     const uint16_t* wk = reinterpret_cast<const uint16_t*>(w) + k * kPanel;
@@ -83,10 +109,14 @@ SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, 
   }
 }
 
-// y[col .. col + width) = sums[0 .. width) (+ bias[col ..]): one row of a panel's outputs, the rest of its 16 lanes
-// (past N) dropped.
-SPECDEC_ALWAYS_INLINE void store_panel_row(const float* sums, float* y, int64_t col, int64_t width, const float* bias) {
-  for (int64_t l = 0; l < width; ++l) y[col + l] = sums[l] + (bias != nullptr ? bias[col + l] : 0.0f);
+// y[col .. col + width) = sums[0 .. width) (x scale[0 .. width) for int8 weights) (+ bias[col ..]): one row of a
+// panel's outputs, the rest of its 16 lanes (past N) dropped.
+SPECDEC_ALWAYS_INLINE void store_panel_row(const float* sums, float* y, int64_t col, int64_t width, const float* bias,
+                                           const float* scale) {
+  for (int64_t l = 0; l < width; ++l) {
+    const float s = scale != nullptr ? sums[l] * scale[l] : sums[l];
+    y[col + l] = s + (bias != nullptr ? bias[col + l] : 0.0f);
+  }
 }
 
 // Panel p of y for MB rows of x (row strides ldx, ldy): y[m, col] = x[m, :] . W[col, :] (+ bias), one chain of
@@ -97,14 +127,14 @@ template <int MB, typename W>
 SPECDEC_ALWAYS_INLINE void panel_rows(const float* x, int64_t ldx, int64_t K, const W* w, int64_t p, int64_t N,
                                       float* y, int64_t ldy, const float* bias) {
   float acc[MB][kPanel] = {};
-  const W* wp = w + p * K * kPanel;
+  const W* wp = w + p * panel_stride<W>(K);
   const char* ahead = reinterpret_cast<const char*>(wp) + kPrefetchBytes;
   for (int64_t k = 0; k < K; ++k) {
     prefetch_line(ahead + k * kPanel * sizeof(W));
     panel_step<MB>(acc, x, ldx, wp, k);
   }
   const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
-  for (int m = 0; m < MB; ++m) store_panel_row(acc[m], y + m * ldy, col, width, bias);
+  for (int m = 0; m < MB; ++m) store_panel_row(acc[m], y + m * ldy, col, width, bias, panel_scales(wp, K));
 }
 
 // Kernel::rows<MB> for the run-time row count rows (1 <= rows <= MB).
@@ -117,7 +147,8 @@ SPECDEC_ALWAYS_INLINE void rows_upto(int64_t rows, const float* x, int64_t ldx, 
   }
 }
 
-// Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16], by
+// Panels [begin, end) of y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16]
+// (int8: [P, K + 4, 16]), by
 // a kernel's Kernel::rows<MB> (a panel_rows). Up to Kernel::kMaxRows rows share every load of the weights (as many as
 // its accumulators fit the vector registers); more rows go over each panel in blocks of near-equal size (7 rows of a
 // 6-row kernel: 3 + 4, not 6 + 1, whose one-row block would wait on a single chain), each block reading the panel
@@ -162,16 +193,28 @@ struct Vectors {
   typedef float Line __attribute__((vector_size(64), aligned(4)));  // 16 float32 lanes
   typedef uint16_t Halves __attribute__((vector_size(32), aligned(2)));
   typedef uint32_t Bits __attribute__((vector_size(64)));
+  typedef int8_t Bytes __attribute__((vector_size(16)));
+  typedef int32_t Ints __attribute__((vector_size(64)));
   // 16 accumulators of AVX-512's 32 zmm registers: a verification of up to 16 tokens reads each weight once (with
   // 6-row blocks, 7 tokens read them twice: bfloat16 SmolLM2-135M's forward 1.4x slower at 7 tokens than at 6 on a
   // 2-core Xeon with AMX, bench/fused_layers.py).
   static constexpr int kMaxRows = 16;
 
-  // *out = the 16 weights at w (bfloat16: each the upper half of a float32).
+  // *out = the 16 weights at w (bfloat16: each the upper half of a float32; int8: each converted).
   template <typename W>
   SPECDEC_ALWAYS_INLINE static void load(const W* w, Line* out) {
     if constexpr (std::is_same_v<W, float>) {
       *out = *reinterpret_cast<const Line*>(w);
+    } else if constexpr (std::is_same_v<W, int8_t>) {
+      // One vpmovsxbd: GCC's vector conversion widens int8 to int32 lane by lane (or in 6 shuffles through int16,
+      // which bound the product at 12 G weights/s on a 2-core Xeon), and an intrinsic would need a target attribute
+      // that the generic loops inlining this helper lack.
+      // (the bytes pass in a register: a memory operand kept the accumulators in memory, 3-4x slower at 4 rows).
+      Bytes bytes;
+      std::memcpy(&bytes, w, sizeof(bytes));
+      Ints ints;
+      asm("vpmovsxbd %1, %0" : "=v"(ints) : "v"(bytes));
+      *out = __builtin_convertvector(ints, Line);
     } else {
       const Bits bits = __builtin_convertvector(*reinterpret_cast<const Halves*>(w), Bits) << 16;
       std::memcpy(out, &bits, sizeof(Line));
@@ -186,14 +229,16 @@ struct Vectors {
   SPECDEC_ALWAYS_INLINE static void group(const float* x, int64_t ldx, int64_t K, const W* w, int64_t p, int64_t N,
                                           float* y, int64_t ldy, const float* bias) {
     Line acc[G][MB] = {};
-    const W* wp = w + p * K * kPanel;
+    const int64_t stride = panel_stride<W>(K);
+    const W* wp = w + p * stride;
     const char* ahead = reinterpret_cast<const char*>(wp) + kPrefetchBytes;
-    constexpr int64_t kPerLine = 64 / (kPanel * sizeof(W));  // k steps per 64-byte line: 1 (float32), 2 (bfloat16)
+    // k steps per 64-byte line: 1 (float32), 2 (bfloat16), 4 (int8)
+    constexpr int64_t kPerLine = 64 / (kPanel * sizeof(W));
     for (int64_t k = 0; k < K; ++k) {
       for (int g = 0; g < G; ++g) {
-        if (k % kPerLine == 0) prefetch_line(ahead + (g * K + k) * kPanel * sizeof(W));
+        if (k % kPerLine == 0) prefetch_line(ahead + (g * stride + k * kPanel) * sizeof(W));
         Line line;
-        load(wp + (g * K + k) * kPanel, &line);
+        load(wp + g * stride + k * kPanel, &line);
         for (int m = 0; m < MB; ++m) acc[g][m] += line * x[m * ldx + k];
       }
     }
@@ -202,7 +247,7 @@ struct Vectors {
       for (int m = 0; m < MB; ++m) {
         float sums[kPanel];
         std::memcpy(sums, &acc[g][m], sizeof(sums));
-        store_panel_row(sums, y + m * ldy, col, width, bias);
+        store_panel_row(sums, y + m * ldy, col, width, bias, panel_scales(wp + g * stride, K));
       }
     }
   }
@@ -244,7 +289,8 @@ SPECDEC_AVX512_FN void gemm_panels_avx512(int64_t begin, int64_t end, const floa
 }
 #endif
 
-// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16]; panels split among threads.
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16] (int8: [P, K + 4, 16]);
+// panels split among threads.
 template <typename W>
 void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy,
                  const float* bias) {
@@ -299,25 +345,25 @@ std::vector<float> floats(const void* p, int64_t n) {
 
 inline const float* data_or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
 
-template <typename T>
+template <typename T, typename W>
 void packed_linear_impl(const PackedLinearArgs& a) {
   const int64_t M = a.rows, K = a.in_features, N = a.out_features;
   std::vector<float> x(M * K), y(M * N);
   to_float(static_cast<const T*>(a.x), M * K, x.data());
   const std::vector<float> bias = floats<T>(a.bias, N);
-  packed_gemm(x.data(), K, M, K, static_cast<const T*>(a.weight), N, y.data(), N, data_or_null(bias));
+  packed_gemm(x.data(), K, M, K, static_cast<const W*>(a.weight), N, y.data(), N, data_or_null(bias));
   from_float(y.data(), M * N, static_cast<T*>(a.out));
 }
 
-template <typename T>
+template <typename T, typename W>
 void decoder_layer_impl(const DecoderLayerArgs& a) {
   const int64_t B = a.batch, n = a.tokens, M = B * n, H = a.hidden;
   const int64_t Hq = a.heads, Hkv = a.kv_heads, D = a.head_dim, I = a.intermediate, C = a.columns;
   const int64_t QKV = (Hq + 2 * Hkv) * D;
-  const T* wqkv = static_cast<const T*>(a.qkv);
-  const T* wo = static_cast<const T*>(a.o);
-  const T* wgu = static_cast<const T*>(a.gate_up);
-  const T* wdown = static_cast<const T*>(a.down);
+  const W* wqkv = static_cast<const W*>(a.qkv);
+  const W* wo = static_cast<const W*>(a.o);
+  const W* wgu = static_cast<const W*>(a.gate_up);
+  const W* wdown = static_cast<const W*>(a.down);
   T* key_cache = static_cast<T*>(a.key_cache);
   T* value_cache = static_cast<T*>(a.value_cache);
   const std::vector<float> input_norm = floats<T>(a.input_norm, H), post_norm = floats<T>(a.post_norm, H);
@@ -398,23 +444,32 @@ void decoder_layer_impl(const DecoderLayerArgs& a) {
   from_float(out.data(), M * H, static_cast<T*>(a.out));
 }
 
+// Kernel<T, W>::run(a) for the activations' dtype T (float32, bfloat16) and the weights' W (T, or int8).
+template <template <typename, typename> class Kernel, class Args>
+void by_dtypes(const Args& a) {
+  if (a.dtype == DType::kBFloat16) {
+    if (a.int8_weights) return Kernel<c10::BFloat16, int8_t>::run(a);
+    return Kernel<c10::BFloat16, c10::BFloat16>::run(a);
+  }
+  if (a.int8_weights) return Kernel<float, int8_t>::run(a);
+  Kernel<float, float>::run(a);
+}
+
+template <typename T, typename W>
+struct PackedLinearKernel {
+  static void run(const PackedLinearArgs& a) { packed_linear_impl<T, W>(a); }
+};
+
+template <typename T, typename W>
+struct DecoderLayerKernel {
+  static void run(const DecoderLayerArgs& a) { decoder_layer_impl<T, W>(a); }
+};
+
 }  // namespace
 
-void packed_linear(const PackedLinearArgs& a) {
-  if (a.dtype == DType::kBFloat16) {
-    packed_linear_impl<c10::BFloat16>(a);
-  } else {
-    packed_linear_impl<float>(a);
-  }
-}
+void packed_linear(const PackedLinearArgs& a) { by_dtypes<PackedLinearKernel>(a); }
 
-void decoder_layer(const DecoderLayerArgs& a) {
-  if (a.dtype == DType::kBFloat16) {
-    decoder_layer_impl<c10::BFloat16>(a);
-  } else {
-    decoder_layer_impl<float>(a);
-  }
-}
+void decoder_layer(const DecoderLayerArgs& a) { by_dtypes<DecoderLayerKernel>(a); }
 
 }  // namespace cpu
 }  // namespace specdec

@@ -158,19 +158,22 @@ struct CacheAttentionArgs : AttentionQKV {
 // p * 16 + l of W at [p, :, l], rows past N zero): a matrix-vector product for the few rows of a decode step streams
 // the weight once, front to back, 16 outputs per load. x, W, bias and y share the dtype (float32 or bfloat16).
 struct PackedLinearArgs {
-  DType dtype;                                      // kFloat32 or kBFloat16
+  DType dtype;                                      // kFloat32 or kBFloat16 (x, bias, out)
+  bool int8_weights;                                // weight int8 panels [P, K + 4, 16] (16 float32 scales last)
   int64_t rows, in_features, out_features, panels;  // M, K, N, P
   const void* x;                                    // [M, K], contiguous
-  const void* weight;                               // [P, K, 16]
+  const void* weight;                               // [P, K, 16] in dtype, or int8 [P, K + 4, 16]
   const void* bias;                                 // [N] or nullptr
   void* out;                                        // [M, N], contiguous
 };
 
 // decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache: x + attention(
 // RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache. Every floating tensor has
-// the layer's dtype (float32 or bfloat16); the arithmetic is float32.
+// the layer's dtype (float32 or bfloat16), the four packed weights too or all four int8 panels with their scales;
+// the arithmetic is float32.
 struct DecoderLayerArgs {
   DType dtype;                           // kFloat32 or kBFloat16
+  bool int8_weights;                     // qkv, o, gate_up, down int8 panels [P, K + 4, 16] (16 float32 scales last)
   int64_t batch, tokens, hidden;         // B rows of n tokens, H
   int64_t heads, kv_heads, head_dim;     // Hq, Hkv, D
   int64_t intermediate;                  // I (the MLP's width)

@@ -14,8 +14,8 @@ processors (an fp32 ``[4, 256] x [256, 8192]`` LM-head matmul: 0.8-1.2 ms throug
 2-core AMD EPYC; ``1bd1639:docs/results/draft_linear.json``), and attention runs through ``ops.decode_attention``
 for decode steps and verifications. In float32 a forward of a few tokens (a decode step, a verification) runs each
 layer as one ``ops.decoder_layer`` call instead (``csrc/cpu/layer_cpu.cpp``: the weights read once from panels at the
-rate the CPU streams memory, no per-op dispatch). The prepared weights are kept per model and rebuilt when a weight
-changes.
+rate the CPU streams memory, no per-op dispatch; a model quantized by ``engine.weights.quantize`` is read there as
+int8 panels). The prepared weights are kept per model and rebuilt when a weight changes.
 
 It computes the distribution the model defines in another order of operations than ``transformers``' modules: in
 float32 the greedy tokens equal ``transformers``' ``generate()`` (tested), in bfloat16 near-ties may round either
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from . import onednn_linear
+from . import onednn_linear, weights
 from .attention import kernel_takes
 from .cache import StaticCache
 from .runner import sliding_layout, usable_device
@@ -220,7 +220,8 @@ class LeanModel:
         hit = kept.get("panels")
         if hit is not None and hit[0] == key:
             return hit[1]
-        pack = ops.pack_linear_weight
+        q8 = weights.kind(model) == "q8"  # int8 panels with a scale per row (engine/weights.py)
+        pack = (lambda w: ops.pack_linear_weight(w, torch.int8)) if q8 else ops.pack_linear_weight
         with torch.no_grad():
             panels = []
             for layer in model.model.layers:

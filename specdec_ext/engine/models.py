@@ -104,7 +104,12 @@ _NAME_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "
 @torch.no_grad()
 def fingerprint(model) -> str:
     """A short hash of a model's configuration and a few of its weights (rounded to bfloat16, so the same
-    model loaded in float32 or bfloat16, on any device, has the same fingerprint)."""
+    model loaded in float32 or bfloat16, on any device, has the same fingerprint). A model quantized by
+    ``engine.weights.quantize`` keeps the fingerprint of its float weights: the drafts and heads made for it serve
+    it."""
+    kept = getattr(model, "specdec_float_fingerprint", None)
+    if kept is not None:
+        return kept
     cfg = model.config.to_dict()
     for k in _NAME_KEYS:
         cfg.pop(k, None)

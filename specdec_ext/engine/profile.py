@@ -24,7 +24,7 @@ import torch
 
 from .._library import build_id
 from ..policies.costs import CostModel, isotonic
-from . import onednn_linear
+from . import onednn_linear, weights
 from .backends import backend_for, uses_lean
 from .feature_draft import FeatureBackend, FeatureDraft
 from .lookup import LookupBackend, PromptLookup
@@ -53,7 +53,7 @@ def _model_key(model) -> dict:
     for k in ("_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype"):
         cfg.pop(k, None)
     p = next(model.parameters())
-    return {"config": cfg, "dtype": str(p.dtype), "device": str(p.device)}
+    return {"config": cfg, "dtype": str(p.dtype), "device": str(p.device), "weights": weights.kind(model)}
 
 
 def profile_key(target, draft, fast_draft: bool, k_max: int, fast_target: bool = True) -> str:

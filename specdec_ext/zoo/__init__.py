@@ -103,7 +103,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
                 target_dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype = torch.float32,
                 device: str = "cpu", device_map: Optional[str] = None, tokenizer: Optional[str | Path] = None,
                 allow_other_draft: bool = False, tp: int = 1,
-                attn_implementation: Optional[str] = None) -> ModelPair:
+                attn_implementation: Optional[str] = None, weights: Optional[str] = None) -> ModelPair:
     """Load local Hugging Face model directories (no network): target, optional draft and head, and the
     tokenizer (default: the target's directory). A path ending in ``.gguf`` (target, draft or tokenizer) is a GGUF
     file, dequantized once into the cache (``zoo/gguf.py``); a draft directory written by ``specdec train-draft``
@@ -117,10 +117,13 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     abort the process). A head is
     checked against the draft (hidden size, and the fingerprint of the draft it was trained for).
     ``attn_implementation`` (both models; None: transformers' default) is passed to ``from_pretrained``;
-    ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``).
+    ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``). ``weights="q8"``
+    quantizes the target's linear weights to int8 with a scale per output feature, read as int8 by the CPU's fused
+    decoder layer (``engine/weights.py``; about 2x faster one-token steps than bfloat16); None keeps them in
+    ``target_dtype``. Speculation is lossless with respect to the target as quantized.
 
-    Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, or ``tp`` with
-    ``device_map``; ImportError for ``tp`` > 1 without accelerate (``pip install 'specdec_ext[tp]'``).
+    Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, ``tp`` with
+    ``device_map``, or ``weights`` other than None / ``"q8"`` or with a target off the CPU; ImportError for ``tp`` > 1 without accelerate (``pip install 'specdec_ext[tp]'``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,6 +133,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     from ..training.draft_store import is_stored_draft, load_draft
     from .gguf import resolve
 
+    _check_weights(weights, device, device_map, tp)
     target, draft, tokenizer = resolve(target), resolve(draft), resolve(tokenizer)
     kw = {"device_map": device_map} if device_map else {}
     if tp != 1:
@@ -150,7 +154,25 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     if h is not None and d is not None:
         h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
     tok = AutoTokenizer.from_pretrained(tokenizer or target, local_files_only=True)
+    if weights is not None:
+        from ..engine.weights import quantize
+
+        quantize(t, weights)
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
+
+
+def _check_weights(weights: Optional[str], device: str, device_map: Optional[str], tp: int) -> None:
+    """Raises ValueError, before anything loads, for quantized ``weights`` a target so placed cannot have."""
+    from ..engine.weights import WEIGHTS
+
+    if weights is None:
+        return
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be None (the target's float weights) or one of "
+                         f"{', '.join(map(repr, WEIGHTS))}, got {weights!r}")
+    if torch.device(device).type != "cpu" or device_map or tp != 1:
+        raise ValueError(f"weights={weights!r} is for a target on one CPU (its int8 kernels are CPU ones), got "
+                         f"device={device!r}, device_map={device_map!r}, tp={tp}")
 
 
 def _from_pretrained(cls, path, **kw):
@@ -208,7 +230,8 @@ def named_feature_draft(name: str, target, dtype: torch.dtype):
 
 def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
               draft_dtype: Optional[torch.dtype] = None, device: str = "cpu", with_head: bool = True,
-              path: Path = PAIR_DIR, tp: int = 1, attn_implementation: Optional[str] = None) -> ModelPair:
+              path: Path = PAIR_DIR, tp: int = 1, attn_implementation: Optional[str] = None,
+              weights: Optional[str] = None) -> ModelPair:
     """A model pair by name: ``ModelPair(target, draft, tokenizer, head, heads, feature)``.
 
     ``name``: ``"bundled"``, the pair this project trained (in ``path``), or a real pair of ``zoo/named.py``:
@@ -221,7 +244,7 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
     rule; the heads read the bfloat16 draft's hidden states as well as the float32 one's: the same accepted tokens,
     ``1bd1639:bench/draft_dtype.py``). ``tp``: as in :func:`load_models` (a tensor-parallel target under
     ``torchrun``); ``attn_implementation`` default: :func:`default_attn_implementation` (the decode-attention
-    kernel on a CPU).
+    kernel on a CPU); ``weights``: as in :func:`load_models` (``"q8"``: the target's linear weights int8).
 
     Raises: ValueError for an unknown name; FileNotFoundError when this checkout has no bundled pair (train it with
     ``specdec zoo train``) or a named pair's package is not installed (the message names the command)."""
@@ -239,7 +262,8 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
         target, draft, heads = root / "target", root / "draft", path / "heads"
     else:
         target, draft, heads = target_file(name), draft_dir(name), heads_dir(name)
-    pair = load_models(target, draft, None, target_dtype, draft_dtype, device, tp=tp, attn_implementation=attn)
+    pair = load_models(target, draft, None, target_dtype, draft_dtype, device, tp=tp, attn_implementation=attn,
+                       weights=weights)
     if name != "bundled":
         pair.feature = named_feature_draft(name, pair.target, draft_dtype)
     if with_head:

@@ -1,0 +1,173 @@
+"""Quantized weights (engine/weights.py, int8 panels in csrc/cpu/layer_cpu.cpp): the int8 products against the
+pure-PyTorch reference and bitwise the same for a row whatever rows share the call; a quantized target's lean forward
+against transformers' forward of the same (quantized) model; speculative decoding lossless for the quantized target
+(greedy equal to its own decoding, chi-square per sampled position, with a negative control); the loaders' errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_ext import SpeculativeGenerator, ops, reference
+from specdec_ext.engine import weights
+from specdec_ext.engine.cache import StaticCache
+from specdec_ext.engine.model import LeanModel
+from specdec_ext.engine.models import fingerprint
+from specdec_ext.engine.sampling import SamplingConfig
+from specdec_ext.zoo import load_models
+from models import make_pair, make_target
+from stats import assert_follows, chi_square
+from support import exact_marginals, greedy_against_target
+
+needs_kernel = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the compiled extension's CPU kernels")
+
+
+def test_quantize_rows_keeps_each_weight_within_half_a_step_and_is_idempotent():
+    w = torch.randn(37, 50) * torch.logspace(-3, 1, 37).unsqueeze(1)
+    w[5] = 0.0  # a row of zeros: scale 0, q 0
+    q, scale = ops.quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (37,) and int(q.abs().max()) == 127
+    back = q.float() * scale[:, None]
+    assert bool(((back - w).abs() <= scale[:, None] / 2 + 1e-7).all())
+    assert scale[5] == 0 and not bool(q[5].any())
+    q2, scale2 = ops.quantize_rows(back)
+    assert torch.equal(q2, q) and torch.equal(q2.float() * scale2[:, None], back)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K", [(48, 64), (40, 33), (96, 576)])
+def test_int8_panels_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(dtype, N, K):
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g)
+    packed = ops.pack_linear_weight(w, torch.int8)
+    assert packed.dtype == torch.int8 and packed.shape == (-(-N // 16), K + 4, 16)
+    q, scale = ops.quantize_rows(w)
+    assert torch.equal(reference.unpack_linear_weight(packed, N), q.float() * scale[:, None])
+    x = torch.randn(17, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    y = ops.packed_linear(x, packed, N, bias)
+    torch.testing.assert_close(y.float(), reference.packed_linear(x, packed, bias, N).float(),
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16
+                               else 1e-4)
+    for rows in (1, 4, 9, 16):  # the 16-row block, the grouped panels of 1-4 and 5-8 rows, two blocks of 17
+        assert torch.equal(ops.packed_linear(x[:rows], packed, N, bias), y[:rows])
+
+
+@needs_kernel
+def test_int8_panels_are_refused_in_one_line_where_they_do_not_fit():
+    w = ops.pack_linear_weight(torch.randn(32, 20), torch.int8)
+    with pytest.raises(ValueError, match=r"packed_linear: weight \(int8 panels\) must be \[2, 25, 16\], got \[2, 24, 16\]"):
+        ops.packed_linear(torch.randn(3, 21), w, 32)
+    with pytest.raises(TypeError, match="pack_linear_weight: dtype must be torch.float32, torch.bfloat16 or torch.int8"):
+        ops.pack_linear_weight(torch.randn(4, 4), torch.float16)
+
+
+def _layer_case(int8_down_only: bool = False):
+    """decoder_layer's arguments for a random layer (H 32, 4 query / 2 kv heads of 8, I 48) with int8 panels."""
+    g = torch.Generator().manual_seed(0)
+    H, Hq, Hkv, D, inter, S, C = 32, 4, 2, 8, 48, 2, 12
+    r = (lambda *s: torch.randn(*s, generator=g) * 0.3)
+    pack = (lambda w, i8=True: ops.pack_linear_weight(w, torch.int8 if i8 else torch.float32))
+    qkv, o, gu = pack(r((Hq + 2 * Hkv) * D, H), not int8_down_only), pack(r(H, Hq * D), not int8_down_only), \
+        pack(r(2 * inter, H), not int8_down_only)
+    down = pack(r(H, inter))
+    cos, sin = torch.cos(torch.arange(C * D).view(C, D) * 0.1), torch.sin(torch.arange(C * D).view(C, D) * 0.1)
+    cache = (lambda: torch.zeros(S, Hkv, C, D))
+    return (r(S, 3, H), 1 + r(H), qkv, None, None, None, o, 1 + r(H), gu, down, cache(), cache(),
+            torch.tensor([4, 6]), None, cos, sin, Hq, 1e-6)
+
+
+@needs_kernel
+def test_a_decoder_layer_over_int8_panels_matches_the_reference():
+    args = _layer_case()
+    out = ops.decoder_layer(*args)
+    ref_args = list(args)
+    ref_args[10], ref_args[11] = args[10].clone().zero_(), args[11].clone().zero_()
+    ref = reference.decoder_layer(*ref_args)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(args[10], ref_args[10], rtol=1e-4, atol=1e-4)  # the keys written into the cache
+    with pytest.raises(TypeError, match="qkv, o, gate_up and down must all be int8 panels or all in x's dtype"):
+        ops.decoder_layer(*_layer_case(int8_down_only=True))
+
+
+@pytest.fixture(scope="module")
+def q8_pair():
+    target, draft = make_pair("llama", noise=0.3, vocab=64)
+    return weights.quantize(target, "q8"), draft
+
+
+@needs_kernel
+def test_a_quantized_targets_lean_forward_reads_int8_and_equals_transformers_forward(q8_pair):
+    target, _ = q8_pair
+    lean = LeanModel(target, "target")
+    assert lean.fused and lean.panels[0].qkv.dtype == torch.int8 and lean.head_panels.dtype == torch.int8
+    ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    cache = lean.cache(2, 32)
+    lean.forward(cache, ids[:, :5], width=5, start=0)  # prefill: oneDNN over the quantized float values
+    steps = [lean.forward(cache, ids[:, i: i + 1])[0][:, -1] for i in range(5, 9)]  # fused steps: int8 panels
+    with torch.no_grad():
+        ref = target(ids).logits[:, 5:]
+    torch.testing.assert_close(torch.stack(steps, 1), ref, rtol=1e-4, atol=1e-4)
+    assert isinstance(cache, StaticCache)
+
+
+def test_quantizing_twice_changes_nothing_and_keeps_the_float_fingerprint():
+    target = make_target("llama", vocab=64)
+    before = fingerprint(target)
+    tied = make_target("llama", vocab=64)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    weights.quantize(tied, "q8")  # a tied output layer gets its own quantized weight; the embedding stays float
+    assert tied.lm_head.weight is not tied.model.embed_tokens.weight and not tied.config.tie_word_embeddings
+    q = weights.quantize(target, "q8")
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    weights.quantize(q, "q8")
+    assert all(torch.equal(v, q.state_dict()[k]) for k, v in state.items())
+    assert weights.kind(q) == "q8" and fingerprint(q) == before
+    assert weights.weight_bytes(q) < weights.weight_bytes(make_target("llama", vocab=64)) / 3.5
+    with pytest.raises(ValueError, match=r"weights must be one of 'q8' \(or None for the model's float weights\), "
+                                         r"got 'q4'"):
+        weights.quantize(q, "q4")
+
+
+def test_the_loaders_refuse_quantized_weights_they_cannot_give(tmp_path):
+    with pytest.raises(ValueError, match=r"weights must be None \(the target's float weights\) or one of 'q8', got "
+                                         r"'int4'"):
+        load_models(tmp_path, weights="int4")
+    with pytest.raises(ValueError, match="weights='q8' is for a target on one CPU .* device='cuda'"):
+        load_models(tmp_path, weights="q8", device="cuda")
+
+
+@needs_kernel
+@pytest.mark.parametrize("policy,kw", [("fixed", {"k": 3}), ("heuristic", {}), ("autoregressive", {})])
+def test_greedy_decoding_of_a_quantized_target_equals_its_own_decoding(q8_pair, policy, kw):
+    target, draft = q8_pair
+    gen = SpeculativeGenerator(target, draft if policy != "autoregressive" else None, policy=policy, **kw)
+    if policy == "autoregressive":
+        ids = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+        ref = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=1, eos_token_id=None)
+        assert torch.equal(gen.generate(ids, max_new_tokens=24, temperature=0).sequences, ref)
+    else:
+        greedy_against_target(gen, target, prompt_ids=64)  # asserts candidates were accepted and rejected
+
+
+N_ROWS, N_POS = 3000, 3
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_sampling_follows_the_quantized_target_and_the_test_tells_another_target_apart():
+    target, draft = make_pair("llama", noise=0.5, vocab=12, ctx=48)
+    float_target = make_target("llama", vocab=12, ctx=48, seed=3)  # the negative control's other model
+    weights.quantize(target, "q8")
+    prompt = torch.tensor([[0, 5, 7, 3, 9]])
+    marginals = exact_marginals(target, prompt, SamplingConfig(1.0), N_POS)
+    out = SpeculativeGenerator(target, draft, policy="fixed", k=3).generate(
+        prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=1.0, seed=11)
+    toks = torch.tensor(out.new_tokens)
+    for i in range(N_POS):
+        assert_follows(toks[:, i], marginals[i], f"q8 target, position {i + 1}")
+    assert out.stats.accepted > 0 and out.stats.discarded > 0
+    other = exact_marginals(float_target, prompt, SamplingConfig(1.0), N_POS)
+    caught = [chi_square(toks[:, i], other[i]) for i in range(N_POS)]
+    assert any(stat > thr for stat, _, thr in caught), "the chi-square test cannot tell another target's samples"
