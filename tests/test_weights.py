@@ -171,3 +171,19 @@ def test_sampling_follows_the_quantized_target_and_the_test_tells_another_target
     other = exact_marginals(float_target, prompt, SamplingConfig(1.0), N_POS)
     caught = [chi_square(toks[:, i], other[i]) for i in range(N_POS)]
     assert any(stat > thr for stat, _, thr in caught), "the chi-square test cannot tell another target's samples"
+
+
+@needs_kernel
+def test_the_bundled_pair_loads_quantized_and_its_greedy_text_equals_its_own_plain_decoding():
+    """load_pair(weights="q8") quantizes both models; the heads still check against the draft (the float
+    fingerprint kept); SpecDec++ with them gives the quantized target's own greedy tokens."""
+    from specdec_ext.zoo import load_pair
+
+    pair = load_pair(target_dtype=torch.float32, draft_dtype=torch.float32, weights="q8")
+    assert weights.kind(pair.target) == weights.kind(pair.draft) == "q8"
+    ids = torch.tensor([pair.tokenizer.encode("def fibonacci(n):\n    ")])
+    plain = SpeculativeGenerator(pair.target, None, policy="autoregressive").generate(ids, max_new_tokens=40,
+                                                                                      temperature=0)
+    out = SpeculativeGenerator(pair.target, pair.draft, policy="specdecpp", head=pair.head, threshold=0.5).generate(
+        ids, max_new_tokens=40, temperature=0)
+    assert out.new_tokens == plain.new_tokens and out.stats.accepted > 0

@@ -118,12 +118,13 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     checked against the draft (hidden size, and the fingerprint of the draft it was trained for).
     ``attn_implementation`` (both models; None: transformers' default) is passed to ``from_pretrained``;
     ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``). ``weights="q8"``
-    quantizes the target's linear weights to int8 with a scale per output feature, read as int8 by the CPU's fused
-    decoder layer (``engine/weights.py``; about 2x faster one-token steps than bfloat16); None keeps them in
-    ``target_dtype``. Speculation is lossless with respect to the target as quantized.
+    quantizes both models' linear weights to int8 with a scale per output feature, read as int8 by the CPU's fused
+    decoder layer (``engine/weights.py``; SmolLM2-135M's one-token step 2x faster than in bfloat16); None keeps them
+    in each model's dtype. Speculation is lossless with respect to the target as quantized.
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, ``tp`` with
-    ``device_map``, or ``weights`` other than None / ``"q8"`` or with a target off the CPU; ImportError for ``tp`` > 1 without accelerate (``pip install 'specdec_ext[tp]'``).
+    ``device_map``, or ``weights`` other than None / ``"q8"`` or with a target off the CPU; ImportError for ``tp`` >
+    1 without accelerate (``pip install 'specdec_ext[tp]'``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,6 +159,8 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
         from ..engine.weights import quantize
 
         quantize(t, weights)
+        if d is not None:
+            quantize(d, weights, "draft")
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
 
 
