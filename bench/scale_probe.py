@@ -25,6 +25,10 @@ round must emit to match plain decoding (``round_ms`` over one target step).
     python bench/scale_probe.py --shapes tiny --round tiny,tiny   # the round's row too
     python bench/scale_probe.py --shapes smollm2-135m,smollm2-135m-draft --round smollm2-135m-draft,smollm2-135m \
         --dtype float32 --context 256   # the real pair on a CPU, against the rate torch.sum reads (sum_read_GBps)
+    python bench/scale_probe.py --shapes smollm2-135m --weights q8 --context 256   # int8 weights, read as stored
+
+``--weights q8`` (the real pair only) quantizes the models' linear weights (``engine/weights.py``); their bytes are
+then counted as the fused op reads them, int8 and a float32 scale per row.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specdec_ext.engine import weights
 from specdec_ext.engine.backends import LeanBackend
 from specdec_ext.engine.graphs import StepGraphs
 from specdec_ext.engine.round import BUCKETS, StepRunner
@@ -76,14 +81,15 @@ def random_llama(shape: str, device: str, dtype=torch.bfloat16, max_positions: i
 REAL = ("smollm2-135m", "smollm2-135m-draft")  # the named pair's target and its distilled draft, real weights
 
 
-def model_for(shape: str, device: str, dtype: torch.dtype, max_positions: int):
-    """A random-weight model of ``SHAPES[shape]``, or a real one of :data:`REAL` (``load_pair``'s target or draft)."""
+def model_for(shape: str, device: str, dtype: torch.dtype, max_positions: int, quantized: Optional[str] = None):
+    """A random-weight model of ``SHAPES[shape]``, or a real one of :data:`REAL` (``load_pair``'s target or draft,
+    with ``quantized`` weights where given)."""
     if shape in SHAPES:
         return random_llama(shape, device, dtype, max_positions)
     from specdec_ext.zoo import load_pair
 
     pair = load_pair(shape.removesuffix("-draft"), target_dtype=dtype, draft_dtype=dtype, device=device,
-                     with_head=False)
+                     with_head=False, weights=quantized)
     return pair.draft if shape.endswith("-draft") else pair.target
 
 
@@ -98,7 +104,11 @@ def sum_bandwidth(device: str, nbytes: int, repeats: int = 10) -> float:
 
 def weight_bytes(model) -> int:
     """Bytes a step reads from the weights: every parameter once (a tied LM head is the embedding's tensor, counted
-    once), the input embedding table only where it is a tensor of its own (a step gathers a row or a few of it)."""
+    once), the input embedding table only where it is a tensor of its own (a step gathers a row or a few of it); for
+    quantized weights the linear layers as stored (int8 and a scale per row) and the norms."""
+    if weights.kind(model) is not None:
+        norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+        return weights.weight_bytes(model) + norms
     seen, total = set(), 0
     embed = model.model.embed_tokens.weight
     tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
@@ -160,11 +170,11 @@ def ops_table(fn, calls: int, top: int = 12) -> list:
 
 
 def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_backend: Optional[str] = None,
-          attention: str = "auto", dtype: torch.dtype = torch.bfloat16) -> dict:
+          attention: str = "auto", dtype: torch.dtype = torch.bfloat16, quantized: Optional[str] = None) -> dict:
     """One shape's row (module docstring); the steps under inference mode, as the engine's rounds run. With
     ``compile_backend`` (``"inductor"`` on a GPU) also a graph of the forward compiled as the step runner compiles it
     (``StepRunner(compile=True)``: ``torch.compile(fullgraph=True)`` before capture), ``graph_compiled_ms``."""
-    model = model_for(shape, device, dtype, max(4096, 2 * (context + k + 2)))
+    model = model_for(shape, device, dtype, max(4096, 2 * (context + k + 2)), quantized)
     backend = LeanBackend(model, "target", attention=attention)
     graphs = StepGraphs(emulate=not device.startswith("cuda"))
     compiled = None
@@ -265,10 +275,14 @@ def main(argv=None) -> dict:
                          "each row's live columns, the flash-decoding kernel on a GPU), sdpa")
     ap.add_argument("--round", default=None, metavar="DRAFT,TARGET",
                     help="a speculative round at these two probed shapes (default 1b,8b where both are probed)")
+    ap.add_argument("--weights", default=None, choices=("q8",),
+                    help="the real pair's linear weights int8 (engine/weights.py), counted as stored")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES and s not in REAL]
+    if args.weights and not set(shapes) <= set(REAL):
+        raise SystemExit(f"--weights {args.weights}: for the real pair's shapes {list(REAL)}, got {args.shapes!r}")
     if bad or not shapes:
         raise SystemExit(f"--shapes: expected some of {sorted(SHAPES) + list(REAL)}, got {args.shapes!r}")
     dtype = getattr(torch, args.dtype)
@@ -288,7 +302,7 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.device, mib << 20)
     rows = []
     for s in shapes:
-        r = probe(s, args.device, args.context, args.k, args.repeats, args.compile, args.attention, dtype)
+        r = probe(s, args.device, args.context, args.k, args.repeats, args.compile, args.attention, dtype, args.weights)
         r["weight_read_ms"] = r["weight_bytes"] / bandwidth * 1e3
         one, wide = r["steps"]["1-token"], r["steps"][f"{args.k + 1}-token"]
         if not cuda:  # the rate torch.sum reads a buffer of the weights' size, measured beside the steps

@@ -420,6 +420,7 @@ def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "
 def machine_description(pair) -> dict:
     from .engine.models import param_count as params
     from .engine.profile import processor_name
+    from .engine.weights import kind
     from .zoo import cpu_bf16_flags
 
     gpu = {}
@@ -428,9 +429,9 @@ def machine_description(pair) -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine(), "processor": processor_name(), **cpu_bf16_flags(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), **gpu,
-            "target": {"params": params(pair.target), "dtype": str(pair.target.dtype),
+            "target": {"params": params(pair.target), "dtype": str(pair.target.dtype), "weights": kind(pair.target),
                        "layers": pair.target.config.num_hidden_layers, "hidden": pair.target.config.hidden_size},
-            "draft": {"params": params(pair.draft), "dtype": str(pair.draft.dtype),
+            "draft": {"params": params(pair.draft), "dtype": str(pair.draft.dtype), "weights": kind(pair.draft),
                       "layers": pair.draft.config.num_hidden_layers, "hidden": pair.draft.config.hidden_size}}
 
 

@@ -112,7 +112,7 @@ def _command_line(args) -> str:
     """The ``specdec bench`` command that reproduces this run's settings (recorded in the results)."""
     parts = ["specdec bench"]
     for key in ("pair", "dataset", "prompts", "max_new_tokens", "temperature", "target_dtype", "draft_dtype",
-                "attn_implementation"):
+                "weights", "attn_implementation"):
         if getattr(args, key, None) is not None:
             parts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
     if args.quick:

@@ -14,6 +14,7 @@ import torch
 from specdec_ext.benchmark import (Oracle, balanced_order, format_table, load_results, run_benchmark,
                                    save_json, standard_methods, summarize)
 from specdec_ext.benchmark_cli import cost_model_replay
+from specdec_ext.engine import weights
 from specdec_ext.zoo import ModelPair
 from models import make_pair
 from support import TEST_COSTS, DigitTokenizer, head_for, spy_draft_reads
@@ -487,6 +488,10 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
     per_layer = h * (heads * d) + 2 * h * (kv * d) + (heads * d) * h + 3 * h * mlp + 2 * h
     model = mod.random_llama("tiny", "cpu")
     assert not tied and mod.weight_bytes(model) == 2 * (layers * per_layer + h + vocab * h)  # bf16; LM head, final norm
+    quantized = weights.quantize(mod.random_llama("tiny", "cpu"), "q8")  # as stored: int8 and a float32 scale a row
+    rows = heads * d + 2 * kv * d + h + 2 * mlp + h
+    assert mod.weight_bytes(quantized) == layers * (per_layer - 2 * h + 4 * rows) + vocab * (h + 4) + 2 * (
+        2 * layers * h + h)
     out = mod.main(["--shapes", "tiny", "--context", "24", "--k", "3", "--repeats", "2", "--copy-mib", "4",
                     "--compile", "aot_eager", "--round", "tiny,tiny", "--out", str(tmp_path / "probe.json")])
     assert json.loads((tmp_path / "probe.json").read_text()) == out
@@ -510,7 +515,7 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
     assert rnd["break_even_tokens"] == pytest.approx(3 + wide["graph_ms"] / one["graph_ms"])
     assert rnd["compiled_round_ms"] == pytest.approx(3 * one["graph_compiled_ms"] + wide["graph_compiled_ms"])
     for bad in (["--shapes", "70b"], ["--k", "0"], ["--shapes", "tiny", "--round", "tiny,1b"],
-                ["--shapes", "tiny", "--coordinate-descent"]):
+                ["--shapes", "tiny", "--coordinate-descent"], ["--shapes", "tiny", "--weights", "q8"]):
         with pytest.raises(SystemExit):
             mod.main(bad)
 
