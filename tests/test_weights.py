@@ -187,3 +187,20 @@ def test_the_bundled_pair_loads_quantized_and_its_greedy_text_equals_its_own_pla
     out = SpeculativeGenerator(pair.target, pair.draft, policy="specdecpp", head=pair.head, threshold=0.5).generate(
         ids, max_new_tokens=40, temperature=0)
     assert out.new_tokens == plain.new_tokens and out.stats.accepted > 0
+
+
+@needs_kernel
+def test_a_quantized_feature_draft_over_a_quantized_target_keeps_greedy_decoding_exact():
+    """A feature draft (EAGLE) quantizes its decoder (fc stays float) and still reads the quantized target's
+    features: greedy output equals the target's own."""
+    from specdec_ext.training import feature_train
+    from support import perturbed
+
+    target = make_target("llama", vocab=64)
+    ids = sorted(set(range(20)) | set(range(20, 64, 3)))
+    draft = feature_train.new_feature_draft(target, torch.as_tensor(ids), 0)
+    draft = perturbed(draft, feature_train.trainable(draft), 0.3, 1)
+    weights.quantize(target, "q8")
+    weights.quantize(draft, "q8", "draft")
+    assert weights.kind(draft) == weights.kind(draft.model) == "q8" and draft.fc.weight.dtype == torch.float32
+    greedy_against_target(SpeculativeGenerator(target, draft, policy="fixed", k=3), target, prompt_ids=64)

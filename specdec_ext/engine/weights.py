@@ -47,7 +47,8 @@ def _untie(model) -> None:
 def quantize(model, weights: str, name: str = "target"):
     """Replace ``model``'s linear weights, in place, by their ``weights`` quantization (module docstring) and mark the
     model so that the lean model packs them as int8 panels. ``weights``: ``"q8"`` (int8, one float32 scale per output
-    feature). Returns ``model``. Quantizing a model already quantized this way changes nothing.
+    feature). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``. Quantizing a model
+    already quantized this way changes nothing.
 
     Raises:
         ValueError: ``weights`` not one of :data:`WEIGHTS`; a model that is not on a CPU (the int8 kernels are CPU
@@ -60,10 +61,13 @@ def quantize(model, weights: str, name: str = "target"):
     if device.type != "cpu":
         raise ValueError(f"weights={weights!r} needs the {name} model on a CPU (its int8 kernels are CPU ones), got "
                          f"{device}; on a GPU keep bfloat16 weights")
+    outer, inner = model, getattr(model, "model", None)
+    if not hasattr(inner, "layers") and hasattr(getattr(inner, "model", None), "layers"):
+        model = inner  # a wrapper of a decoder model (a feature draft, engine/feature_draft.py): its decoder's weights
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ValueError(f"weights={weights!r}: the {name} model ({type(model).__name__}) has no decoder layers "
                          "(model.model.layers) to quantize")
-    done = kind(model)
+    done = kind(outer)
     if done is not None and done != weights:
         raise ValueError(f"the {name} model's weights are already {done!r}, not {weights!r}")
     if done is None:
@@ -73,7 +77,8 @@ def quantize(model, weights: str, name: str = "target"):
         q, scale = ops.quantize_rows(w)
         w.copy_(q.float() * scale[:, None])
     setattr(model, _ATTR, weights)
-    return model
+    setattr(outer, _ATTR, weights)
+    return outer
 
 
 def kind(model) -> Optional[str]:
