@@ -274,7 +274,7 @@ def selection(methods, out: Path, prefix: str = "", window: int = 100) -> tuple:
         if sel is None or not sel.history:
             continue
         played = list(sel.history)
-        names = [a.name for a in sel.arms]
+        names = sel.names()
         late = sel.shares(max(1, len(played) // 4))
         settled = max(late, key=late.get)
         report[m.name] = {"arms": names, "played": played, "settled": settled, "late_shares": late,

@@ -295,7 +295,7 @@ def test_bench_runs_end_to_end_and_records_auto_and_its_costs(capsys, tmp_path, 
     assert "--lookup-ks 3 " in data["meta"]["command"]
     assert data["meta"]["command"].endswith("--no-adaptive --no-paper")
     chosen = data["meta"]["auto_selection"]["specdec++ auto"]
-    assert chosen["arms"] == ["h=0.4", "h=0.5", "h=0.6", "h=0.7", "h=0.8", "goodput"] and chosen["played"]
+    assert chosen["arms"] == ["h=0.4", "h=0.5", "h=0.6", "h=0.7", "h=0.8", "goodput", "plain"] and chosen["played"]
     assert chosen["selection_us_per_round"] > 0 and set(chosen["cost_fit_ms"]) == {"round", "draft_step",
                                                                                    "verified_token"}
     assert data["meta"]["cost_model"]["verify_ms"] == [8.0, 8.5, 9.0]

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from specdec_ext import SpeculativeGenerator
-from specdec_ext.policies.select import GOODPUT, RoundTime, StopSelector, first_stop, threshold_at
+from specdec_ext.policies.costs import CostModel
+from specdec_ext.policies.select import (GOODPUT, PLAIN, PLAIN_AFTER, RoundTime, StopSelector, first_stop,
+                                        threshold_at)
 from models import make_pair
 from support import TEST_COSTS, head_for
 
@@ -245,6 +247,40 @@ def test_rounds_carry_their_measured_time_and_the_choice_carries_across_calls():
     assert sel.now == 0 and all(a.w == 0 for a in sel.arms) and sel.time.rounds == 0
     plain = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", select=False)
     assert plain.policy.selector is None
+
+
+def test_plain_steps_replace_the_rounds_where_no_arm_reaches_a_plain_steps_goodput():
+    """After PLAIN_AFTER rounds, every arm's goodput below one token per plain step's ms (the prior's, then the
+    measured one) says drafting does not pay; measured plain steps that are slower say it pays again; the record
+    names plain steps."""
+    sel = StopSelector(prior=(5.0, 1.0, 1.0))
+    for arm in sel.arms:
+        for _ in range(10):
+            arm.add(1.0, 1.0, 8.0, 1.0, 8.0)  # 0.125 tokens/ms, against 0.2 for a plain step of 5 ms
+    assert not sel.plain_pays()  # fewer than PLAIN_AFTER rounds seen
+    sel.now = PLAIN_AFTER
+    assert sel.plain_ms() == 5.0 and sel.plain_pays()
+    sel.played_plain(10.0)
+    sel.played_plain(10.0)  # plain steps measured at 10 ms: 0.1 tokens/ms, below the arms'
+    assert sel.plain_ms() == pytest.approx(10.0) and not sel.plain_pays()
+    assert sel.names()[-1] == PLAIN and sel.shares() == {PLAIN: 1.0}
+    sel.arms[0].w = sel.arms[0].w2 = 0.0  # an arm not yet observed keeps drafting on
+    sel.played_plain(1.0)
+    assert not sel.plain_pays()
+
+
+def test_a_draft_that_does_not_pay_gives_way_to_plain_steps_and_the_text_stays_exact():
+    """A draft far from its target, a plain step priced near zero: after PLAIN_AFTER rounds the policy runs plain
+    steps between the selector's rounds, and the greedy tokens equal target-only decoding."""
+    target, draft = make_pair("llama", noise=3.0)
+    head = head_for(draft, kind="proposal")
+    cheap = CostModel([0.01] * 30, 1.5, 0.0, 0.0, {"kind": "test"})
+    gen = SpeculativeGenerator(target, draft, policy="specdecpp", head=head, threshold="auto", k_max=8, costs=cheap)
+    ids = prompts(target.config.vocab_size)[:1]
+    out = gen.generate(ids, max_new_tokens=120, temperature=0)
+    ref = target.generate(ids, max_new_tokens=120, do_sample=False, pad_token_id=1, eos_token_id=None)
+    assert torch.equal(out.sequences, ref)
+    assert gen.policy.selector.shares().get(PLAIN, 0.0) > 0.3
 
 
 def test_bad_selector_arguments_are_named():

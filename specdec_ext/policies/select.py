@@ -24,6 +24,12 @@ chooses a speculative configuration per round the same way; here the arms share 
 - **Forgetting.** Every sum decays by ``discount`` per round (a window of about 1 / (1 - discount) rounds), so the
   choice follows the prompts as they change.
 
+- **Plain steps.** Where every arm's goodput, over at least :data:`PLAIN_AFTER` rounds, stays below a plain step's
+  (one token per plain step's measured ms; before one ran, the profile's), drafting does not pay on this machine: the
+  policy runs plain steps, with an arm's round now and then to keep the estimates current
+  (:meth:`StopSelector.plain_pays`). The round-time fit does not price them: a speculative round's intercept carries
+  the draft's and the head's fixed work (SmolLM2-135M with int8 weights: 6.4 ms, where a plain step takes 5.8).
+
 The shallowest arm (the smallest h) stops no later than any other, so every round shows it: it is the reference, and
 each arm is judged on the rounds that showed both, by rho = (its tokens / its ms) / (the reference's tokens / ms) over
 those rounds (discounted sums). Paired so, the rounds' own spread (easy and hard stretches of text, which move every
@@ -45,6 +51,8 @@ from typing import Optional, Sequence, Union
 # the best, paired), and a deep arm is learned only by playing it; the goodput rule's arm drafts deep where that pays
 DEFAULT_THRESHOLDS = (0.4, 0.5, 0.6, 0.7, 0.8)
 GOODPUT = "goodput"  # the name of the goodput rule's arm
+PLAIN = "plain"  # the name of a plain step (no draft) in the record of rounds (StopSelector.plain_pays)
+PLAIN_AFTER = 64  # measured rounds before plain steps may replace the arms' rounds
 
 
 def first_stop(survivals: Sequence[float], drafted: int, lo: int,
@@ -264,6 +272,7 @@ class StopSelector:
         self.history: deque = deque(maxlen=1 << 16)  # the arm played in each round, the latest rounds
         self.spent_s = 0.0  # the host's time choosing and crediting arms (the policy's share counted in too)
         self.measured_ms = 0.0  # the rounds' measured time (RoundResult.cycle_ms) over the rounds that had one
+        self.plain = [0.0, 0.0]  # plain steps' discounted ms and count (plain_ms)
 
     def configure(self, prior: Sequence[float]) -> None:
         """A new prior for the cost fit (the pair's profile); the fit restarts only where nothing was measured yet."""
@@ -364,8 +373,34 @@ class StopSelector:
         share = self.spent_s * 1e3 / self.measured_ms if self.measured_ms > 0 else 0.0
         return self.spent_s * 1e6 / rounds, share
 
+    def plain_pays(self) -> bool:
+        """Whether a plain step promises more tokens per ms than every arm (module docstring): after at least
+        :data:`PLAIN_AFTER` rounds, every arm observed in ``min_rounds`` of them with its goodput below 1 token per
+        the cost fit's ``ms(0, 1)``. For one row a round (tokens counted over the rows)."""
+        if self.now < PLAIN_AFTER:
+            return False
+        plain = 1.0 / max(self.plain_ms(), 1e-3)
+        return all(arm.rounds >= self.min_rounds and arm.goodput < plain for arm in self.arms)
+
+    def plain_ms(self) -> float:
+        """A plain step's ms: the discounted mean of those measured, else the prior's (the profile's plain step)."""
+        return self.plain[0] / self.plain[1] if self.plain[1] > 0 else self.time.prior[0]
+
+    def played_plain(self, ms: float) -> None:
+        """A plain step into the record of rounds (:meth:`shares` names it :data:`PLAIN`) and its measured ``ms``
+        (0: not measured) into :meth:`plain_ms`."""
+        self.history.append(len(self.arms))
+        if ms > 0.0:
+            g = self.time.discount
+            self.plain = [self.plain[0] * g + ms, self.plain[1] * g + 1.0]
+
+    def names(self) -> list:
+        """The arms' names, then :data:`PLAIN`: what the record's entries index."""
+        return [arm.name for arm in self.arms] + [PLAIN]
+
     def shares(self, last: Optional[int] = None) -> dict:
-        """The share of the latest ``last`` rounds (all kept ones by default) each arm was played in, by name."""
+        """The share of the latest ``last`` rounds (all kept ones by default) each arm was played in, by name (plain
+        steps as :data:`PLAIN`)."""
         played = list(self.history)[-last:] if last else list(self.history)
         n = max(1, len(played))
-        return {arm.name: played.count(i) / n for i, arm in enumerate(self.arms) if played.count(i)}
+        return {name: played.count(i) / n for i, name in enumerate(self.names()) if played.count(i)}

@@ -25,6 +25,7 @@ from .goodput import GoodputRule, SurvivalCalibration
 from .select import DEFAULT_THRESHOLDS, StopSelector
 
 MEASURED_ROUNDS = 32  # with the selector, the goodput rule takes the measured round costs every this many rounds
+PLAIN_RUN = 16  # plain steps between two of the selector's rounds where drafting does not pay (StopSelector.plain_pays)
 
 
 class SpecDecPP(CandidateLengthPolicy):
@@ -43,7 +44,9 @@ class SpecDecPP(CandidateLengthPolicy):
             goodput: stop after candidate k when S_k < lambda * (draft_ms + step_ms + verify(k+2) - verify(k+1)),
             with the costs from the pair's profile (with ``select``, from the rounds' measured times once 32 were
             measured) and lambda the row's running goodput in tokens/ms
-            (:class:`~specdec_ext.policies.goodput.GoodputRule`).
+            (:class:`~specdec_ext.policies.goodput.GoodputRule`). One row at a time, where no stop rule's measured
+            goodput reaches a plain step's (after 64 rounds), plain steps replace the rounds, 16 between two of
+            the selector's (:meth:`~specdec_ext.policies.select.StopSelector.plain_pays`).
             At batch size > 1 (with a ``"proposal"`` head) the rows decide together instead, with a verification
             budget across the batch from a profiled cost table by batch size
             (:class:`~specdec_ext.policies.budget.BatchBudget`): whether the batch drafts at all this round (if
@@ -138,6 +141,7 @@ class SpecDecPP(CandidateLengthPolicy):
         self.history: Optional[torch.Tensor] = None
         self._round = None
         self._plain = False
+        self._plain_run = 0  # plain steps since the selector's last round
         self._fused = None  # (the head's fingerprint, its fused weights)
         self._kept: dict = {}  # (rows, device) -> the head rule's per-round buffers (_buffers)
 
@@ -241,6 +245,12 @@ class SpecDecPP(CandidateLengthPolicy):
             budget = [b.go_threshold(B, k) for k in range(1, cap + 1)]
             if not b.score_last:  # the budget stops the batch at its cap whatever the head says: that slot unscored
                 skip_from = max(self.k_min, cap)
+        if self.selector is not None and not self.use_budget and B == 1 and self.selector.plain_pays() \
+                and self._plain_run < PLAIN_RUN:  # drafting does not pay here: a plain step (StopSelector.plain_pays)
+            self._plain_run += 1
+            self._plain, self._round, self._arm = True, None, None
+            return RoundPlan(0)
+        self._plain_run = 0
         # threshold="auto" without the budget: per-row thresholds, the selector's arm or the goodput rule's
         write = self._plan_thresholds(ctx) if self.auto and not self.use_budget else None
         self._round = _HeadRule(self.head, self._weights, self.k_min, self.max_candidates,
@@ -327,6 +337,9 @@ class SpecDecPP(CandidateLengthPolicy):
     def observe(self, result):
         if result.plan is not None and result.plan.note is not None:  # the round's own plan (a later one may exist)
             self._arm, self._planned, self._round, self._plain = result.plan.note
+        if self._plain and self.selector is not None and not self.use_budget:  # drafting did not pay: a plain step
+            self.selector.played_plain(result.cycle_ms)
+            return
         if self._uses_history:
             self.history = history_update(self.history, torch.tensor(result.drafted, dtype=torch.int64),
                                           torch.tensor(result.accepted, dtype=torch.int64))
