@@ -24,8 +24,9 @@ chooses a speculative configuration per round the same way; here the arms share 
 - **Forgetting.** Every sum decays by ``discount`` per round (a window of about 1 / (1 - discount) rounds), so the
   choice follows the prompts as they change.
 
-- **Plain steps.** Where every arm's goodput, over at least :data:`PLAIN_AFTER` rounds, stays below a plain step's
-  (one token per plain step's measured ms; before one ran, the profile's), drafting does not pay on this machine: the
+- **Plain steps.** Where every arm's goodput, over at least :data:`PLAIN_AFTER` rounds, stays below
+  :data:`PLAIN_MARGIN` of a plain step's (one token per plain step's measured ms; before one ran, the profile's),
+  drafting does not pay on this machine: the
   policy runs plain steps, with an arm's round now and then to keep the estimates current
   (:meth:`StopSelector.plain_pays`). The round-time fit does not price them: a speculative round's intercept carries
   the draft's and the head's fixed work (SmolLM2-135M with int8 weights: 6.4 ms, where a plain step takes 5.8).
@@ -53,6 +54,11 @@ DEFAULT_THRESHOLDS = (0.4, 0.5, 0.6, 0.7, 0.8)
 GOODPUT = "goodput"  # the name of the goodput rule's arm
 PLAIN = "plain"  # the name of a plain step (no draft) in the record of rounds (StopSelector.plain_pays)
 PLAIN_AFTER = 64  # measured rounds before plain steps may replace the arms' rounds
+# plain steps replace the rounds where every arm's goodput is below this share of a plain step's: the arms' times are
+# the round-time fit's, a plain step's its measured cycle, which do not count quite the same work (SmolLM2-135M in
+# bf16, 2-core Xeon with AMX: the arms' best estimate 1.08x a plain step's where SpecDec++ h = 0.7 ran 1.16x plain;
+# with int8 weights 0.86x where the arms ran 0.84-0.90x)
+PLAIN_MARGIN = 0.9
 
 
 def first_stop(survivals: Sequence[float], drafted: int, lo: int,
@@ -375,11 +381,11 @@ class StopSelector:
 
     def plain_pays(self) -> bool:
         """Whether a plain step promises more tokens per ms than every arm (module docstring): after at least
-        :data:`PLAIN_AFTER` rounds, every arm observed in ``min_rounds`` of them with its goodput below 1 token per
-        the cost fit's ``ms(0, 1)``. For one row a round (tokens counted over the rows)."""
+        :data:`PLAIN_AFTER` rounds, every arm observed in ``min_rounds`` of them with its goodput below
+        :data:`PLAIN_MARGIN` tokens per :meth:`plain_ms`. For one row a round (tokens counted over the rows)."""
         if self.now < PLAIN_AFTER:
             return False
-        plain = 1.0 / max(self.plain_ms(), 1e-3)
+        plain = PLAIN_MARGIN / max(self.plain_ms(), 1e-3)
         return all(arm.rounds >= self.min_rounds and arm.goodput < plain for arm in self.arms)
 
     def plain_ms(self) -> float:
