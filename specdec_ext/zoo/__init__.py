@@ -247,7 +247,8 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
     rule; the heads read the bfloat16 draft's hidden states as well as the float32 one's: the same accepted tokens,
     ``1bd1639:bench/draft_dtype.py``). ``tp``: as in :func:`load_models` (a tensor-parallel target under
     ``torchrun``); ``attn_implementation`` default: :func:`default_attn_implementation` (the decode-attention
-    kernel on a CPU); ``weights``: as in :func:`load_models` (``"q8"``: the target's linear weights int8).
+    kernel on a CPU); ``weights``: as in :func:`load_models` (``"q8"``: every model's linear weights int8, the
+    feature draft's too).
 
     Raises: ValueError for an unknown name; FileNotFoundError when this checkout has no bundled pair (train it with
     ``specdec zoo train``) or a named pair's package is not installed (the message names the command)."""
@@ -269,6 +270,10 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
                        weights=weights)
     if name != "bundled":
         pair.feature = named_feature_draft(name, pair.target, draft_dtype)
+        if weights is not None and pair.feature is not None:
+            from ..engine.weights import quantize
+
+            quantize(pair.feature, weights, "feature draft")
     if with_head:
         from ..engine.models import fingerprint, hidden_size
 
