@@ -35,9 +35,13 @@ def test_quantize_rows_keeps_each_weight_within_half_a_step_and_is_idempotent():
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N,K", [(48, 64), (40, 33), (96, 576)])
-def test_int8_panels_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(dtype, N, K):
+def test_int8_panels_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(dtype, N, K, isa, monkeypatch):
+    """The AVX-512 kernel (where the CPU has it) and the baseline one (ATEN_CPU_CAPABILITY=avx2, read at each call)."""
+    if isa == "avx2":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g)
     packed = ops.pack_linear_weight(w, torch.int8)
