@@ -11,8 +11,9 @@
 // packed_linear reads W [N, K] stored as panels of 16 output features, [P, K, 16]: each step of the reduction over
 // k loads 16 weights (one cache line of float32) and multiplies them by x[m, k] for every row m, so the weight
 // streams front to back with the next lines prefetched. An int8 panel is [K + 4, 16] bytes: the K lines of 16 int8
-// weights, then the panel's 16 float32 scales (64 bytes), so the scales stream with their weights. Every output sums its K products in one chain in k order, whatever the number
-// of rows: a row's result is the same in a one-token step and in a verification of K + 1 tokens.
+// weights, then the panel's 16 float32 scales (64 bytes), so the scales stream with their weights. Every output sums
+// its K products in one chain in k order, whatever the number of rows: a row's result is the same in a one-token step
+// and in a verification of K + 1 tokens.
 //
 // Activations are float32 inside a call; a bfloat16 layer rounds to bfloat16 where its tensors are stored: the keys
 // and values written into the cache, the queries and attention output (the attention kernel reads one dtype), and the

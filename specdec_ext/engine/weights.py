@@ -56,8 +56,8 @@ def quantize(model, weights: str, name: str = "target"):
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHTS))} (or None for the model's float "
                          f"weights), got {weights!r}")
-    params = list(model.parameters())
-    device = params[0].device if params else torch.device("cpu")
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
     if device.type != "cpu":
         raise ValueError(f"weights={weights!r} needs the {name} model on a CPU (its int8 kernels are CPU ones), got "
                          f"{device}; on a GPU keep bfloat16 weights")

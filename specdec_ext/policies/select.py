@@ -23,13 +23,12 @@ chooses a speculative configuration per round the same way; here the arms share 
   the rounds cost where they run.
 - **Forgetting.** Every sum decays by ``discount`` per round (a window of about 1 / (1 - discount) rounds), so the
   choice follows the prompts as they change.
-
 - **Plain steps.** Where every arm's goodput, over at least :data:`PLAIN_AFTER` rounds, stays below
   :data:`PLAIN_MARGIN` of a plain step's (one token per plain step's measured ms; before one ran, the profile's),
-  drafting does not pay on this machine: the
-  policy runs plain steps, with an arm's round now and then to keep the estimates current
-  (:meth:`StopSelector.plain_pays`). The round-time fit does not price them: a speculative round's intercept carries
-  the draft's and the head's fixed work (SmolLM2-135M with int8 weights: 6.4 ms, where a plain step takes 5.8).
+  drafting does not pay on this machine: the policy runs plain steps, with an arm's round now and then to keep the
+  estimates current (:meth:`StopSelector.plain_pays`). The round-time fit does not price them: a speculative round's
+  intercept carries the draft's and the head's fixed work (SmolLM2-135M with int8 weights: 6.4 ms, where a plain step
+  takes 5.8).
 
 The shallowest arm (the smallest h) stops no later than any other, so every round shows it: it is the reference, and
 each arm is judged on the rounds that showed both, by rho = (its tokens / its ms) / (the reference's tokens / ms) over
