@@ -279,6 +279,33 @@ def test_cache_attention_sees_each_rows_live_columns(dtype, B, Hq, Hkv, n, C, D,
         assert not got[1, 0].any()  # position -1: no column
 
 
+@needs_ext
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 80])
+def test_causal_attention_is_bitwise_the_masked_one_and_each_query_its_own(isa, dtype, D, monkeypatch):
+    """cache_attention's causal path (on AVX-512 CPUs, values summed in registers, each query row over its own
+    columns; the baseline kernel under ATEN_CPU_CAPABILITY=avx2) gives bitwise decode_attention's output under the
+    equivalent mask, and a query's output inside a verification of up to 9 tokens is bitwise its one-token output.
+    Columns past every seen one hold NaN: never read."""
+    if isa == "avx2":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    g = torch.Generator().manual_seed(D)
+    q = torch.randn(3, 9, 9, D, generator=g).to(dtype)
+    k, v = (torch.randn(3, 3, 320, D, generator=g).to(dtype) for _ in range(2))
+    starts = torch.tensor([250, 37, -1])  # the last row's first query sees nothing
+    k[:, :, 300:] = float("nan")
+    v[:, :, 300:] = float("nan")
+    alone = ops.cache_attention(q[:, :, :1], k, v, starts, D ** -0.5)
+    for n in (1, 2, 4, 5, 9):
+        mask = torch.arange(320)[None, None, None, :] <= (starts[:, None, None, None] + torch.arange(n)[:, None])
+        got = ops.cache_attention(q[:, :, :n], k, v, starts, D ** -0.5)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, ops.decode_attention(q[:, :, :n], k, v, mask, D ** -0.5)), n
+        assert torch.equal(got[:, :1], alone), n
+    assert not alone[2].any()
+
+
 def test_cache_attention_checks_and_fake_kernel():
     q, k, v, s = cache_case()
     for fn in (ops.cache_attention, reference.cache_attention):

@@ -29,7 +29,7 @@
 
 #include "cpu/cpu_math.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -54,13 +54,13 @@ inline void load_row(const T* p, int64_t D, float* out) {
   }
 }
 
-// out[c] = q . k_c for the kScoreColumns rows k_c of k (row stride D): lane l of each column adds d = l, l + 8, ...
+// out[c] = q . k_c for the kScoreColumns rows k_c of k (row stride ldk): lane l of each column adds d = l, l + 8, ...
 // in order (fused multiply-adds), then the eight lanes of the eight columns reduce together, each column as
 // ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then the tail past the last multiple of 8. Every score is
 // computed this way, whatever the number of query rows, so a query's scores are bitwise the same in a one-token step
 // and in a verification of K + 1 tokens; the reduction of eight columns at once costs a few shuffles instead of a
 // tree per (query, column).
-SPECDEC_ALWAYS_INLINE void dot_columns(const float* q, const float* k, int64_t D, float* out) {
+SPECDEC_ALWAYS_INLINE void dot_columns(const float* q, const float* k, int64_t ldk, int64_t D, float* out) {
   static_assert(kDotLanes == 8 && kScoreColumns == 8, "the reduction below is written for 8 lanes and 8 columns");
   int64_t d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -68,7 +68,7 @@ SPECDEC_ALWAYS_INLINE void dot_columns(const float* q, const float* k, int64_t D
   for (int c = 0; c < kScoreColumns; ++c) acc[c] = _mm256_setzero_ps();
   for (; d + kDotLanes <= D; d += kDotLanes) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int c = 0; c < kScoreColumns; ++c) acc[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c * D + d), acc[c]);
+    for (int c = 0; c < kScoreColumns; ++c) acc[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c * ldk + d), acc[c]);
   }
   const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
   const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -80,7 +80,7 @@ SPECDEC_ALWAYS_INLINE void dot_columns(const float* q, const float* k, int64_t D
   float acc[kScoreColumns][kDotLanes] = {};
   for (; d + kDotLanes <= D; d += kDotLanes)
     for (int c = 0; c < kScoreColumns; ++c)
-      for (int l = 0; l < kDotLanes; ++l) acc[c][l] = mul_add(q[d + l], k[c * D + d + l], acc[c][l]);
+      for (int l = 0; l < kDotLanes; ++l) acc[c][l] = mul_add(q[d + l], k[c * ldk + d + l], acc[c][l]);
   for (int c = 0; c < kScoreColumns; ++c) {
     const float* a = acc[c];
     out[c] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
@@ -89,10 +89,76 @@ SPECDEC_ALWAYS_INLINE void dot_columns(const float* q, const float* k, int64_t D
   if (d == D) return;
   for (int c = 0; c < kScoreColumns; ++c) {
     float tail = 0.0f;
-    for (int64_t t = d; t < D; ++t) tail = mul_add(q[t], k[c * D + t], tail);
+    for (int64_t t = d; t < D; ++t) tail = mul_add(q[t], k[c * ldk + t], tail);
     out[c] += tail;
   }
 }
+
+#if defined(SPECDEC_AVX512)
+// 16 elements of a cache row as float32.
+SPECDEC_AVX512_FN inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SPECDEC_AVX512_FN inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i halves = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(halves, 16));
+}
+SPECDEC_AVX512_FN inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc[r, d0 .. d0 + 16 NB) (+)= sum_{j0 <= j < j1} w[r, j] v_j[d0 ..] for RB query rows (weights w, row stride ldw;
+// value rows v_j at v + j * ldv; acc's rows D apart), starting from zero or, with `resume`, from acc: the sums in zmm
+// registers across the columns (the generic loop kept them in memory, a store-to-load round trip a column: pass 2
+// ~2x slower at 256 columns).
+template <int RB, int NB, typename T>
+SPECDEC_AVX512_FN void weighted_block(const float* w, int64_t ldw, const T* v, int64_t ldv, int64_t j0, int64_t j1,
+                                      int64_t D, int64_t d0, float* acc, bool resume) {
+  __m512 sums[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < NB; ++b) sums[r][b] = resume ? _mm512_loadu_ps(acc + r * D + d0 + 16 * b) : _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 row[NB];
+    for (int b = 0; b < NB; ++b) row[b] = load16(v + j * ldv + d0 + 16 * b);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 wr = _mm512_set1_ps(w[r * ldw + j]);
+      for (int b = 0; b < NB; ++b) sums[r][b] = _mm512_fmadd_ps(wr, row[b], sums[r][b]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(acc + r * D + d0 + 16 * b, sums[r][b]);
+}
+
+template <int RB, typename T>
+SPECDEC_AVX512_FN void weighted_blocks(const float* w, int64_t ldw, const T* v, int64_t ldv, int64_t j0, int64_t j1,
+                                       int64_t D, int64_t d0, int64_t blocks, float* acc, bool resume) {
+  switch (blocks) {
+    case 4: return weighted_block<RB, 4>(w, ldw, v, ldv, j0, j1, D, d0, acc, resume);
+    case 3: return weighted_block<RB, 3>(w, ldw, v, ldv, j0, j1, D, d0, acc, resume);
+    case 2: return weighted_block<RB, 2>(w, ldw, v, ldv, j0, j1, D, d0, acc, resume);
+    default: return weighted_block<RB, 1>(w, ldw, v, ldv, j0, j1, D, d0, acc, resume);
+  }
+}
+
+// Pass 2 of a causal task with AVX-512 (D a multiple of 16): acc[r, :] = sum_{j < seen[r]} w[r, j] v_j, each element
+// one chain of fused multiply-adds in j order (as the generic loop, which skips zero weights: the same sums), each row
+// reading only the columns it sees. Four rows share each value load up to the fewest columns any of them sees, then
+// each goes on alone: at most 16 accumulators (4 rows x 64 elements).
+template <typename T>
+SPECDEC_AVX512_FN void weighted_values_avx512(const float* w, int64_t ldw, const T* v, int64_t ldv,
+                                              const int64_t* seen, int64_t D, int64_t Rt, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t blocks = std::min<int64_t>(4, (D - d0) / 16);
+    int64_t r = 0;
+    for (; r + 4 <= Rt; r += 4) {
+      const int64_t common = *std::min_element(seen + r, seen + r + 4);
+      weighted_blocks<4>(w + r * ldw, ldw, v, ldv, 0, common, D, d0, blocks, acc + r * D, false);
+      for (int64_t q = r; q < r + 4; ++q)
+        if (seen[q] > common)
+          weighted_blocks<1>(w + q * ldw, ldw, v, ldv, common, seen[q], D, d0, blocks, acc + q * D, true);
+    }
+    for (; r < Rt; ++r) weighted_blocks<1>(w + r * ldw, ldw, v, ldv, 0, seen[r], D, d0, blocks, acc + r * D, false);
+  }
+}
+#endif
 
 // The tasks [begin, end) of decode_attention_impl: (row b, KV head, part of its query rows), `parts` parts a pair.
 template <typename T>
@@ -110,6 +176,7 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
   std::vector<int64_t> cols(C);
   std::vector<const bool*> mrow(R);
   std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
+  std::vector<int64_t> seen(R);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / (Hkv * parts), kh = task / parts % Hkv, part = task % parts;
     const int64_t r0 = R * part / parts, Rt = R * (part + 1) / parts - r0;  // this part's rows r0 .. r0 + Rt - 1
@@ -139,9 +206,16 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
     }
     for (int64_t j = 0; j < m; j += kScoreColumns) {  // the keys of 8 seen columns (zeros past the last), every row
       const int64_t nc = std::min<int64_t>(kScoreColumns, m - j);
-      for (int64_t c = 0; c < nc; ++c) load_row(kb + cols[j + c] * a.k_stride[2], D, &keys[c * D]);
-      std::fill(keys.begin() + nc * D, keys.end(), 0.0f);
-      for (int64_t r = 0; r < Rt; ++r) dot_columns(&qf[r * D], keys.data(), D, &scores[r * stride + j]);
+      const float* kp = keys.data();
+      int64_t ldk = D;
+      if (std::is_same_v<T, float> && !masked && nc == kScoreColumns) {  // 8 consecutive float32 rows: read in place
+        kp = reinterpret_cast<const float*>(kb + j * a.k_stride[2]);
+        ldk = a.k_stride[2];
+      } else {
+        for (int64_t c = 0; c < nc; ++c) load_row(kb + cols[j + c] * a.k_stride[2], D, &keys[c * D]);
+        std::fill(keys.begin() + nc * D, keys.end(), 0.0f);
+      }
+      for (int64_t r = 0; r < Rt; ++r) dot_columns(&qf[r * D], kp, ldk, D, &scores[r * stride + j]);
     }
     for (int64_t r = 0; r < Rt; ++r)
       for (int64_t j = 0; j < m; ++j)
@@ -153,7 +227,16 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
     for (int64_t r = 0; r < Rt; ++r) {
       float* s = &scores[r * stride];
       float mx = kNegInf;
-      for (int64_t j = 0; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
+      {  // 16 lanes, then across them: the maximum, whatever the order
+        float lanes16[16];
+        std::fill(lanes16, lanes16 + 16, kNegInf);
+        int64_t j = 0;
+        for (; j + 16 <= m; j += 16)
+#pragma omp simd
+          for (int l = 0; l < 16; ++l) lanes16[l] = s[j + l] > lanes16[l] ? s[j + l] : lanes16[l];
+        for (; j < m; ++j) mx = s[j] > mx ? s[j] : mx;
+        for (int l = 0; l < 16; ++l) mx = lanes16[l] > mx ? lanes16[l] : mx;
+      }
       float lanes[kSumLanes] = {};
       if (mx == kNegInf) {  // sees no column: weights 0
         std::fill(s, s + padded, 0.0f);
@@ -168,8 +251,16 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
       norm[r] = lanes[0];
     }
     // pass 2: sum of weight * value over the seen columns
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t j = 0; j < m; ++j) {
+    bool summed = false;
+#if defined(SPECDEC_AVX512)
+    if (!masked && D % 16 == 0 && avx512_usable()) {  // causal: row r sees the columns 0 .. last[r]
+      for (int64_t r = 0; r < Rt; ++r) seen[r] = std::max<int64_t>(0, last[r] + 1);
+      weighted_values_avx512(scores.data(), stride, vb, a.v_stride[2], seen.data(), D, Rt, acc.data());
+      summed = true;
+    }
+#endif
+    if (!summed) std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t j = 0; !summed && j < m; ++j) {
       load_row(vb + cols[j] * a.v_stride[2], D, row.data());
       for (int64_t r = 0; r < Rt; ++r) {
         const float w = scores[r * stride + j];
