@@ -275,8 +275,8 @@ def main(argv=None) -> dict:
                          "each row's live columns, the flash-decoding kernel on a GPU), sdpa")
     ap.add_argument("--round", default=None, metavar="DRAFT,TARGET",
                     help="a speculative round at these two probed shapes (default 1b,8b where both are probed)")
-    ap.add_argument("--weights", default=None, choices=("q8",),
-                    help="the real pair's linear weights int8 (engine/weights.py), counted as stored")
+    ap.add_argument("--weights", default=None, choices=("q8", "q4"),
+                    help="the real pair's linear weights quantized (engine/weights.py), counted as stored")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]

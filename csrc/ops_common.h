@@ -544,9 +544,19 @@ inline void check_like(const at::Tensor& t, at::IntArrayRef shape, const char* o
 }
 
 // A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16] in x's
-// dtype, or int8 [ceil(N / 16), K + 4, 16] (each panel's K lines of int8 weights, then its 16 float32 scales).
+// dtype, int8 [ceil(N / 16), K + 4, 16] (each panel's K lines of int8 weights, then its 16 float32 scales), or uint8
+// 4-bit blocks [ceil(N / 16), K / 32, 320].
 inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* op, const char* name,
                          const at::Tensor& ref) {
+  if (w.scalar_type() == at::kByte) {
+    SPECDEC_CHK_VALUE(K % 32 == 0 && w.dim() == 3 && w.size(0) == (N + 15) / 16 && w.size(1) == K / 32 &&
+                          w.size(2) == 320,
+                      op, ": ", name, " (4-bit blocks) must be [", (N + 15) / 16, ", ", K / 32,
+                      ", 320] (in features a multiple of 32), got ", w.sizes());
+    SPECDEC_CHK_VALUE(w.is_contiguous(), op, ": ", name, " must be contiguous");
+    check_device(w, ref, name, "x");
+    return;
+  }
   if (w.scalar_type() == at::kChar) {
     SPECDEC_CHK_VALUE(w.dim() == 3 && w.size(0) == (N + 15) / 16 && w.size(1) == K + 4 && w.size(2) == 16, op, ": ",
                       name, " (int8 panels) must be [", (N + 15) / 16, ", ", K + 4, ", 16], got ", w.sizes());
@@ -557,8 +567,18 @@ inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* 
   check_like(w, {(N + 15) / 16, K, 16}, op, name, ref);
 }
 
-// A packed weight's in_features K: [P, K, 16], or int8 [P, K + 4, 16].
-inline int64_t packed_in_features(const at::Tensor& w) { return w.size(1) - (w.scalar_type() == at::kChar ? 4 : 0); }
+// A packed weight's in_features K: [P, K, 16], int8 [P, K + 4, 16], or 4-bit blocks [P, K / 32, 320].
+inline int64_t packed_in_features(const at::Tensor& w) {
+  if (w.scalar_type() == at::kByte) return w.size(1) * 32;
+  return w.size(1) - (w.scalar_type() == at::kChar ? 4 : 0);
+}
+
+// How a packed weight stores its values (its tensor's dtype: int8 panels, uint8 4-bit blocks, else float).
+inline PackedWeights packed_weights(const at::Tensor& w) {
+  if (w.scalar_type() == at::kChar) return PackedWeights::kInt8Rows;
+  if (w.scalar_type() == at::kByte) return PackedWeights::kQ4Blocks;
+  return PackedWeights::kFloat;
+}
 
 struct PackedLinearTensors {
   at::Tensor x, out;
@@ -584,7 +604,7 @@ inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::
   PackedLinearArgs& a = t.args;
   a.rows = x.numel() / K; a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
   a.dtype = float_dtype(x, "x");
-  a.int8_weights = weight.scalar_type() == at::kChar;
+  a.weights = packed_weights(weight);
   a.x = t.x.data_ptr();
   a.weight = weight.data_ptr();
   a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
@@ -621,11 +641,12 @@ inline DecoderLayerTensors prepare_decoder_layer(
   SPECDEC_CHK_VALUE(heads >= 1 && heads % Hkv == 0, op, ": heads must be a multiple of key_cache's ", Hkv,
                     " key/value heads, got ", heads);
   SPECDEC_CHK_VALUE(down.dim() == 3 && packed_in_features(down) >= 1, op,
-                    ": down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]), got ", down.sizes());
-  const bool int8 = down.scalar_type() == at::kChar;
+                    ": down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]; 4-bit: [H / 16, I / 32, 320]), got ",
+                    down.sizes());
+  const PackedWeights kind = packed_weights(down);
   for (const at::Tensor* w : {&qkv, &o, &gate_up})
-    SPECDEC_CHK_TYPE((w->scalar_type() == at::kChar) == int8, op,
-                     ": qkv, o, gate_up and down must all be int8 panels or all in x's dtype, got ",
+    SPECDEC_CHK_TYPE(packed_weights(*w) == kind, op,
+                     ": qkv, o, gate_up and down must all be int8 panels, all 4-bit blocks or all in x's dtype, got ",
                      qkv.scalar_type(), ", ", o.scalar_type(), ", ", gate_up.scalar_type(), ", ", down.scalar_type());
   const int64_t I = packed_in_features(down), QKV = (heads + 2 * Hkv) * D;
   SPECDEC_CHK_VALUE(H % 16 == 0 && QKV % 16 == 0 && (2 * I) % 16 == 0, op,
@@ -680,7 +701,7 @@ inline DecoderLayerTensors prepare_decoder_layer(
   a.heads = heads; a.kv_heads = Hkv; a.head_dim = D; a.intermediate = I;
   a.slots = S; a.columns = C; a.positions = cos.size(0);
   a.dtype = float_dtype(x, "x");
-  a.int8_weights = int8;
+  a.weights = kind;
   a.eps = static_cast<float>(eps);
   a.x = x.data_ptr();
   a.input_norm = input_norm.data_ptr();

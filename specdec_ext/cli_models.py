@@ -161,10 +161,12 @@ def _model_args(p):
     p.add_argument("--draft-dtype", default="auto", choices=["auto"] + list(DTYPES),
                    help="auto: as --target-dtype (bfloat16 where the hardware has bf16 matrix instructions: the "
                         "bundled draft runs 1.1-2x faster in it on a CPU)")
-    p.add_argument("--weights", choices=["q8"], default=None,
-                   help="q8: the target's linear weights int8 with a scale per output feature, read as int8 by the "
-                        "CPU's fused decoder layer (about 2x faster one-token steps than bfloat16; speculation is "
-                        "lossless for the quantized target); default: the target's float weights in --target-dtype")
+    p.add_argument("--weights", choices=["q8", "q4"], default=None,
+                   help="q8: the models' linear weights int8 with a scale per output feature, read as int8 by the "
+                        "CPU's fused decoder layer (about 2x faster one-token steps than bfloat16); q4: the decoder "
+                        "layers in 4-bit blocks of 32 (GGUF's Q4_1: a Q4_1 file's own weights), the output layer q8; "
+                        "speculation is lossless for the quantized target; default: the float weights in "
+                        "--target-dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
     p.add_argument("--attn-implementation", default="auto",

@@ -99,6 +99,44 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.round().clamp(-127, 127).to(torch.int8), scale
 
 
+BLOCK = 32  # weights per block of 4-bit quantization (GGUF's Q4_1), along K
+Q4_BLOCK_BYTES = BLOCK * PANEL // 2 + 2 * 2 * PANEL  # a panel's block: 256 bytes of nibbles, 16 float16 scales, 16 minima
+
+
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit weight-only quantization with a scale and a minimum per block of 32 weights along each row (GGUF's Q4_1,
+    as llama.cpp's reference quantizer computes it): per block ``d = (max - min) / 15`` and ``q = min(15, floor((w -
+    min) / d + 0.5))`` in float32, then ``d`` and ``min`` stored as float16, so ``W ~ d16 * q + m16``. Weights that
+    are already such values (a GGUF Q4_1 tensor dequantized) give back their q, d and m wherever the float16 rounding
+    of ``d`` recovers the stored one (the block's smallest weight has q = 0 and its largest q = 15).
+
+    Args:
+        weight: ``[N, K]`` floating point, K a multiple of 32.
+
+    Returns:
+        ``(q, d, m)``: ``[N, K]`` uint8 in [0, 15], ``[N, K / 32]`` float16 scales and minima.
+
+    Raises:
+        ValueError: ``weight`` not ``[N, K]`` with K a multiple of 32."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK or min(weight.shape) < 1:
+        raise ValueError(f"quantize_blocks: weight must be [N, K] with K a multiple of {BLOCK}, got "
+                         f"{list(weight.shape)}")
+    N, K = weight.shape
+    w = weight.detach().float().view(N, K // BLOCK, BLOCK)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    q = torch.floor((w - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
+    return q.view(N, K), d.half(), lo.half()
+
+
+def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The float32 weights ``d * q + m`` that :func:`quantize_blocks`'s ``(q, d, m)`` stand for, ``[N, K]``."""
+    N, K = q.shape
+    w = d.float()[..., None] * q.view(N, K // BLOCK, BLOCK).float() + m.float()[..., None]
+    return w.view(N, K)
+
+
 def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``weight`` ``[N, K]`` (a linear layer's, out x in) as :func:`packed_linear` reads it: panels of 16 output
     features, ``[ceil(N / 16), K, 16]`` (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero), in ``dtype``
@@ -107,6 +145,11 @@ def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None
     ``dtype=torch.int8``: weight-only quantization (:func:`quantize_rows`, a scale per output feature), panels
     ``[ceil(N / 16), K + 4, 16]`` int8: each panel's K lines of 16 int8 weights, then its 16 float32 scales as 64
     bytes (read in the same stream). A quarter of the float32 weight's bytes (plus 4 bytes a row).
+
+    ``dtype=torch.uint8``: 4-bit blocks (:func:`quantize_blocks`, GGUF's Q4_1), panels ``[ceil(N / 16), K / 32,
+    320]`` uint8: per panel and block of 32 inputs, 16 lines of 16 bytes (byte l of line j: row l's weights 2j in the
+    low nibble and 2j + 1 in the high one), then the block's 16 float16 scales and its 16 float16 minima. 5 bits a
+    weight (K a multiple of 32).
 
     Raises:
         ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor, or another ``dtype``."""
@@ -117,9 +160,24 @@ def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None
         raise ValueError(f"pack_linear_weight: weight must be [N, K] with N, K >= 1, got {list(weight.shape)}")
     if dtype is None:
         dtype = weight.dtype if weight.dtype in checks.LAYER_DTYPES else torch.float32
-    if dtype not in (*checks.LAYER_DTYPES, torch.int8):
-        raise TypeError(f"pack_linear_weight: dtype must be torch.float32, torch.bfloat16 or torch.int8, got {dtype}")
+    if dtype not in (*checks.LAYER_DTYPES, torch.int8, torch.uint8):
+        raise TypeError(f"pack_linear_weight: dtype must be torch.float32, torch.bfloat16, torch.int8 or torch.uint8, "
+                        f"got {dtype}")
     N, K = weight.shape
+    if dtype == torch.uint8:
+        if K % BLOCK:
+            raise ValueError(f"pack_linear_weight: 4-bit blocks need in_features a multiple of {BLOCK}, got {K}")
+        q, d, m = quantize_blocks(weight)
+        pad = -N % PANEL
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, PANEL, K // BLOCK, BLOCK // 2, 2)
+        lines = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, K / 32, 16 lines, 16 rows]
+        P = lines.shape[0]
+
+        def per_block(t):  # [N, K / 32] float16 -> [P, K / 32, 32] bytes: the panel's 16 values of each block
+            t = torch.nn.functional.pad(t, (0, 0, 0, pad)).view(P, PANEL, K // BLOCK).transpose(1, 2).contiguous()
+            return t.view(torch.uint8)
+
+        return torch.cat([lines.reshape(P, K // BLOCK, -1), per_block(d), per_block(m)], dim=2).contiguous()
     if dtype == torch.int8:
         q, scale = quantize_rows(weight)
         panels = _panels(q, N, K)  # [P, K, 16]

@@ -33,7 +33,8 @@ import torch
 from . import checks, errors, reference
 from ._library import HAS_EXTENSION, library_path
 from .layer_ops import (  # noqa: F401 (re-exported: the model-layer ops live in layer_ops)
-    PANEL, cache_attention, decode_attention, decoder_layer, pack_linear_weight, packed_linear, quantize_rows)
+    BLOCK, PANEL, cache_attention, decode_attention, decoder_layer, dequantize_blocks, pack_linear_weight,
+    packed_linear, quantize_blocks, quantize_rows)
 
 
 
@@ -52,6 +53,8 @@ __all__ = [
     "cache_attention",
     "pack_linear_weight",
     "quantize_rows",
+    "quantize_blocks",
+    "dequantize_blocks",
     "packed_linear",
     "decoder_layer",
     "draw_philox_seed_offset",

@@ -150,6 +150,32 @@ def test_a_quantized_gguf_dequantizes_as_the_gguf_package_does(tmp_path):
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)).float())
 
 
+def test_q4_weights_are_a_q4_1_files_own_blocks(tmp_path, monkeypatch):
+    """weights="q4" on a Q4_1 file: the decoder layers' weights requantize to the file's own q, d and m (every block),
+    so the model's values are the file's exactly; its lean step reads them as 4-bit blocks."""
+    from specdec_ext import ops
+    from specdec_ext.engine import weights
+    from specdec_ext.engine.model import LeanModel
+
+    path = tmp_path / "q4_1.gguf"
+    write_llama_gguf(path, seed=2, qtype=gguf.GGMLQuantizationType.Q4_1)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    plain = load_models(path).target
+    pair = load_models(path, weights="q4")
+    assert weights.kind(pair.target) == "q4"
+    reader = gguf.GGUFReader(str(path))
+    raw = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    blocks = np.asarray(raw.data).reshape(-1, 20)  # Q4_1: float16 d, float16 m, 16 bytes of nibbles
+    q, d, m = ops.quantize_blocks(plain.model.layers[1].mlp.down_proj.weight)
+    assert torch.equal(d.view(-1), torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).reshape(-1)))
+    assert torch.equal(m.view(-1), torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(-1)))
+    for name, p in plain.model.layers.named_parameters():
+        if name.endswith("proj.weight"):
+            assert torch.equal(pair.target.model.layers.get_parameter(name), p), name
+    lean = LeanModel(pair.target, "target")
+    assert lean.panels[0].down.dtype == torch.uint8 and lean.head_panels.dtype == torch.int8
+
+
 def test_a_conversion_reads_the_file_once_and_leaves_the_gguf_package_as_it_was(tmp_path, tiny, monkeypatch):
     """transformers' loader would open a reader for the tokenizer, the config and the weights (3) and build the tensor
     name map once per module; gguf_model_dir hands it one of each, then puts the package's own back, after a

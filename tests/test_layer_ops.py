@@ -148,7 +148,7 @@ def test_decoder_layer_errors_name_the_argument():
         ops.packed_linear(torch.zeros(2, 8, dtype=torch.float16), torch.zeros(1, 8, 16), 16)
     with pytest.raises(TypeError, match="weight must have x's dtype"):
         ops.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 16), 16)
-    with pytest.raises(TypeError, match="dtype must be torch.float32, torch.bfloat16 or torch.int8"):
+    with pytest.raises(TypeError, match="dtype must be torch.float32, torch.bfloat16, torch.int8 or torch.uint8"):
         ops.pack_linear_weight(torch.zeros(4, 4), torch.float16)
     with pytest.raises(ValueError, match=r"weight must be \[N, K\]"):
         ops.pack_linear_weight(torch.zeros(4))

@@ -1,7 +1,8 @@
-"""Quantized weights (engine/weights.py, int8 panels in csrc/cpu/layer_cpu.cpp): the int8 products against the
-pure-PyTorch reference and bitwise the same for a row whatever rows share the call; a quantized target's lean forward
-against transformers' forward of the same (quantized) model; speculative decoding lossless for the quantized target
-(greedy equal to its own decoding, chi-square per sampled position, with a negative control); the loaders' errors."""
+"""Quantized weights (engine/weights.py; int8 panels in csrc/cpu/layer_cpu.cpp, 4-bit blocks in blocks_cpu.cpp): the
+products against the pure-PyTorch reference and bitwise the same for a row whatever rows share the call; a quantized
+target's lean forward against transformers' forward of the same (quantized) model; speculative decoding lossless for
+the quantized target (greedy equal to its own decoding, chi-square per sampled position, with a negative control); the
+loaders' errors."""
 
 from __future__ import annotations
 
@@ -58,21 +59,76 @@ def test_int8_panels_match_the_reference_and_a_row_does_not_depend_on_its_neighb
         assert torch.equal(ops.packed_linear(x[:rows], packed, N, bias), y[:rows])
 
 
+def test_quantize_blocks_is_q4_1_and_idempotent():
+    """Each block of 32: q in [0, 15], the smallest weight at q = 0 and the largest at 15, every weight within half a
+    step of d q + m (plus the float16 rounding of d and m); requantizing the values gives back q, d and m."""
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(3))
+    w[3, :32] = 0.7  # a constant block: d = 0
+    q, d, m = ops.quantize_blocks(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (24, 3) and d.dtype == torch.float16
+    blocks = q.view(24, 3, 32)
+    assert (blocks.amin(-1) == 0).all() and ((blocks.amax(-1) == 15) | (d == 0)).all()
+    back = ops.dequantize_blocks(q, d, m)
+    step, low = d.float().repeat_interleave(32, 1), m.float().abs().repeat_interleave(32, 1)
+    assert ((back - w).abs() <= step * 0.5 + 2.0 ** -11 * (15 * step + low)).all()  # + float16 rounding of d, m
+    assert torch.equal(back[3, :32], torch.full((32,), 0.7).half().float())
+    q2, d2, m2 = ops.quantize_blocks(back)
+    assert torch.equal(q2, q) and torch.equal(d2, d) and torch.equal(m2, m)
+    with pytest.raises(ValueError, match=r"quantize_blocks: weight must be \[N, K\] with K a multiple of 32, got "
+                                         r"\[4, 40\]"):
+        ops.quantize_blocks(torch.randn(4, 40))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K", [(48, 64), (40, 96), (96, 576)])
+def test_q4_blocks_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(dtype, N, K, isa, monkeypatch):
+    """The AVX-512 kernel (where the CPU has it) and the baseline one (ATEN_CPU_CAPABILITY=avx2)."""
+    if isa == "avx2":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g)
+    packed = ops.pack_linear_weight(w, torch.uint8)
+    assert packed.dtype == torch.uint8 and packed.shape == (-(-N // 16), K // 32, 320)
+    assert torch.equal(reference.unpack_linear_weight(packed, N), ops.dequantize_blocks(*ops.quantize_blocks(w)))
+    x = torch.randn(17, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    y = ops.packed_linear(x, packed, N, bias)
+    torch.testing.assert_close(y.float(), reference.packed_linear(x, packed, bias, N).float(),
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16
+                               else 1e-4)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16):  # groups of 8, 4 and 2 panels, blocks of up to 8 rows, two blocks
+        assert torch.equal(ops.packed_linear(x[:rows], packed, N, bias), y[:rows]), rows
+
+
+@needs_kernel
+def test_q4_blocks_are_refused_in_one_line_where_they_do_not_fit():
+    w = ops.pack_linear_weight(torch.randn(32, 64), torch.uint8)
+    with pytest.raises(ValueError, match=r"packed_linear: weight \(4-bit blocks\) must be \[2, 3, 320\] \(in features "
+                                         r"a multiple of 32\), got \[2, 2, 320\]"):
+        ops.packed_linear(torch.randn(3, 96), w, 32)
+    with pytest.raises(ValueError, match="pack_linear_weight: 4-bit blocks need in_features a multiple of 32, got 40"):
+        ops.pack_linear_weight(torch.randn(16, 40), torch.uint8)
+
+
 @needs_kernel
 def test_int8_panels_are_refused_in_one_line_where_they_do_not_fit():
     w = ops.pack_linear_weight(torch.randn(32, 20), torch.int8)
     with pytest.raises(ValueError, match=r"packed_linear: weight \(int8 panels\) must be \[2, 25, 16\], got \[2, 24, 16\]"):
         ops.packed_linear(torch.randn(3, 21), w, 32)
-    with pytest.raises(TypeError, match="pack_linear_weight: dtype must be torch.float32, torch.bfloat16 or torch.int8"):
+    with pytest.raises(TypeError, match="pack_linear_weight: dtype must be torch.float32, torch.bfloat16, torch.int8 or "
+                                        "torch.uint8"):
         ops.pack_linear_weight(torch.randn(4, 4), torch.float16)
 
 
-def _layer_case(int8_down_only: bool = False):
-    """decoder_layer's arguments for a random layer (H 32, 4 query / 2 kv heads of 8, I 48) with int8 panels."""
+def _layer_case(int8_down_only: bool = False, kind=torch.int8):
+    """decoder_layer's arguments for a random layer (H 32, 4 query / 2 kv heads of 8, I 64) with int8 panels (or
+    4-bit blocks: kind torch.uint8)."""
     g = torch.Generator().manual_seed(0)
-    H, Hq, Hkv, D, inter, S, C = 32, 4, 2, 8, 48, 2, 12
+    H, Hq, Hkv, D, inter, S, C = 32, 4, 2, 8, 64, 2, 12
     r = (lambda *s: torch.randn(*s, generator=g) * 0.3)
-    pack = (lambda w, i8=True: ops.pack_linear_weight(w, torch.int8 if i8 else torch.float32))
+    pack = (lambda w, i8=True: ops.pack_linear_weight(w, kind if i8 else torch.float32))
     qkv, o, gu = pack(r((Hq + 2 * Hkv) * D, H), not int8_down_only), pack(r(H, Hq * D), not int8_down_only), \
         pack(r(2 * inter, H), not int8_down_only)
     down = pack(r(H, inter))
@@ -83,29 +139,32 @@ def _layer_case(int8_down_only: bool = False):
 
 
 @needs_kernel
-def test_a_decoder_layer_over_int8_panels_matches_the_reference():
-    args = _layer_case()
+@pytest.mark.parametrize("kind", [torch.int8, torch.uint8])
+def test_a_decoder_layer_over_quantized_weights_matches_the_reference(kind):
+    args = _layer_case(kind=kind)
     out = ops.decoder_layer(*args)
     ref_args = list(args)
     ref_args[10], ref_args[11] = args[10].clone().zero_(), args[11].clone().zero_()
     ref = reference.decoder_layer(*ref_args)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(args[10], ref_args[10], rtol=1e-4, atol=1e-4)  # the keys written into the cache
-    with pytest.raises(TypeError, match="qkv, o, gate_up and down must all be int8 panels or all in x's dtype"):
-        ops.decoder_layer(*_layer_case(int8_down_only=True))
+    with pytest.raises(TypeError, match="qkv, o, gate_up and down must all be int8 panels, all 4-bit blocks or all in "
+                                        "x's dtype"):
+        ops.decoder_layer(*_layer_case(int8_down_only=True, kind=kind))
 
 
-@pytest.fixture(scope="module")
-def q8_pair():
+@pytest.fixture(scope="module", params=["q8", "q4"])
+def q8_pair(request):
     target, draft = make_pair("llama", noise=0.3, vocab=64)
-    return weights.quantize(target, "q8"), draft
+    return weights.quantize(target, request.param), draft
 
 
 @needs_kernel
 def test_a_quantized_targets_lean_forward_reads_int8_and_equals_transformers_forward(q8_pair):
     target, _ = q8_pair
     lean = LeanModel(target, "target")
-    assert lean.fused and lean.panels[0].qkv.dtype == torch.int8 and lean.head_panels.dtype == torch.int8
+    layer_dtype = {"q8": torch.int8, "q4": torch.uint8}[weights.kind(target)]
+    assert lean.fused and lean.panels[0].qkv.dtype == layer_dtype and lean.head_panels.dtype == torch.int8
     ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     cache = lean.cache(2, 32)
     lean.forward(cache, ids[:, :5], width=5, start=0)  # prefill: oneDNN over the quantized float values
@@ -129,14 +188,24 @@ def test_quantizing_twice_changes_nothing_and_keeps_the_float_fingerprint():
     assert all(torch.equal(v, q.state_dict()[k]) for k, v in state.items())
     assert weights.kind(q) == "q8" and fingerprint(q) == before
     assert weights.weight_bytes(q) < weights.weight_bytes(make_target("llama", vocab=64)) / 3.5
-    with pytest.raises(ValueError, match=r"weights must be one of 'q8' \(or None for the model's float weights\), "
-                                         r"got 'q4'"):
+    with pytest.raises(ValueError, match="the target model's weights are already 'q8', not 'q4'"):
         weights.quantize(q, "q4")
+    with pytest.raises(ValueError, match=r"weights must be one of 'q8', 'q4' \(or None for the model's float "
+                                         r"weights\), got 'q2'"):
+        weights.quantize(q, "q2")
+    q4 = weights.quantize(make_target("llama", vocab=64), "q4")
+    state = {k: v.clone() for k, v in q4.state_dict().items()}
+    weights.quantize(q4, "q4")
+    assert all(torch.equal(v, q4.state_dict()[k]) for k, v in state.items()) and fingerprint(q4) == before
+    assert weights.weight_bytes(q4) < weights.weight_bytes(q)
+    with pytest.raises(ValueError, match="weights='q4' needs every decoder-layer projection's in features a multiple "
+                                         "of 32 .* one of 48"):
+        weights.quantize(make_target("llama", vocab=64, hidden=48), "q4")
 
 
 def test_the_loaders_refuse_quantized_weights_they_cannot_give(tmp_path):
-    with pytest.raises(ValueError, match=r"weights must be None \(the target's float weights\) or one of 'q8', got "
-                                         r"'int4'"):
+    with pytest.raises(ValueError, match=r"weights must be None \(the target's float weights\) or one of 'q8', 'q4', "
+                                         r"got 'int4'"):
         load_models(tmp_path, weights="int4")
     with pytest.raises(ValueError, match="weights='q8' is for a target on one CPU .* device='cuda'"):
         load_models(tmp_path, weights="q8", device="cuda")
@@ -160,17 +229,18 @@ N_ROWS, N_POS = 3000, 3
 
 @needs_kernel
 @pytest.mark.slow
-def test_sampling_follows_the_quantized_target_and_the_test_tells_another_target_apart():
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_sampling_follows_the_quantized_target_and_the_test_tells_another_target_apart(kind):
     target, draft = make_pair("llama", noise=0.5, vocab=12, ctx=48)
     float_target = make_target("llama", vocab=12, ctx=48, seed=3)  # the negative control's other model
-    weights.quantize(target, "q8")
+    weights.quantize(target, kind)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
     marginals = exact_marginals(target, prompt, SamplingConfig(1.0), N_POS)
     out = SpeculativeGenerator(target, draft, policy="fixed", k=3).generate(
         prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=1.0, seed=11)
     toks = torch.tensor(out.new_tokens)
     for i in range(N_POS):
-        assert_follows(toks[:, i], marginals[i], f"q8 target, position {i + 1}")
+        assert_follows(toks[:, i], marginals[i], f"{kind} target, position {i + 1}")
     assert out.stats.accepted > 0 and out.stats.discarded > 0
     other = exact_marginals(float_target, prompt, SamplingConfig(1.0), N_POS)
     caught = [chi_square(toks[:, i], other[i]) for i in range(N_POS)]
@@ -178,13 +248,14 @@ def test_sampling_follows_the_quantized_target_and_the_test_tells_another_target
 
 
 @needs_kernel
-def test_the_bundled_pair_loads_quantized_and_its_greedy_text_equals_its_own_plain_decoding():
-    """load_pair(weights="q8") quantizes both models; the heads still check against the draft (the float
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_the_bundled_pair_loads_quantized_and_its_greedy_text_equals_its_own_plain_decoding(kind):
+    """load_pair(weights=kind) quantizes both models; the heads still check against the draft (the float
     fingerprint kept); SpecDec++ with them gives the quantized target's own greedy tokens."""
     from specdec_ext.zoo import load_pair
 
-    pair = load_pair(target_dtype=torch.float32, draft_dtype=torch.float32, weights="q8")
-    assert weights.kind(pair.target) == weights.kind(pair.draft) == "q8"
+    pair = load_pair(target_dtype=torch.float32, draft_dtype=torch.float32, weights=kind)
+    assert weights.kind(pair.target) == weights.kind(pair.draft) == kind
     ids = torch.tensor([pair.tokenizer.encode("def fibonacci(n):\n    ")])
     plain = SpeculativeGenerator(pair.target, None, policy="autoregressive").generate(ids, max_new_tokens=40,
                                                                                       temperature=0)

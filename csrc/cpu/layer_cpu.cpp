@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cpu/attention_cpu.h"
+#include "cpu/blocks_cpu.h"
 #include "cpu/cpu_math.h"
 
 namespace specdec {
@@ -42,6 +43,10 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kPanel = 16;          // output features per panel: one 64-byte line of float32 per k
+
+struct Q4Blocks {  // the weight type W of 4-bit blocks (PackedWeights::kQ4Blocks): bytes that q4_gemm reads
+  uint8_t byte;
+};
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the line being read the next lines are fetched
 
 // Fetches the weight line at p into every cache level (prefetcht0). The non-temporal hint (prefetchnta), which
@@ -314,6 +319,12 @@ void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, 
   });
 }
 
+// 4-bit blocks: csrc/cpu/blocks_cpu.cpp.
+void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q4Blocks* w, int64_t N, float* y,
+                 int64_t ldy, const float* bias) {
+  q4_gemm(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias);
+}
+
 // out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps) for R rows of length H (row strides ldx, ldo).
 void rms_rows(const float* x, int64_t ldx, int64_t R, int64_t H, const float* w, float eps, float* out, int64_t ldo) {
   constexpr int kLanes = 8;
@@ -455,14 +466,16 @@ void decoder_layer_impl(const DecoderLayerArgs& a) {
   from_float(out.data(), M * H, static_cast<T*>(a.out));
 }
 
-// Kernel<T, W>::run(a) for the activations' dtype T (float32, bfloat16) and the weights' W (T, or int8).
+// Kernel<T, W>::run(a) for the activations' dtype T (float32, bfloat16) and the weights' W (T, int8, or 4-bit blocks).
 template <template <typename, typename> class Kernel, class Args>
 void by_dtypes(const Args& a) {
   if (a.dtype == DType::kBFloat16) {
-    if (a.int8_weights) return Kernel<c10::BFloat16, int8_t>::run(a);
+    if (a.weights == PackedWeights::kInt8Rows) return Kernel<c10::BFloat16, int8_t>::run(a);
+    if (a.weights == PackedWeights::kQ4Blocks) return Kernel<c10::BFloat16, Q4Blocks>::run(a);
     return Kernel<c10::BFloat16, c10::BFloat16>::run(a);
   }
-  if (a.int8_weights) return Kernel<float, int8_t>::run(a);
+  if (a.weights == PackedWeights::kInt8Rows) return Kernel<float, int8_t>::run(a);
+  if (a.weights == PackedWeights::kQ4Blocks) return Kernel<float, Q4Blocks>::run(a);
   Kernel<float, float>::run(a);
 }
 

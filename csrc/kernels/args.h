@@ -154,26 +154,32 @@ struct CacheAttentionArgs : AttentionQKV {
   float* workspace;                    // the chunks' partial softmaxes (cache_attention_workspace() floats)
 };
 
+// How a packed weight stores its values: in the activations' dtype; int8 panels [P, K + 4, 16] (16 float32 scales
+// last, one per output); 4-bit blocks [P, K / 32, 320] bytes (per block of 32 inputs, 16 lines of 16 bytes holding
+// inputs 2j and 2j + 1 of each output in the low and high nibble, then 16 float16 scales d and 16 float16 minima m:
+// w = d q + m, GGUF's Q4_1).
+enum class PackedWeights { kFloat, kInt8Rows, kQ4Blocks };
+
 // packed_linear: y = x W^T with W [N, K] stored as panels of 16 output features, [P = ceil(N / 16), K, 16] (row
 // p * 16 + l of W at [p, :, l], rows past N zero): a matrix-vector product for the few rows of a decode step streams
 // the weight once, front to back, 16 outputs per load. x, W, bias and y share the dtype (float32 or bfloat16).
 struct PackedLinearArgs {
   DType dtype;                                      // kFloat32 or kBFloat16 (x, bias, out)
-  bool int8_weights;                                // weight int8 panels [P, K + 4, 16] (16 float32 scales last)
+  PackedWeights weights;                            // the weight's storage (PackedWeights)
   int64_t rows, in_features, out_features, panels;  // M, K, N, P
   const void* x;                                    // [M, K], contiguous
-  const void* weight;                               // [P, K, 16] in dtype, or int8 [P, K + 4, 16]
+  const void* weight;                               // [P, K, 16] in dtype, int8 [P, K + 4, 16] or uint8 blocks
   const void* bias;                                 // [N] or nullptr
   void* out;                                        // [M, N], contiguous
 };
 
 // decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache: x + attention(
 // RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache. Every floating tensor has
-// the layer's dtype (float32 or bfloat16), the four packed weights too or all four int8 panels with their scales;
+// the layer's dtype (float32 or bfloat16), the four packed weights too, or all four int8 panels or 4-bit blocks;
 // the arithmetic is float32.
 struct DecoderLayerArgs {
   DType dtype;                           // kFloat32 or kBFloat16
-  bool int8_weights;                     // qkv, o, gate_up, down int8 panels [P, K + 4, 16] (16 float32 scales last)
+  PackedWeights weights;                 // how qkv, o, gate_up and down are stored (all four the same)
   int64_t batch, tokens, hidden;         // B rows of n tokens, H
   int64_t heads, kv_heads, head_dim;     // Hq, Hkv, D
   int64_t intermediate;                  // I (the MLP's width)

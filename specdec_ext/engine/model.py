@@ -220,8 +220,12 @@ class LeanModel:
         hit = kept.get("panels")
         if hit is not None and hit[0] == key:
             return hit[1]
-        q8 = weights.kind(model) == "q8"  # int8 panels with a scale per row (engine/weights.py)
-        pack = (lambda w: ops.pack_linear_weight(w, torch.int8)) if q8 else ops.pack_linear_weight
+        kind = weights.kind(model)  # int8 panels with a scale per row, or 4-bit blocks (engine/weights.py)
+        head_dtype = torch.int8 if kind in weights.WEIGHTS else None
+        layer_dtype = {"q8": torch.int8, "q4": torch.uint8}.get(kind)
+
+        def pack(w, dtype=layer_dtype):
+            return ops.pack_linear_weight(w, dtype)
         with torch.no_grad():
             panels = []
             for layer in model.model.layers:
@@ -230,7 +234,7 @@ class LeanModel:
                                      pack(a.o_proj.weight),
                                      pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)),
                                      pack(m.down_proj.weight)))
-            prepared = (panels, pack(model.get_output_embeddings().weight))
+            prepared = (panels, pack(model.get_output_embeddings().weight, head_dtype))
         kept["panels"] = (key, prepared)
         return prepared
 

@@ -1,15 +1,24 @@
-"""Quantized weights of a target (or draft): the linear layers held as int8 with a scale per output feature.
+"""Quantized weights of a target (or draft): the linear layers held as int8 with a scale per output feature, or in
+4-bit blocks as a GGUF Q4_1 file stores them.
 
 A one-token step reads every weight once, so on a CPU its time is the time to read them: SmolLM2-135M's decoder
-layers and output layer hold 134M weights, 270 MB in bfloat16, 135 MB in int8 (llama.cpp reads its Q4_1 file's
-~90 MB). ``quantize(model, "q8")`` makes the model's linear weights (every decoder layer's projections and the output
-layer, untied from the input embedding, which stays float: a distilled draft shares it) the values ``q * scale`` of
-symmetric per-row int8 quantization (``ops.quantize_rows``): the model computes with them everywhere, in
-transformers' forward as in the lean one, and the lean model's fused decoder-layer op reads them as int8 panels with
-their scales (``ops.pack_linear_weight(w, torch.int8)``, ``csrc/cpu/layer_cpu.cpp``), a quarter of the float32
-bytes. Prefills and forwards of more than ``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same
-values in the model's dtype. The model keeps its float weights' fingerprint (``engine.models.fingerprint``), so the
-drafts and heads made for it still load.
+layers and output layer hold 134M weights, 270 MB in bfloat16, 135 MB in int8, 84 MB with 4-bit layers (llama.cpp
+reads its Q4_1 file's ~90 MB). ``quantize(model, kind)`` makes the model's linear weights the values they stand for
+under that quantization, in place: the model computes with them everywhere, in transformers' forward as in the lean
+one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_linear_weight``,
+``csrc/cpu/layer_cpu.cpp`` and ``blocks_cpu.cpp``):
+
+* ``"q8"``: every decoder layer's projections and the output layer as ``q * scale``, symmetric per-row int8
+  (``ops.quantize_rows``), read as int8 panels with their scales: a quarter of the float32 bytes.
+* ``"q4"``: the decoder layers' projections as ``d * q + m`` per block of 32 inputs (``ops.quantize_blocks``, GGUF's
+  Q4_1 and llama.cpp's reference quantizer: 4-bit q, float16 d and m), read as 4-bit blocks, 5 bits a weight; the
+  output layer as ``"q8"`` (GGUF files keep it at 8 bits). A model loaded from a Q4_1 GGUF file quantizes back to the
+  file's own q, d and m (SmolLM2-135M's: every block), so its decoder layers are the file's exactly.
+
+The output layer is untied from the input embedding, which stays float (a distilled draft shares it). Prefills and
+forwards of more than ``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's
+dtype. The model keeps its float weights' fingerprint (``engine.models.fingerprint``), so the drafts and heads made for
+it still load.
 
 Speculative decoding stays lossless for this target: every forward of a round computes the quantized model's
 function, so greedy tokens equal the quantized model's own plain decoding and sampled tokens follow its
@@ -25,14 +34,18 @@ import torch
 from .. import ops
 from .models import fingerprint
 
-WEIGHTS = ("q8",)  # the kinds of quantized weights quantize() makes
+WEIGHTS = ("q8", "q4")  # the kinds of quantized weights quantize() makes
 _ATTR = "specdec_weights"  # the model attribute that names them
+
+
+def _layer_weights(model) -> list[torch.Tensor]:
+    """Each decoder layer's ``*_proj`` weights."""
+    return [p for layer in model.model.layers for name, p in layer.named_parameters() if name.endswith("proj.weight")]
 
 
 def _linear_weights(model) -> list[torch.Tensor]:
     """The weights quantize() replaces: each decoder layer's ``*_proj`` weights and the output layer's."""
-    out = [p for layer in model.model.layers for name, p in layer.named_parameters() if name.endswith("proj.weight")]
-    return out + [model.get_output_embeddings().weight]
+    return _layer_weights(model) + [model.get_output_embeddings().weight]
 
 
 def _untie(model) -> None:
@@ -46,20 +59,22 @@ def _untie(model) -> None:
 @torch.no_grad()
 def quantize(model, weights: str, name: str = "target"):
     """Replace ``model``'s linear weights, in place, by their ``weights`` quantization (module docstring) and mark the
-    model so that the lean model packs them as int8 panels. ``weights``: ``"q8"`` (int8, one float32 scale per output
-    feature). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``. Quantizing a model
+    model so that the lean model packs them so. ``weights``: ``"q8"`` (int8, one float32 scale per output feature) or
+    ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the output layer
+    ``"q8"``). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``. Quantizing a model
     already quantized this way changes nothing.
 
     Raises:
-        ValueError: ``weights`` not one of :data:`WEIGHTS`; a model that is not on a CPU (the int8 kernels are CPU
-            ones) or not a decoder-layer model with ``model.model.layers``; a model quantized another way."""
+        ValueError: ``weights`` not one of :data:`WEIGHTS`; a model that is not on a CPU (the kernels are CPU ones) or
+            not a decoder-layer model with ``model.model.layers``; ``"q4"`` on a layer whose in features are not a
+            multiple of 32; a model quantized another way."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHTS))} (or None for the model's float "
                          f"weights), got {weights!r}")
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     if device.type != "cpu":
-        raise ValueError(f"weights={weights!r} needs the {name} model on a CPU (its int8 kernels are CPU ones), got "
+        raise ValueError(f"weights={weights!r} needs the {name} model on a CPU (its kernels are CPU ones), got "
                          f"{device}; on a GPU keep bfloat16 weights")
     outer, inner = model, getattr(model, "model", None)
     if not hasattr(inner, "layers") and hasattr(getattr(inner, "model", None), "layers"):
@@ -70,10 +85,17 @@ def quantize(model, weights: str, name: str = "target"):
     done = kind(outer)
     if done is not None and done != weights:
         raise ValueError(f"the {name} model's weights are already {done!r}, not {weights!r}")
+    blocks = _layer_weights(model) if weights == "q4" else []
+    odd = next((w for w in blocks if w.shape[1] % ops.BLOCK), None)
+    if odd is not None:
+        raise ValueError(f"weights='q4' needs every decoder-layer projection's in features a multiple of {ops.BLOCK} "
+                         f"(the {name} model has one of {odd.shape[1]}); use weights='q8'")
     if done is None:
         model.specdec_float_fingerprint = fingerprint(model)
     _untie(model)
-    for w in _linear_weights(model):
+    for w in blocks:
+        w.copy_(ops.dequantize_blocks(*ops.quantize_blocks(w)))
+    for w in _linear_weights(model)[len(blocks):]:
         q, scale = ops.quantize_rows(w)
         w.copy_(q.float() * scale[:, None])
     setattr(model, _ATTR, weights)
@@ -82,15 +104,22 @@ def quantize(model, weights: str, name: str = "target"):
 
 
 def kind(model) -> Optional[str]:
-    """The quantized weights :func:`quantize` gave ``model`` (``"q8"``), or None for float weights."""
+    """The quantized weights :func:`quantize` gave ``model`` (``"q8"``, ``"q4"``), or None for float weights."""
     return getattr(model, _ATTR, None)
 
 
 def weight_bytes(model) -> int:
     """Bytes of linear weights a one-token step reads: the decoder layers' projections and the output layer as the
-    lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; else the model's dtype)."""
-    total = 0
-    for w in _linear_weights(model):
+    lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; 4-bit blocks of 32 with two
+    float16 per block for ``"q4"``'s layers; else the model's dtype)."""
+    total, k = 0, kind(model)
+    layers = len(_layer_weights(model))
+    for i, w in enumerate(_linear_weights(model)):
         rows, cols = w.shape
-        total += rows * (cols + 4) if kind(model) == "q8" else w.numel() * w.element_size()
+        if k == "q4" and i < layers:
+            total += rows * cols // ops.BLOCK * (ops.BLOCK // 2 + 4)
+        elif k in WEIGHTS:
+            total += rows * (cols + 4)
+        else:
+            total += w.numel() * w.element_size()
     return total

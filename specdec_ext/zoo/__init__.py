@@ -119,11 +119,12 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     ``attn_implementation`` (both models; None: transformers' default) is passed to ``from_pretrained``;
     ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``). ``weights="q8"``
     quantizes both models' linear weights to int8 with a scale per output feature, read as int8 by the CPU's fused
-    decoder layer (``engine/weights.py``; SmolLM2-135M's one-token step 2x faster than in bfloat16); None keeps them
-    in each model's dtype. Speculation is lossless with respect to the target as quantized.
+    decoder layer (``engine/weights.py``; SmolLM2-135M's one-token step 2x faster than in bfloat16); ``"q4"`` holds
+    their decoder layers in 4-bit blocks of 32 (GGUF's Q4_1: a Q4_1 file's own weights) and the output layer as
+    ``"q8"``; None keeps them in each model's dtype. Speculation is lossless with respect to the target as quantized.
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, ``tp`` with
-    ``device_map``, or ``weights`` other than None / ``"q8"`` or with a target off the CPU; ImportError for ``tp`` >
+    ``device_map``, or ``weights`` other than None / ``"q8"`` / ``"q4"`` or with a target off the CPU; ImportError for ``tp`` >
     1 without accelerate (``pip install 'specdec_ext[tp]'``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -247,8 +248,8 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
     rule; the heads read the bfloat16 draft's hidden states as well as the float32 one's: the same accepted tokens,
     ``1bd1639:bench/draft_dtype.py``). ``tp``: as in :func:`load_models` (a tensor-parallel target under
     ``torchrun``); ``attn_implementation`` default: :func:`default_attn_implementation` (the decode-attention
-    kernel on a CPU); ``weights``: as in :func:`load_models` (``"q8"``: every model's linear weights int8, the
-    feature draft's too).
+    kernel on a CPU); ``weights``: as in :func:`load_models` (``"q8"``, ``"q4"``: every model's, the feature draft's
+    too).
 
     Raises: ValueError for an unknown name; FileNotFoundError when this checkout has no bundled pair (train it with
     ``specdec zoo train``) or a named pair's package is not installed (the message names the command)."""
