@@ -543,16 +543,28 @@ inline void check_like(const at::Tensor& t, at::IntArrayRef shape, const char* o
   check_device(t, ref, name, "x");
 }
 
+// How a packed weight stores its values (its tensor's dtype and shape: int8 panels [P, K + 4, 16] or int8 8-bit blocks
+// [P, K / 32, 544], uint8 4-bit blocks, else float).
+inline PackedWeights packed_weights(const at::Tensor& w) {
+  if (w.scalar_type() == at::kChar)
+    return w.dim() == 3 && w.size(2) == 544 ? PackedWeights::kQ8Blocks : PackedWeights::kInt8Rows;
+  if (w.scalar_type() == at::kByte) return PackedWeights::kQ4Blocks;
+  return PackedWeights::kFloat;
+}
+
 // A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16] in x's
 // dtype, int8 [ceil(N / 16), K + 4, 16] (each panel's K lines of int8 weights, then its 16 float32 scales), or uint8
 // 4-bit blocks [ceil(N / 16), K / 32, 320].
 inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* op, const char* name,
                          const at::Tensor& ref) {
-  if (w.scalar_type() == at::kByte) {
+  const PackedWeights kind = packed_weights(w);
+  if (kind == PackedWeights::kQ4Blocks || kind == PackedWeights::kQ8Blocks) {
+    const bool q4 = kind == PackedWeights::kQ4Blocks;
+    const int64_t bytes = q4 ? 320 : 544;
     SPECDEC_CHK_VALUE(K % 32 == 0 && w.dim() == 3 && w.size(0) == (N + 15) / 16 && w.size(1) == K / 32 &&
-                          w.size(2) == 320,
-                      op, ": ", name, " (4-bit blocks) must be [", (N + 15) / 16, ", ", K / 32,
-                      ", 320] (in features a multiple of 32), got ", w.sizes());
+                          w.size(2) == bytes,
+                      op, ": ", name, " (", q4 ? 4 : 8, "-bit blocks) must be [", (N + 15) / 16, ", ", K / 32, ", ",
+                      bytes, "] (in features a multiple of 32), got ", w.sizes());
     SPECDEC_CHK_VALUE(w.is_contiguous(), op, ": ", name, " must be contiguous");
     check_device(w, ref, name, "x");
     return;
@@ -567,18 +579,13 @@ inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* 
   check_like(w, {(N + 15) / 16, K, 16}, op, name, ref);
 }
 
-// A packed weight's in_features K: [P, K, 16], int8 [P, K + 4, 16], or 4-bit blocks [P, K / 32, 320].
+// A packed weight's in_features K: [P, K, 16], int8 [P, K + 4, 16], or blocks [P, K / 32, 320 or 544].
 inline int64_t packed_in_features(const at::Tensor& w) {
-  if (w.scalar_type() == at::kByte) return w.size(1) * 32;
+  const PackedWeights kind = packed_weights(w);
+  if (kind == PackedWeights::kQ4Blocks || kind == PackedWeights::kQ8Blocks) return w.size(1) * 32;
   return w.size(1) - (w.scalar_type() == at::kChar ? 4 : 0);
 }
 
-// How a packed weight stores its values (its tensor's dtype: int8 panels, uint8 4-bit blocks, else float).
-inline PackedWeights packed_weights(const at::Tensor& w) {
-  if (w.scalar_type() == at::kChar) return PackedWeights::kInt8Rows;
-  if (w.scalar_type() == at::kByte) return PackedWeights::kQ4Blocks;
-  return PackedWeights::kFloat;
-}
 
 struct PackedLinearTensors {
   at::Tensor x, out;
@@ -646,7 +653,7 @@ inline DecoderLayerTensors prepare_decoder_layer(
   const PackedWeights kind = packed_weights(down);
   for (const at::Tensor* w : {&qkv, &o, &gate_up})
     SPECDEC_CHK_TYPE(packed_weights(*w) == kind, op,
-                     ": qkv, o, gate_up and down must all be int8 panels, all 4-bit blocks or all in x's dtype, got ",
+                     ": qkv, o, gate_up and down must all be int8 panels, all blocks of one kind or all in x's dtype, got ",
                      qkv.scalar_type(), ", ", o.scalar_type(), ", ", gate_up.scalar_type(), ", ", down.scalar_type());
   const int64_t I = packed_in_features(down), QKV = (heads + 2 * Hkv) * D;
   SPECDEC_CHK_VALUE(H % 16 == 0 && QKV % 16 == 0 && (2 * I) % 16 == 0, op,

@@ -343,11 +343,12 @@ def _like(t, shape: tuple, name: str, op: str, ref) -> None:
 def _packed(w, out_features: int, in_features: int, name: str, op: str, x) -> None:
     """``w`` a weight packed by ``ops.pack_linear_weight``: ``[ceil(N / 16), K, 16]`` in x's dtype, int8 panels
     ``[ceil(N / 16), K + 4, 16]`` or 4-bit blocks ``[ceil(N / 16), K / 32, 320]`` (the kernels' messages)."""
-    if isinstance(w, torch.Tensor) and w.dtype == torch.uint8:
-        shape = [-(-out_features // 16), in_features // 32, 320]
+    blocks = _blocks(w)
+    if blocks:
+        shape = [-(-out_features // 16), in_features // 32, 320 if blocks == 4 else 544]
         if in_features % 32 or list(w.shape) != shape:
-            raise ValueError(f"{op}: {name} (4-bit blocks) must be {shape} (in features a multiple of 32), got "
-                             f"{list(w.shape)}")
+            raise ValueError(f"{op}: {name} ({blocks}-bit blocks) must be {shape} (in features a multiple of 32), "
+                             f"got {list(w.shape)}")
         if not w.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous")
         _same_device(w, x, name, "x", op)
@@ -365,10 +366,19 @@ def _packed(w, out_features: int, in_features: int, name: str, op: str, x) -> No
 
 def packed_in_features(w) -> int:
     """A packed weight's in_features K (``[P, K, 16]``, int8 ``[P, K + 4, 16]``, 4-bit blocks ``[P, K / 32,
-    320]``)."""
-    if w.dtype == torch.uint8:
+    320]``, 8-bit blocks ``[P, K / 32, 544]``)."""
+    if _blocks(w):
         return w.shape[1] * 32
     return w.shape[1] - (4 if w.dtype == torch.int8 else 0)
+
+
+def _blocks(w) -> int:
+    """4 or 8 for a weight packed in blocks (uint8 ``[P, K / 32, 320]``, int8 ``[P, K / 32, 544]``), else 0."""
+    if not isinstance(w, torch.Tensor):
+        return 0
+    if w.dtype == torch.uint8:
+        return 4
+    return 8 if w.dtype == torch.int8 and w.dim() == 3 and w.shape[2] == 544 else 0
 
 
 def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
@@ -404,11 +414,11 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
     if down.dim() != 3 or packed_in_features(down) < 1:
         raise ValueError(f"{op}: down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]; 4-bit: [H / 16, "
                          f"I / 32, 320]), got {list(down.shape)}")
-    kinds = [getattr(w, "dtype", None) if getattr(w, "dtype", None) in (torch.int8, torch.uint8) else None
-             for w in (qkv, o, gate_up, down)]
+    kinds = [(getattr(w, "dtype", None) if getattr(w, "dtype", None) in (torch.int8, torch.uint8) else None,
+              _blocks(w)) for w in (qkv, o, gate_up, down)]
     if len(set(kinds)) > 1:
-        raise TypeError(f"{op}: qkv, o, gate_up and down must all be int8 panels, all 4-bit blocks or all in x's "
-                        f"dtype, got "
+        raise TypeError(f"{op}: qkv, o, gate_up and down must all be int8 panels, all blocks of one kind or all in "
+                        f"x's dtype, got "
                         f"{', '.join(str(getattr(w, 'dtype', None)) for w in (qkv, o, gate_up, down))}")
     inter, width = packed_in_features(down), (heads + 2 * Hkv) * D
     if H % 16 or width % 16 or (2 * inter) % 16:

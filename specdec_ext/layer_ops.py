@@ -99,45 +99,84 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.round().clamp(-127, 127).to(torch.int8), scale
 
 
-BLOCK = 32  # weights per block of 4-bit quantization (GGUF's Q4_1), along K
-Q4_BLOCK_BYTES = BLOCK * PANEL // 2 + 2 * 2 * PANEL  # a panel's block: 256 bytes of nibbles, 16 float16 scales, 16 minima
+BLOCK = 32  # weights per block of block quantization (GGUF's Q4_1 and Q8_0), along K
+BLOCK_BYTES = {4: 320, 8: 544}  # a panel's block by bits: its 16 lines of nibbles or 32 lines of int8, 16 float16 d (m)
 
 
-def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """4-bit weight-only quantization with a scale and a minimum per block of 32 weights along each row (GGUF's Q4_1,
-    as llama.cpp's reference quantizer computes it): per block ``d = (max - min) / 15`` and ``q = min(15, floor((w -
-    min) / d + 0.5))`` in float32, then ``d`` and ``min`` stored as float16, so ``W ~ d16 * q + m16``. Weights that
-    are already such values (a GGUF Q4_1 tensor dequantized) give back their q, d and m wherever the float16 rounding
-    of ``d`` recovers the stored one (the block's smallest weight has q = 0 and its largest q = 15).
+def quantize_blocks(weight: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Weight-only quantization with a float16 scale per block of 32 weights along each row, as GGUF stores it and
+    llama.cpp's reference quantizers compute it.
+
+    * ``bits=4`` (Q4_1): per block ``d = (max - min) / 15`` and ``q = min(15, floor((w - min) / d + 0.5))`` in
+      float32, ``d`` and ``min`` then stored as float16, so ``W ~ d16 * q + m16``.
+    * ``bits=8`` (Q8_0): per block ``d = max |w| / 127`` and ``q = round(w / d)`` in [-127, 127], ``d`` stored as
+      float16, so ``W ~ d16 * q``.
+
+    Weights that are already such values (a GGUF tensor of that type, dequantized) give back their q, d (and m)
+    wherever the float16 rounding of ``d`` recovers the stored one (the block's extreme weights sit at the ends of q's
+    range).
 
     Args:
-        weight: ``[N, K]`` floating point, K a multiple of 32.
+        weight: ``[N, K]`` floating point, K a multiple of 32. bits: 4 or 8.
 
     Returns:
-        ``(q, d, m)``: ``[N, K]`` uint8 in [0, 15], ``[N, K / 32]`` float16 scales and minima.
+        ``(q, d, m)``: q ``[N, K]`` (uint8 in [0, 15], or int8), ``[N, K / 32]`` float16 scales, and float16 minima
+        (None for ``bits=8``).
 
     Raises:
-        ValueError: ``weight`` not ``[N, K]`` with K a multiple of 32."""
+        ValueError: ``weight`` not ``[N, K]`` with K a multiple of 32, or ``bits`` not 4 or 8."""
+    if bits not in BLOCK_BYTES:
+        raise ValueError(f"quantize_blocks: bits must be 4 or 8, got {bits!r}")
     if weight.dim() != 2 or weight.shape[1] % BLOCK or min(weight.shape) < 1:
         raise ValueError(f"quantize_blocks: weight must be [N, K] with K a multiple of {BLOCK}, got "
                          f"{list(weight.shape)}")
     N, K = weight.shape
     w = weight.detach().float().view(N, K // BLOCK, BLOCK)
+    tiny = torch.finfo(torch.float32).tiny
+    if bits == 8:
+        d = w.abs().amax(-1) / 127.0
+        inv = torch.where(d > 0, 1.0 / d.clamp_min(tiny), 0.0)
+        q = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return q.view(N, K), d.half(), None
     lo, hi = w.amin(-1), w.amax(-1)
     d = (hi - lo) / 15.0
-    inv = torch.where(d > 0, 1.0 / d.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    inv = torch.where(d > 0, 1.0 / d.clamp_min(tiny), 0.0)
     q = torch.floor((w - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
     return q.view(N, K), d.half(), lo.half()
 
 
-def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """The float32 weights ``d * q + m`` that :func:`quantize_blocks`'s ``(q, d, m)`` stand for, ``[N, K]``."""
+def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float32 weights ``d * q (+ m)`` that :func:`quantize_blocks`'s ``(q, d, m)`` stand for, ``[N, K]``."""
     N, K = q.shape
-    w = d.float()[..., None] * q.view(N, K // BLOCK, BLOCK).float() + m.float()[..., None]
-    return w.view(N, K)
+    w = d.float()[..., None] * q.view(N, K // BLOCK, BLOCK).float()
+    return (w if m is None else w + m.float()[..., None]).view(N, K)
 
 
-def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _block_panels(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """``weight`` ``[N, K]`` quantized in blocks (:func:`quantize_blocks`) as panels ``[ceil(N / 16), K / 32,
+    BLOCK_BYTES[bits]]`` (see :func:`pack_linear_weight`), uint8 for 4 bits, int8 for 8."""
+    N, K = weight.shape
+    if K % BLOCK:
+        raise ValueError(f"pack_linear_weight: blocks need in_features a multiple of {BLOCK}, got {K}")
+    q, d, m = quantize_blocks(weight, bits)
+    pad, nb = -N % PANEL, K // BLOCK
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, PANEL, nb, BLOCK)
+    P = q.shape[0]
+    if bits == 4:
+        q = q.view(P, PANEL, nb, BLOCK // 2, 2)
+        q = q[..., 0] | (q[..., 1] << 4)  # [P, 16 rows, nb, 16 lines]
+    lines = q.permute(0, 2, 3, 1).reshape(P, nb, -1).view(torch.uint8)  # [P, nb, lines x 16 rows]
+
+    def per_block(t):  # [N, nb] float16 -> [P, nb, 32] bytes: the panel's 16 values of each block
+        t = torch.nn.functional.pad(t, (0, 0, 0, pad)).view(P, PANEL, nb).transpose(1, 2).contiguous()
+        return t.view(torch.uint8)
+
+    parts = [lines, per_block(d)] + ([per_block(m)] if m is not None else [])
+    out = torch.cat(parts, dim=2).contiguous()
+    return out if bits == 4 else out.view(torch.int8)
+
+
+def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None, blocks: bool = False) -> torch.Tensor:
     """``weight`` ``[N, K]`` (a linear layer's, out x in) as :func:`packed_linear` reads it: panels of 16 output
     features, ``[ceil(N / 16), K, 16]`` (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero), in ``dtype``
     (float32 or bfloat16; None: the weight's where it is one of them, else float32). A copy, as large as ``weight``.
@@ -149,7 +188,8 @@ def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None
     ``dtype=torch.uint8``: 4-bit blocks (:func:`quantize_blocks`, GGUF's Q4_1), panels ``[ceil(N / 16), K / 32,
     320]`` uint8: per panel and block of 32 inputs, 16 lines of 16 bytes (byte l of line j: row l's weights 2j in the
     low nibble and 2j + 1 in the high one), then the block's 16 float16 scales and its 16 float16 minima. 5 bits a
-    weight (K a multiple of 32).
+    weight (K a multiple of 32). ``dtype=torch.int8, blocks=True``: 8-bit blocks (GGUF's Q8_0), ``[ceil(N / 16), K /
+    32, 544]`` int8: per block 32 lines of 16 int8, then 16 float16 scales; 8.5 bits a weight.
 
     Raises:
         ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor, or another ``dtype``."""
@@ -164,20 +204,11 @@ def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None
         raise TypeError(f"pack_linear_weight: dtype must be torch.float32, torch.bfloat16, torch.int8 or torch.uint8, "
                         f"got {dtype}")
     N, K = weight.shape
-    if dtype == torch.uint8:
-        if K % BLOCK:
-            raise ValueError(f"pack_linear_weight: 4-bit blocks need in_features a multiple of {BLOCK}, got {K}")
-        q, d, m = quantize_blocks(weight)
-        pad = -N % PANEL
-        q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, PANEL, K // BLOCK, BLOCK // 2, 2)
-        lines = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, K / 32, 16 lines, 16 rows]
-        P = lines.shape[0]
-
-        def per_block(t):  # [N, K / 32] float16 -> [P, K / 32, 32] bytes: the panel's 16 values of each block
-            t = torch.nn.functional.pad(t, (0, 0, 0, pad)).view(P, PANEL, K // BLOCK).transpose(1, 2).contiguous()
-            return t.view(torch.uint8)
-
-        return torch.cat([lines.reshape(P, K // BLOCK, -1), per_block(d), per_block(m)], dim=2).contiguous()
+    if blocks and dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"pack_linear_weight: blocks=True needs dtype torch.int8 (Q8_0) or torch.uint8 (Q4_1), got "
+                        f"{dtype}")
+    if dtype == torch.uint8 or blocks:
+        return _block_panels(weight, 4 if dtype == torch.uint8 else 8)
     if dtype == torch.int8:
         q, scale = quantize_rows(weight)
         panels = _panels(q, N, K)  # [P, K, 16]

@@ -460,7 +460,8 @@ def decode_attention(query, key, value, mask, scale):
 def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``W`` ``[N, K]`` from its panels ``[ceil(N / 16), K, 16]`` (``ops.pack_linear_weight``'s inverse); from int8
     panels ``[ceil(N / 16), K + 4, 16]``, the float32 weights they stand for: each int8 times its row's scale; from
-    4-bit blocks ``[ceil(N / 16), K / 32, 320]`` uint8, ``d * q + m`` per block."""
+    4-bit blocks ``[ceil(N / 16), K / 32, 320]`` uint8, ``d * q + m`` per block; from 8-bit blocks ``[ceil(N / 16), K
+    / 32, 544]`` int8, ``d * q``."""
     if packed.dtype == torch.uint8:  # 4-bit blocks [P, K / 32, 320]: nibbles, float16 scales, float16 minima
         P, nb, _ = packed.shape
         lines = packed[:, :, :256].reshape(P, nb, 16, 16)  # [P, block, line j, row l]
@@ -469,6 +470,11 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tenso
         m = packed[:, :, 288:320].contiguous().view(torch.float16).float()
         w = d[:, :, None, :] * q.float() + m[:, :, None, :]  # [P, block, k, row]
         return w.permute(0, 3, 1, 2).reshape(P * 16, nb * 32)[:out_features]
+    if packed.dtype == torch.int8 and packed.shape[2] == 544:  # 8-bit blocks [P, K / 32, 544]: int8, float16 scales
+        P, nb, _ = packed.shape
+        q = packed[:, :, :512].reshape(P, nb, 32, 16).float()  # [P, block, k, row]
+        d = packed[:, :, 512:].contiguous().view(torch.float16).float()
+        return (d[:, :, None, :] * q).permute(0, 3, 1, 2).reshape(P * 16, nb * 32)[:out_features]
     if packed.dtype == torch.int8:
         P, K4, L = packed.shape
         scales = packed[:, K4 - 4:].contiguous().view(torch.float32).reshape(P * L, 1)  # [P, 4, 16] bytes: 16 floats

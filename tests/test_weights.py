@@ -79,19 +79,33 @@ def test_quantize_blocks_is_q4_1_and_idempotent():
         ops.quantize_blocks(torch.randn(4, 40))
 
 
+def test_quantize_blocks_8_bit_is_q8_0_and_idempotent():
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
+    q, d, m = ops.quantize_blocks(w, 8)
+    assert q.dtype == torch.int8 and m is None and (q.view(8, 2, 32).abs().amax(-1) == 127).all()
+    back = ops.dequantize_blocks(q, d)
+    assert ((back - w).abs() <= d.float().repeat_interleave(32, 1) * (0.5 + 2.0 ** -11 * 127)).all()
+    assert all(torch.equal(a, b) for a, b in zip(ops.quantize_blocks(back, 8)[:2], (q, d)))
+    with pytest.raises(ValueError, match="quantize_blocks: bits must be 4 or 8, got 2"):
+        ops.quantize_blocks(w, 2)
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N,K", [(48, 64), (40, 96), (96, 576)])
-def test_q4_blocks_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(dtype, N, K, isa, monkeypatch):
-    """The AVX-512 kernel (where the CPU has it) and the baseline one (ATEN_CPU_CAPABILITY=avx2)."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(bits, dtype, N, K, isa, monkeypatch):
+    """4-bit (Q4_1) and 8-bit (Q8_0) blocks on the AVX-512 kernel (where the CPU has it) and the baseline one
+    (ATEN_CPU_CAPABILITY=avx2)."""
     if isa == "avx2":
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g)
-    packed = ops.pack_linear_weight(w, torch.uint8)
-    assert packed.dtype == torch.uint8 and packed.shape == (-(-N // 16), K // 32, 320)
-    assert torch.equal(reference.unpack_linear_weight(packed, N), ops.dequantize_blocks(*ops.quantize_blocks(w)))
+    packed = ops.pack_linear_weight(w, torch.uint8 if bits == 4 else torch.int8, blocks=True)
+    assert packed.shape == (-(-N // 16), K // 32, 320 if bits == 4 else 544)
+    assert torch.equal(reference.unpack_linear_weight(packed, N),
+                       ops.dequantize_blocks(*ops.quantize_blocks(w, bits)))
     x = torch.randn(17, K, generator=g).to(dtype)
     bias = torch.randn(N, generator=g).to(dtype)
     y = ops.packed_linear(x, packed, N, bias)
@@ -103,13 +117,19 @@ def test_q4_blocks_match_the_reference_and_a_row_does_not_depend_on_its_neighbou
 
 
 @needs_kernel
-def test_q4_blocks_are_refused_in_one_line_where_they_do_not_fit():
+def test_blocks_are_refused_in_one_line_where_they_do_not_fit():
     w = ops.pack_linear_weight(torch.randn(32, 64), torch.uint8)
     with pytest.raises(ValueError, match=r"packed_linear: weight \(4-bit blocks\) must be \[2, 3, 320\] \(in features "
                                          r"a multiple of 32\), got \[2, 2, 320\]"):
         ops.packed_linear(torch.randn(3, 96), w, 32)
-    with pytest.raises(ValueError, match="pack_linear_weight: 4-bit blocks need in_features a multiple of 32, got 40"):
+    w8 = ops.pack_linear_weight(torch.randn(32, 64), torch.int8, blocks=True)
+    with pytest.raises(ValueError, match=r"packed_linear: weight \(8-bit blocks\) must be \[3, 2, 544\]"):
+        ops.packed_linear(torch.randn(3, 64), w8, 48)
+    with pytest.raises(ValueError, match="pack_linear_weight: blocks need in_features a multiple of 32, got 40"):
         ops.pack_linear_weight(torch.randn(16, 40), torch.uint8)
+    with pytest.raises(TypeError, match="pack_linear_weight: blocks=True needs dtype torch.int8 \\(Q8_0\\) or "
+                                        "torch.uint8 \\(Q4_1\\), got torch.float32"):
+        ops.pack_linear_weight(torch.randn(16, 64), torch.float32, blocks=True)
 
 
 @needs_kernel
@@ -148,8 +168,8 @@ def test_a_decoder_layer_over_quantized_weights_matches_the_reference(kind):
     ref = reference.decoder_layer(*ref_args)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(args[10], ref_args[10], rtol=1e-4, atol=1e-4)  # the keys written into the cache
-    with pytest.raises(TypeError, match="qkv, o, gate_up and down must all be int8 panels, all 4-bit blocks or all in "
-                                        "x's dtype"):
+    with pytest.raises(TypeError, match="qkv, o, gate_up and down must all be int8 panels, all blocks of one kind or "
+                                        "all in x's dtype"):
         ops.decoder_layer(*_layer_case(int8_down_only=True, kind=kind))
 
 
@@ -164,7 +184,9 @@ def test_a_quantized_targets_lean_forward_reads_int8_and_equals_transformers_for
     target, _ = q8_pair
     lean = LeanModel(target, "target")
     layer_dtype = {"q8": torch.int8, "q4": torch.uint8}[weights.kind(target)]
+    head_width = {"q8": 16, "q4": 544}[weights.kind(target)]  # int8 rows, or 8-bit blocks (Q8_0)
     assert lean.fused and lean.panels[0].qkv.dtype == layer_dtype and lean.head_panels.dtype == torch.int8
+    assert lean.head_panels.shape[2] == head_width
     ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     cache = lean.cache(2, 32)
     lean.forward(cache, ids[:, :5], width=5, start=0)  # prefill: oneDNN over the quantized float values
@@ -198,8 +220,8 @@ def test_quantizing_twice_changes_nothing_and_keeps_the_float_fingerprint():
     weights.quantize(q4, "q4")
     assert all(torch.equal(v, q4.state_dict()[k]) for k, v in state.items()) and fingerprint(q4) == before
     assert weights.weight_bytes(q4) < weights.weight_bytes(q)
-    with pytest.raises(ValueError, match="weights='q4' needs every decoder-layer projection's in features a multiple "
-                                         "of 32 .* one of 48"):
+    with pytest.raises(ValueError, match="weights='q4' needs every linear layer's in features a multiple of 32 .* one "
+                                         "of 48"):
         weights.quantize(make_target("llama", vocab=64, hidden=48), "q4")
 
 

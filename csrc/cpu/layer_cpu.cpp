@@ -47,6 +47,9 @@ constexpr int64_t kPanel = 16;          // output features per panel: one 64-byt
 struct Q4Blocks {  // the weight type W of 4-bit blocks (PackedWeights::kQ4Blocks): bytes that q4_gemm reads
   uint8_t byte;
 };
+struct Q8Blocks {  // and of 8-bit blocks (PackedWeights::kQ8Blocks), which q8_blocks_gemm reads
+  int8_t byte;
+};
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the line being read the next lines are fetched
 
 // Fetches the weight line at p into every cache level (prefetcht0). The non-temporal hint (prefetchnta), which
@@ -319,10 +322,14 @@ void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, 
   });
 }
 
-// 4-bit blocks: csrc/cpu/blocks_cpu.cpp.
+// Blocks: csrc/cpu/blocks_cpu.cpp.
 void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q4Blocks* w, int64_t N, float* y,
                  int64_t ldy, const float* bias) {
   q4_gemm(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias);
+}
+void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8Blocks* w, int64_t N, float* y,
+                 int64_t ldy, const float* bias) {
+  q8_blocks_gemm(x, ldx, M, K, reinterpret_cast<const int8_t*>(w), N, y, ldy, bias);
 }
 
 // out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps) for R rows of length H (row strides ldx, ldo).
@@ -466,16 +473,18 @@ void decoder_layer_impl(const DecoderLayerArgs& a) {
   from_float(out.data(), M * H, static_cast<T*>(a.out));
 }
 
-// Kernel<T, W>::run(a) for the activations' dtype T (float32, bfloat16) and the weights' W (T, int8, or 4-bit blocks).
+// Kernel<T, W>::run(a) for the activations' dtype T (float32, bfloat16) and the weights' W (T, int8, or blocks).
 template <template <typename, typename> class Kernel, class Args>
 void by_dtypes(const Args& a) {
   if (a.dtype == DType::kBFloat16) {
     if (a.weights == PackedWeights::kInt8Rows) return Kernel<c10::BFloat16, int8_t>::run(a);
     if (a.weights == PackedWeights::kQ4Blocks) return Kernel<c10::BFloat16, Q4Blocks>::run(a);
+    if (a.weights == PackedWeights::kQ8Blocks) return Kernel<c10::BFloat16, Q8Blocks>::run(a);
     return Kernel<c10::BFloat16, c10::BFloat16>::run(a);
   }
   if (a.weights == PackedWeights::kInt8Rows) return Kernel<float, int8_t>::run(a);
   if (a.weights == PackedWeights::kQ4Blocks) return Kernel<float, Q4Blocks>::run(a);
+  if (a.weights == PackedWeights::kQ8Blocks) return Kernel<float, Q8Blocks>::run(a);
   Kernel<float, float>::run(a);
 }
 

@@ -157,8 +157,9 @@ struct CacheAttentionArgs : AttentionQKV {
 // How a packed weight stores its values: in the activations' dtype; int8 panels [P, K + 4, 16] (16 float32 scales
 // last, one per output); 4-bit blocks [P, K / 32, 320] bytes (per block of 32 inputs, 16 lines of 16 bytes holding
 // inputs 2j and 2j + 1 of each output in the low and high nibble, then 16 float16 scales d and 16 float16 minima m:
-// w = d q + m, GGUF's Q4_1).
-enum class PackedWeights { kFloat, kInt8Rows, kQ4Blocks };
+// w = d q + m, GGUF's Q4_1); 8-bit blocks [P, K / 32, 544] int8 (32 lines of 16 int8, then 16 float16 scales d: w =
+// d q, GGUF's Q8_0).
+enum class PackedWeights { kFloat, kInt8Rows, kQ4Blocks, kQ8Blocks };
 
 // packed_linear: y = x W^T with W [N, K] stored as panels of 16 output features, [P = ceil(N / 16), K, 16] (row
 // p * 16 + l of W at [p, :, l], rows past N zero): a matrix-vector product for the few rows of a decode step streams
@@ -175,7 +176,7 @@ struct PackedLinearArgs {
 
 // decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache: x + attention(
 // RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache. Every floating tensor has
-// the layer's dtype (float32 or bfloat16), the four packed weights too, or all four int8 panels or 4-bit blocks;
+// the layer's dtype (float32 or bfloat16), the four packed weights too, or all four int8 panels or blocks of one kind;
 // the arithmetic is float32.
 struct DecoderLayerArgs {
   DType dtype;                           // kFloat32 or kBFloat16

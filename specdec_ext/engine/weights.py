@@ -12,8 +12,9 @@ one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_l
   (``ops.quantize_rows``), read as int8 panels with their scales: a quarter of the float32 bytes.
 * ``"q4"``: the decoder layers' projections as ``d * q + m`` per block of 32 inputs (``ops.quantize_blocks``, GGUF's
   Q4_1 and llama.cpp's reference quantizer: 4-bit q, float16 d and m), read as 4-bit blocks, 5 bits a weight; the
-  output layer as ``"q8"`` (GGUF files keep it at 8 bits). A model loaded from a Q4_1 GGUF file quantizes back to the
-  file's own q, d and m (SmolLM2-135M's: every block), so its decoder layers are the file's exactly.
+  output layer as ``d * q`` per block of 32 (GGUF's Q8_0: int8 q, float16 d), 8.5 bits a weight. A model loaded from
+  a GGUF file with Q4_1 layers and a Q8_0 output layer (SmolLM2-135M's) quantizes back to the file's own q, d and m
+  in every block: its weights are the file's exactly.
 
 The output layer is untied from the input embedding, which stays float (a distilled draft shares it). Prefills and
 forwards of more than ``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's
@@ -60,8 +61,8 @@ def _untie(model) -> None:
 def quantize(model, weights: str, name: str = "target"):
     """Replace ``model``'s linear weights, in place, by their ``weights`` quantization (module docstring) and mark the
     model so that the lean model packs them so. ``weights``: ``"q8"`` (int8, one float32 scale per output feature) or
-    ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the output layer
-    ``"q8"``). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``. Quantizing a model
+    ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the output layer in
+    8-bit blocks of 32, Q8_0). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``. Quantizing a model
     already quantized this way changes nothing.
 
     Raises:
@@ -85,16 +86,17 @@ def quantize(model, weights: str, name: str = "target"):
     done = kind(outer)
     if done is not None and done != weights:
         raise ValueError(f"the {name} model's weights are already {done!r}, not {weights!r}")
-    blocks = _layer_weights(model) if weights == "q4" else []
+    blocks = _linear_weights(model) if weights == "q4" else []
     odd = next((w for w in blocks if w.shape[1] % ops.BLOCK), None)
     if odd is not None:
-        raise ValueError(f"weights='q4' needs every decoder-layer projection's in features a multiple of {ops.BLOCK} "
-                         f"(the {name} model has one of {odd.shape[1]}); use weights='q8'")
+        raise ValueError(f"weights='q4' needs every linear layer's in features a multiple of {ops.BLOCK} (the {name} "
+                         f"model has one of {odd.shape[1]}); use weights='q8'")
     if done is None:
         model.specdec_float_fingerprint = fingerprint(model)
     _untie(model)
-    for w in blocks:
-        w.copy_(ops.dequantize_blocks(*ops.quantize_blocks(w)))
+    layers = len(_layer_weights(model))
+    for i, w in enumerate(blocks):
+        w.copy_(ops.dequantize_blocks(*ops.quantize_blocks(w, 4 if i < layers else 8)))
     for w in _linear_weights(model)[len(blocks):]:
         q, scale = ops.quantize_rows(w)
         w.copy_(q.float() * scale[:, None])
@@ -110,15 +112,15 @@ def kind(model) -> Optional[str]:
 
 def weight_bytes(model) -> int:
     """Bytes of linear weights a one-token step reads: the decoder layers' projections and the output layer as the
-    lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; 4-bit blocks of 32 with two
-    float16 per block for ``"q4"``'s layers; else the model's dtype)."""
+    lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; for ``"q4"`` 4-bit blocks of 32
+    with two float16 per block for the layers, 8-bit blocks with one for the output layer; else the model's dtype)."""
     total, k = 0, kind(model)
     layers = len(_layer_weights(model))
     for i, w in enumerate(_linear_weights(model)):
         rows, cols = w.shape
-        if k == "q4" and i < layers:
-            total += rows * cols // ops.BLOCK * (ops.BLOCK // 2 + 4)
-        elif k in WEIGHTS:
+        if k == "q4":
+            total += rows * cols // ops.BLOCK * ((ops.BLOCK // 2 + 4) if i < layers else (ops.BLOCK + 2))
+        elif k == "q8":
             total += rows * (cols + 4)
         else:
             total += w.numel() * w.element_size()
