@@ -174,6 +174,9 @@ def test_q4_weights_are_a_q4_1_files_own_blocks(tmp_path, monkeypatch):
             assert torch.equal(pair.target.model.layers.get_parameter(name), p), name
     lean = LeanModel(pair.target, "target")
     assert lean.panels[0].down.dtype == torch.uint8 and lean.head_panels.shape[2] == 544  # Q8_0 blocks
+    bf16 = load_models(path, weights="q4", target_dtype=torch.bfloat16).target  # packed before the cast
+    assert bf16.dtype == torch.bfloat16 and LeanModel(bf16, "target").panels[1].down is weights.panels(bf16)[0][1][3]
+    assert all(torch.equal(a, b) for a, b in zip(weights.panels(bf16)[0][1], lean.panels[1]))
 
 
 def test_a_conversion_reads_the_file_once_and_leaves_the_gguf_package_as_it_was(tmp_path, tiny, monkeypatch):

@@ -225,6 +225,23 @@ def test_quantizing_twice_changes_nothing_and_keeps_the_float_fingerprint():
         weights.quantize(make_target("llama", vocab=64, hidden=48), "q4")
 
 
+@needs_kernel
+def test_a_cast_keeps_the_blocks_packed_from_float32_until_the_weights_change():
+    """weights.cast packs before casting to bfloat16 (which cannot hold every d q + m): the fused op reads the float32
+    model's blocks; a weight changed in place afterwards is packed again from the model's values."""
+    target = weights.quantize(make_target("llama", vocab=64, seed=5), "q4")
+    made = weights.panels(target)
+    weights.cast(target, torch.bfloat16)
+    exact = weights.panels(target)
+    assert target.dtype == torch.bfloat16 and weights.panels(target) is exact  # kept, not packed again
+    assert all(torch.equal(a, b) for a, b in zip(exact[0][0], made[0][0])) and torch.equal(exact[1], made[1])
+    assert LeanModel(target, "target").panels[0].qkv is exact[0][0][0]
+    with torch.no_grad():
+        target.model.layers[0].mlp.down_proj.weight.mul_(2)
+    again = weights.panels(target)
+    assert again is not exact and not torch.equal(again[0][0][3], exact[0][0][3])
+
+
 def test_the_loaders_refuse_quantized_weights_they_cannot_give(tmp_path):
     with pytest.raises(ValueError, match=r"weights must be None \(the target's float weights\) or one of 'q8', 'q4', "
                                          r"got 'int4'"):

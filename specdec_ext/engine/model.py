@@ -220,21 +220,8 @@ class LeanModel:
         hit = kept.get("panels")
         if hit is not None and hit[0] == key:
             return hit[1]
-        kind = weights.kind(model)  # int8 panels with a scale per row, or blocks of 32 (engine/weights.py)
-        layer_dtype = {"q8": torch.int8, "q4": torch.uint8}.get(kind)
-
-        def pack(w, dtype=layer_dtype, blocks=False):
-            return ops.pack_linear_weight(w, dtype, blocks)
-        with torch.no_grad():
-            panels = []
-            for layer in model.model.layers:
-                a, m = layer.self_attn, layer.mlp
-                panels.append(Panels(pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)),
-                                     pack(a.o_proj.weight),
-                                     pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)),
-                                     pack(m.down_proj.weight)))
-            head = model.get_output_embeddings().weight  # q4: 8-bit blocks (GGUF's Q8_0); q8: int8 rows
-            prepared = (panels, pack(head, torch.int8, True) if kind == "q4" else pack(head))
+        layers, head = weights.panels(model)  # in the model's float dtype, as int8 rows or as blocks
+        prepared = ([Panels(*layer) for layer in layers], head)
         kept["panels"] = (key, prepared)
         return prepared
 

@@ -105,6 +105,41 @@ def quantize(model, weights: str, name: str = "target"):
     return outer
 
 
+def _key(model) -> tuple:
+    return tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
+
+
+@torch.no_grad()
+def panels(model) -> tuple[list[tuple], torch.Tensor]:
+    """The weights as the fused CPU ops read them: each decoder layer's ``(qkv, o, gate_up, down)`` packed by
+    ``ops.pack_linear_weight`` (Wq, Wk, Wv and Wgate, Wup concatenated) and the output layer's packing, in the
+    model's float dtype, as int8 rows (``"q8"``), or as 4-bit blocks and the output layer in 8-bit blocks (``"q4"``).
+    Those :func:`cast` packed from the float32 values, while the weights are the same tensors since."""
+    kept = getattr(model, "specdec_exact_panels", None)
+    if kept is not None and kept[0] == _key(model):
+        return kept[1]
+    k = kind(model)
+    layer_dtype = {"q8": torch.int8, "q4": torch.uint8}.get(k)
+    pack = (lambda w: ops.pack_linear_weight(w, layer_dtype))
+    layers = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append((pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)), pack(a.o_proj.weight),
+                       pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)), pack(m.down_proj.weight)))
+    head = model.get_output_embeddings().weight
+    return layers, (ops.pack_linear_weight(head, torch.int8, blocks=True) if k == "q4" else pack(head))
+
+
+def cast(model, dtype: torch.dtype):
+    """Cast a model quantized in float32 to ``dtype`` (bfloat16: what a CPU's activations run in), keeping the
+    packed weights of :func:`panels` made from the float32 values: bfloat16 cannot hold every ``d * q + m``, so
+    quantizing again after the cast would not give back the same blocks (a GGUF file's own). Returns ``model``."""
+    packed = panels(model)
+    model.to(dtype)
+    model.specdec_exact_panels = (_key(model), packed)
+    return model
+
+
 def kind(model) -> Optional[str]:
     """The quantized weights :func:`quantize` gave ``model`` (``"q8"``, ``"q4"``), or None for float weights."""
     return getattr(model, _ATTR, None)

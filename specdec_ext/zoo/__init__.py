@@ -142,11 +142,19 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
         kw = _tp_kwargs(tp, device_map)
     attn_kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     kw.update(attn_kw)
-    t = _from_pretrained(AutoModelForCausalLM, target, dtype=target_dtype, **kw).eval()
+    # quantized weights: quantized from the float32 values (a GGUF file's own blocks), then cast (engine/weights.py)
+    load_dtype = torch.float32 if weights is not None else target_dtype
+    t = _from_pretrained(AutoModelForCausalLM, target, dtype=load_dtype, **kw).eval()
     if tp != 1:
         device = model_device(t)
     elif not device_map:
         t = t.to(device)
+    if weights is not None:
+        from ..engine import weights as quantized
+
+        quantized.quantize(t, weights)
+        if target_dtype != torch.float32:
+            quantized.cast(t, target_dtype)
     d = None
     if is_stored_draft(draft):  # a distilled draft that reads the target's embedding (`specdec train-draft`)
         d = load_draft(draft, t, draft_dtype, check=not allow_other_draft)
@@ -156,12 +164,8 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     if h is not None and d is not None:
         h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
     tok = AutoTokenizer.from_pretrained(tokenizer or target, local_files_only=True)
-    if weights is not None:
-        from ..engine.weights import quantize
-
-        quantize(t, weights)
-        if d is not None:
-            quantize(d, weights, "draft")
+    if weights is not None and d is not None:
+        quantized.quantize(d, weights, "draft")
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
 
 
