@@ -109,7 +109,7 @@ def _models(args, need_head: bool, lookup_ok: bool = False):
     pair = load_models(target, draft, head, _dtype(args.target_dtype, args.device),
                        _dtype(args.draft_dtype, args.device), args.device, device_map, tokenizer=tokenizer,
                        allow_other_draft=getattr(args, "allow_other_draft", False), tp=_tp(args),
-                       attn_implementation=attn, weights=getattr(args, "weights", None))
+                       attn_implementation=attn, weights=getattr(args, "weights", "auto"))
     if eagle:
         pair.feature = pair.draft
     if need_head and head is None:
@@ -161,12 +161,12 @@ def _model_args(p):
     p.add_argument("--draft-dtype", default="auto", choices=["auto"] + list(DTYPES),
                    help="auto: as --target-dtype (bfloat16 where the hardware has bf16 matrix instructions: the "
                         "bundled draft runs 1.1-2x faster in it on a CPU)")
-    p.add_argument("--weights", choices=["q8", "q4"], default=None,
-                   help="q8: the models' linear weights int8 with a scale per output feature, read as int8 by the "
-                        "CPU's fused decoder layer (about 2x faster one-token steps than bfloat16); q4: the decoder "
-                        "layers in 4-bit blocks of 32 (GGUF's Q4_1: a Q4_1 file's own weights), the output layer q8; "
-                        "speculation is lossless for the quantized target; default: the float weights in "
-                        "--target-dtype")
+    p.add_argument("--weights", choices=["auto", "float", "q8", "q4"], default="auto",
+                   help="auto (default): a GGUF target with Q4_1 layers and a Q8_0 output layer (smollm2-135m's) "
+                        "as its file's own blocks on a CPU (about 2x faster steps than bfloat16), else float; float: "
+                        "every model's float weights in --target-dtype; q8: the models' linear weights int8 with a "
+                        "scale per output feature; q4: the decoder layers in 4-bit blocks of 32 (Q4_1), the output "
+                        "layer in 8-bit blocks (Q8_0). Speculation is lossless for the target as held")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
     p.add_argument("--attn-implementation", default="auto",

@@ -36,9 +36,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path, seed: int = 0, qtype=None, arch: str = "llama"):
+def write_llama_gguf(path, seed: int = 0, qtype=None, arch: str = "llama", head_qtype=None):
     """A 2-layer Llama (hidden 64, 4 query / 2 key-value heads) with random weights and the tiny tokenizer, as GGUF
-    (float32 tensors, or ``qtype`` for the matrices). Returns the ``transformers`` model it holds (float32)."""
+    (float32 tensors, or ``qtype`` for the matrices; ``head_qtype`` for the embedding and output layer). Returns the
+    ``transformers`` model it holds (float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokens, merges = tiny_tokenizer()
@@ -71,9 +72,10 @@ def write_llama_gguf(path, seed: int = 0, qtype=None, arch: str = "llama"):
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
     def put(name, arr):
-        if qtype is not None and arr.ndim == 2:
-            q = gguf.quants.quantize(arr, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+        kind = (head_qtype or qtype) if name in ("token_embd.weight", "output.weight") else qtype
+        if kind is not None and arr.ndim == 2:
+            q = gguf.quants.quantize(arr, kind)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(name, arr)
 
@@ -158,10 +160,11 @@ def test_q4_weights_are_a_q4_1_files_own_blocks(tmp_path, monkeypatch):
     from specdec_ext.engine.model import LeanModel
 
     path = tmp_path / "q4_1.gguf"
-    write_llama_gguf(path, seed=2, qtype=gguf.GGMLQuantizationType.Q4_1)
+    write_llama_gguf(path, seed=2, qtype=gguf.GGMLQuantizationType.Q4_1, head_qtype=gguf.GGMLQuantizationType.Q8_0)
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
-    plain = load_models(path).target
-    pair = load_models(path, weights="q4")
+    plain = load_models(path, weights="float").target
+    pair = load_models(path)  # weights="auto": the file's own blocks
+    assert weights.kind(plain) is None
     assert weights.kind(pair.target) == "q4"
     reader = gguf.GGUFReader(str(path))
     raw = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
@@ -174,9 +177,23 @@ def test_q4_weights_are_a_q4_1_files_own_blocks(tmp_path, monkeypatch):
             assert torch.equal(pair.target.model.layers.get_parameter(name), p), name
     lean = LeanModel(pair.target, "target")
     assert lean.panels[0].down.dtype == torch.uint8 and lean.head_panels.shape[2] == 544  # Q8_0 blocks
-    bf16 = load_models(path, weights="q4", target_dtype=torch.bfloat16).target  # packed before the cast
+    bf16 = load_models(path, target_dtype=torch.bfloat16).target  # packed before the cast
     assert bf16.dtype == torch.bfloat16 and LeanModel(bf16, "target").panels[1].down is weights.panels(bf16)[0][1][3]
     assert all(torch.equal(a, b) for a, b in zip(weights.panels(bf16)[0][1], lean.panels[1]))
+
+
+@pytest.mark.parametrize("qtype", [None, "Q8_0", "Q4_1"])
+def test_auto_weights_keep_float_where_the_blocks_would_not_be_the_files(tmp_path, monkeypatch, qtype):
+    """weights="auto" holds a GGUF target as blocks only where that is exactly the file (Q4_1 layers and a Q8_0
+    output layer): a float32 file, a Q8_0 one and one whose output layer is Q4_1 too keep their float weights; q4
+    asked for explicitly quantizes them."""
+    from specdec_ext.engine import weights
+
+    path = tmp_path / "t.gguf"
+    write_llama_gguf(path, seed=3, qtype=getattr(gguf.GGMLQuantizationType, qtype) if qtype else None)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert weights.kind(load_models(path).target) is None
+    assert weights.kind(load_models(path, weights="q4").target) == "q4"
 
 
 def test_a_conversion_reads_the_file_once_and_leaves_the_gguf_package_as_it_was(tmp_path, tiny, monkeypatch):

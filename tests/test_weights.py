@@ -243,8 +243,8 @@ def test_a_cast_keeps_the_blocks_packed_from_float32_until_the_weights_change():
 
 
 def test_the_loaders_refuse_quantized_weights_they_cannot_give(tmp_path):
-    with pytest.raises(ValueError, match=r"weights must be None \(the target's float weights\) or one of 'q8', 'q4', "
-                                         r"got 'int4'"):
+    with pytest.raises(ValueError, match=r"weights must be None or 'float' \(the float weights\), 'auto' or one of "
+                                         r"'q8', 'q4', got 'int4'"):
         load_models(tmp_path, weights="int4")
     with pytest.raises(ValueError, match="weights='q8' is for a target on one CPU .* device='cuda'"):
         load_models(tmp_path, weights="q8", device="cuda")

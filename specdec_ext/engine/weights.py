@@ -16,7 +16,8 @@ one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_l
   a GGUF file with Q4_1 layers and a Q8_0 output layer (SmolLM2-135M's) quantizes back to the file's own q, d and m
   in every block: its weights are the file's exactly.
 
-The output layer is untied from the input embedding, which stays float (a distilled draft shares it). Prefills and
+The output layer is untied from the input embedding, which stays float (a distilled draft shares it), except where
+the quantization is exact (``quantize(..., exact=True)``: nothing changes, a tied output layer stays tied). Prefills and
 forwards of more than ``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's
 dtype. The model keeps its float weights' fingerprint (``engine.models.fingerprint``), so the drafts and heads made for
 it still load.
@@ -58,12 +59,14 @@ def _untie(model) -> None:
 
 
 @torch.no_grad()
-def quantize(model, weights: str, name: str = "target"):
+def quantize(model, weights: str, name: str = "target", exact: bool = False):
     """Replace ``model``'s linear weights, in place, by their ``weights`` quantization (module docstring) and mark the
     model so that the lean model packs them so. ``weights``: ``"q8"`` (int8, one float32 scale per output feature) or
     ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the output layer in
-    8-bit blocks of 32, Q8_0). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``. Quantizing a model
-    already quantized this way changes nothing.
+    8-bit blocks of 32, Q8_0). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``.
+    Quantizing a model already quantized this way changes nothing. ``exact``: only where the quantization gives back
+    every weight as it is (a GGUF file's Q4_1 layers and Q8_0 output layer, loaded in float32); otherwise the model is
+    left as it was and None is returned.
 
     Raises:
         ValueError: ``weights`` not one of :data:`WEIGHTS`; a model that is not on a CPU (the kernels are CPU ones) or
@@ -91,15 +94,22 @@ def quantize(model, weights: str, name: str = "target"):
     if odd is not None:
         raise ValueError(f"weights='q4' needs every linear layer's in features a multiple of {ops.BLOCK} (the {name} "
                          f"model has one of {odd.shape[1]}); use weights='q8'")
+    layers = len(_layer_weights(model))
+
+    def values(i, w):  # the quantized values of the i-th of _linear_weights, float32
+        if blocks:
+            return ops.dequantize_blocks(*ops.quantize_blocks(w, 4 if i < layers else 8))
+        q, scale = ops.quantize_rows(w)
+        return q.float() * scale[:, None]
+
+    if exact and not all(torch.equal(values(i, w).to(w.dtype), w) for i, w in enumerate(_linear_weights(model))):
+        return None
     if done is None:
         model.specdec_float_fingerprint = fingerprint(model)
-    _untie(model)
-    layers = len(_layer_weights(model))
-    for i, w in enumerate(blocks):
-        w.copy_(ops.dequantize_blocks(*ops.quantize_blocks(w, 4 if i < layers else 8)))
-    for w in _linear_weights(model)[len(blocks):]:
-        q, scale = ops.quantize_rows(w)
-        w.copy_(q.float() * scale[:, None])
+    if not exact:  # (exact: every value is already its own quantization, a tied output layer stays tied)
+        _untie(model)
+        for i, w in enumerate(_linear_weights(model)):
+            w.copy_(values(i, w))
     setattr(model, _ATTR, weights)
     setattr(outer, _ATTR, weights)
     return outer

@@ -103,7 +103,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
                 target_dtype: torch.dtype = torch.float32, draft_dtype: torch.dtype = torch.float32,
                 device: str = "cpu", device_map: Optional[str] = None, tokenizer: Optional[str | Path] = None,
                 allow_other_draft: bool = False, tp: int = 1,
-                attn_implementation: Optional[str] = None, weights: Optional[str] = None) -> ModelPair:
+                attn_implementation: Optional[str] = None, weights: Optional[str] = "auto") -> ModelPair:
     """Load local Hugging Face model directories (no network): target, optional draft and head, and the
     tokenizer (default: the target's directory). A path ending in ``.gguf`` (target, draft or tokenizer) is a GGUF
     file, dequantized once into the cache (``zoo/gguf.py``); a draft directory written by ``specdec train-draft``
@@ -120,11 +120,15 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``). ``weights="q8"``
     quantizes both models' linear weights to int8 with a scale per output feature, read as int8 by the CPU's fused
     decoder layer (``engine/weights.py``; SmolLM2-135M's one-token step 2x faster than in bfloat16); ``"q4"`` holds
-    their decoder layers in 4-bit blocks of 32 (GGUF's Q4_1: a Q4_1 file's own weights) and the output layer as
-    ``"q8"``; None keeps them in each model's dtype. Speculation is lossless with respect to the target as quantized.
+    their decoder layers in 4-bit blocks of 32 (GGUF's Q4_1) and the output layer in 8-bit blocks (Q8_0); both are
+    made from the float32 values, then the target is cast to ``target_dtype``. ``"auto"`` (the default): a GGUF
+    target whose weights are Q4_1 layers and a Q8_0 output layer (as SmolLM2-135M's file) is held as ``"q4"``, the
+    file's own blocks exactly, on one CPU; every other target, and the draft, keep their float weights. None (or
+    ``"float"``) keeps every model's float weights. Speculation is lossless with respect to the target as held.
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, ``tp`` with
-    ``device_map``, or ``weights`` other than None / ``"q8"`` / ``"q4"`` or with a target off the CPU; ImportError for ``tp`` >
+    ``device_map``, or ``weights`` other than None / ``"float"`` / ``"auto"`` / ``"q8"`` / ``"q4"``, or ``"q8"`` /
+    ``"q4"`` with a target off the CPU; ImportError for ``tp`` >
     1 without accelerate (``pip install 'specdec_ext[tp]'``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,6 +140,14 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     from .gguf import resolve
 
     _check_weights(weights, device, device_map, tp)
+    from .gguf import is_gguf
+
+    auto = weights == "auto"
+    if auto:  # the file's own blocks where it has them (below), else float
+        weights = "q4" if is_gguf(target) and torch.device(device).type == "cpu" and not device_map and tp == 1 \
+            else None
+    elif weights == "float":
+        weights = None
     target, draft, tokenizer = resolve(target), resolve(draft), resolve(tokenizer)
     kw = {"device_map": device_map} if device_map else {}
     if tp != 1:
@@ -152,8 +164,10 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     if weights is not None:
         from ..engine import weights as quantized
 
-        quantized.quantize(t, weights)
-        if target_dtype != torch.float32:
+        if quantized.quantize(t, weights, exact=auto) is None:
+            weights = None  # "auto": not the blocks the file would give back exactly
+            t = t.to(target_dtype)
+        elif target_dtype != torch.float32:
             quantized.cast(t, target_dtype)
     d = None
     if is_stored_draft(draft):  # a distilled draft that reads the target's embedding (`specdec train-draft`)
@@ -164,7 +178,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     if h is not None and d is not None:
         h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
     tok = AutoTokenizer.from_pretrained(tokenizer or target, local_files_only=True)
-    if weights is not None and d is not None:
+    if weights is not None and d is not None and not auto:
         quantized.quantize(d, weights, "draft")
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
 
@@ -173,10 +187,10 @@ def _check_weights(weights: Optional[str], device: str, device_map: Optional[str
     """Raises ValueError, before anything loads, for quantized ``weights`` a target so placed cannot have."""
     from ..engine.weights import WEIGHTS
 
-    if weights is None:
+    if weights in (None, "float", "auto"):
         return
     if weights not in WEIGHTS:
-        raise ValueError(f"weights must be None (the target's float weights) or one of "
+        raise ValueError(f"weights must be None or 'float' (the float weights), 'auto' or one of "
                          f"{', '.join(map(repr, WEIGHTS))}, got {weights!r}")
     if torch.device(device).type != "cpu" or device_map or tp != 1:
         raise ValueError(f"weights={weights!r} is for a target on one CPU (its int8 kernels are CPU ones), got "
@@ -239,7 +253,7 @@ def named_feature_draft(name: str, target, dtype: torch.dtype):
 def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
               draft_dtype: Optional[torch.dtype] = None, device: str = "cpu", with_head: bool = True,
               path: Path = PAIR_DIR, tp: int = 1, attn_implementation: Optional[str] = None,
-              weights: Optional[str] = None) -> ModelPair:
+              weights: Optional[str] = "auto") -> ModelPair:
     """A model pair by name: ``ModelPair(target, draft, tokenizer, head, heads, feature)``.
 
     ``name``: ``"bundled"``, the pair this project trained (in ``path``), or a real pair of ``zoo/named.py``:
@@ -252,8 +266,8 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
     rule; the heads read the bfloat16 draft's hidden states as well as the float32 one's: the same accepted tokens,
     ``1bd1639:bench/draft_dtype.py``). ``tp``: as in :func:`load_models` (a tensor-parallel target under
     ``torchrun``); ``attn_implementation`` default: :func:`default_attn_implementation` (the decode-attention
-    kernel on a CPU); ``weights``: as in :func:`load_models` (``"q8"``, ``"q4"``: every model's, the feature draft's
-    too).
+    kernel on a CPU); ``weights``: as in :func:`load_models` (``"auto"``: ``smollm2-135m``'s target as
+    its file's own Q4_1 / Q8_0 blocks; ``"q8"``, ``"q4"``: every model's, the feature draft's too).
 
     Raises: ValueError for an unknown name; FileNotFoundError when this checkout has no bundled pair (train it with
     ``specdec zoo train``) or a named pair's package is not installed (the message names the command)."""
@@ -275,7 +289,7 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
                        weights=weights)
     if name != "bundled":
         pair.feature = named_feature_draft(name, pair.target, draft_dtype)
-        if weights is not None and pair.feature is not None:
+        if weights not in (None, "float", "auto") and pair.feature is not None:
             from ..engine.weights import quantize
 
             quantize(pair.feature, weights, "feature draft")
