@@ -50,6 +50,19 @@ def _linear_weights(model) -> list[torch.Tensor]:
     return _layer_weights(model) + [model.get_output_embeddings().weight]
 
 
+def _decoder(model):
+    """The model whose ``model.layers`` hold the decoder layers (a feature draft wraps one)."""
+    inner = getattr(model, "model", None)
+    if not hasattr(inner, "layers") and hasattr(getattr(inner, "model", None), "layers"):
+        return inner
+    return model
+
+
+def fits_blocks(model) -> bool:
+    """Whether ``"q4"`` can hold ``model``: every linear layer's in features a multiple of 32."""
+    return all(w.shape[1] % ops.BLOCK == 0 for w in _linear_weights(_decoder(model)))
+
+
 def _untie(model) -> None:
     """Give the output layer its own weight where it shares the input embedding's (tied embeddings)."""
     head = model.get_output_embeddings()
@@ -80,9 +93,7 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     if device.type != "cpu":
         raise ValueError(f"weights={weights!r} needs the {name} model on a CPU (its kernels are CPU ones), got "
                          f"{device}; on a GPU keep bfloat16 weights")
-    outer, inner = model, getattr(model, "model", None)
-    if not hasattr(inner, "layers") and hasattr(getattr(inner, "model", None), "layers"):
-        model = inner  # a wrapper of a decoder model (a feature draft, engine/feature_draft.py): its decoder's weights
+    outer, model = model, _decoder(model)  # a feature draft (engine/feature_draft.py): its decoder's weights
     if not hasattr(getattr(model, "model", None), "layers"):
         raise ValueError(f"weights={weights!r}: the {name} model ({type(model).__name__}) has no decoder layers "
                          "(model.model.layers) to quantize")

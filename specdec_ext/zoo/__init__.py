@@ -123,8 +123,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     their decoder layers in 4-bit blocks of 32 (GGUF's Q4_1) and the output layer in 8-bit blocks (Q8_0); both are
     made from the float32 values, then the target is cast to ``target_dtype``. ``"auto"`` (the default): a GGUF
     target whose weights are Q4_1 layers and a Q8_0 output layer (as SmolLM2-135M's file) is held as ``"q4"``, the
-    file's own blocks exactly, on one CPU; every other target, and the draft, keep their float weights. None (or
-    ``"float"``) keeps every model's float weights. Speculation is lossless with respect to the target as held.
+    file's own blocks exactly, on one CPU, and its draft as ``"q4"`` too (``"q8"`` where its layers do not fit blocks
+    of 32); every other target and its draft keep their float weights. None (or ``"float"``) keeps every model's
+    float weights. Speculation is lossless with respect to the target as held.
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, ``tp`` with
     ``device_map``, or ``weights`` other than None / ``"float"`` / ``"auto"`` / ``"q8"`` / ``"q4"``, or ``"q8"`` /
@@ -178,8 +179,11 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     if h is not None and d is not None:
         h.check_draft(hidden_size(d), fingerprint(d), allow_other_draft)
     tok = AutoTokenizer.from_pretrained(tokenizer or target, local_files_only=True)
-    if weights is not None and d is not None and not auto:
-        quantized.quantize(d, weights, "draft")
+    if weights is not None and d is not None:
+        if auto and not quantized.fits_blocks(d):
+            quantized.quantize(d, "q8", "draft")  # "auto": the draft as fast as it can read, blocks or int8 rows
+        else:
+            quantized.quantize(d, weights, "draft")
     return ModelPair(t, d, tok, h, {"head": h} if h is not None else {})
 
 
