@@ -35,6 +35,18 @@ def test_quantize_rows_keeps_each_weight_within_half_a_step_and_is_idempotent():
     assert torch.equal(q2, q) and torch.equal(q2.float() * scale2[:, None], back)
 
 
+def _products_match_the_reference_row_by_row(packed, N, K, dtype, g, row_counts):
+    """packed_linear of 17 random rows against the reference, and the first r rows alone bitwise the same."""
+    x = torch.randn(17, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    y = ops.packed_linear(x, packed, N, bias)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.float(), reference.packed_linear(x, packed, bias, N).float(), rtol=tol,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+    for rows in row_counts:
+        assert torch.equal(ops.packed_linear(x[:rows], packed, N, bias), y[:rows]), rows
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,14 +61,8 @@ def test_int8_panels_match_the_reference_and_a_row_does_not_depend_on_its_neighb
     assert packed.dtype == torch.int8 and packed.shape == (-(-N // 16), K + 4, 16)
     q, scale = ops.quantize_rows(w)
     assert torch.equal(reference.unpack_linear_weight(packed, N), q.float() * scale[:, None])
-    x = torch.randn(17, K, generator=g).to(dtype)
-    bias = torch.randn(N, generator=g).to(dtype)
-    y = ops.packed_linear(x, packed, N, bias)
-    torch.testing.assert_close(y.float(), reference.packed_linear(x, packed, bias, N).float(),
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16
-                               else 1e-4)
-    for rows in (1, 4, 9, 16):  # the 16-row block, the grouped panels of 1-4 and 5-8 rows, two blocks of 17
-        assert torch.equal(ops.packed_linear(x[:rows], packed, N, bias), y[:rows])
+    # the 16-row block, the grouped panels of 1-4 and 5-8 rows, two blocks of 17
+    _products_match_the_reference_row_by_row(packed, N, K, dtype, g, (1, 4, 9, 16))
 
 
 def test_quantize_blocks_is_q4_1_and_idempotent():
@@ -106,14 +112,8 @@ def test_blocks_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(
     assert packed.shape == (-(-N // 16), K // 32, 320 if bits == 4 else 544)
     assert torch.equal(reference.unpack_linear_weight(packed, N),
                        ops.dequantize_blocks(*ops.quantize_blocks(w, bits)))
-    x = torch.randn(17, K, generator=g).to(dtype)
-    bias = torch.randn(N, generator=g).to(dtype)
-    y = ops.packed_linear(x, packed, N, bias)
-    torch.testing.assert_close(y.float(), reference.packed_linear(x, packed, bias, N).float(),
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16
-                               else 1e-4)
-    for rows in (1, 2, 3, 4, 5, 8, 9, 16):  # groups of 8, 4 and 2 panels, blocks of up to 8 rows, two blocks
-        assert torch.equal(ops.packed_linear(x[:rows], packed, N, bias), y[:rows]), rows
+    # groups of 8, 4 and 2 panels, blocks of up to 8 rows, two blocks
+    _products_match_the_reference_row_by_row(packed, N, K, dtype, g, (1, 2, 3, 4, 5, 8, 9, 16))
 
 
 @needs_kernel
@@ -223,6 +223,8 @@ def test_quantizing_twice_changes_nothing_and_keeps_the_float_fingerprint():
     with pytest.raises(ValueError, match="weights='q4' needs every linear layer's in features a multiple of 32 .* one "
                                          "of 48"):
         weights.quantize(make_target("llama", vocab=64, hidden=48), "q4")
+    odd = make_target("llama", vocab=64, hidden=48)
+    assert weights.quantize(odd, "q4", exact=True) is None and weights.kind(odd) is None
 
 
 @needs_kernel

@@ -78,8 +78,8 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the output layer in
     8-bit blocks of 32, Q8_0). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``.
     Quantizing a model already quantized this way changes nothing. ``exact``: only where the quantization gives back
-    every weight as it is (a GGUF file's Q4_1 layers and Q8_0 output layer, loaded in float32); otherwise the model is
-    left as it was and None is returned.
+    every weight as it is (a GGUF file's Q4_1 layers and Q8_0 output layer, loaded in float32); otherwise (weights
+    that do not fit blocks of 32 included) the model is left as it was and None is returned.
 
     Raises:
         ValueError: ``weights`` not one of :data:`WEIGHTS`; a model that is not on a CPU (the kernels are CPU ones) or
@@ -102,6 +102,8 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
         raise ValueError(f"the {name} model's weights are already {done!r}, not {weights!r}")
     blocks = _linear_weights(model) if weights == "q4" else []
     odd = next((w for w in blocks if w.shape[1] % ops.BLOCK), None)
+    if odd is not None and exact:
+        return None
     if odd is not None:
         raise ValueError(f"weights='q4' needs every linear layer's in features a multiple of {ops.BLOCK} (the {name} "
                          f"model has one of {odd.shape[1]}); use weights='q8'")

@@ -128,9 +128,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     float weights. Speculation is lossless with respect to the target as held.
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, ``tp`` with
-    ``device_map``, or ``weights`` other than None / ``"float"`` / ``"auto"`` / ``"q8"`` / ``"q4"``, or ``"q8"`` /
-    ``"q4"`` with a target off the CPU; ImportError for ``tp`` >
-    1 without accelerate (``pip install 'specdec_ext[tp]'``).
+    ``device_map``, ``weights`` other than None / ``"float"`` / ``"auto"`` / ``"q8"`` / ``"q4"``, or ``"q8"`` /
+    ``"q4"`` with a target off the CPU; ImportError for ``tp`` > 1 without accelerate (``pip install
+    'specdec_ext[tp]'``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,11 +138,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     from ..engine.runner import model_device
     from ..head import AcceptanceHead
     from ..training.draft_store import is_stored_draft, load_draft
-    from .gguf import resolve
+    from .gguf import is_gguf, resolve
 
     _check_weights(weights, device, device_map, tp)
-    from .gguf import is_gguf
-
     auto = weights == "auto"
     if auto:  # the file's own blocks where it has them (below), else float
         weights = "q4" if is_gguf(target) and torch.device(device).type == "cpu" and not device_map and tp == 1 \
