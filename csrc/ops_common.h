@@ -553,8 +553,8 @@ inline PackedWeights packed_weights(const at::Tensor& w) {
 }
 
 // A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16] in x's
-// dtype, int8 [ceil(N / 16), K + 4, 16] (each panel's K lines of int8 weights, then its 16 float32 scales), or uint8
-// 4-bit blocks [ceil(N / 16), K / 32, 320].
+// dtype, int8 [ceil(N / 16), K + 4, 16] (each panel's K lines of int8 weights, then its 16 float32 scales), or blocks
+// of 32 inputs: uint8 4-bit [ceil(N / 16), K / 32, 320], int8 8-bit [ceil(N / 16), K / 32, 544].
 inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* op, const char* name,
                          const at::Tensor& ref) {
   const PackedWeights kind = packed_weights(w);
@@ -585,7 +585,6 @@ inline int64_t packed_in_features(const at::Tensor& w) {
   if (kind == PackedWeights::kQ4Blocks || kind == PackedWeights::kQ8Blocks) return w.size(1) * 32;
   return w.size(1) - (w.scalar_type() == at::kChar ? 4 : 0);
 }
-
 
 struct PackedLinearTensors {
   at::Tensor x, out;
@@ -624,8 +623,8 @@ struct DecoderLayerTensors {
   DecoderLayerArgs args;
 };
 
-// decoder_layer: x [B, n, H] float32 or bfloat16 (every floating tensor in x's dtype, the packed weights too or all
-// four int8 panels [P, K + 4, 16]); packed weights (ops.pack_linear_weight) qkv [(Hq + 2 Hkv) D / 16, H, 16],
+// decoder_layer: x [B, n, H] float32 or bfloat16 (every floating tensor in x's dtype, the packed weights too, or all
+// four int8 panels [P, K + 4, 16] or blocks of one kind); packed weights (ops.pack_linear_weight) qkv [(Hq + 2 Hkv) D / 16, H, 16],
 // o [H / 16, Hq D, 16], gate_up [2 I / 16, H, 16], down [H / 16, I, 16] (every N a multiple of 16); norms [H]
 // ([D] for q_norm, k_norm); caches [S, Hkv, C, D] contiguous; lengths [S] int64; slots [B] int64 or None; cos/sin
 // [T, D]; heads Hq a multiple of Hkv.

@@ -1,7 +1,8 @@
 // CPU kernels of a decoding step's matrix-vector products (packed_linear) and of a whole decoder layer
 // (decoder_layer), for float32 and bfloat16 weights (bfloat16 widened to float32 as it is read: a shift) and for int8
 // weights with a float32 scale per output feature (weight-only quantization: each int8 widened to float32 as it is
-// read, each output's sum multiplied by its scale once, at the end).
+// read, each output's sum multiplied by its scale once, at the end); weights in blocks of 32 (GGUF's Q4_1, Q8_0) go
+// to csrc/cpu/blocks_cpu.cpp.
 //
 // Why: a decode step or a verification multiplies a few rows (1 to K + 1 tokens) by every weight of the model once,
 // so its time is the time to read the weights; on a 2-core AMD EPYC oneDNN's packed matmul read them at 0.7-0.8x the
