@@ -154,9 +154,9 @@ def _recording(gen, every: int = 1):
         seen.append(args)
         return credit(*args)
 
-    def ticking(played, ms, steps, verified):
+    def ticking(played, ms, steps, verified, tokens=0):
         times.append(ms)
-        return tick(played, ms, steps, verified)
+        return tick(played, ms, steps, verified, tokens)
 
     sel.credit, sel.tick = record, ticking
     seen.times = times
@@ -249,24 +249,33 @@ def test_rounds_carry_their_measured_time_and_the_choice_carries_across_calls():
     assert plain.policy.selector is None
 
 
-def test_plain_steps_replace_the_rounds_where_no_arm_reaches_a_plain_steps_goodput():
-    """After PLAIN_AFTER rounds, every arm's goodput below one token per plain step's ms (the prior's, then the
-    measured one) says drafting does not pay; measured plain steps that are slower say it pays again; the record
-    names plain steps."""
+def test_plain_steps_replace_the_rounds_where_the_played_rounds_give_fewer_tokens_per_ms_than_a_plain_step():
+    """After PLAIN_AFTER rounds, every arm observed, the played rounds' measured tokens per ms below one token per
+    plain step's ms (the prior's, then the measured one) say drafting does not pay; measured plain steps that are
+    slower say it pays again; the arms' modelled goodputs do not decide it; the record names plain steps."""
     sel = StopSelector(prior=(5.0, 1.0, 1.0))
     for arm in sel.arms:
         for _ in range(10):
-            arm.add(1.0, 1.0, 8.0, 1.0, 8.0)  # 0.125 tokens/ms, against 0.9 x 0.2 for a plain step of 5 ms
+            arm.add(1.0, 1.0, 1.0, 1.0, 1.0)  # modelled at 1 token/ms: far above a plain step, and not what counts
+    for _ in range(PLAIN_AFTER - 1):
+        sel.tick(0, 8.0, 3, 4, 1)  # measured: 1 token per 8 ms, against 1 per 5 for a plain step
     assert not sel.plain_pays()  # fewer than PLAIN_AFTER rounds seen
-    sel.now = PLAIN_AFTER
+    sel.tick(0, 8.0, 3, 4, 1)
     assert sel.plain_ms() == 5.0 and sel.plain_pays()
-    sel.played_plain(7.5)
-    sel.played_plain(7.5)  # plain steps measured at 7.5 ms: 0.133 tokens/ms, within PLAIN_MARGIN of the arms'
-    assert sel.plain_ms() == pytest.approx(7.5) and not sel.plain_pays()
-    assert sel.names()[-1] == PLAIN and sel.shares() == {PLAIN: 1.0}
-    sel.arms[0].w = sel.arms[0].w2 = 0.0  # an arm not yet observed keeps drafting on
+    sel.played_plain(9.0)
+    sel.played_plain(9.0)  # plain steps measured at 9 ms: 0.111 tokens/ms, below the rounds' 0.125
+    assert sel.plain_ms() == pytest.approx(9.0) and not sel.plain_pays()
+    assert sel.names()[-1] == PLAIN and sel.shares() == {sel.arms[0].name: PLAIN_AFTER / (PLAIN_AFTER + 2),
+                                                         PLAIN: 2 / (PLAIN_AFTER + 2)}
     sel.played_plain(1.0)
+    sel.played_plain(1.0)
+    assert sel.plain_pays()
+    sel.arms[0].w = sel.arms[0].w2 = 0.0  # an arm not yet observed keeps drafting on
     assert not sel.plain_pays()
+    untimed = StopSelector(prior=(5.0, 1.0, 1.0))
+    for _ in range(PLAIN_AFTER):
+        untimed.tick(0, 0.0, 3, 4, 1)  # rounds without a measured time (a call's first) say nothing
+    assert not untimed.plain_pays()
 
 
 def test_a_draft_that_does_not_pay_gives_way_to_plain_steps_and_the_text_stays_exact():

@@ -23,12 +23,14 @@ chooses a speculative configuration per round the same way; here the arms share 
   the rounds cost where they run.
 - **Forgetting.** Every sum decays by ``discount`` per round (a window of about 1 / (1 - discount) rounds), so the
   choice follows the prompts as they change.
-- **Plain steps.** Where every arm's goodput, over at least :data:`PLAIN_AFTER` rounds, stays below
-  :data:`PLAIN_MARGIN` of a plain step's (one token per plain step's measured ms; before one ran, the profile's),
-  drafting does not pay on this machine: the policy runs plain steps, with an arm's round now and then to keep the
-  estimates current (:meth:`StopSelector.plain_pays`). The round-time fit does not price them: a speculative round's
-  intercept carries the draft's and the head's fixed work (SmolLM2-135M with int8 weights: 6.4 ms, where a plain step
-  takes 5.8).
+- **Plain steps.** Where the rounds played, over at least :data:`PLAIN_AFTER` of them, emit fewer tokens per ms of
+  their measured cycle than a plain step does (one token per plain step's measured cycle; before one ran, the
+  profile's step), drafting does not pay on this machine: the policy runs plain steps, with an arm's round now and
+  then to keep the estimates current (:meth:`StopSelector.plain_pays`). Both sides are measured the same way, wall
+  time from one round's end to the next's; the arms' modelled goodputs are not used for it: the round-time fit prices
+  arms against each other, and against a plain step it erred by 5-10% both ways (SmolLM2-135M, 2-core Xeon with AMX:
+  1.08x a plain step's where SpecDec++ h = 0.7 ran 1.16x plain in bf16; 0.99x where the rounds ran 0.87x with the
+  GGUF file's 4-bit blocks).
 
 The shallowest arm (the smallest h) stops no later than any other, so every round shows it: it is the reference, and
 each arm is judged on the rounds that showed both, by rho = (its tokens / its ms) / (the reference's tokens / ms) over
@@ -53,11 +55,6 @@ DEFAULT_THRESHOLDS = (0.4, 0.5, 0.6, 0.7, 0.8)
 GOODPUT = "goodput"  # the name of the goodput rule's arm
 PLAIN = "plain"  # the name of a plain step (no draft) in the record of rounds (StopSelector.plain_pays)
 PLAIN_AFTER = 64  # measured rounds before plain steps may replace the arms' rounds
-# plain steps replace the rounds where every arm's goodput is below this share of a plain step's: the arms' times are
-# the round-time fit's, a plain step's its measured cycle, which do not count quite the same work (SmolLM2-135M in
-# bf16, 2-core Xeon with AMX: the arms' best estimate 1.08x a plain step's where SpecDec++ h = 0.7 ran 1.16x plain;
-# with int8 weights 0.86x where the arms ran 0.84-0.90x)
-PLAIN_MARGIN = 0.9
 
 
 def first_stop(survivals: Sequence[float], drafted: int, lo: int,
@@ -278,6 +275,7 @@ class StopSelector:
         self.spent_s = 0.0  # the host's time choosing and crediting arms (the policy's share counted in too)
         self.measured_ms = 0.0  # the rounds' measured time (RoundResult.cycle_ms) over the rounds that had one
         self.plain = [0.0, 0.0]  # plain steps' discounted ms and count (plain_ms)
+        self.drafting = [0.0, 0.0]  # the played rounds' discounted tokens and measured ms (plain_pays)
 
     def configure(self, prior: Sequence[float]) -> None:
         """A new prior for the cost fit (the pair's profile); the fit restarts only where nothing was measured yet."""
@@ -322,14 +320,18 @@ class StopSelector:
             self.credit(played, thresholds, bounds, lo, survivals, drafted, accepted, steps_of, verified_of,
                         played_steps, played_verified)
 
-    def tick(self, played: int, ms: float, steps: int, verified: int) -> bool:
-        """Every round: its arm into the record, its measured time (0: none) into the cost fit, the weights one round
-        on; returns whether the arms learn from this round (one in ``every``: :meth:`credit`)."""
+    def tick(self, played: int, ms: float, steps: int, verified: int, tokens: int = 0) -> bool:
+        """Every round: its arm into the record, its measured time (0: none) into the cost fit and, with the
+        ``tokens`` it emitted (over its rows), into the rounds' measured goodput (:meth:`plain_pays`), the weights one
+        round on; returns whether the arms learn from this round (one in ``every``: :meth:`credit`)."""
         self.now += 1
         self.history.append(played)
         if ms > 0.0:
             self.time.add(steps, verified, ms)
             self.measured_ms += ms
+            if tokens > 0:
+                g = self.time.discount
+                self.drafting = [self.drafting[0] * g + tokens, self.drafting[1] * g + ms]
         self.weight /= self.discount
         if self.weight > 1e30:  # every arm's sums brought back near 1 (a common scale cancels in every ratio)
             for arm in self.arms:
@@ -379,13 +381,14 @@ class StopSelector:
         return self.spent_s * 1e6 / rounds, share
 
     def plain_pays(self) -> bool:
-        """Whether a plain step promises more tokens per ms than every arm (module docstring): after at least
-        :data:`PLAIN_AFTER` rounds, every arm observed in ``min_rounds`` of them with its goodput below
-        :data:`PLAIN_MARGIN` tokens per :meth:`plain_ms`. For one row a round (tokens counted over the rows)."""
-        if self.now < PLAIN_AFTER:
+        """Whether a plain step gives more tokens per ms than the rounds played (module docstring): after at least
+        :data:`PLAIN_AFTER` rounds, every arm observed in ``min_rounds`` of them, the played rounds' measured tokens
+        per ms (discounted) below one token per :meth:`plain_ms`. For one row a round (tokens counted over the
+        rows)."""
+        if self.now < PLAIN_AFTER or self.drafting[1] <= 0.0:
             return False
-        plain = PLAIN_MARGIN / max(self.plain_ms(), 1e-3)
-        return all(arm.rounds >= self.min_rounds and arm.goodput < plain for arm in self.arms)
+        played = self.drafting[0] / self.drafting[1]
+        return all(arm.rounds >= self.min_rounds for arm in self.arms) and played < 1.0 / max(self.plain_ms(), 1e-3)
 
     def plain_ms(self) -> float:
         """A plain step's ms: the discounted mean of those measured, else the prior's (the profile's plain step)."""

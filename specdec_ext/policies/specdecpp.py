@@ -294,7 +294,8 @@ class SpecDecPP(CandidateLengthPolicy):
         """The selector's round (:meth:`StopSelector.tick`) and, where the arms learn from it
         (:meth:`StopSelector.credit`), every arm's thresholds per row and their bounds over the depths each row could
         reach, and how the round's reads turn a depth into draft steps and verified tokens."""
-        if not self.selector.tick(self._arm, result.cycle_ms, result.steps, result.verified):
+        tokens = sum(result.accepted) + len(result.accepted)  # each row's accepted candidates and its one more
+        if not self.selector.tick(self._arm, result.cycle_ms, result.steps, result.verified, tokens):
             return
         room, early_exit, rates = self._planned
         B = len(result.drafted)
