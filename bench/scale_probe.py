@@ -25,10 +25,11 @@ round must emit to match plain decoding (``round_ms`` over one target step).
     python bench/scale_probe.py --shapes tiny --round tiny,tiny   # the round's row too
     python bench/scale_probe.py --shapes smollm2-135m,smollm2-135m-draft --round smollm2-135m-draft,smollm2-135m \
         --dtype float32 --context 256   # the real pair on a CPU, against the rate torch.sum reads (sum_read_GBps)
-    python bench/scale_probe.py --shapes smollm2-135m --weights q8 --context 256   # int8 weights, read as stored
+    python bench/scale_probe.py --shapes smollm2-135m --weights q4 --context 256   # the file's blocks, read as stored
 
-``--weights q8`` (the real pair only) quantizes the models' linear weights (``engine/weights.py``); their bytes are
-then counted as the fused op reads them, int8 and a float32 scale per row.
+``--weights q8`` / ``q4`` (the real pair only) holds the models' linear weights as int8 rows / the GGUF file's own
+blocks (``engine/weights.py``); their bytes are then counted as the fused op reads them. Without it the real pair's
+weights are float (``weights=None``), whatever ``load_pair``'s default.
 """
 
 from __future__ import annotations
