@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu/cpu_math.h"
+#include "cpu/panels.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -32,9 +33,6 @@
 namespace specdec {
 namespace cpu {
 namespace {
-
-constexpr int64_t kPanel = 16;
-constexpr int64_t kPrefetchBytes = 2048;  // as layer_cpu.cpp's streams
 
 // A panel's block of Bits-bit weights: its lines (16 weights each; 4-bit lines hold two inputs), the byte offsets of
 // its 16 float16 scales and (4-bit) minima, and its size.
@@ -49,18 +47,13 @@ static_assert(Block<4>::kBytes == 320 && Block<8>::kBytes == 544, "the packed la
 
 template <int Bits>
 SPECDEC_ALWAYS_INLINE void prefetch_block(const uint8_t* p) {
-  for (int64_t c = 0; c < Block<Bits>::kBytes; c += 64) __builtin_prefetch(p + kPrefetchBytes + c, 0, 3);
+  for (int64_t c = 0; c < Block<Bits>::kBytes; c += 64) prefetch_line(p + kPrefetchBytes + c);
 }
 
 SPECDEC_ALWAYS_INLINE float half_at(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
-}
-
-// y[col .. col + width) = sums (+ bias[col ..]): one row of a panel's outputs, lanes past N dropped.
-SPECDEC_ALWAYS_INLINE void store_row(const float* sums, float* y, int64_t col, int64_t width, const float* bias) {
-  for (int64_t l = 0; l < width; ++l) y[col + l] = sums[l] + (bias != nullptr ? bias[col + l] : 0.0f);
 }
 
 // xs[m * nb + b] = x[m, 32 b] + ... + x[m, 32 b + 31], in k order.
@@ -123,7 +116,7 @@ SPECDEC_ALWAYS_INLINE void panel_rows(const float* x, int64_t ldx, const float* 
     }
   }
   const int64_t col = p * kPanel, width = std::min(kPanel, N - col);
-  for (int m = 0; m < MB; ++m) store_row(acc[m], y + m * ldy, col, width, bias);
+  for (int m = 0; m < MB; ++m) store_panel_row(acc[m], y + m * ldy, col, width, bias);
 }
 
 template <int Bits, int MB>
@@ -204,7 +197,7 @@ SPECDEC_AVX512_FN void group(const float* x, int64_t ldx, const float* xs, int64
     for (int m = 0; m < MB; ++m) {
       float sums[kPanel];
       _mm512_storeu_ps(sums, acc[g][m]);
-      store_row(sums, y + m * ldy, col, width, bias);
+      store_panel_row(sums, y + m * ldy, col, width, bias);
     }
   }
 }

@@ -38,12 +38,11 @@
 #include "cpu/attention_cpu.h"
 #include "cpu/blocks_cpu.h"
 #include "cpu/cpu_math.h"
+#include "cpu/panels.h"
 
 namespace specdec {
 namespace cpu {
 namespace {
-
-constexpr int64_t kPanel = 16;          // output features per panel: one 64-byte line of float32 per k
 
 struct Q4Blocks {  // the weight type W of 4-bit blocks (PackedWeights::kQ4Blocks): bytes that q4_gemm reads
   uint8_t byte;
@@ -51,12 +50,6 @@ struct Q4Blocks {  // the weight type W of 4-bit blocks (PackedWeights::kQ4Block
 struct Q8Blocks {  // and of 8-bit blocks (PackedWeights::kQ8Blocks), which q8_blocks_gemm reads
   int8_t byte;
 };
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the line being read the next lines are fetched
-
-// Fetches the weight line at p into every cache level (prefetcht0). The non-temporal hint (prefetchnta), which
-// bypasses L2 on Intel server cores, made SmolLM2-135M's float32 one-token step 2.4x slower on a 2-core Xeon with AMX
-// (56 against 23 ms, bench/fused_layers.py; 1,024 to 4,096 bytes ahead within 5% of each other).
-SPECDEC_ALWAYS_INLINE void prefetch_line(const char* p) { __builtin_prefetch(p, 0, 3); }
 
 // Elements of W after each panel's K lines: an int8 panel's 16 float32 scales (64 bytes); none for float weights.
 template <typename W>
@@ -116,16 +109,6 @@ SPECDEC_ALWAYS_INLINE void panel_step(float (&acc)[MB][kPanel], const float* x, 
 #pragma omp simd
       for (int l = 0; l < kPanel; ++l) acc[m][l] = mul_add(upper_half(wk[l]), xm, acc[m][l]);
     }
-  }
-}
-
-// y[col .. col + width) = sums[0 .. width) (x scale[0 .. width) for int8 weights) (+ bias[col ..]): one row of a
-// panel's outputs, the rest of its 16 lanes (past N) dropped.
-SPECDEC_ALWAYS_INLINE void store_panel_row(const float* sums, float* y, int64_t col, int64_t width, const float* bias,
-                                           const float* scale) {
-  for (int64_t l = 0; l < width; ++l) {
-    const float s = scale != nullptr ? sums[l] * scale[l] : sums[l];
-    y[col + l] = s + (bias != nullptr ? bias[col + l] : 0.0f);
   }
 }
 
