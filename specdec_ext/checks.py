@@ -342,7 +342,8 @@ def _like(t, shape: tuple, name: str, op: str, ref) -> None:
 
 def _packed(w, out_features: int, in_features: int, name: str, op: str, x) -> None:
     """``w`` a weight packed by ``ops.pack_linear_weight``: ``[ceil(N / 16), K, 16]`` in x's dtype, int8 panels
-    ``[ceil(N / 16), K + 4, 16]`` or 4-bit blocks ``[ceil(N / 16), K / 32, 320]`` (the kernels' messages)."""
+    ``[ceil(N / 16), K + 4, 16]`` or blocks ``[ceil(N / 16), K / 32, 320]`` (4-bit) / ``544`` (8-bit) (the kernels'
+    messages)."""
     blocks = _blocks(w)
     if blocks:
         shape = [-(-out_features // 16), in_features // 32, 320 if blocks == 4 else 544]
@@ -414,8 +415,7 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
     if down.dim() != 3 or packed_in_features(down) < 1:
         raise ValueError(f"{op}: down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]; 4-bit: [H / 16, "
                          f"I / 32, 320]), got {list(down.shape)}")
-    kinds = [(getattr(w, "dtype", None) if getattr(w, "dtype", None) in (torch.int8, torch.uint8) else None,
-              _blocks(w)) for w in (qkv, o, gate_up, down)]
+    kinds = [(_blocks(w), getattr(w, "dtype", None) == torch.int8) for w in (qkv, o, gate_up, down)]
     if len(set(kinds)) > 1:
         raise TypeError(f"{op}: qkv, o, gate_up and down must all be int8 panels, all blocks of one kind or all in "
                         f"x's dtype, got "

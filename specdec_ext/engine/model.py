@@ -35,6 +35,7 @@ from .. import ops
 from . import onednn_linear, weights
 from .attention import kernel_takes
 from .cache import StaticCache
+from .models import tensors_key
 from .runner import sliding_layout, usable_device
 from .subset_head import SubsetLMHead
 from .tensor_parallel import tp_size
@@ -97,10 +98,6 @@ def uses_packed(device: torch.device, dtype: torch.dtype, packed: Optional[bool]
     """Whether a :class:`LeanModel` made with ``packed`` for a model of ``dtype`` on ``device`` uses packed weights
     (the profile's cache key records it: the two cost differently)."""
     return packed_linear_available(device, dtype) if packed is None else bool(packed)
-
-
-def _fingerprint(model) -> tuple:
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
 
 
 ATTENTION = ("auto", "cache", "sdpa")  # LeanModel's attention kernels
@@ -216,7 +213,7 @@ class LeanModel:
     def _panels(self, model) -> tuple:
         """Each layer's :class:`Panels` and the LM head's panels, kept per model as :meth:`_prepare`'s weights are."""
         kept = _PREPARED.setdefault(model, {})
-        key = _fingerprint(model)
+        key = tensors_key(model)
         hit = kept.get("panels")
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -229,7 +226,7 @@ class LeanModel:
         """The per-layer weights (QKV and gate/up concatenated, packed when ``packed``), the LM head and the RoPE
         tables, kept per model while its weights stay the same tensors at the same version."""
         kept = _PREPARED.setdefault(model, {})  # packed -> (fingerprint, prepared): both kinds, for side-by-side runs
-        key = _fingerprint(model)
+        key = tensors_key(model)
         hit = kept.get(self.packed)
         if hit is not None and hit[0] == key:
             return hit[1]

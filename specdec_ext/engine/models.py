@@ -101,6 +101,12 @@ def model_name(model) -> str:
 _NAME_KEYS = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache")
 
 
+def tensors_key(model) -> tuple:
+    """Which tensors hold ``model``'s parameters and how often each was written in place: equal while they stay the
+    same (what is prepared from the weights, packed copies, is kept under it)."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+
+
 @torch.no_grad()
 def fingerprint(model) -> str:
     """A short hash of a model's configuration and a few of its weights (rounded to bfloat16, so the same

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .models import fingerprint
+from .models import fingerprint, tensors_key
 
 WEIGHTS = ("q8", "q4")  # the kinds of quantized weights quantize() makes
 _ATTR = "specdec_weights"  # the model attribute that names them
@@ -128,10 +128,6 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     return outer
 
 
-def _key(model) -> tuple:
-    return tuple((p.data_ptr(), p._version, p.dtype) for p in model.parameters())
-
-
 @torch.no_grad()
 def panels(model) -> tuple[list[tuple], torch.Tensor]:
     """The weights as the fused CPU ops read them: each decoder layer's ``(qkv, o, gate_up, down)`` packed by
@@ -139,7 +135,7 @@ def panels(model) -> tuple[list[tuple], torch.Tensor]:
     model's float dtype, as int8 rows (``"q8"``), or as 4-bit blocks and the output layer in 8-bit blocks (``"q4"``).
     Those :func:`cast` packed from the float32 values, while the weights are the same tensors since."""
     kept = getattr(model, "specdec_exact_panels", None)
-    if kept is not None and kept[0] == _key(model):
+    if kept is not None and kept[0] == tensors_key(model):
         return kept[1]
     k = kind(model)
     layer_dtype = {"q8": torch.int8, "q4": torch.uint8}.get(k)
@@ -159,7 +155,7 @@ def cast(model, dtype: torch.dtype):
     quantizing again after the cast would not give back the same blocks (a GGUF file's own). Returns ``model``."""
     packed = panels(model)
     model.to(dtype)
-    model.specdec_exact_panels = (_key(model), packed)
+    model.specdec_exact_panels = (tensors_key(model), packed)
     return model
 
 

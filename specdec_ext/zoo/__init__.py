@@ -143,8 +143,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     _check_weights(weights, device, device_map, tp)
     auto = weights == "auto"
     if auto:  # the file's own blocks where it has them (below), else float
-        weights = "q4" if is_gguf(target) and torch.device(device).type == "cpu" and not device_map and tp == 1 \
-            else None
+        weights = "q4" if is_gguf(target) and _on_one_cpu(device, device_map, tp) else None
     elif weights == "float":
         weights = None
     target, draft, tokenizer = resolve(target), resolve(draft), resolve(tokenizer)
@@ -194,9 +193,14 @@ def _check_weights(weights: Optional[str], device: str, device_map: Optional[str
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be None or 'float' (the float weights), 'auto' or one of "
                          f"{', '.join(map(repr, WEIGHTS))}, got {weights!r}")
-    if torch.device(device).type != "cpu" or device_map or tp != 1:
-        raise ValueError(f"weights={weights!r} is for a target on one CPU (its int8 kernels are CPU ones), got "
+    if not _on_one_cpu(device, device_map, tp):
+        raise ValueError(f"weights={weights!r} is for a target on one CPU (its kernels are CPU ones), got "
                          f"device={device!r}, device_map={device_map!r}, tp={tp}")
+
+
+def _on_one_cpu(device: str, device_map: Optional[str], tp: int) -> bool:
+    """Whether a target so placed is on one CPU, where quantized weights have their kernels."""
+    return torch.device(device).type == "cpu" and not device_map and tp == 1
 
 
 def _from_pretrained(cls, path, **kw):
