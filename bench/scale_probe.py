@@ -27,9 +27,10 @@ round must emit to match plain decoding (``round_ms`` over one target step).
         --dtype float32 --context 256   # the real pair on a CPU, against the rate torch.sum reads (sum_read_GBps)
     python bench/scale_probe.py --shapes smollm2-135m --weights q4 --context 256   # the file's blocks, read as stored
 
-``--weights q8`` / ``q4`` (the real pair only) holds the models' linear weights as int8 rows / the GGUF file's own
-blocks (``engine/weights.py``); their bytes are then counted as the fused op reads them. Without it the real pair's
-weights are float (``weights=None``), whatever ``load_pair``'s default.
+``--weights q8`` / ``q4`` / ``q4a8`` (the real pair only) holds the models' linear weights as int8 rows / the GGUF
+file's own blocks / those blocks times int8 activations (``engine/weights.py``); their bytes are then counted as the
+fused op reads them. Without it the real pair's weights are float (``weights=None``), whatever ``load_pair``'s
+default.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ def main(argv=None) -> dict:
                          "each row's live columns, the flash-decoding kernel on a GPU), sdpa")
     ap.add_argument("--round", default=None, metavar="DRAFT,TARGET",
                     help="a speculative round at these two probed shapes (default 1b,8b where both are probed)")
-    ap.add_argument("--weights", default=None, choices=("q8", "q4"),
+    ap.add_argument("--weights", default=None, choices=("q8", "q4", "q4a8"),
                     help="the real pair's linear weights quantized (engine/weights.py), counted as stored")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -546,10 +546,17 @@ inline void check_like(const at::Tensor& t, at::IntArrayRef shape, const char* o
 // How a packed weight stores its values (its tensor's dtype and shape: int8 panels [P, K + 4, 16] or int8 8-bit blocks
 // [P, K / 32, 544], uint8 4-bit blocks, else float).
 inline PackedWeights packed_weights(const at::Tensor& w) {
-  if (w.scalar_type() == at::kChar)
+  if (w.scalar_type() == at::kChar) {
+    if (w.dim() == 4) return PackedWeights::kQ8BlocksA8;
     return w.dim() == 3 && w.size(2) == 544 ? PackedWeights::kQ8Blocks : PackedWeights::kInt8Rows;
-  if (w.scalar_type() == at::kByte) return PackedWeights::kQ4Blocks;
+  }
+  if (w.scalar_type() == at::kByte) return w.dim() == 4 ? PackedWeights::kQ4BlocksA8 : PackedWeights::kQ4Blocks;
   return PackedWeights::kFloat;
+}
+
+inline bool in_blocks(PackedWeights kind) {
+  return kind == PackedWeights::kQ4Blocks || kind == PackedWeights::kQ8Blocks || kind == PackedWeights::kQ4BlocksA8 ||
+         kind == PackedWeights::kQ8BlocksA8;
 }
 
 // A weight packed by ops.pack_linear_weight for out_features N and in_features K: [ceil(N / 16), K, 16] in x's
@@ -558,13 +565,15 @@ inline PackedWeights packed_weights(const at::Tensor& w) {
 inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* op, const char* name,
                          const at::Tensor& ref) {
   const PackedWeights kind = packed_weights(w);
-  if (kind == PackedWeights::kQ4Blocks || kind == PackedWeights::kQ8Blocks) {
-    const bool q4 = kind == PackedWeights::kQ4Blocks;
-    const int64_t bytes = q4 ? 320 : 544;
-    SPECDEC_CHK_VALUE(K % 32 == 0 && w.dim() == 3 && w.size(0) == (N + 15) / 16 && w.size(1) == K / 32 &&
-                          w.size(2) == bytes,
-                      op, ": ", name, " (", q4 ? 4 : 8, "-bit blocks) must be [", (N + 15) / 16, ", ", K / 32, ", ",
-                      bytes, "] (in features a multiple of 32), got ", w.sizes());
+  if (in_blocks(kind)) {
+    const bool q4 = kind == PackedWeights::kQ4Blocks || kind == PackedWeights::kQ4BlocksA8;
+    const bool a8 = w.dim() == 4;
+    const int64_t bytes = q4 ? 320 : 544, chunk = q4 ? 64 : 32;
+    const bool shaped = a8 ? w.size(2) == bytes / chunk && w.size(3) == chunk : w.dim() == 3 && w.size(2) == bytes;
+    SPECDEC_CHK_VALUE(K % 32 == 0 && shaped && w.size(0) == (N + 15) / 16 && w.size(1) == K / 32, op, ": ", name,
+                      " (", q4 ? 4 : 8, "-bit blocks", a8 ? " for int8 activations" : "", ") must be [",
+                      (N + 15) / 16, ", ", K / 32, ", ", a8 ? std::to_string(bytes / chunk) + ", " : "",
+                      a8 ? chunk : bytes, "] (in features a multiple of 32), got ", w.sizes());
     SPECDEC_CHK_VALUE(w.is_contiguous(), op, ": ", name, " must be contiguous");
     check_device(w, ref, name, "x");
     return;
@@ -581,8 +590,7 @@ inline void check_packed(const at::Tensor& w, int64_t N, int64_t K, const char* 
 
 // A packed weight's in_features K: [P, K, 16], int8 [P, K + 4, 16], or blocks [P, K / 32, 320 or 544].
 inline int64_t packed_in_features(const at::Tensor& w) {
-  const PackedWeights kind = packed_weights(w);
-  if (kind == PackedWeights::kQ4Blocks || kind == PackedWeights::kQ8Blocks) return w.size(1) * 32;
+  if (in_blocks(packed_weights(w))) return w.size(1) * 32;
   return w.size(1) - (w.scalar_type() == at::kChar ? 4 : 0);
 }
 
@@ -646,8 +654,11 @@ inline DecoderLayerTensors prepare_decoder_layer(
   const int64_t S = key_cache.size(0), Hkv = key_cache.size(1), C = key_cache.size(2), D = key_cache.size(3);
   SPECDEC_CHK_VALUE(heads >= 1 && heads % Hkv == 0, op, ": heads must be a multiple of key_cache's ", Hkv,
                     " key/value heads, got ", heads);
-  SPECDEC_CHK_VALUE(down.dim() == 3 && packed_in_features(down) >= 1, op,
-                    ": down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]; 4-bit: [H / 16, I / 32, 320]), got ",
+  SPECDEC_CHK_VALUE((down.dim() == 3 || (down.dim() == 4 && in_blocks(packed_weights(down)))) &&
+                        packed_in_features(down) >= 1,
+                    op,
+                    ": down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]; 4-bit: [H / 16, I / 32, 320]), "
+                    "got ",
                     down.sizes());
   const PackedWeights kind = packed_weights(down);
   for (const at::Tensor* w : {&qkv, &o, &gate_up})

@@ -342,14 +342,16 @@ def _like(t, shape: tuple, name: str, op: str, ref) -> None:
 
 def _packed(w, out_features: int, in_features: int, name: str, op: str, x) -> None:
     """``w`` a weight packed by ``ops.pack_linear_weight``: ``[ceil(N / 16), K, 16]`` in x's dtype, int8 panels
-    ``[ceil(N / 16), K + 4, 16]`` or blocks ``[ceil(N / 16), K / 32, 320]`` (4-bit) / ``544`` (8-bit) (the kernels'
-    messages)."""
+    ``[ceil(N / 16), K + 4, 16]`` or blocks ``[ceil(N / 16), K / 32, 320]`` (4-bit) / ``544`` (8-bit), for int8
+    activations ``[ceil(N / 16), K / 32, 5, 64]`` / ``[..., 17, 32]`` (the kernels' messages)."""
     blocks = _blocks(w)
     if blocks:
-        shape = [-(-out_features // 16), in_features // 32, 320 if blocks == 4 else 544]
+        a8 = w.dim() == 4
+        shape = [-(-out_features // 16), in_features // 32]
+        shape += ([5, 64] if blocks == 4 else [17, 32]) if a8 else [320 if blocks == 4 else 544]
         if in_features % 32 or list(w.shape) != shape:
-            raise ValueError(f"{op}: {name} ({blocks}-bit blocks) must be {shape} (in features a multiple of 32), "
-                             f"got {list(w.shape)}")
+            raise ValueError(f"{op}: {name} ({blocks}-bit blocks{' for int8 activations' if a8 else ''}) must be "
+                             f"{shape} (in features a multiple of 32), got {list(w.shape)}")
         if not w.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous")
         _same_device(w, x, name, "x", op)
@@ -367,19 +369,20 @@ def _packed(w, out_features: int, in_features: int, name: str, op: str, x) -> No
 
 def packed_in_features(w) -> int:
     """A packed weight's in_features K (``[P, K, 16]``, int8 ``[P, K + 4, 16]``, 4-bit blocks ``[P, K / 32,
-    320]``, 8-bit blocks ``[P, K / 32, 544]``)."""
+    320]``, 8-bit blocks ``[P, K / 32, 544]``, blocks for int8 activations ``[P, K / 32, ...]``)."""
     if _blocks(w):
         return w.shape[1] * 32
     return w.shape[1] - (4 if w.dtype == torch.int8 else 0)
 
 
 def _blocks(w) -> int:
-    """4 or 8 for a weight packed in blocks (uint8 ``[P, K / 32, 320]``, int8 ``[P, K / 32, 544]``), else 0."""
+    """4 or 8 for a weight packed in blocks (uint8 ``[P, K / 32, 320]``, int8 ``[P, K / 32, 544]``; for int8
+    activations, uint8 / int8 of 4 dimensions), else 0."""
     if not isinstance(w, torch.Tensor):
         return 0
     if w.dtype == torch.uint8:
         return 4
-    return 8 if w.dtype == torch.int8 and w.dim() == 3 and w.shape[2] == 544 else 0
+    return 8 if w.dtype == torch.int8 and (w.dim() == 4 or (w.dim() == 3 and w.shape[2] == 544)) else 0
 
 
 def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
@@ -412,10 +415,11 @@ def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_n
     S, Hkv, C, D = key_cache.shape
     if heads < 1 or heads % Hkv:
         raise ValueError(f"{op}: heads must be a multiple of key_cache's {Hkv} key/value heads, got {heads}")
-    if down.dim() != 3 or packed_in_features(down) < 1:
+    if not (down.dim() == 3 or (down.dim() == 4 and _blocks(down))) or packed_in_features(down) < 1:
         raise ValueError(f"{op}: down must be packed [H / 16, I, 16] (int8: [H / 16, I + 4, 16]; 4-bit: [H / 16, "
                          f"I / 32, 320]), got {list(down.shape)}")
-    kinds = [(_blocks(w), getattr(w, "dtype", None) == torch.int8) for w in (qkv, o, gate_up, down)]
+    kinds = [(_blocks(w), getattr(w, "dtype", None) == torch.int8, getattr(w, "dim", lambda: 0)()) for w in
+             (qkv, o, gate_up, down)]
     if len(set(kinds)) > 1:
         raise TypeError(f"{op}: qkv, o, gate_up and down must all be int8 panels, all blocks of one kind or all in "
                         f"x's dtype, got "

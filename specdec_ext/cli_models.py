@@ -161,12 +161,14 @@ def _model_args(p):
     p.add_argument("--draft-dtype", default="auto", choices=["auto"] + list(DTYPES),
                    help="auto: as --target-dtype (bfloat16 where the hardware has bf16 matrix instructions: the "
                         "bundled draft runs 1.1-2x faster in it on a CPU)")
-    p.add_argument("--weights", choices=["auto", "float", "q8", "q4"], default="auto",
+    p.add_argument("--weights", choices=["auto", "float", "q8", "q4", "q4a8"], default="auto",
                    help="auto (default): a GGUF target with Q4_1 layers and a Q8_0 output layer (smollm2-135m's) "
                         "as its file's own blocks on a CPU (about 2x faster steps than bfloat16), else float; float: "
                         "every model's float weights in --target-dtype; q8: the models' linear weights int8 with a "
                         "scale per output feature; q4: the decoder layers in 4-bit blocks of 32 (Q4_1), the output "
-                        "layer in 8-bit blocks (Q8_0). Speculation is lossless for the target as held")
+                        "layer in 8-bit blocks (Q8_0); q4a8: q4's weights times int8 activations (llama.cpp's "
+                        "arithmetic: faster steps, a different function). Speculation is lossless for the target as "
+                        "held")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--device-map-auto", action="store_true", help="spread the target over GPUs (accelerate)")
     p.add_argument("--attn-implementation", default="auto",

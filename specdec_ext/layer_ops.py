@@ -152,9 +152,10 @@ def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor
     return (w if m is None else w + m.float()[..., None]).view(N, K)
 
 
-def _block_panels(weight: torch.Tensor, bits: int) -> torch.Tensor:
+def _block_panels(weight: torch.Tensor, bits: int, int8_activations: bool = False) -> torch.Tensor:
     """``weight`` ``[N, K]`` quantized in blocks (:func:`quantize_blocks`) as panels ``[ceil(N / 16), K / 32,
-    BLOCK_BYTES[bits]]`` (see :func:`pack_linear_weight`), uint8 for 4 bits, int8 for 8."""
+    BLOCK_BYTES[bits]]`` (see :func:`pack_linear_weight`), uint8 for 4 bits, int8 for 8; ``int8_activations``: in
+    chunks of 64 bytes, ``[ceil(N / 16), K / 32, 5, 64]`` / ``[..., 17, 32]``."""
     N, K = weight.shape
     if K % BLOCK:
         raise ValueError(f"pack_linear_weight: blocks need in_features a multiple of {BLOCK}, got {K}")
@@ -162,10 +163,15 @@ def _block_panels(weight: torch.Tensor, bits: int) -> torch.Tensor:
     pad, nb = -N % PANEL, K // BLOCK
     q = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, PANEL, nb, BLOCK)
     P = q.shape[0]
-    if bits == 4:
-        q = q.view(P, PANEL, nb, BLOCK // 2, 2)
-        q = q[..., 0] | (q[..., 1] << 4)  # [P, 16 rows, nb, 16 lines]
-    lines = q.permute(0, 2, 3, 1).reshape(P, nb, -1).view(torch.uint8)  # [P, nb, lines x 16 rows]
+    if int8_activations:  # byte 4 l + i of chunk c: row l's input 4 c + i (4-bit: and 16 + 4 c + i, high nibble)
+        if bits == 4:
+            q = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)  # [P, 16 rows, nb, 16]
+        lines = q.reshape(P, PANEL, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(P, nb, -1).view(torch.uint8)
+    else:
+        if bits == 4:
+            q = q.view(P, PANEL, nb, BLOCK // 2, 2)
+            q = q[..., 0] | (q[..., 1] << 4)  # [P, 16 rows, nb, 16 lines]
+        lines = q.permute(0, 2, 3, 1).reshape(P, nb, -1).view(torch.uint8)  # [P, nb, lines x 16 rows]
 
     def per_block(t):  # [N, nb] float16 -> [P, nb, 32] bytes: the panel's 16 values of each block
         t = torch.nn.functional.pad(t, (0, 0, 0, pad)).view(P, PANEL, nb).transpose(1, 2).contiguous()
@@ -173,10 +179,13 @@ def _block_panels(weight: torch.Tensor, bits: int) -> torch.Tensor:
 
     parts = [lines, per_block(d)] + ([per_block(m)] if m is not None else [])
     out = torch.cat(parts, dim=2).contiguous()
+    if int8_activations:
+        out = out.view(P, nb, -1, 64 if bits == 4 else 32)
     return out if bits == 4 else out.view(torch.int8)
 
 
-def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None, blocks: bool = False) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None, blocks: bool = False,
+                       int8_activations: bool = False) -> torch.Tensor:
     """``weight`` ``[N, K]`` (a linear layer's, out x in) as :func:`packed_linear` reads it: panels of 16 output
     features, ``[ceil(N / 16), K, 16]`` (row ``p * 16 + l`` at ``[p, :, l]``; rows past N zero), in ``dtype``
     (float32 or bfloat16; None: the weight's where it is one of them, else float32). A copy, as large as ``weight``.
@@ -191,8 +200,15 @@ def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None
     weight (K a multiple of 32). ``dtype=torch.int8, blocks=True``: 8-bit blocks (GGUF's Q8_0), ``[ceil(N / 16), K /
     32, 544]`` int8: per block 32 lines of 16 int8, then 16 float16 scales; 8.5 bits a weight.
 
+    ``int8_activations=True`` (with blocks): the same blocks for W4A8 / W8A8 products, which quantize each row of x
+    to int8 blocks of 32 before multiplying (:func:`packed_linear`): per block, chunks of 64 bytes whose byte ``4 l
+    + i`` holds row l's input ``4 c + i`` of chunk c (4-bit: in the low nibble, input ``16 + 4 c + i`` in the high
+    one), then the scales (and minima) as above: uint8 ``[ceil(N / 16), K / 32, 5, 64]`` or int8 ``[ceil(N / 16), K /
+    32, 17, 32]``, as many bytes.
+
     Raises:
-        ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor, or another ``dtype``."""
+        ValueError: ``weight`` not 2-D or empty. TypeError: not a floating-point tensor, another ``dtype``, or
+            ``int8_activations`` without blocks."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         raise TypeError(f"pack_linear_weight: weight must be a floating-point tensor, got "
                         f"{getattr(weight, 'dtype', type(weight).__name__)}")
@@ -207,8 +223,11 @@ def pack_linear_weight(weight: torch.Tensor, dtype: Optional[torch.dtype] = None
     if blocks and dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"pack_linear_weight: blocks=True needs dtype torch.int8 (Q8_0) or torch.uint8 (Q4_1), got "
                         f"{dtype}")
+    if int8_activations and not (dtype == torch.uint8 or blocks):
+        raise TypeError(f"pack_linear_weight: int8_activations=True needs blocks (dtype torch.uint8, or torch.int8 "
+                        f"with blocks=True), got dtype {dtype}")
     if dtype == torch.uint8 or blocks:
-        return _block_panels(weight, 4 if dtype == torch.uint8 else 8)
+        return _block_panels(weight, 4 if dtype == torch.uint8 else 8, int8_activations)
     if dtype == torch.int8:
         q, scale = quantize_rows(weight)
         panels = _panels(q, N, K)  # [P, K, 16]
@@ -232,7 +251,11 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
     Args:
         x: ``[..., K]`` float32 or bfloat16.
         weight: ``[ceil(N / 16), K, 16]`` in x's dtype, or int8 ``[ceil(N / 16), K + 4, 16]`` (each output's sum
-            times its scale) (:func:`pack_linear_weight` of ``W`` ``[N, K]``).
+            times its scale), or blocks of 32 inputs (:func:`pack_linear_weight` of ``W`` ``[N, K]``). Blocks for
+            int8 activations (W4A8 / W8A8, as llama.cpp multiplies Q4_1 / Q8_0 weights): each row's block of 32
+            inputs is ``a * r`` with ``a = max |x| / 127`` (float32) and ``r = round-half-even(x * 127 / max |x|)``
+            (int8), and its outputs ``sum_b (d_b a_b) sum_k q_k r_k (+ m_b sum_k x_k)``, the integer sums exact
+            (AVX-512 VNNI where the CPU has it).
         out_features: N.
         bias: ``[N]`` in x's dtype, or None.
 

@@ -462,19 +462,10 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tenso
     panels ``[ceil(N / 16), K + 4, 16]``, the float32 weights they stand for: each int8 times its row's scale; from
     4-bit blocks ``[ceil(N / 16), K / 32, 320]`` uint8, ``d * q + m`` per block; from 8-bit blocks ``[ceil(N / 16), K
     / 32, 544]`` int8, ``d * q``."""
-    if packed.dtype == torch.uint8:  # 4-bit blocks [P, K / 32, 320]: nibbles, float16 scales, float16 minima
-        P, nb, _ = packed.shape
-        lines = packed[:, :, :256].reshape(P, nb, 16, 16)  # [P, block, line j, row l]
-        q = torch.stack([lines & 15, lines >> 4], dim=3).reshape(P, nb, 32, 16)  # k = 2j, 2j + 1
-        d = packed[:, :, 256:288].contiguous().view(torch.float16).float()  # [P, block, row]
-        m = packed[:, :, 288:320].contiguous().view(torch.float16).float()
-        w = d[:, :, None, :] * q.float() + m[:, :, None, :]  # [P, block, k, row]
-        return w.permute(0, 3, 1, 2).reshape(P * 16, nb * 32)[:out_features]
-    if packed.dtype == torch.int8 and packed.shape[2] == 544:  # 8-bit blocks [P, K / 32, 544]: int8, float16 scales
-        P, nb, _ = packed.shape
-        q = packed[:, :, :512].reshape(P, nb, 32, 16).float()  # [P, block, k, row]
-        d = packed[:, :, 512:].contiguous().view(torch.float16).float()
-        return (d[:, :, None, :] * q).permute(0, 3, 1, 2).reshape(P * 16, nb * 32)[:out_features]
+    if checks._blocks(packed):
+        q, d, m = block_parts(packed, out_features)
+        w = d[..., None] * q.view(out_features, -1, 32).float()
+        return (w if m is None else w + m[..., None]).reshape(out_features, -1)
     if packed.dtype == torch.int8:
         P, K4, L = packed.shape
         scales = packed[:, K4 - 4:].contiguous().view(torch.float32).reshape(P * L, 1)  # [P, 4, 16] bytes: 16 floats
@@ -484,14 +475,66 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tenso
     return packed.permute(0, 2, 1).reshape(P * L, K)[:out_features]
 
 
+def block_parts(packed: torch.Tensor, out_features: int):
+    """``(q, d, m)`` of a weight packed in blocks (``ops.pack_linear_weight``, any of its block layouts): q ``[N, K]``
+    (uint8 in [0, 15] or int8), d ``[N, K / 32]`` and m (4-bit; None for 8-bit) as float32."""
+    P, nb = packed.shape[:2]
+    raw = packed.reshape(P, nb, -1).view(torch.uint8)
+    bits, a8 = checks._blocks(packed), packed.dim() == 4
+    n = 256 if bits == 4 else 512  # bytes of q per block
+    body = raw[:, :, :n]
+    if a8:  # chunks of 64 bytes: byte 4 l + i of chunk c holds row l's input 4 c + i
+        q = body.reshape(P, nb, -1, 16, 4).permute(0, 1, 3, 2, 4).reshape(P, nb, 16, -1)  # [P, block, row, byte]
+        if bits == 4:
+            q = torch.cat([q & 15, q >> 4], dim=3)  # inputs 0..15 in the low nibbles, 16..31 in the high ones
+    else:  # lines of 16 bytes: line j holds every row's input j (4-bit: inputs 2 j, 2 j + 1)
+        q = body.reshape(P, nb, -1, 16).transpose(2, 3)  # [P, block, row, line]
+        if bits == 4:
+            q = torch.stack([q & 15, q >> 4], dim=3).transpose(3, 4).reshape(P, nb, 16, 32)
+    q = q.permute(0, 2, 1, 3).reshape(P * 16, nb * 32)[:out_features]
+    if bits == 8:
+        q = q.view(torch.int8)
+
+    def per_row(t):  # [P, block, 32 bytes] float16 -> [N, block] float32
+        return t.contiguous().view(torch.float16).float().permute(0, 2, 1).reshape(P * 16, nb)[:out_features]
+
+    d = per_row(raw[:, :, n:n + 32])
+    return q, d, per_row(raw[:, :, n + 32:n + 64]) if bits == 4 else None
+
+
+def quantize_activations(x: torch.Tensor):
+    """Each row's blocks of 32 inputs as int8 (the kernel's int8 activations): ``(r, a)`` with ``x ~ a * r``: r
+    ``[..., K]`` float32 holding integers in [-127, 127], ``a = max |x| / 127`` ``[..., K / 32]`` float32."""
+    blocks = x.float().view(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1)
+    finite = (amax > 0) & torch.isfinite(amax)
+    # a tensor divided by a tensor: ``127.0 / amax`` would multiply by amax's reciprocal, another rounding
+    inv = torch.where(finite, torch.full_like(amax, 127.0) / torch.where(finite, amax, torch.ones_like(amax)), 0.0)
+    r = torch.round(blocks * inv[..., None])
+    return torch.where(finite[..., None], r, torch.zeros_like(r)).view(x.shape), amax / 127.0
+
+
 def packed_linear(x, weight, bias, out_features):
-    """Reference of ``ops.packed_linear``: ``x W^T + bias`` with ``W`` unpacked, computed in float32, in x's dtype."""
+    """Reference of ``ops.packed_linear``: ``x W^T + bias`` with ``W`` unpacked, computed in float32, in x's dtype;
+    for blocks packed for int8 activations, with x's blocks quantized (:func:`quantize_activations`) and the sums
+    taken in float64."""
     checks.packed_linear_shapes(x, weight, bias, out_features)
     return _linear(x.float(), weight, None if bias is None else bias.float(), out_features).to(x.dtype)
 
 
 def _linear(x, weight, bias, out_features):  # float32 x [..., K] times a packed weight of any dtype
-    y = x @ unpack_linear_weight(weight, out_features).float().T
+    if checks._blocks(weight) and weight.dim() == 4:  # int8 activations
+        q, d, m = block_parts(weight, out_features)
+        r, a = quantize_activations(x)
+        lead, K = x.shape[:-1], x.shape[-1]
+        s = torch.einsum("rbk,nbk->rnb", r.reshape(-1, K // 32, 32).double(),
+                         q.view(out_features, K // 32, 32).double())  # exact integer sums
+        y = ((d.double() * a.reshape(-1, 1, K // 32).double()) * s).sum(-1)
+        if m is not None:
+            y = y + x.reshape(-1, K // 32, 32).double().sum(-1) @ m.double().T
+        y = y.float().view(*lead, out_features)
+    else:
+        y = x @ unpack_linear_weight(weight, out_features).float().T
     return y if bias is None else y + bias
 
 

@@ -100,20 +100,52 @@ def test_quantize_blocks_8_bit_is_q8_0_and_idempotent():
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N,K", [(48, 64), (40, 96), (96, 576)])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_blocks_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(bits, dtype, N, K, isa, monkeypatch):
-    """4-bit (Q4_1) and 8-bit (Q8_0) blocks on the AVX-512 kernel (where the CPU has it) and the baseline one
-    (ATEN_CPU_CAPABILITY=avx2)."""
+@pytest.mark.parametrize("bits,a8", [(4, False), (8, False), (4, True), (8, True)])
+def test_blocks_match_the_reference_and_a_row_does_not_depend_on_its_neighbours(bits, a8, dtype, N, K, isa,
+                                                                                 monkeypatch):
+    """4-bit (Q4_1) and 8-bit (Q8_0) blocks, with float or int8 activations (a8), on the AVX-512 kernel (where the
+    CPU has it; VNNI for a8) and the baseline one (ATEN_CPU_CAPABILITY=avx2)."""
     if isa == "avx2":
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g)
-    packed = ops.pack_linear_weight(w, torch.uint8 if bits == 4 else torch.int8, blocks=True)
-    assert packed.shape == (-(-N // 16), K // 32, 320 if bits == 4 else 544)
+    packed = ops.pack_linear_weight(w, torch.uint8 if bits == 4 else torch.int8, blocks=True, int8_activations=a8)
+    P = -(-N // 16)
+    last = {(4, False): (320,), (8, False): (544,), (4, True): (5, 64), (8, True): (17, 32)}[bits, a8]
+    assert packed.shape == (P, K // 32, *last)
     assert torch.equal(reference.unpack_linear_weight(packed, N),
                        ops.dequantize_blocks(*ops.quantize_blocks(w, bits)))
     # groups of 8, 4 and 2 panels, blocks of up to 8 rows, two blocks
     _products_match_the_reference_row_by_row(packed, N, K, dtype, g, (1, 2, 3, 4, 5, 8, 9, 16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_round_half_to_even_per_block_and_every_kernel_agrees_bitwise(bits, monkeypatch):
+    """Blocks for int8 activations: each row's block of 32 inputs becomes ``max |x| / 127`` times ``round(x * 127 /
+    max |x|)`` (half to even), whatever the weights: identity weights give the rounded inputs back (0.5 -> 0, 1.5 ->
+    2, 2.5 -> 2, -3.5 -> -4), a block of zeros gives zeros, and float activations would not round. The AVX-512 VNNI
+    kernel and the baseline one give bitwise the same outputs (integer block sums, one float order)."""
+    K = 64
+    w = torch.eye(K)  # 4-bit: d = 1/15, q in {0, 15}, m = 0; 8-bit: d = 1/127 (float16), q = 127
+    x = torch.zeros(2, K)
+    x[0, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -3.5, 100.2])  # block 0: max 127, so r = round-half-even(x)
+    x[1, 32:] = torch.linspace(-1, 1, 32)  # row 1: a block of zeros, then a scaled one
+    packed = ops.pack_linear_weight(w, torch.uint8 if bits == 4 else torch.int8, blocks=True, int8_activations=True)
+    native = ops.packed_linear(x, packed, K)
+    scale = reference.block_parts(packed, K)[1][:, 0]  # each row's d: w = d q, q its largest value
+    unit = scale * (15 if bits == 4 else 127)
+    torch.testing.assert_close(native[0, :6] / unit[:6], torch.tensor([127.0, 0.0, 2.0, 2.0, -4.0, 100.0]))
+    assert torch.equal(native[1, :32], torch.zeros(32))
+    torch.testing.assert_close(native, reference.packed_linear(x, packed, None, K), rtol=1e-6, atol=1e-6)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert torch.equal(ops.packed_linear(x, packed, K), native)
+    x2 = torch.randn(9, 576, generator=torch.Generator().manual_seed(bits))
+    w2 = ops.pack_linear_weight(torch.randn(80, 576), torch.uint8 if bits == 4 else torch.int8, blocks=True,
+                                int8_activations=True)
+    baseline = ops.packed_linear(x2, w2, 80)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert torch.equal(ops.packed_linear(x2, w2, 80), baseline)
 
 
 @needs_kernel
@@ -125,6 +157,15 @@ def test_blocks_are_refused_in_one_line_where_they_do_not_fit():
     w8 = ops.pack_linear_weight(torch.randn(32, 64), torch.int8, blocks=True)
     with pytest.raises(ValueError, match=r"packed_linear: weight \(8-bit blocks\) must be \[3, 2, 544\]"):
         ops.packed_linear(torch.randn(3, 64), w8, 48)
+    a8 = ops.pack_linear_weight(torch.randn(32, 64), torch.uint8, int8_activations=True)
+    for fn in (ops.packed_linear, reference.packed_linear):
+        args = (torch.randn(3, 96), a8, 32) if fn is ops.packed_linear else (torch.randn(3, 96), a8, None, 32)
+        with pytest.raises(ValueError, match=r"packed_linear: weight \(4-bit blocks for int8 activations\) must be "
+                                             r"\[2, 3, 5, 64\] \(in features a multiple of 32\), got \[2, 2, 5, 64\]"):
+            fn(*args)
+    with pytest.raises(TypeError, match="pack_linear_weight: int8_activations=True needs blocks .* got dtype "
+                                        "torch.float32"):
+        ops.pack_linear_weight(torch.randn(16, 64), torch.float32, int8_activations=True)
     with pytest.raises(ValueError, match="pack_linear_weight: blocks need in_features a multiple of 32, got 40"):
         ops.pack_linear_weight(torch.randn(16, 40), torch.uint8)
     with pytest.raises(TypeError, match="pack_linear_weight: blocks=True needs dtype torch.int8 \\(Q8_0\\) or "
@@ -142,13 +183,14 @@ def test_int8_panels_are_refused_in_one_line_where_they_do_not_fit():
         ops.pack_linear_weight(torch.randn(4, 4), torch.float16)
 
 
-def _layer_case(int8_down_only: bool = False, kind=torch.int8):
+def _layer_case(int8_down_only: bool = False, kind=torch.int8, a8: bool = False):
     """decoder_layer's arguments for a random layer (H 32, 4 query / 2 kv heads of 8, I 64) with int8 panels (or
-    4-bit blocks: kind torch.uint8)."""
+    4-bit blocks: kind torch.uint8; a8: for int8 activations)."""
     g = torch.Generator().manual_seed(0)
     H, Hq, Hkv, D, inter, S, C = 32, 4, 2, 8, 64, 2, 12
     r = (lambda *s: torch.randn(*s, generator=g) * 0.3)
-    pack = (lambda w, i8=True: ops.pack_linear_weight(w, kind if i8 else torch.float32))
+    pack = (lambda w, i8=True: ops.pack_linear_weight(w, kind, int8_activations=a8) if i8 else
+            ops.pack_linear_weight(w, torch.float32))
     qkv, o, gu = pack(r((Hq + 2 * Hkv) * D, H), not int8_down_only), pack(r(H, Hq * D), not int8_down_only), \
         pack(r(2 * inter, H), not int8_down_only)
     down = pack(r(H, inter))
@@ -159,18 +201,27 @@ def _layer_case(int8_down_only: bool = False, kind=torch.int8):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", [torch.int8, torch.uint8])
-def test_a_decoder_layer_over_quantized_weights_matches_the_reference(kind):
-    args = _layer_case(kind=kind)
+@pytest.mark.parametrize("kind,a8", [(torch.int8, False), (torch.uint8, False), (torch.uint8, True)])
+def test_a_decoder_layer_over_quantized_weights_matches_the_reference(kind, a8):
+    args = _layer_case(kind=kind, a8=a8)
     out = ops.decoder_layer(*args)
     ref_args = list(args)
     ref_args[10], ref_args[11] = args[10].clone().zero_(), args[11].clone().zero_()
     ref = reference.decoder_layer(*ref_args)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(args[10], ref_args[10], rtol=1e-4, atol=1e-4)  # the keys written into the cache
+    # int8 activations: an input the kernel and the reference round a float32 ulp apart can land on either side of
+    # a half step of its block's int8 grid (max |x| / 127 ~ 0.02 here), moving an output by about one weight times
+    # that step; products are checked to 1e-5 on their own (above)
+    tol = dict(rtol=2e-2, atol=5e-2) if a8 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(args[10], ref_args[10], **tol)  # the keys written into the cache
     with pytest.raises(TypeError, match="qkv, o, gate_up and down must all be int8 panels, all blocks of one kind or "
                                         "all in x's dtype"):
-        ops.decoder_layer(*_layer_case(int8_down_only=True, kind=kind))
+        ops.decoder_layer(*_layer_case(int8_down_only=True, kind=kind, a8=a8))
+    if a8:  # blocks for float activations beside blocks for int8 ones
+        mixed = list(args)
+        mixed[9] = ops.pack_linear_weight(torch.randn(32, 64), torch.uint8)
+        with pytest.raises(TypeError, match="must all be int8 panels, all blocks of one kind"):
+            ops.decoder_layer(*mixed)
 
 
 @pytest.fixture(scope="module", params=["q8", "q4"])
@@ -212,8 +263,8 @@ def test_quantizing_twice_changes_nothing_and_keeps_the_float_fingerprint():
     assert weights.weight_bytes(q) < weights.weight_bytes(make_target("llama", vocab=64)) / 3.5
     with pytest.raises(ValueError, match="the target model's weights are already 'q8', not 'q4'"):
         weights.quantize(q, "q4")
-    with pytest.raises(ValueError, match=r"weights must be one of 'q8', 'q4' \(or None for the model's float "
-                                         r"weights\), got 'q2'"):
+    with pytest.raises(ValueError, match=r"weights must be one of 'q8', 'q4', 'q4a8' \(or None for the model's "
+                                         r"float weights\), got 'q2'"):
         weights.quantize(q, "q2")
     q4 = weights.quantize(make_target("llama", vocab=64), "q4")
     state = {k: v.clone() for k, v in q4.state_dict().items()}
@@ -246,7 +297,7 @@ def test_a_cast_keeps_the_blocks_packed_from_float32_until_the_weights_change():
 
 def test_the_loaders_refuse_quantized_weights_they_cannot_give(tmp_path):
     with pytest.raises(ValueError, match=r"weights must be None or 'float' \(the float weights\), 'auto' or one of "
-                                         r"'q8', 'q4', got 'int4'"):
+                                         r"'q8', 'q4', 'q4a8', got 'int4'"):
         load_models(tmp_path, weights="int4")
     with pytest.raises(ValueError, match="weights='q8' is for a target on one CPU .* device='cuda'"):
         load_models(tmp_path, weights="q8", device="cuda")
@@ -265,18 +316,78 @@ def test_greedy_decoding_of_a_quantized_target_equals_its_own_decoding(q8_pair, 
         greedy_against_target(gen, target, prompt_ids=64)  # asserts candidates were accepted and rejected
 
 
+@pytest.fixture(scope="module")
+def a8_pair():
+    target, draft = make_pair("llama", noise=0.3, vocab=64)
+    return weights.quantize(target, "q4a8"), draft
+
+
+class _EngineLogits:
+    """A model's logits as the lean engine computes them (a ``"q4a8"`` model's function is the fused op's, not
+    transformers' forward): ``self(ids).logits`` ``[b, 1, V]`` at each row's last position, as ``exact_marginals``
+    reads a model."""
+
+    def __init__(self, model):
+        self.lean, self.config = LeanModel(model, "target"), model.config
+
+    def __call__(self, ids):
+        cache = self.lean.cache(ids.shape[0], ids.shape[1] + 1)
+        return type("Out", (), {"logits": self.lean.forward(cache, ids, keep=1, start=0)[0]})
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_a_q4a8_target_runs_every_forward_fused_and_a_prefill_is_bitwise_its_steps(a8_pair):
+    """Int8 activations are a function only the fused op computes: a prefill of 2 x 20 tokens (past FUSED_MAX_ROWS)
+    runs it too and gives bitwise the logits of one-token steps; transformers' forward of the same model (float
+    activations, q4's function) is near but not equal; the lean model refuses to run it unfused."""
+    target, _ = a8_pair
+    lean = LeanModel(target, "target")
+    assert lean.int8_activations and lean.panels[0].qkv.shape[-2:] == (5, 64) and lean.head_panels.dim() == 4
+    ids = torch.randint(2, 64, (2, 20), generator=torch.Generator().manual_seed(2))
+    cache = lean.cache(2, 24)
+    whole = lean.forward(cache, ids, keep=20, start=0)[0]
+    cache = lean.cache(2, 24)
+    steps = torch.cat([lean.forward(cache, ids[:, i: i + 1], start=i)[0] for i in range(20)], dim=1)
+    assert torch.equal(whole, steps)
+    floats = target(ids).logits
+    assert not torch.equal(whole, floats)
+    torch.testing.assert_close(whole, floats, rtol=0.05, atol=0.05 * float(floats.abs().max()))
+    with pytest.raises(ValueError, match="weights are 'q4a8' \\(int8 activations\\), which only the fused CPU op "
+                                         "computes"):
+        LeanModel(target, "target", fused=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("policy,kw", [("fixed", {"k": 6}), ("heuristic", {})])
+def test_greedy_decoding_of_a_q4a8_target_equals_its_own_plain_decoding(a8_pair, policy, kw):
+    """3 left-padded rows: K = 6 verifies 21 tokens a round (past FUSED_MAX_ROWS, fused all the same); the tokens
+    equal the engine's plain decoding of the same target token for token."""
+    target, draft = a8_pair
+    ids = torch.randint(2, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2], mask[2, :4] = 0, 0
+    run = dict(attention_mask=mask, max_new_tokens=32, temperature=0, pad_token_id=1)
+    plain = SpeculativeGenerator(target, None, policy="autoregressive").generate(ids, **run)
+    out = SpeculativeGenerator(target, draft, policy=policy, **kw).generate(ids, **run)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.stats.accepted > 0 and out.stats.discarded > 0
+
+
 N_ROWS, N_POS = 3000, 3
 
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q4a8"])
 def test_sampling_follows_the_quantized_target_and_the_test_tells_another_target_apart(kind):
     target, draft = make_pair("llama", noise=0.5, vocab=12, ctx=48)
     float_target = make_target("llama", vocab=12, ctx=48, seed=3)  # the negative control's other model
     weights.quantize(target, kind)
     prompt = torch.tensor([[0, 5, 7, 3, 9]])
-    marginals = exact_marginals(target, prompt, SamplingConfig(1.0), N_POS)
+    source = _EngineLogits(target) if kind in weights.INT8_ACTIVATIONS else target  # the function decoding samples
+    with torch.inference_mode():
+        marginals = exact_marginals(source, prompt, SamplingConfig(1.0), N_POS)
     out = SpeculativeGenerator(target, draft, policy="fixed", k=3).generate(
         prompt.expand(N_ROWS, -1), max_new_tokens=N_POS, temperature=1.0, seed=11)
     toks = torch.tensor(out.new_tokens)
@@ -289,7 +400,7 @@ def test_sampling_follows_the_quantized_target_and_the_test_tells_another_target
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "q4a8"])
 def test_the_bundled_pair_loads_quantized_and_its_greedy_text_equals_its_own_plain_decoding(kind):
     """load_pair(weights=kind) quantizes both models; the heads still check against the draft (the float
     fingerprint kept); SpecDec++ with them gives the quantized target's own greedy tokens."""

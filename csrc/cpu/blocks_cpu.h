@@ -1,5 +1,6 @@
 // CPU matrix-vector products over weights stored in blocks of 32 inputs with float16 scales, 4-bit (GGUF's Q4_1) or
-// 8-bit (Q8_0) (csrc/cpu/blocks_cpu.cpp), for packed_linear and decoder_layer (csrc/cpu/layer_cpu.cpp).
+// 8-bit (Q8_0), with float32 or int8 activations (csrc/cpu/blocks_cpu.cpp), for packed_linear and decoder_layer
+// (csrc/cpu/layer_cpu.cpp).
 #pragma once
 #include <cstdint>
 
@@ -16,6 +17,13 @@ void q4_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w
 // The same with W in 8-bit blocks [ceil(N / 16), K / 32, 544] (PackedWeights::kQ8Blocks).
 void q8_blocks_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, int64_t N, float* y,
                     int64_t ldy, const float* bias);
+
+// The same with x's rows quantized to int8 blocks of 32 (W4A8, W8A8), W in the int8 activations' layouts: 4-bit
+// [ceil(N / 16), K / 32, 5, 64] (PackedWeights::kQ4BlocksA8), 8-bit [ceil(N / 16), K / 32, 17, 32] (kQ8BlocksA8).
+void q4_a8_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
+                int64_t ldy, const float* bias);
+void q8_a8_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, int64_t N, float* y, int64_t ldy,
+                const float* bias);
 
 }  // namespace cpu
 }  // namespace specdec

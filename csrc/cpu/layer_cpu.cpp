@@ -50,6 +50,12 @@ struct Q4Blocks {  // the weight type W of 4-bit blocks (PackedWeights::kQ4Block
 struct Q8Blocks {  // and of 8-bit blocks (PackedWeights::kQ8Blocks), which q8_blocks_gemm reads
   int8_t byte;
 };
+struct Q4BlocksA8 {  // 4-bit blocks for int8 activations (kQ4BlocksA8), read by q4_a8_gemm
+  uint8_t byte;
+};
+struct Q8BlocksA8 {  // 8-bit blocks for int8 activations (kQ8BlocksA8), read by q8_a8_gemm
+  int8_t byte;
+};
 
 // Elements of W after each panel's K lines: an int8 panel's 16 float32 scales (64 bytes); none for float weights.
 template <typename W>
@@ -315,6 +321,14 @@ void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8Bloc
                  int64_t ldy, const float* bias) {
   q8_blocks_gemm(x, ldx, M, K, reinterpret_cast<const int8_t*>(w), N, y, ldy, bias);
 }
+void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q4BlocksA8* w, int64_t N, float* y,
+                 int64_t ldy, const float* bias) {
+  q4_a8_gemm(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias);
+}
+void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8BlocksA8* w, int64_t N, float* y,
+                 int64_t ldy, const float* bias) {
+  q8_a8_gemm(x, ldx, M, K, reinterpret_cast<const int8_t*>(w), N, y, ldy, bias);
+}
 
 // out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps) for R rows of length H (row strides ldx, ldo).
 void rms_rows(const float* x, int64_t ldx, int64_t R, int64_t H, const float* w, float eps, float* out, int64_t ldo) {
@@ -458,18 +472,22 @@ void decoder_layer_impl(const DecoderLayerArgs& a) {
 }
 
 // Kernel<T, W>::run(a) for the activations' dtype T (float32, bfloat16) and the weights' W (T, int8, or blocks).
+template <template <typename, typename> class Kernel, typename T, class Args>
+void by_weights(const Args& a) {
+  switch (a.weights) {
+    case PackedWeights::kInt8Rows: return Kernel<T, int8_t>::run(a);
+    case PackedWeights::kQ4Blocks: return Kernel<T, Q4Blocks>::run(a);
+    case PackedWeights::kQ8Blocks: return Kernel<T, Q8Blocks>::run(a);
+    case PackedWeights::kQ4BlocksA8: return Kernel<T, Q4BlocksA8>::run(a);
+    case PackedWeights::kQ8BlocksA8: return Kernel<T, Q8BlocksA8>::run(a);
+    case PackedWeights::kFloat: return Kernel<T, T>::run(a);
+  }
+}
+
 template <template <typename, typename> class Kernel, class Args>
 void by_dtypes(const Args& a) {
-  if (a.dtype == DType::kBFloat16) {
-    if (a.weights == PackedWeights::kInt8Rows) return Kernel<c10::BFloat16, int8_t>::run(a);
-    if (a.weights == PackedWeights::kQ4Blocks) return Kernel<c10::BFloat16, Q4Blocks>::run(a);
-    if (a.weights == PackedWeights::kQ8Blocks) return Kernel<c10::BFloat16, Q8Blocks>::run(a);
-    return Kernel<c10::BFloat16, c10::BFloat16>::run(a);
-  }
-  if (a.weights == PackedWeights::kInt8Rows) return Kernel<float, int8_t>::run(a);
-  if (a.weights == PackedWeights::kQ4Blocks) return Kernel<float, Q4Blocks>::run(a);
-  if (a.weights == PackedWeights::kQ8Blocks) return Kernel<float, Q8Blocks>::run(a);
-  Kernel<float, float>::run(a);
+  if (a.dtype == DType::kBFloat16) return by_weights<Kernel, c10::BFloat16>(a);
+  by_weights<Kernel, float>(a);
 }
 
 template <typename T, typename W>

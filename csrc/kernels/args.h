@@ -158,8 +158,10 @@ struct CacheAttentionArgs : AttentionQKV {
 // last, one per output); 4-bit blocks [P, K / 32, 320] bytes (per block of 32 inputs, 16 lines of 16 bytes holding
 // inputs 2j and 2j + 1 of each output in the low and high nibble, then 16 float16 scales d and 16 float16 minima m:
 // w = d q + m, GGUF's Q4_1); 8-bit blocks [P, K / 32, 544] int8 (32 lines of 16 int8, then 16 float16 scales d: w =
-// d q, GGUF's Q8_0).
-enum class PackedWeights { kFloat, kInt8Rows, kQ4Blocks, kQ8Blocks };
+// d q, GGUF's Q8_0). The same blocks for int8 activations (W4A8, W8A8: each row's inputs quantized to int8 blocks of
+// 32 before the products): [P, K / 32, 5, 64] uint8 and [P, K / 32, 17, 32] int8, whose chunks of 64 bytes hold 4
+// consecutive inputs of each output (csrc/cpu/blocks_cpu.cpp).
+enum class PackedWeights { kFloat, kInt8Rows, kQ4Blocks, kQ8Blocks, kQ4BlocksA8, kQ8BlocksA8 };
 
 // packed_linear: y = x W^T with W [N, K] stored as panels of 16 output features, [P = ceil(N / 16), K, 16] (row
 // p * 16 + l of W at [p, :, l], rows past N zero): a matrix-vector product for the few rows of a decode step streams

@@ -15,7 +15,9 @@ processors (an fp32 ``[4, 256] x [256, 8192]`` LM-head matmul: 0.8-1.2 ms throug
 for decode steps and verifications. In float32 a forward of a few tokens (a decode step, a verification) runs each
 layer as one ``ops.decoder_layer`` call instead (``csrc/cpu/layer_cpu.cpp``: the weights read once from panels at the
 rate the CPU streams memory, no per-op dispatch; a model quantized by ``engine.weights.quantize`` is read there as
-int8 panels). The prepared weights are kept per model and rebuilt when a weight changes.
+int8 panels or blocks). A model whose weights multiply int8 activations (``"q4a8"``) runs every forward, prefills
+included, through the fused op: its function is that op's, which transformers' modules do not compute. The prepared
+weights are kept per model and rebuilt when a weight changes.
 
 It computes the distribution the model defines in another order of operations than ``transformers``' modules: in
 float32 the greedy tokens equal ``transformers``' ``generate()`` (tested), in bfloat16 near-ties may round either
@@ -147,11 +149,13 @@ class LeanModel:
     row's live columns only; the flash-decoding kernel on a GPU, not yet the default there: unmeasured on one);
     ``"sdpa"``, torch's ``scaled_dot_product_attention`` everywhere. ``fused``: forwards of at most
     :data:`FUSED_MAX_ROWS` tokens (for its dtype) run each layer as one ``ops.decoder_layer`` call (and the LM head as
-    ``ops.packed_linear``) over a copy of the weights in panels (True; None: wherever :meth:`fusable`; False: never).
+    ``ops.packed_linear``) over a copy of the weights in panels (True; None: wherever :meth:`fusable`; False: never);
+    every forward of a model with int8 activations (``engine.weights``' ``"q4a8"``).
 
     Raises:
         ValueError: a model it does not reproduce (:func:`supports`), a model on the meta device, ``packed=True``
-            where packed weights are not available, or ``fused=True`` where :meth:`fusable` is False."""
+            where packed weights are not available, ``fused=True`` where :meth:`fusable` is False, or a ``"q4a8"``
+            model that cannot run fused."""
 
     def __init__(self, model, name: str = "draft", packed: Optional[bool] = None, attention: str = "auto",
                  fused: Optional[bool] = None):
@@ -170,7 +174,10 @@ class LeanModel:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {attention!r}")
         self.attention = attention
-        self.packed = uses_packed(self.device, self.dtype, packed)
+        # int8 activations: a function only the fused op computes, so every forward runs it (prefills too), and
+        # oneDNN's packed copy of the weights is not made
+        self.int8_activations = weights.kind(model) in weights.INT8_ACTIVATIONS
+        self.packed = uses_packed(self.device, self.dtype, packed) and not self.int8_activations
         self._linear: Callable = onednn_linear.linear if self.packed else F.linear
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -191,6 +198,10 @@ class LeanModel:
                              f"{FUSED_MAX_BYTES} bytes of linear weights (the {name} model: {self.dtype} on "
                              f"{self.device}, attention={attention!r})")
         self.fused = can_fuse if fused is None else bool(fused)
+        if self.int8_activations and not self.fused:
+            raise ValueError(f"the {name} model's weights are {weights.kind(model)!r} (int8 activations), which only "
+                             "the fused CPU op computes: it needs fused=None or True, the compiled extension and "
+                             f"attention='auto' (got fused={fused!r}, attention={attention!r})")
         self.panels, self.head_panels = self._panels(model) if self.fused else (None, None)
         # called as tap(slots, starts, x) by each forward before its final norm (a feature draft's record of the
         # target's hidden states, engine/feature_draft.py): slots ``[b]`` int64, starts ``[b]`` the rows' lengths
@@ -325,7 +336,7 @@ class LeanModel:
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read). A draft with a
         :class:`~specdec_ext.engine.subset_head.SubsetLMHead` computes its N rows and gives the rest -inf."""
         b, n = tokens.shape
-        if self.fused and b * n <= FUSED_MAX_ROWS[self.dtype]:
+        if self.fused and (b * n <= FUSED_MAX_ROWS[self.dtype] or self.int8_activations):
             return self._fused_forward(cache, tokens, rows, keep, embeds)
         M = cache.max_len
         W = M + 1 if width is None else width

@@ -15,11 +15,18 @@ one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_l
   output layer as ``d * q`` per block of 32 (GGUF's Q8_0: int8 q, float16 d), 8.5 bits a weight. A model loaded from
   a GGUF file with Q4_1 layers and a Q8_0 output layer (SmolLM2-135M's) quantizes back to the file's own q, d and m
   in every block: its weights are the file's exactly.
+* ``"q4a8"``: the weights of ``"q4"``, multiplied as llama.cpp multiplies them: each token's activations quantized
+  to int8 blocks of 32 (``max |x| / 127`` scale) before every product of a step or verification, whose sums are then
+  exact integer dot products (AVX-512 VNNI's vpdpbusd, 64 weights an instruction): the products of a step about 2x
+  faster than with float activations, where widening each weight to float32 costs more than reading it. A different
+  function from ``"q4"``'s (the activations rounded to 8 bits), so an opt-in, never ``"auto"``.
 
 The output layer is untied from the input embedding, which stays float (a distilled draft shares it), except where
 the quantization is exact (``quantize(..., exact=True)``: nothing changes, a tied output layer stays tied). Prefills and
 forwards of more than ``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's
-dtype. The model keeps its float weights' fingerprint (``engine.models.fingerprint``), so the drafts and heads made for
+dtype; a ``"q4a8"`` model runs every forward, prefills too, through the fused op (transformers' own forward of it
+computes ``"q4"``'s function, float activations). The model keeps its float weights' fingerprint
+(``engine.models.fingerprint``), so the drafts and heads made for
 it still load.
 
 Speculative decoding stays lossless for this target: every forward of a round computes the quantized model's
@@ -36,7 +43,9 @@ import torch
 from .. import ops
 from .models import fingerprint, tensors_key
 
-WEIGHTS = ("q8", "q4")  # the kinds of quantized weights quantize() makes
+WEIGHTS = ("q8", "q4", "q4a8")  # the kinds of quantized weights quantize() makes
+_BLOCKS = ("q4", "q4a8")  # the kinds held in blocks of 32
+INT8_ACTIVATIONS = ("q4a8",)  # the kinds whose products quantize the activations (engine.model runs them fused)
 _ATTR = "specdec_weights"  # the model attribute that names them
 
 
@@ -76,15 +85,16 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     """Replace ``model``'s linear weights, in place, by their ``weights`` quantization (module docstring) and mark the
     model so that the lean model packs them so. ``weights``: ``"q8"`` (int8, one float32 scale per output feature) or
     ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the output layer in
-    8-bit blocks of 32, Q8_0). A feature draft's decoder is quantized, its ``fc`` stays float. Returns ``model``.
+    8-bit blocks of 32, Q8_0), or ``"q4a8"`` (those weights, multiplied by int8 activations). A feature draft's
+    decoder is quantized, its ``fc`` stays float. Returns ``model``.
     Quantizing a model already quantized this way changes nothing. ``exact``: only where the quantization gives back
     every weight as it is (a GGUF file's Q4_1 layers and Q8_0 output layer, loaded in float32); otherwise (weights
     that do not fit blocks of 32 included) the model is left as it was and None is returned.
 
     Raises:
         ValueError: ``weights`` not one of :data:`WEIGHTS`; a model that is not on a CPU (the kernels are CPU ones) or
-            not a decoder-layer model with ``model.model.layers``; ``"q4"`` on a layer whose in features are not a
-            multiple of 32; a model quantized another way."""
+            not a decoder-layer model with ``model.model.layers``; ``"q4"`` / ``"q4a8"`` on a layer whose in
+            features are not a multiple of 32; a model quantized another way."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHTS))} (or None for the model's float "
                          f"weights), got {weights!r}")
@@ -100,12 +110,13 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     done = kind(outer)
     if done is not None and done != weights:
         raise ValueError(f"the {name} model's weights are already {done!r}, not {weights!r}")
-    blocks = _linear_weights(model) if weights == "q4" else []
+    blocks = _linear_weights(model) if weights in _BLOCKS else []
     odd = next((w for w in blocks if w.shape[1] % ops.BLOCK), None)
     if odd is not None and exact:
         return None
     if odd is not None:
-        raise ValueError(f"weights='q4' needs every linear layer's in features a multiple of {ops.BLOCK} (the {name} "
+        raise ValueError(f"weights={weights!r} needs every linear layer's in features a multiple of {ops.BLOCK} (the "
+                         f"{name} "
                          f"model has one of {odd.shape[1]}); use weights='q8'")
     layers = len(_layer_weights(model))
 
@@ -132,21 +143,25 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
 def panels(model) -> tuple[list[tuple], torch.Tensor]:
     """The weights as the fused CPU ops read them: each decoder layer's ``(qkv, o, gate_up, down)`` packed by
     ``ops.pack_linear_weight`` (Wq, Wk, Wv and Wgate, Wup concatenated) and the output layer's packing, in the
-    model's float dtype, as int8 rows (``"q8"``), or as 4-bit blocks and the output layer in 8-bit blocks (``"q4"``).
-    Those :func:`cast` packed from the float32 values, while the weights are the same tensors since."""
+    model's float dtype, as int8 rows (``"q8"``), or as 4-bit blocks and the output layer in 8-bit blocks (``"q4"``;
+    ``"q4a8"``: in the layouts for int8 activations). Those :func:`cast` packed from the float32 values, while the
+    weights are the same tensors since."""
     kept = getattr(model, "specdec_exact_panels", None)
     if kept is not None and kept[0] == tensors_key(model):
         return kept[1]
     k = kind(model)
-    layer_dtype = {"q8": torch.int8, "q4": torch.uint8}.get(k)
-    pack = (lambda w: ops.pack_linear_weight(w, layer_dtype))
+    layer_dtype = {"q8": torch.int8, "q4": torch.uint8, "q4a8": torch.uint8}.get(k)
+    a8 = k == "q4a8"
+    pack = (lambda w: ops.pack_linear_weight(w, layer_dtype, int8_activations=a8))
     layers = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         layers.append((pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)), pack(a.o_proj.weight),
                        pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)), pack(m.down_proj.weight)))
     head = model.get_output_embeddings().weight
-    return layers, (ops.pack_linear_weight(head, torch.int8, blocks=True) if k == "q4" else pack(head))
+    if k in _BLOCKS:
+        return layers, ops.pack_linear_weight(head, torch.int8, blocks=True, int8_activations=a8)
+    return layers, pack(head)
 
 
 def cast(model, dtype: torch.dtype):
@@ -160,19 +175,20 @@ def cast(model, dtype: torch.dtype):
 
 
 def kind(model) -> Optional[str]:
-    """The quantized weights :func:`quantize` gave ``model`` (``"q8"``, ``"q4"``), or None for float weights."""
+    """The quantized weights :func:`quantize` gave ``model`` (:data:`WEIGHTS`), or None for float weights."""
     return getattr(model, _ATTR, None)
 
 
 def weight_bytes(model) -> int:
     """Bytes of linear weights a one-token step reads: the decoder layers' projections and the output layer as the
-    lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; for ``"q4"`` 4-bit blocks of 32
+    lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; for ``"q4"`` / ``"q4a8"``
+    4-bit blocks of 32
     with two float16 per block for the layers, 8-bit blocks with one for the output layer; else the model's dtype)."""
     total, k = 0, kind(model)
     layers = len(_layer_weights(model))
     for i, w in enumerate(_linear_weights(model)):
         rows, cols = w.shape
-        if k == "q4":
+        if k in _BLOCKS:
             total += rows * cols // ops.BLOCK * ((ops.BLOCK // 2 + 4) if i < layers else (ops.BLOCK + 2))
         elif k == "q8":
             total += rows * (cols + 4)

@@ -120,7 +120,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     ``"specdec_decode"`` selects the CPU decode-attention kernel (``engine/attention.py``). ``weights="q8"``
     quantizes both models' linear weights to int8 with a scale per output feature, read as int8 by the CPU's fused
     decoder layer (``engine/weights.py``; SmolLM2-135M's one-token step 2x faster than in bfloat16); ``"q4"`` holds
-    their decoder layers in 4-bit blocks of 32 (GGUF's Q4_1) and the output layer in 8-bit blocks (Q8_0); both are
+    their decoder layers in 4-bit blocks of 32 (GGUF's Q4_1) and the output layer in 8-bit blocks (Q8_0);
+    ``"q4a8"`` multiplies those weights by int8 activations (blocks of 32, as llama.cpp does; faster steps, another
+    function than ``"q4"``'s); all are
     made from the float32 values, then the target is cast to ``target_dtype``. ``"auto"`` (the default): a GGUF
     target whose weights are Q4_1 layers and a Q8_0 output layer (as SmolLM2-135M's file) is held as ``"q4"``, the
     file's own blocks exactly, on one CPU, and its draft as ``"q4"`` too (``"q8"`` where its layers do not fit blocks
@@ -128,8 +130,8 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     float weights. Speculation is lossless with respect to the target as held.
 
     Raises: ValueError for ``tp`` < 1, ``tp`` > 1 outside a ``torchrun`` of ``tp`` processes, ``tp`` with
-    ``device_map``, ``weights`` other than None / ``"float"`` / ``"auto"`` / ``"q8"`` / ``"q4"``, or ``"q8"`` /
-    ``"q4"`` with a target off the CPU; ImportError for ``tp`` > 1 without accelerate (``pip install
+    ``device_map``, ``weights`` other than None / ``"float"`` / ``"auto"`` / ``"q8"`` / ``"q4"`` / ``"q4a8"``, or
+    quantized weights with a target off the CPU; ImportError for ``tp`` > 1 without accelerate (``pip install
     'specdec_ext[tp]'``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -273,7 +275,7 @@ def load_pair(name: str = "bundled", target_dtype: Optional[torch.dtype] = None,
     ``1bd1639:bench/draft_dtype.py``). ``tp``: as in :func:`load_models` (a tensor-parallel target under
     ``torchrun``); ``attn_implementation`` default: :func:`default_attn_implementation` (the decode-attention
     kernel on a CPU); ``weights``: as in :func:`load_models` (``"auto"``: ``smollm2-135m``'s target as
-    its file's own Q4_1 / Q8_0 blocks; ``"q8"``, ``"q4"``: every model's, the feature draft's too).
+    its file's own Q4_1 / Q8_0 blocks; ``"q8"``, ``"q4"``, ``"q4a8"``: every model's, the feature draft's too).
 
     Raises: ValueError for an unknown name; FileNotFoundError when this checkout has no bundled pair (train it with
     ``specdec zoo train``) or a named pair's package is not installed (the message names the command)."""
