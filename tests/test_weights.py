@@ -276,6 +276,13 @@ def test_quantizing_twice_changes_nothing_and_keeps_the_float_fingerprint():
         weights.quantize(make_target("llama", vocab=64, hidden=48), "q4")
     odd = make_target("llama", vocab=64, hidden=48)
     assert weights.quantize(odd, "q4", exact=True) is None and weights.kind(odd) is None
+    gguf_like = make_target("llama", vocab=64)  # a tied output layer already in Q8_0 values (a GGUF file's) stays tied
+    with torch.no_grad():
+        emb = gguf_like.model.embed_tokens.weight
+        emb.copy_(ops.dequantize_blocks(*ops.quantize_blocks(emb, 8)))
+    gguf_like.lm_head.weight = emb
+    weights.quantize(gguf_like, "q4a8")
+    assert gguf_like.lm_head.weight is gguf_like.model.embed_tokens.weight and weights.kind(gguf_like) == "q4a8"
 
 
 @needs_kernel
@@ -344,6 +351,8 @@ def test_a_q4a8_target_runs_every_forward_fused_and_a_prefill_is_bitwise_its_ste
     target, _ = a8_pair
     lean = LeanModel(target, "target")
     assert lean.int8_activations and lean.panels[0].qkv.shape[-2:] == (5, 64) and lean.head_panels.dim() == 4
+    assert lean.lm_head is None and all(m is None for layer in lean.layers  # no float copy of what it never reads
+                                        for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
     ids = torch.randint(2, 64, (2, 20), generator=torch.Generator().manual_seed(2))
     cache = lean.cache(2, 24)
     whole = lean.forward(cache, ids, keep=20, start=0)[0]

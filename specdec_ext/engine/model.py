@@ -235,13 +235,17 @@ class LeanModel:
 
     def _prepare(self, model) -> tuple:
         """The per-layer weights (QKV and gate/up concatenated, packed when ``packed``), the LM head and the RoPE
-        tables, kept per model while its weights stay the same tensors at the same version."""
+        tables, kept per model while its weights stay the same tensors at the same version. A model with int8
+        activations, which runs only the fused op, gets its norms and biases alone (the matrices None: no float copy
+        of its weights)."""
         kept = _PREPARED.setdefault(model, {})  # packed -> (fingerprint, prepared): both kinds, for side-by-side runs
-        key = tensors_key(model)
-        hit = kept.get(self.packed)
+        key, kind = tensors_key(model), "fused only" if self.int8_activations else self.packed
+        hit = kept.get(kind)
         if hit is not None and hit[0] == key:
             return hit[1]
         pack = onednn_linear.pack if self.packed else (lambda w: w)
+        if self.int8_activations:
+            pack = (lambda w: None)
         base = model.model
         with torch.no_grad():
             layers = []
@@ -250,20 +254,22 @@ class LeanModel:
                 biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
                 layers.append(Layer(
                     layer.input_layernorm.weight,
-                    pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()),
+                    pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()
+                         if not self.int8_activations else None),
                     torch.cat(biases, 0) if all(b is not None for b in biases) else None,
                     a.q_norm.weight if hasattr(a, "q_norm") else None,
                     a.k_norm.weight if hasattr(a, "k_norm") else None,
                     pack(a.o_proj.weight),
                     layer.post_attention_layernorm.weight,
-                    pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous()),
+                    pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous()
+                         if not self.int8_activations else None),
                     pack(m.down_proj.weight),
                 ))
             lm_head = pack(model.get_output_embeddings().weight)
             pos = torch.arange(self.max_pos, device=self.device).unsqueeze(0)
             cos, sin = base.rotary_emb(self.embed[:1].unsqueeze(0), pos)
             prepared = (layers, lm_head, cos[0].to(self.dtype), sin[0].to(self.dtype))  # cos/sin [max_pos, head_dim]
-        kept[self.packed] = (key, prepared)
+        kept[kind] = (key, prepared)
         return prepared
 
     def cache(self, slots: int, max_len: int) -> StaticCache:

@@ -21,8 +21,9 @@ one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_l
   faster than with float activations, where widening each weight to float32 costs more than reading it. A different
   function from ``"q4"``'s (the activations rounded to 8 bits), so an opt-in, never ``"auto"``.
 
-The output layer is untied from the input embedding, which stays float (a distilled draft shares it), except where
-the quantization is exact (``quantize(..., exact=True)``: nothing changes, a tied output layer stays tied). Prefills and
+The output layer is untied from the input embedding, which stays float (a distilled draft shares it), where its
+values change (a GGUF file's Q8_0 output layer quantizes to itself: it stays tied, as with ``quantize(...,
+exact=True)``, which changes nothing or returns None). Prefills and
 forwards of more than ``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's
 dtype; a ``"q4a8"`` model runs every forward, prefills too, through the fused op (transformers' own forward of it
 computes ``"q4"``'s function, float activations). The model keeps its float weights' fingerprint
@@ -131,9 +132,13 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     if done is None:
         model.specdec_float_fingerprint = fingerprint(model)
     if not exact:  # (exact: every value is already its own quantization, a tied output layer stays tied)
-        _untie(model)
-        for i, w in enumerate(_linear_weights(model)):
-            w.copy_(values(i, w))
+        head = len(_linear_weights(model)) - 1
+        changed = [(i, v) for i, w in enumerate(_linear_weights(model)) if not torch.equal(v := values(i, w).to(w.dtype), w)]
+        if any(i == head for i, _ in changed):  # a tied output layer whose values stay needs no copy of its own
+            _untie(model)
+        weights_now = _linear_weights(model)
+        for i, v in changed:
+            weights_now[i].copy_(v)
     setattr(model, _ATTR, weights)
     setattr(outer, _ATTR, weights)
     return outer
