@@ -44,18 +44,17 @@ namespace specdec {
 namespace cpu {
 namespace {
 
-struct Q4Blocks {  // the weight type W of 4-bit blocks (PackedWeights::kQ4Blocks): bytes that q4_gemm reads
-  uint8_t byte;
+// The weight types W of blocks of 32 inputs (csrc/cpu/blocks_cpu.cpp): the bytes of a PackedWeights kind and the
+// product that reads them.
+template <typename Byte, void (*Gemm)(const float*, int64_t, int64_t, int64_t, const Byte*, int64_t, float*, int64_t,
+                                      const float*)>
+struct Blocks {
+  Byte byte;
 };
-struct Q8Blocks {  // and of 8-bit blocks (PackedWeights::kQ8Blocks), which q8_blocks_gemm reads
-  int8_t byte;
-};
-struct Q4BlocksA8 {  // 4-bit blocks for int8 activations (kQ4BlocksA8), read by q4_a8_gemm
-  uint8_t byte;
-};
-struct Q8BlocksA8 {  // 8-bit blocks for int8 activations (kQ8BlocksA8), read by q8_a8_gemm
-  int8_t byte;
-};
+using Q4Blocks = Blocks<uint8_t, q4_gemm>;           // PackedWeights::kQ4Blocks
+using Q8Blocks = Blocks<int8_t, q8_blocks_gemm>;     // kQ8Blocks
+using Q4BlocksA8 = Blocks<uint8_t, q4_a8_gemm>;      // kQ4BlocksA8: for int8 activations
+using Q8BlocksA8 = Blocks<int8_t, q8_a8_gemm>;       // kQ8BlocksA8
 
 // Elements of W after each panel's K lines: an int8 panel's 16 float32 scales (64 bytes); none for float weights.
 template <typename W>
@@ -313,21 +312,10 @@ void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, 
 }
 
 // Blocks: csrc/cpu/blocks_cpu.cpp.
-void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q4Blocks* w, int64_t N, float* y,
+template <typename Byte, auto Gemm>
+void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Blocks<Byte, Gemm>* w, int64_t N, float* y,
                  int64_t ldy, const float* bias) {
-  q4_gemm(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias);
-}
-void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8Blocks* w, int64_t N, float* y,
-                 int64_t ldy, const float* bias) {
-  q8_blocks_gemm(x, ldx, M, K, reinterpret_cast<const int8_t*>(w), N, y, ldy, bias);
-}
-void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q4BlocksA8* w, int64_t N, float* y,
-                 int64_t ldy, const float* bias) {
-  q4_a8_gemm(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias);
-}
-void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Q8BlocksA8* w, int64_t N, float* y,
-                 int64_t ldy, const float* bias) {
-  q8_a8_gemm(x, ldx, M, K, reinterpret_cast<const int8_t*>(w), N, y, ldy, bias);
+  Gemm(x, ldx, M, K, reinterpret_cast<const Byte*>(w), N, y, ldy, bias);
 }
 
 // out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps) for R rows of length H (row strides ldx, ldo).
