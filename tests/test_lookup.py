@@ -12,7 +12,7 @@ from specdec_ext.engine.sampling import SamplingConfig
 from specdec_ext.policies import LookupStop, make_policy
 from specdec_ext.policies.base import RoundContext, RoundPlan, RoundResult
 from specdec_ext.policies.costs import CostModel
-from specdec_ext.policies.lookup import PLAIN_AFTER, AcceptanceTable
+from specdec_ext.policies.lookup import EXPLORE_EVERY, PLAIN_AFTER, AcceptanceTable
 from models import make_pair
 from stats import assert_follows, chi_square
 from support import exact_marginals, head_for, target_only
@@ -250,6 +250,38 @@ def test_copy_or_draft_runs_the_round_that_promises_more():
     pol.observe(RoundResult([3], [2], steps=3, plan=plan))
     assert pol.drafted.counts[("draft", "greedy")][0][:3] == [n + 1] * 3
     assert pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).cap == 3  # nothing to copy: the draft
+
+
+def test_copy_or_draft_prices_the_draft_rounds_as_they_ran():
+    """At one row, draft rounds whose measured cycles emit fewer tokens per ms than plain steps give way: with a copy,
+    the copy's round; without, a plain step, and a draft round once in EXPLORE_EVERY rounds; rounds that run faster
+    than plain steps keep drafting. The profile's model alone (its verification nearly flat) keeps drafting."""
+    from specdec_ext.policies import CopyOrDraft
+
+    def measured(draft_ms: float):
+        pol = CopyOrDraft(make_policy("fixed", k=3))
+        pol.configure(SamplingConfig(0.0), COSTS)
+        pol.reset(1, torch.device("cpu"))
+        for _ in range(PLAIN_AFTER):  # drafts of 3 with 1 accepted: 2 tokens a round, modelled at 2 / 1.9 tokens/ms
+            plan = pol.plan(RoundContext(1, room=[10], matches=[0], copies=[0]))
+            assert plan.cap == 3 and not plan.proposer
+            pol.observe(RoundResult([3], [1], steps=3, plan=plan, cycle_ms=draft_ms))
+        return pol
+
+    fast, slow = measured(1.5), measured(4.0)  # 1.33 and 0.5 tokens/ms against plain's modelled 1 / 1.1
+    assert fast.draft_pays() and not slow.draft_pays()
+    assert fast.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).cap == 3
+    caps = []
+    for _ in range(2 * EXPLORE_EVERY):
+        plan = slow.plan(RoundContext(1, room=[10], matches=[0], copies=[0]))
+        caps.append(plan.cap)
+        slow.observe(RoundResult([plan.cap], [0], steps=plan.cap, plan=plan, cycle_ms=4.0 if plan.cap else 1.0))
+    assert caps.count(3) == 2 and set(caps) == {0, 3}  # plain steps, a draft round once in EXPLORE_EVERY
+    assert slow.plain_clock[0] > 0 and not slow.draft_pays()
+    plan = slow.plan(RoundContext(1, room=[10], matches=[3], copies=[4]))  # a copy: its round, not the draft's
+    assert plan.proposer
+    batch = slow.plan(RoundContext(2, room=[10, 10], matches=[0, 0], copies=[0, 0]))  # two rows: the model decides
+    assert batch.cap == 3
 
 
 def test_copy_or_draft_refuses_what_it_cannot_do():

@@ -39,6 +39,10 @@ PRIOR, PRIOR_WEIGHT, POOL_WEIGHT = 0.5, 2.0, 4.0
 # CopyOrDraft: draft rounds tried (first candidates verified) before a plain step may replace them where nothing is
 # copied: with fewer, an unlucky start (the first few drafts rejected) would stop the draft for good
 PLAIN_AFTER = 64
+# CopyOrDraft at one row: while its measured draft rounds emit fewer tokens per ms than plain steps, one round in this
+# many still drafts, so that the measured rate follows a draft that starts to pay
+EXPLORE_EVERY = 32
+DISCOUNT = 0.995  # weight of a measured round one round older (CopyOrDraft's measured rates)
 
 
 class AcceptanceTable:
@@ -169,8 +173,16 @@ class CopyOrDraft(CandidateLengthPolicy):
     acceptance table at the rows' matches, priced without draft forwards) with the draft's (its rounds' acceptance by
     position, counted online, priced by the pair's measured costs), and runs the round as a copy round (the plan's
     ``proposer``), as ``draft``'s round (any policy: its own plan and stop rule), or, where nothing is copied and the
-    draft's rounds (at least :data:`PLAIN_AFTER` of them) do not pay for their steps, as a plain step. The batch decides together (mean goodput over the
-    live rows). Each sub-policy learns only from the rounds it planned.
+    draft's rounds (at least :data:`PLAIN_AFTER` of them) do not pay for their steps, as a plain step. The batch
+    decides together (mean goodput over the live rows). Each sub-policy learns only from the rounds it planned.
+
+    At one row the draft's rounds are also priced as they ran: where, over at least :data:`PLAIN_AFTER` of them,
+    they emitted fewer tokens per ms of measured cycle (``RoundResult.cycle_ms``, discounted by :data:`DISCOUNT`)
+    than plain steps do (their measured cycle, else the profile's), a round copies where a copy pays and otherwise
+    takes a plain step, drafting once in :data:`EXPLORE_EVERY` rounds to keep the measure current. The pair's
+    profile prices a verification and a round's bookkeeping as measured once (with a 4-bit SmolLM2-135M on a 2-core
+    Xeon, a K = 1 verification as one step), so a draft accepting 16% of its candidates looked like it paid while its
+    rounds ran below plain decoding's rate (this rule is what ``threshold="auto"``'s own plain fallback does).
 
     Args: draft: the policy of the draft model's rounds. copy: the copy rounds' :class:`LookupStop` (default
     ``LookupStop("auto")``, which needs the pair's costs: so does this policy).
@@ -193,6 +205,22 @@ class CopyOrDraft(CandidateLengthPolicy):
         self.drafted = AcceptanceTable(min(draft.max_candidates, 32))  # the draft rounds' acceptance by position
         self.copy_costs = self.pair_costs = None
         self._planned: Optional[RoundPlan] = None
+        self._clear_clocks()
+
+    def _clear_clocks(self) -> None:
+        """The measured rates (class docstring): draft rounds' discounted [tokens, ms] and their count, plain steps'
+        discounted [steps, ms], rounds since the last draft round."""
+        self.draft_clock, self.plain_clock, self.draft_rounds, self.since_draft = [0.0, 0.0], [0.0, 0.0], 0, 0
+
+    def draft_pays(self) -> bool:
+        """Whether the draft's rounds, as measured, emit at least as many tokens per ms as plain steps (True until
+        :data:`PLAIN_AFTER` of them were measured)."""
+        tokens, ms = self.draft_clock
+        if self.draft_rounds < PLAIN_AFTER or ms <= 0.0:
+            return True
+        steps, plain_ms = self.plain_clock
+        step = plain_ms / steps if steps > 0 else self.pair_costs.plain_ms()
+        return tokens / ms >= 1.0 / step
 
     @property
     def needs_hidden(self) -> bool:
@@ -217,6 +245,7 @@ class CopyOrDraft(CandidateLengthPolicy):
     def reset(self, batch_size, device):
         self.copy.reset(batch_size, device)
         self.draft.reset(batch_size, device)
+        self._clear_clocks()
 
     def plan(self, ctx):
         copies = list(ctx.copies) or [0] * ctx.batch_size
@@ -228,10 +257,12 @@ class CopyOrDraft(CandidateLengthPolicy):
                          1.0 / self.copy_costs.plain_ms())
         deepest = max(ctx.room, default=0)
         depth, draft_rate = best_depth(self.drafted.rates(("draft", self.copy.mode), deepest), self.pair_costs)
-        if any(copies) and sum(rates) / len(rates) >= draft_rate:
+        # at one row, the draft's rounds as measured against plain steps (class docstring)
+        slow = ctx.batch_size == 1 and not self.draft_pays() and self.since_draft + 1 < EXPLORE_EVERY
+        if any(copies) and (slow or sum(rates) / len(rates) >= draft_rate):
             plan = self.copy.plan(cctx)
             self._planned = RoundPlan(plan.cap, plan.rule, plan.row_caps, ("copy", plan), proposer=True)
-        elif depth == 0 and self.drafted.tried(("draft", self.copy.mode)) >= PLAIN_AFTER:
+        elif slow or (depth == 0 and self.drafted.tried(("draft", self.copy.mode)) >= PLAIN_AFTER):
             self._planned = RoundPlan(0, note=("plain", None))  # the draft's rounds have not paid for their steps
         else:
             plan = self.draft.plan(ctx)
@@ -241,12 +272,20 @@ class CopyOrDraft(CandidateLengthPolicy):
     def observe(self, result):
         plan = result.plan if result.plan is not None else self._planned
         source, inner = plan.note if plan is not None and isinstance(plan.note, tuple) else ("draft", None)
+        self.since_draft = 0 if source == "draft" else self.since_draft + 1
+        ms, rows = result.cycle_ms, len(result.accepted)
         if source == "copy":
             self.copy.observe(replace(result, plan=inner))
             return
         self.copy.streak = [False] * len(self.copy.streak)
         if source == "plain":
+            if ms > 0.0 and rows == 1:
+                self.plain_clock = [self.plain_clock[0] * DISCOUNT + 1.0, self.plain_clock[1] * DISCOUNT + ms]
             return
+        if ms > 0.0 and rows == 1:
+            tokens = sum(result.accepted) + rows
+            self.draft_clock = [self.draft_clock[0] * DISCOUNT + tokens, self.draft_clock[1] * DISCOUNT + ms]
+            self.draft_rounds += 1
         self.draft.observe(replace(result, plan=inner))
         if result.steps:
             for d, a in zip(result.drafted, result.accepted):
