@@ -282,6 +282,10 @@ def test_copy_or_draft_prices_the_draft_rounds_as_they_ran():
     assert plan.proposer
     batch = slow.plan(RoundContext(2, room=[10, 10], matches=[0, 0], copies=[0, 0]))  # two rows: the model decides
     assert batch.cap == 3
+    slow.reset(1, torch.device("cpu"))  # the next call keeps the measure; reset_adaptation forgets it
+    assert not slow.draft_pays()
+    slow.reset_adaptation()
+    assert slow.draft_pays() and slow.plan(RoundContext(1, room=[10], matches=[0], copies=[0])).cap == 3
 
 
 def test_copy_or_draft_refuses_what_it_cannot_do():

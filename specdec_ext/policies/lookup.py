@@ -179,7 +179,8 @@ class CopyOrDraft(CandidateLengthPolicy):
     At one row the draft's rounds are also priced as they ran: where, over at least :data:`PLAIN_AFTER` of them,
     they emitted fewer tokens per ms of measured cycle (``RoundResult.cycle_ms``, discounted by :data:`DISCOUNT`)
     than plain steps do (their measured cycle, else the profile's), a round copies where a copy pays and otherwise
-    takes a plain step, drafting once in :data:`EXPLORE_EVERY` rounds to keep the measure current. The pair's
+    takes a plain step, drafting once in :data:`EXPLORE_EVERY` rounds to keep the measure current (kept from call to
+    call; :meth:`reset_adaptation` forgets it). The pair's
     profile prices a verification and a round's bookkeeping as measured once (with a 4-bit SmolLM2-135M on a 2-core
     Xeon, a K = 1 verification as one step), so a draft accepting 16% of its candidates looked like it paid while its
     rounds ran below plain decoding's rate (this rule is what ``threshold="auto"``'s own plain fallback does).
@@ -245,7 +246,13 @@ class CopyOrDraft(CandidateLengthPolicy):
     def reset(self, batch_size, device):
         self.copy.reset(batch_size, device)
         self.draft.reset(batch_size, device)
+
+    def reset_adaptation(self) -> None:
+        """Forget the measured rates, kept from call to call (a call of 64 tokens is shorter than the
+        :data:`PLAIN_AFTER` rounds they need), and what the draft's policy learned across calls."""
         self._clear_clocks()
+        if hasattr(self.draft, "reset_adaptation"):
+            self.draft.reset_adaptation()
 
     def plan(self, ctx):
         copies = list(ctx.copies) or [0] * ctx.batch_size
