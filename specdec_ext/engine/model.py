@@ -243,9 +243,11 @@ class LeanModel:
         hit = kept.get(kind)
         if hit is not None and hit[0] == key:
             return hit[1]
-        pack = onednn_linear.pack if self.packed else (lambda w: w)
-        if self.int8_activations:
-            pack = (lambda w: None)
+        if self.int8_activations:  # only the fused op runs: no float matrix is prepared
+            pack = join = (lambda *ws: None)
+        else:
+            pack = onednn_linear.pack if self.packed else (lambda w: w)
+            join = (lambda *ws: pack(torch.cat(ws, 0).contiguous()))
         base = model.model
         with torch.no_grad():
             layers = []
@@ -254,15 +256,13 @@ class LeanModel:
                 biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
                 layers.append(Layer(
                     layer.input_layernorm.weight,
-                    pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()
-                         if not self.int8_activations else None),
+                    join(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                     torch.cat(biases, 0) if all(b is not None for b in biases) else None,
                     a.q_norm.weight if hasattr(a, "q_norm") else None,
                     a.k_norm.weight if hasattr(a, "k_norm") else None,
                     pack(a.o_proj.weight),
                     layer.post_attention_layernorm.weight,
-                    pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).contiguous()
-                         if not self.int8_activations else None),
+                    join(m.gate_proj.weight, m.up_proj.weight),
                     pack(m.down_proj.weight),
                 ))
             lm_head = pack(model.get_output_embeddings().weight)

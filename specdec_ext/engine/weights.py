@@ -23,12 +23,11 @@ one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_l
 
 The output layer is untied from the input embedding, which stays float (a distilled draft shares it), where its
 values change (a GGUF file's Q8_0 output layer quantizes to itself: it stays tied, as with ``quantize(...,
-exact=True)``, which changes nothing or returns None). Prefills and
-forwards of more than ``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's
-dtype; a ``"q4a8"`` model runs every forward, prefills too, through the fused op (transformers' own forward of it
-computes ``"q4"``'s function, float activations). The model keeps its float weights' fingerprint
-(``engine.models.fingerprint``), so the drafts and heads made for
-it still load.
+exact=True)``, which changes nothing or returns None). Prefills and forwards of more than
+``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's dtype; a ``"q4a8"``
+model runs every forward, prefills too, through the fused op (transformers' own forward of it computes ``"q4"``'s
+function, float activations). The model keeps its float weights' fingerprint (``engine.models.fingerprint``), so the
+drafts and heads made for it still load.
 
 Speculative decoding stays lossless for this target: every forward of a round computes the quantized model's
 function, so greedy tokens equal the quantized model's own plain decoding and sampled tokens follow its
@@ -117,8 +116,7 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
         return None
     if odd is not None:
         raise ValueError(f"weights={weights!r} needs every linear layer's in features a multiple of {ops.BLOCK} (the "
-                         f"{name} "
-                         f"model has one of {odd.shape[1]}); use weights='q8'")
+                         f"{name} model has one of {odd.shape[1]}); use weights='q8'")
     layers = len(_layer_weights(model))
 
     def values(i, w):  # the quantized values of the i-th of _linear_weights, float32
@@ -132,13 +130,13 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     if done is None:
         model.specdec_float_fingerprint = fingerprint(model)
     if not exact:  # (exact: every value is already its own quantization, a tied output layer stays tied)
-        head = len(_linear_weights(model)) - 1
-        changed = [(i, v) for i, w in enumerate(_linear_weights(model)) if not torch.equal(v := values(i, w).to(w.dtype), w)]
-        if any(i == head for i, _ in changed):  # a tied output layer whose values stay needs no copy of its own
+        before = _linear_weights(model)
+        changed = [(i, v) for i, w in enumerate(before) if not torch.equal(v := values(i, w).to(w.dtype), w)]
+        if any(i == len(before) - 1 for i, _ in changed):  # a tied output layer whose values stay keeps its tie
             _untie(model)
-        weights_now = _linear_weights(model)
+        now = _linear_weights(model)  # the output layer's own weight where it was untied
         for i, v in changed:
-            weights_now[i].copy_(v)
+            now[i].copy_(v)
     setattr(model, _ATTR, weights)
     setattr(outer, _ATTR, weights)
     return outer
@@ -187,8 +185,8 @@ def kind(model) -> Optional[str]:
 def weight_bytes(model) -> int:
     """Bytes of linear weights a one-token step reads: the decoder layers' projections and the output layer as the
     lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; for ``"q4"`` / ``"q4a8"``
-    4-bit blocks of 32
-    with two float16 per block for the layers, 8-bit blocks with one for the output layer; else the model's dtype)."""
+    4-bit blocks of 32 with two float16 per block for the layers, 8-bit blocks with one for the output layer; else
+    the model's dtype)."""
     total, k = 0, kind(model)
     layers = len(_layer_weights(model))
     for i, w in enumerate(_linear_weights(model)):

@@ -180,10 +180,10 @@ class CopyOrDraft(CandidateLengthPolicy):
     they emitted fewer tokens per ms of measured cycle (``RoundResult.cycle_ms``, discounted by :data:`DISCOUNT`)
     than plain steps do (their measured cycle, else the profile's), a round copies where a copy pays and otherwise
     takes a plain step, drafting once in :data:`EXPLORE_EVERY` rounds to keep the measure current (kept from call to
-    call; :meth:`reset_adaptation` forgets it). The pair's
-    profile prices a verification and a round's bookkeeping as measured once (with a 4-bit SmolLM2-135M on a 2-core
-    Xeon, a K = 1 verification as one step), so a draft accepting 16% of its candidates looked like it paid while its
-    rounds ran below plain decoding's rate (this rule is what ``threshold="auto"``'s own plain fallback does).
+    call; :meth:`reset_adaptation` forgets it). The pair's profile prices a verification and a round's bookkeeping
+    as measured once (with a 4-bit SmolLM2-135M on a 2-core Xeon, a K = 1 verification as one step), so a draft
+    accepting 16% of its candidates looked like it paid while its rounds ran below plain decoding's rate (this rule
+    is what ``threshold="auto"``'s own plain fallback does).
 
     Args: draft: the policy of the draft model's rounds. copy: the copy rounds' :class:`LookupStop` (default
     ``LookupStop("auto")``, which needs the pair's costs: so does this policy).
