@@ -17,6 +17,10 @@ if not WORKER:
 # serial: torch at two threads (these machines have two cores); under pytest-xdist (PYTEST_XDIST_WORKER set) each
 # worker takes one, so two workers share two cores without oversubscribing them
 torch.set_num_threads(1 if WORKER else max(1, min(2, os.cpu_count() or 1)))
+# torch reads ATEN_CPU_CAPABILITY once, at its first kernel dispatch: read it now, so that the tests that set it to
+# avx2 (our ops read it at each call: the baseline kernels) do not fix torch's own kernels to AVX2 for the rest of a
+# worker (bfloat16 SDPA then refuses to run) when they happen to run first
+torch.backends.cpu.get_cpu_capability()
 
 UNPACKED = ".unpacked"  # in the shared scratch cache: the controller's unpacking ended ("ok" or its error)
 
