@@ -277,7 +277,7 @@ def test_copy_or_draft_prices_the_draft_rounds_as_they_ran():
         caps.append(plan.cap)
         slow.observe(RoundResult([plan.cap], [0], steps=plan.cap, plan=plan, cycle_ms=4.0 if plan.cap else 1.0))
     assert caps.count(3) == 2 and set(caps) == {0, 3}  # plain steps, a draft round once in EXPLORE_EVERY
-    assert slow.plain_clock[0] > 0 and not slow.draft_pays()
+    assert slow.rates.plain[1] > 0 and not slow.draft_pays()
     plan = slow.plan(RoundContext(1, room=[10], matches=[3], copies=[4]))  # a copy: its round, not the draft's
     assert plan.proposer
     batch = slow.plan(RoundContext(2, room=[10, 10], matches=[0, 0], copies=[0, 0]))  # two rows: the model decides

@@ -86,6 +86,44 @@ class CostModel:
         return cls(d["verify_ms"], d["draft_ms"], d.get("step_ms", 0.0), d.get("round_ms", 0.0), d.get("meta", {}))
 
 
+class MeasuredRates:
+    """Speculative rounds against plain steps as they ran: the rounds' emitted tokens per ms and a plain step's ms,
+    each from its measured wall-clock cycle (``RoundResult.cycle_ms``), sums discounted by ``discount`` per entry.
+    What ``threshold="auto"`` (``StopSelector.plain_pays``) and ``CopyOrDraft`` judge drafting by: a profile prices a
+    verification and a round's bookkeeping as measured once, and errs by 5-10% against a plain step."""
+
+    def __init__(self, discount: float = 0.995):
+        self.discount = discount
+        self.reset()
+
+    def reset(self) -> None:
+        self.played = [0.0, 0.0]  # the rounds' discounted tokens and ms
+        self.plain = [0.0, 0.0]  # plain steps' discounted ms and count
+        self.rounds = 0  # rounds added
+
+    def add_round(self, tokens: float, ms: float) -> None:
+        """A round that emitted ``tokens`` (over its rows) in ``ms`` (0: not measured, ignored)."""
+        if ms > 0.0 and tokens > 0:
+            g = self.discount
+            self.played = [self.played[0] * g + tokens, self.played[1] * g + ms]
+            self.rounds += 1
+
+    def add_plain(self, ms: float) -> None:
+        """A plain step of ``ms`` (0: not measured, ignored)."""
+        if ms > 0.0:
+            g = self.discount
+            self.plain = [self.plain[0] * g + ms, self.plain[1] * g + 1.0]
+
+    def plain_ms(self, prior: float) -> float:
+        """A plain step's ms: the discounted mean of those measured, else ``prior`` (a profile's)."""
+        return self.plain[0] / self.plain[1] if self.plain[1] > 0 else prior
+
+    def slower_than_plain(self, prior: float) -> bool:
+        """Whether the rounds measured emitted fewer tokens per ms than one token per :meth:`plain_ms` (False before
+        any round was measured)."""
+        return self.played[1] > 0.0 and self.played[0] / self.played[1] < 1.0 / max(self.plain_ms(prior), 1e-3)
+
+
 def isotonic(values: Sequence[float]) -> list[float]:
     """Least-squares non-decreasing fit (pool adjacent violators): a verification over more tokens is
     taken never to cost less; measured dips are timing noise."""

@@ -33,7 +33,7 @@ from dataclasses import replace
 from typing import Optional, Union
 
 from .base import CandidateLengthPolicy, RoundPlan, _check_k
-from .costs import CostModel
+from .costs import CostModel, MeasuredRates
 
 PRIOR, PRIOR_WEIGHT, POOL_WEIGHT = 0.5, 2.0, 4.0
 # CopyOrDraft: draft rounds tried (first candidates verified) before a plain step may replace them where nothing is
@@ -42,7 +42,6 @@ PLAIN_AFTER = 64
 # CopyOrDraft at one row: while its measured draft rounds emit fewer tokens per ms than plain steps, one round in this
 # many still drafts, so that the measured rate follows a draft that starts to pay
 EXPLORE_EVERY = 32
-DISCOUNT = 0.995  # weight of a measured round one round older (CopyOrDraft's measured rates)
 
 
 class AcceptanceTable:
@@ -177,7 +176,7 @@ class CopyOrDraft(CandidateLengthPolicy):
     decides together (mean goodput over the live rows). Each sub-policy learns only from the rounds it planned.
 
     At one row the draft's rounds are also priced as they ran: where, over at least :data:`PLAIN_AFTER` of them,
-    they emitted fewer tokens per ms of measured cycle (``RoundResult.cycle_ms``, discounted by :data:`DISCOUNT`)
+    they emitted fewer tokens per ms of measured cycle (:class:`~specdec_ext.policies.costs.MeasuredRates`)
     than plain steps do (their measured cycle, else the profile's), a round copies where a copy pays and otherwise
     takes a plain step, drafting once in :data:`EXPLORE_EVERY` rounds to keep the measure current (kept from call to
     call; :meth:`reset_adaptation` forgets it). The pair's profile prices a verification and a round's bookkeeping
@@ -206,22 +205,13 @@ class CopyOrDraft(CandidateLengthPolicy):
         self.drafted = AcceptanceTable(min(draft.max_candidates, 32))  # the draft rounds' acceptance by position
         self.copy_costs = self.pair_costs = None
         self._planned: Optional[RoundPlan] = None
-        self._clear_clocks()
-
-    def _clear_clocks(self) -> None:
-        """The measured rates (class docstring): draft rounds' discounted [tokens, ms] and their count, plain steps'
-        discounted [steps, ms], rounds since the last draft round."""
-        self.draft_clock, self.plain_clock, self.draft_rounds, self.since_draft = [0.0, 0.0], [0.0, 0.0], 0, 0
+        self.rates = MeasuredRates()  # the draft's rounds and plain steps at one row, as measured (class docstring)
+        self.since_draft = 0  # rounds since the last draft round
 
     def draft_pays(self) -> bool:
         """Whether the draft's rounds, as measured, emit at least as many tokens per ms as plain steps (True until
         :data:`PLAIN_AFTER` of them were measured)."""
-        tokens, ms = self.draft_clock
-        if self.draft_rounds < PLAIN_AFTER or ms <= 0.0:
-            return True
-        steps, plain_ms = self.plain_clock
-        step = plain_ms / steps if steps > 0 else self.pair_costs.plain_ms()
-        return tokens / ms >= 1.0 / step
+        return self.rates.rounds < PLAIN_AFTER or not self.rates.slower_than_plain(self.pair_costs.plain_ms())
 
     @property
     def needs_hidden(self) -> bool:
@@ -250,7 +240,8 @@ class CopyOrDraft(CandidateLengthPolicy):
     def reset_adaptation(self) -> None:
         """Forget the measured rates, kept from call to call (a call of 64 tokens is shorter than the
         :data:`PLAIN_AFTER` rounds they need), and what the draft's policy learned across calls."""
-        self._clear_clocks()
+        self.rates.reset()
+        self.since_draft = 0
         if hasattr(self.draft, "reset_adaptation"):
             self.draft.reset_adaptation()
 
@@ -286,13 +277,11 @@ class CopyOrDraft(CandidateLengthPolicy):
             return
         self.copy.streak = [False] * len(self.copy.streak)
         if source == "plain":
-            if ms > 0.0 and rows == 1:
-                self.plain_clock = [self.plain_clock[0] * DISCOUNT + 1.0, self.plain_clock[1] * DISCOUNT + ms]
+            if rows == 1:
+                self.rates.add_plain(ms)
             return
-        if ms > 0.0 and rows == 1:
-            tokens = sum(result.accepted) + rows
-            self.draft_clock = [self.draft_clock[0] * DISCOUNT + tokens, self.draft_clock[1] * DISCOUNT + ms]
-            self.draft_rounds += 1
+        if rows == 1:
+            self.rates.add_round(sum(result.accepted) + rows, ms)
         self.draft.observe(replace(result, plan=inner))
         if result.steps:
             for d, a in zip(result.drafted, result.accepted):

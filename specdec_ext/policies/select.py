@@ -49,6 +49,8 @@ import random
 from collections import deque
 from typing import Optional, Sequence, Union
 
+from .costs import MeasuredRates
+
 # the fixed-h arms of threshold="auto". h = 0.9 is left out: on none of four prompt sets was it the best h (0.95-0.98x
 # the best, paired), and a deep arm is learned only by playing it; the goodput rule's arm drafts deep where that pays
 DEFAULT_THRESHOLDS = (0.4, 0.5, 0.6, 0.7, 0.8)
@@ -274,8 +276,7 @@ class StopSelector:
         self.history: deque = deque(maxlen=1 << 16)  # the arm played in each round, the latest rounds
         self.spent_s = 0.0  # the host's time choosing and crediting arms (the policy's share counted in too)
         self.measured_ms = 0.0  # the rounds' measured time (RoundResult.cycle_ms) over the rounds that had one
-        self.plain = [0.0, 0.0]  # plain steps' discounted ms and count (plain_ms)
-        self.drafting = [0.0, 0.0]  # the played rounds' discounted tokens and measured ms (plain_pays)
+        self.rates = MeasuredRates(self.time.discount)  # the played rounds and plain steps as measured (plain_pays)
 
     def configure(self, prior: Sequence[float]) -> None:
         """A new prior for the cost fit (the pair's profile); the fit restarts only where nothing was measured yet."""
@@ -329,9 +330,7 @@ class StopSelector:
         if ms > 0.0:
             self.time.add(steps, verified, ms)
             self.measured_ms += ms
-            if tokens > 0:
-                g = self.time.discount
-                self.drafting = [self.drafting[0] * g + tokens, self.drafting[1] * g + ms]
+            self.rates.add_round(tokens, ms)
         self.weight /= self.discount
         if self.weight > 1e30:  # every arm's sums brought back near 1 (a common scale cancels in every ratio)
             for arm in self.arms:
@@ -385,22 +384,18 @@ class StopSelector:
         :data:`PLAIN_AFTER` rounds, every arm observed in ``min_rounds`` of them, the played rounds' measured tokens
         per ms (discounted) below one token per :meth:`plain_ms`. For one row a round (tokens counted over the
         rows)."""
-        if self.now < PLAIN_AFTER or self.drafting[1] <= 0.0:
-            return False
-        played = self.drafting[0] / self.drafting[1]
-        return all(arm.rounds >= self.min_rounds for arm in self.arms) and played < 1.0 / max(self.plain_ms(), 1e-3)
+        return (self.now >= PLAIN_AFTER and all(arm.rounds >= self.min_rounds for arm in self.arms)
+                and self.rates.slower_than_plain(self.time.prior[0]))
 
     def plain_ms(self) -> float:
         """A plain step's ms: the discounted mean of those measured, else the prior's (the profile's plain step)."""
-        return self.plain[0] / self.plain[1] if self.plain[1] > 0 else self.time.prior[0]
+        return self.rates.plain_ms(self.time.prior[0])
 
     def played_plain(self, ms: float) -> None:
         """A plain step into the record of rounds (:meth:`shares` names it :data:`PLAIN`) and its measured ``ms``
         (0: not measured) into :meth:`plain_ms`."""
         self.history.append(len(self.arms))
-        if ms > 0.0:
-            g = self.time.discount
-            self.plain = [self.plain[0] * g + ms, self.plain[1] * g + 1.0]
+        self.rates.add_plain(ms)
 
     def names(self) -> list:
         """The arms' names, then :data:`PLAIN`: what the record's entries index."""
