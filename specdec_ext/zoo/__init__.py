@@ -122,8 +122,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     decoder layer (``engine/weights.py``; SmolLM2-135M's one-token step 2x faster than in bfloat16); ``"q4"`` holds
     their decoder layers in 4-bit blocks of 32 (GGUF's Q4_1) and the output layer in 8-bit blocks (Q8_0);
     ``"q4a8"`` multiplies those weights by int8 activations (blocks of 32, as llama.cpp does; faster steps, another
-    function than ``"q4"``'s); all are
-    made from the float32 values, then the target is cast to ``target_dtype``. ``"auto"`` (the default): a GGUF
+    function than ``"q4"``'s); all are made from the float32 values, then the target is cast to ``target_dtype``. ``"auto"`` (the default): a GGUF
     target whose weights are Q4_1 layers and a Q8_0 output layer (as SmolLM2-135M's file) is held as ``"q4"``, the
     file's own blocks exactly, on one CPU, and its draft as ``"q4"`` too (``"q8"`` where its layers do not fit blocks
     of 32); every other target and its draft keep their float weights. None (or ``"float"``) keeps every model's
