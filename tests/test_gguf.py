@@ -172,9 +172,12 @@ def test_q4_weights_are_a_q4_1_files_own_blocks(tmp_path, monkeypatch):
     q, d, m = ops.quantize_blocks(plain.model.layers[1].mlp.down_proj.weight)
     assert torch.equal(d.view(-1), torch.from_numpy(blocks[:, 0:2].copy().view(np.float16).reshape(-1)))
     assert torch.equal(m.view(-1), torch.from_numpy(blocks[:, 2:4].copy().view(np.float16).reshape(-1)))
+    from specdec_ext import reference
+
     for name, p in plain.model.layers.named_parameters():
-        if name.endswith("proj.weight"):
-            assert torch.equal(pair.target.model.layers.get_parameter(name), p), name
+        if name.endswith("proj.weight"):  # held packed: the values its blocks stand for
+            held = pair.target.model.layers.get_submodule(name[:-len(".weight")])
+            assert torch.equal(reference.unpack_linear_weight(held.packed, held.out_features), p), name
     lean = LeanModel(pair.target, "target")
     assert lean.panels[0].down.dtype == torch.uint8 and lean.head_panels.shape[2] == 544  # Q8_0 blocks
     bf16 = load_models(path, target_dtype=torch.bfloat16).target  # packed before the cast

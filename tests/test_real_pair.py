@@ -50,8 +50,16 @@ def test_unknown_names_and_a_missing_package_are_one_line_errors(monkeypatch):
 def test_the_pair_is_the_real_model_with_its_draft_and_heads(pair):
     cfg = pair.target.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
-    assert 130e6 < sum(p.numel() for p in pair.target.parameters()) < 140e6
-    assert pair.draft.model.embed_tokens.weight.data_ptr() == pair.target.model.embed_tokens.weight.data_ptr()
+    from specdec_ext.engine.packed import PackedEmbedding, PackedLinear
+
+    linear = sum(m.in_features * m.out_features for m in pair.target.modules() if isinstance(m, PackedLinear))
+    assert 130e6 < linear + sum(p.numel() for p in pair.target.parameters()) < 140e6  # the file's Q4_1 / Q8_0 blocks
+    embedding = pair.target.model.embed_tokens  # the Q8_0 output layer's blocks, shared by the distilled draft
+    assert isinstance(embedding, PackedEmbedding) and embedding.packed is pair.target.lm_head.packed
+    assert pair.draft.model.embed_tokens.packed.data_ptr() == embedding.packed.data_ptr()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for m in (pair.target, pair.draft)
+                for t in (*m.parameters(), *m.buffers())}
+    assert sum(storages.values()) < 1.1 * named.target_file("smollm2-135m").stat().st_size  # no float matrix copy
     assert set(pair.head) == {"greedy", "sample"} and "paper" in pair.heads
     assert "<|im_start|>assistant" in pair.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)

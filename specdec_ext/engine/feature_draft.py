@@ -63,7 +63,7 @@ class FeatureDraft(torch.nn.Module):
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The decoder layer's input ``[b, n, H]`` from tokens ``[b, n]`` int64 and the features of the positions
         before them ``[b, n, H]`` (zeros where there is none: position 0)."""
-        e = F.embedding(tokens, self.model.get_input_embeddings().weight)
+        e = self.model.get_input_embeddings()(tokens)
         return self.fc(torch.cat([e, features.to(e.dtype)], dim=-1))
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor,
@@ -75,7 +75,7 @@ class FeatureDraft(torch.nn.Module):
         out = self.model.model(inputs_embeds=self.inputs(tokens, features), attention_mask=attention_mask,
                                use_cache=False)
         hidden = out.last_hidden_state
-        return F.linear(hidden, self.model.get_output_embeddings().weight).float(), hidden
+        return self.model.get_output_embeddings().subset_logits(hidden).float(), hidden
 
 
 def shifted(features: torch.Tensor) -> torch.Tensor:

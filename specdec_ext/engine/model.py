@@ -27,6 +27,7 @@ with respect to it.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -38,6 +39,7 @@ from . import onednn_linear, weights
 from .attention import kernel_takes
 from .cache import StaticCache
 from .models import tensors_key
+from .packed import PackedEmbedding, PackedLinear
 from .runner import sliding_layout, usable_device
 from .subset_head import SubsetLMHead
 from .tensor_parallel import tp_size
@@ -166,7 +168,7 @@ class LeanModel:
         self.model, self.name = model, name
         base = model.model
         self.device = usable_device(model, name)
-        self.dtype = base.embed_tokens.weight.dtype
+        self.dtype = base.norm.weight.dtype
         if packed and not packed_linear_available(self.device, self.dtype):
             raise ValueError(f"LeanModel: packed=True needs a CPU float32/bfloat16 model and a torch with oneDNN "
                              f"(bfloat16: a CPU with oneDNN's bf16 path) (got {self.dtype} on {self.device}, oneDNN "
@@ -174,10 +176,10 @@ class LeanModel:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {attention!r}")
         self.attention = attention
-        # int8 activations: a function only the fused op computes, so every forward runs it (prefills too), and
-        # oneDNN's packed copy of the weights is not made
-        self.int8_activations = weights.kind(model) in weights.INT8_ACTIVATIONS
-        self.packed = uses_packed(self.device, self.dtype, packed) and not self.int8_activations
+        # weights held only packed (engine/weights.py's quantize): no float matrix, so every forward (prefills too)
+        # runs the fused op, and no oneDNN copy is made
+        self.fused_only = weights.held_packed(model)
+        self.packed = uses_packed(self.device, self.dtype, packed) and not self.fused_only
         self._linear: Callable = onednn_linear.linear if self.packed else F.linear
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -185,12 +187,13 @@ class LeanModel:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.max_pos = cfg.max_position_embeddings
-        self.embed = base.embed_tokens.weight
+        emb = base.embed_tokens
+        self._embed = emb if isinstance(emb, PackedEmbedding) else functools.partial(F.embedding, weight=emb.weight)
         self.final_norm = base.norm.weight
         self.layers, self.lm_head, self.cos, self.sin = self._prepare(model)
         head = model.get_output_embeddings()
         self.subset = head if isinstance(head, SubsetLMHead) else None  # a draft's vocabulary subset (FR-Spec)
-        self.vocab_rows = head.weight.shape[0]
+        self.vocab_rows = head.rows if isinstance(head, SubsetLMHead) else head.out_features
         can_fuse = self.fusable(model)
         if fused and not can_fuse:
             raise ValueError(f"LeanModel: fused=True needs a float32 or bfloat16 model on a CPU, the compiled extension, "
@@ -198,9 +201,9 @@ class LeanModel:
                              f"{FUSED_MAX_BYTES} bytes of linear weights (the {name} model: {self.dtype} on "
                              f"{self.device}, attention={attention!r})")
         self.fused = can_fuse if fused is None else bool(fused)
-        if self.int8_activations and not self.fused:
-            raise ValueError(f"the {name} model's weights are {weights.kind(model)!r} (int8 activations), which only "
-                             "the fused CPU op computes: it needs fused=None or True, the compiled extension and "
+        if self.fused_only and not self.fused:
+            raise ValueError(f"the {name} model's weights are {weights.kind(model)!r}, held only packed, which only "
+                             "the fused CPU op reads: it needs fused=None or True, the compiled extension and "
                              f"attention='auto' (got fused={fused!r}, attention={attention!r})")
         self.panels, self.head_panels = self._panels(model) if self.fused else (None, None)
         # called as tap(slots, starts, x) by each forward before its final norm (a feature draft's record of the
@@ -235,19 +238,21 @@ class LeanModel:
 
     def _prepare(self, model) -> tuple:
         """The per-layer weights (QKV and gate/up concatenated, packed when ``packed``), the LM head and the RoPE
-        tables, kept per model while its weights stay the same tensors at the same version. A model with int8
-        activations, which runs only the fused op, gets its norms and biases alone (the matrices None: no float copy
-        of its weights)."""
+        tables, kept per model while its weights stay the same tensors at the same version. A model whose weights are
+        held only packed (quantized), which runs only the fused op, gets its norms and biases alone (the matrices
+        None)."""
         kept = _PREPARED.setdefault(model, {})  # packed -> (fingerprint, prepared): both kinds, for side-by-side runs
-        key, kind = tensors_key(model), "fused only" if self.int8_activations else self.packed
+        key, kind = tensors_key(model), "fused only" if self.fused_only else self.packed
         hit = kept.get(kind)
         if hit is not None and hit[0] == key:
             return hit[1]
-        if self.int8_activations:  # only the fused op runs: no float matrix is prepared
-            pack = join = (lambda *ws: None)
-        else:
-            pack = onednn_linear.pack if self.packed else (lambda w: w)
-            join = (lambda *ws: pack(torch.cat(ws, 0).contiguous()))
+        prep = onednn_linear.pack if self.packed else (lambda w: w)
+
+        def pack(*ms):  # the modules' weights concatenated (and packed); None where only the fused op runs
+            if self.fused_only:
+                return None
+            return prep(torch.cat([m.weight for m in ms], 0).contiguous() if len(ms) > 1 else ms[0].weight)
+
         base = model.model
         with torch.no_grad():
             layers = []
@@ -256,18 +261,18 @@ class LeanModel:
                 biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
                 layers.append(Layer(
                     layer.input_layernorm.weight,
-                    join(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                    pack(a.q_proj, a.k_proj, a.v_proj),
                     torch.cat(biases, 0) if all(b is not None for b in biases) else None,
                     a.q_norm.weight if hasattr(a, "q_norm") else None,
                     a.k_norm.weight if hasattr(a, "k_norm") else None,
-                    pack(a.o_proj.weight),
+                    pack(a.o_proj),
                     layer.post_attention_layernorm.weight,
-                    join(m.gate_proj.weight, m.up_proj.weight),
-                    pack(m.down_proj.weight),
+                    pack(m.gate_proj, m.up_proj),
+                    pack(m.down_proj),
                 ))
-            lm_head = pack(model.get_output_embeddings().weight)
+            lm_head = pack(model.get_output_embeddings())
             pos = torch.arange(self.max_pos, device=self.device).unsqueeze(0)
-            cos, sin = base.rotary_emb(self.embed[:1].unsqueeze(0), pos)
+            cos, sin = base.rotary_emb(self.final_norm[None, None], pos)
             prepared = (layers, lm_head, cos[0].to(self.dtype), sin[0].to(self.dtype))  # cos/sin [max_pos, head_dim]
         kept[kind] = (key, prepared)
         return prepared
@@ -342,7 +347,7 @@ class LeanModel:
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read). A draft with a
         :class:`~specdec_ext.engine.subset_head.SubsetLMHead` computes its N rows and gives the rest -inf."""
         b, n = tokens.shape
-        if self.fused and (b * n <= FUSED_MAX_ROWS[self.dtype] or self.int8_activations):
+        if self.fused and (b * n <= FUSED_MAX_ROWS[self.dtype] or self.fused_only):
             return self._fused_forward(cache, tokens, rows, keep, embeds)
         M = cache.max_len
         W = M + 1 if width is None else width
@@ -370,7 +375,7 @@ class LeanModel:
         else:  # [b or 1, 1, n, W]: query i sees the columns up to its position
             rows_pos = pos.view(1, n) if pos.dim() == 1 else pos
             mask = (torch.arange(W, device=dev).view(1, 1, W) <= rows_pos.unsqueeze(2)).unsqueeze(1)
-        x = F.embedding(tokens, self.embed) if embeds is None else embeds
+        x = self._embed(tokens) if embeds is None else embeds
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv(layer, x, cos, sin)
             kc, vc = cache.k[li], cache.v[li]
@@ -412,7 +417,7 @@ class LeanModel:
             slots = None
         else:
             slots = torch.arange(rows.start, rows.start + b, device=tokens.device)
-        x = F.embedding(tokens, self.embed) if embeds is None else embeds
+        x = self._embed(tokens) if embeds is None else embeds
         for li, (layer, panel) in enumerate(zip(self.layers, self.panels)):
             x = ops.decoder_layer(x, layer.input_norm, panel.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, panel.o,
                                   layer.post_norm, panel.gate_up, panel.down, cache.k[li], cache.v[li], cache.lengths,

@@ -9,6 +9,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .packed import packed_rows
+
 
 def vocab_size(model) -> int:
     """V, the number of rows of the model's output embedding (its LM head; the width of a
@@ -16,7 +18,7 @@ def vocab_size(model) -> int:
     emb = model.get_output_embeddings()
     if emb is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings: not a causal LM")
-    return getattr(emb, "vocab_size", None) or emb.weight.shape[0]
+    return getattr(emb, "vocab_size", None) or getattr(emb, "out_features", None) or emb.weight.shape[0]
 
 
 def _config_ids(cfg, key: str) -> list[int]:
@@ -80,7 +82,16 @@ def check_vocabularies(target, draft, tokenizers: Optional[Sequence] = None) -> 
 
 def hidden_size(model) -> int:
     """H, the width of the LM head's input (the hidden state an acceptance head reads)."""
-    return model.get_output_embeddings().weight.shape[1]
+    return model.get_output_embeddings().in_features
+
+
+def output_rows(model, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``token_ids`` ``[N]`` int64 of the output layer's weight ``[N, H]``, in the model's float dtype (a
+    quantized model's, held packed: the values its blocks stand for)."""
+    head = model.get_output_embeddings()
+    if hasattr(head, "rows"):  # engine.packed.PackedLinear
+        return head.rows(token_ids).to(model.model.norm.weight.dtype)
+    return head.weight.detach()[token_ids.to(head.weight.device)]
 
 
 def param_count(model) -> int:
@@ -120,9 +131,14 @@ def fingerprint(model) -> str:
     for k in _NAME_KEYS:
         cfg.pop(k, None)
     h = hashlib.sha1(json.dumps(cfg, sort_keys=True, default=str).encode())
-    for weight, rows in ((model.get_output_embeddings().weight, slice(0, 8)),
-                         (model.get_input_embeddings().weight, slice(-8, None))):
-        if hasattr(weight, "full_tensor"):  # a tensor-parallel (DTensor) weight: the whole matrix, as on one device
-            weight = weight.full_tensor()
-        h.update(weight[rows].detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
+    for module, rows in ((model.get_output_embeddings(), slice(0, 8)), (model.get_input_embeddings(), slice(-8, None))):
+        weight = getattr(module, "weight", None)
+        if weight is None:  # engine.packed's modules (a quantized model's): the rows its blocks stand for
+            n = getattr(module, "out_features", None) or module.num_embeddings
+            picked = packed_rows(module.packed, torch.arange(n)[rows], n)
+        else:
+            if hasattr(weight, "full_tensor"):  # a tensor-parallel (DTensor) weight: the whole matrix, as on one device
+                weight = weight.full_tensor()
+            picked = weight[rows]
+        h.update(picked.detach().to("cpu", torch.bfloat16).float().numpy().tobytes())
     return h.hexdigest()[:16]

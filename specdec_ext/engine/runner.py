@@ -33,8 +33,10 @@ from .onednn_linear import PackedLinears
 
 
 def model_device(model) -> torch.device:
+    """The device of ``model``'s input embedding (a quantized model's reads packed blocks: theirs)."""
     emb = model.get_input_embeddings()
-    return emb.weight.device
+    held = getattr(emb, "weight", None)
+    return (held if held is not None else emb.packed).device
 
 
 def cache_keyword(model) -> str:

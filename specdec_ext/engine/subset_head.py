@@ -22,6 +22,9 @@ class SubsetLMHead(torch.nn.Module):
         token_ids: ``[N]`` int64, distinct ids in ``[0, vocab_size)``.
         vocab_size: V, the width of the logits.
 
+    A quantized draft's head (``engine.weights.quantize``) holds its rows only packed: :meth:`hold` replaces
+    ``weight`` by ``linear``, an ``engine.packed.PackedLinear`` of N outputs.
+
     Raises ValueError for ids out of range or repeated, or a weight whose rows are not one per id."""
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int):
@@ -37,6 +40,21 @@ class SubsetLMHead(torch.nn.Module):
         self.register_buffer("token_ids", ids.to(weight.device))
         self.vocab_size = int(vocab_size)
         self.in_features, self.out_features = weight.shape[1], int(vocab_size)
+        self.linear = None  # the packed rows' module, once held (hold())
+
+    @property
+    def rows(self) -> int:
+        """N, the subset's size (the rows the head multiplies)."""
+        return self.token_ids.numel()
+
+    def hold(self, linear: torch.nn.Module) -> None:
+        """Multiply by ``linear`` (``[..., H]`` -> ``[..., N]``: the rows packed) instead of ``weight``, dropped."""
+        del self.weight
+        self.linear = linear
+
+    def subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` hidden states -> ``[..., N]`` logits of the subset's ids, in the hidden states' dtype."""
+        return torch.nn.functional.linear(hidden, self.weight) if self.linear is None else self.linear(hidden)
 
     def scatter(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., N]`` subset logits -> ``[..., V]``, -inf outside the subset."""
@@ -44,7 +62,7 @@ class SubsetLMHead(torch.nn.Module):
         return full.index_copy_(-1, self.token_ids, logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.scatter(torch.nn.functional.linear(hidden, self.weight))
+        return self.scatter(self.subset_logits(hidden))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, subset={self.token_ids.numel()}, vocab_size={self.vocab_size}"

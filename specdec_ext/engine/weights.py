@@ -3,10 +3,10 @@
 
 A one-token step reads every weight once, so on a CPU its time is the time to read them: SmolLM2-135M's decoder
 layers and output layer hold 134M weights, 270 MB in bfloat16, 135 MB in int8, 84 MB with 4-bit layers (llama.cpp
-reads its Q4_1 file's ~90 MB). ``quantize(model, kind)`` makes the model's linear weights the values they stand for
-under that quantization, in place: the model computes with them everywhere, in transformers' forward as in the lean
-one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_linear_weight``,
-``csrc/cpu/layer_cpu.cpp`` and ``blocks_cpu.cpp``):
+reads its Q4_1 file's ~90 MB). ``quantize(model, kind)`` quantizes the model's linear weights and holds them, in
+place, only as the lean model's fused decoder-layer op reads them (``ops.pack_linear_weight``, ``csrc/cpu/layer_cpu.cpp``
+and ``blocks_cpu.cpp``): its projections and output layer become ``engine.packed.PackedLinear`` modules, no float
+copy of a matrix is kept, and transformers' own forward of the model computes the same function through them:
 
 * ``"q8"``: every decoder layer's projections and the output layer as ``q * scale``, symmetric per-row int8
   (``ops.quantize_rows``), read as int8 panels with their scales: a quarter of the float32 bytes.
@@ -21,13 +21,13 @@ one, and the lean model's fused decoder-layer op reads them packed (``ops.pack_l
   faster than with float activations, where widening each weight to float32 costs more than reading it. A different
   function from ``"q4"``'s (the activations rounded to 8 bits), so an opt-in, never ``"auto"``.
 
-The output layer is untied from the input embedding, which stays float (a distilled draft shares it), where its
-values change (a GGUF file's Q8_0 output layer quantizes to itself: it stays tied, as with ``quantize(...,
-exact=True)``, which changes nothing or returns None). Prefills and forwards of more than
-``engine.model.FUSED_MAX_ROWS`` tokens run oneDNN's matmuls on the same values in the model's dtype; a ``"q4a8"``
-model runs every forward, prefills too, through the fused op (transformers' own forward of it computes ``"q4"``'s
-function, float activations). The model keeps its float weights' fingerprint (``engine.models.fingerprint``), so the
-drafts and heads made for it still load.
+A tied input embedding whose output layer quantizes to itself (a GGUF file's Q8_0 ``token_embd``, as with
+``quantize(..., exact=True)``, which changes nothing or returns None) reads its rows from those blocks
+(``engine.packed.PackedEmbedding``), shared with a distilled draft; otherwise it stays float. The real pair's loaded
+tensors: 92 MiB for the target (its GGUF file: 94 MiB), 109 MiB with the distilled and feature drafts. With no
+float matrix, every forward of a quantized model, prefills included, runs the fused op (a prefill of 256 tokens at
+about 700 tokens/s for ``"q4"``, 1,200 for ``"q4a8"``, on a 2-core Xeon). The model keeps its float weights'
+fingerprint (``engine.models.fingerprint``), so the drafts and heads made for it still load.
 
 Speculative decoding stays lossless for this target: every forward of a round computes the quantized model's
 function, so greedy tokens equal the quantized model's own plain decoding and sampled tokens follow its
@@ -41,7 +41,9 @@ from typing import Optional
 import torch
 
 from .. import ops
-from .models import fingerprint, tensors_key
+from .models import fingerprint
+from .packed import PackedEmbedding, PackedLinear
+from .subset_head import SubsetLMHead
 
 WEIGHTS = ("q8", "q4", "q4a8")  # the kinds of quantized weights quantize() makes
 _BLOCKS = ("q4", "q4a8")  # the kinds held in blocks of 32
@@ -72,21 +74,17 @@ def fits_blocks(model) -> bool:
     return all(w.shape[1] % ops.BLOCK == 0 for w in _linear_weights(_decoder(model)))
 
 
-def _untie(model) -> None:
-    """Give the output layer its own weight where it shares the input embedding's (tied embeddings)."""
-    head = model.get_output_embeddings()
-    if head.weight is model.get_input_embeddings().weight:
-        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        model.config.tie_word_embeddings = False
-
-
 @torch.no_grad()
 def quantize(model, weights: str, name: str = "target", exact: bool = False):
-    """Replace ``model``'s linear weights, in place, by their ``weights`` quantization (module docstring) and mark the
-    model so that the lean model packs them so. ``weights``: ``"q8"`` (int8, one float32 scale per output feature) or
-    ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the output layer in
-    8-bit blocks of 32, Q8_0), or ``"q4a8"`` (those weights, multiplied by int8 activations). A feature draft's
-    decoder is quantized, its ``fc`` stays float. Returns ``model``.
+    """Quantize ``model``'s linear weights, in place, as ``weights`` (module docstring) and hold them only packed:
+    each decoder layer's ``nn.Linear`` projections and the output layer become :class:`~.packed.PackedLinear`
+    modules over ``ops.pack_linear_weight``'s panels (the float matrices are dropped), and an input embedding tied to
+    an output layer the quantization gives back exactly (a GGUF file's Q8_0 ``token_embd``) a
+    :class:`~.packed.PackedEmbedding` over the same blocks. ``weights``: ``"q8"`` (int8, one float32 scale per output
+    feature) or ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the
+    output layer in 8-bit blocks of 32, Q8_0), or ``"q4a8"`` (those weights, multiplied by int8 activations). A
+    feature draft's decoder is quantized, its ``fc`` stays float; a draft's ``SubsetLMHead`` holds its rows packed. Cast the model to bfloat16 afterwards if wanted: the packed
+    weights stay as made from the values given. Returns ``model``.
     Quantizing a model already quantized this way changes nothing. ``exact``: only where the quantization gives back
     every weight as it is (a GGUF file's Q4_1 layers and Q8_0 output layer, loaded in float32); otherwise (weights
     that do not fit blocks of 32 included) the model is left as it was and None is returned.
@@ -110,6 +108,8 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     done = kind(outer)
     if done is not None and done != weights:
         raise ValueError(f"the {name} model's weights are already {done!r}, not {weights!r}")
+    if done == weights:
+        return outer
     blocks = _linear_weights(model) if weights in _BLOCKS else []
     odd = next((w for w in blocks if w.shape[1] % ops.BLOCK), None)
     if odd is not None and exact:
@@ -125,56 +125,87 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
         q, scale = ops.quantize_rows(w)
         return q.float() * scale[:, None]
 
-    if exact and not all(torch.equal(values(i, w).to(w.dtype), w) for i, w in enumerate(_linear_weights(model))):
+    linear = _linear_weights(model)
+    if exact and not all(torch.equal(values(i, w).to(w.dtype), w) for i, w in enumerate(linear)):
         return None
-    if done is None:
-        model.specdec_float_fingerprint = fingerprint(model)
-    if not exact:  # (exact: every value is already its own quantization, a tied output layer stays tied)
-        before = _linear_weights(model)
-        changed = [(i, v) for i, w in enumerate(before) if not torch.equal(v := values(i, w).to(w.dtype), w)]
-        if any(i == len(before) - 1 for i, _ in changed):  # a tied output layer whose values stay keeps its tie
-            _untie(model)
-        now = _linear_weights(model)  # the output layer's own weight where it was untied
-        for i, v in changed:
-            now[i].copy_(v)
+    keeps_head = exact or torch.equal(values(len(linear) - 1, linear[-1]).to(linear[-1].dtype), linear[-1])
+    model.specdec_float_fingerprint = fingerprint(model)
     setattr(model, _ATTR, weights)
     setattr(outer, _ATTR, weights)
+    _hold_packed(model, keeps_embedding=keeps_head)
     return outer
+
+
+def _pack(model, w: torch.Tensor, head: bool = False) -> torch.Tensor:
+    """``w`` packed as the fused op reads ``model``'s kind of weights (the output layer in 8-bit blocks for q4)."""
+    k = kind(model)
+    if k in _BLOCKS:
+        return ops.pack_linear_weight(w, torch.int8 if head else torch.uint8, blocks=True,
+                                      int8_activations=k in INT8_ACTIVATIONS)
+    return ops.pack_linear_weight(w, torch.int8 if k == "q8" else None)
+
+
+def _hold(model, parent, names: tuple) -> torch.Tensor:
+    """Replace ``parent``'s linear layers ``names`` by :class:`PackedLinear` modules; returns their weights
+    concatenated and packed (what the fused op reads), of which the modules hold views (their own packing where an
+    out width is not a multiple of the panel's 16 rows)."""
+    linears = [getattr(parent, n) for n in names]
+    joined = _pack(model, torch.cat([m.weight for m in linears], 0) if len(linears) > 1 else linears[0].weight)
+    aligned = all(m.out_features % ops.PANEL == 0 for m in linears[:-1])
+    start = 0
+    for n, m in zip(names, linears):
+        packed = joined[start // ops.PANEL: -(-(start + m.out_features) // ops.PANEL)] if aligned else _pack(model,
+                                                                                                            m.weight)
+        setattr(parent, n, PackedLinear(packed, m.in_features, m.out_features, m.bias))
+        start += m.out_features
+    return joined
+
+
+def _hold_packed(model, keeps_embedding: bool) -> None:
+    """Hold a quantized model's linear weights only packed (:func:`quantize`); ``keeps_embedding``: whether the
+    output layer's quantization gives back its values (then a tied input embedding reads its blocks)."""
+    layers = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append((_hold(model, a, ("q_proj", "k_proj", "v_proj")), _hold(model, a, ("o_proj",)),
+                       _hold(model, m, ("gate_proj", "up_proj")), _hold(model, m, ("down_proj",))))
+    out = model.get_output_embeddings()
+    head = _pack(model, out.weight, head=True)
+    held = PackedLinear(head, out.in_features, out.weight.shape[0], getattr(out, "bias", None))
+    if isinstance(out, SubsetLMHead):  # a draft's head over a vocabulary subset: its rows packed
+        out.hold(held)
+    else:
+        emb = model.get_input_embeddings()
+        tied = getattr(emb, "weight", None) is out.weight
+        model.set_output_embeddings(held)
+        if tied and keeps_embedding:
+            model.set_input_embeddings(PackedEmbedding(head, out.out_features, out.in_features, emb.weight.dtype))
+        elif tied:
+            model.config.tie_word_embeddings = False
+    model.specdec_packed = (layers, head)
+
+
+def held_packed(model) -> bool:
+    """Whether ``model``'s linear weights are held only packed (:func:`quantize`): no float matrix to multiply."""
+    return getattr(_decoder(model), "specdec_packed", None) is not None
 
 
 @torch.no_grad()
 def panels(model) -> tuple[list[tuple], torch.Tensor]:
     """The weights as the fused CPU ops read them: each decoder layer's ``(qkv, o, gate_up, down)`` packed by
-    ``ops.pack_linear_weight`` (Wq, Wk, Wv and Wgate, Wup concatenated) and the output layer's packing, in the
-    model's float dtype, as int8 rows (``"q8"``), or as 4-bit blocks and the output layer in 8-bit blocks (``"q4"``;
-    ``"q4a8"``: in the layouts for int8 activations). Those :func:`cast` packed from the float32 values, while the
-    weights are the same tensors since."""
-    kept = getattr(model, "specdec_exact_panels", None)
-    if kept is not None and kept[0] == tensors_key(model):
-        return kept[1]
-    k = kind(model)
-    layer_dtype = {"q8": torch.int8, "q4": torch.uint8, "q4a8": torch.uint8}.get(k)
-    a8 = k == "q4a8"
-    pack = (lambda w: ops.pack_linear_weight(w, layer_dtype, int8_activations=a8))
+    ``ops.pack_linear_weight`` (Wq, Wk, Wv and Wgate, Wup concatenated) and the output layer's packing. A quantized
+    model's are those it holds (int8 rows for ``"q8"``, 4-bit blocks and the output layer in 8-bit blocks for
+    ``"q4"``; ``"q4a8"``: in the layouts for int8 activations); a float model's are packed here, in its dtype."""
+    held = getattr(model, "specdec_packed", None)
+    if held is not None:
+        return held
+    pack = (lambda w: ops.pack_linear_weight(w))
     layers = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         layers.append((pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)), pack(a.o_proj.weight),
                        pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)), pack(m.down_proj.weight)))
-    head = model.get_output_embeddings().weight
-    if k in _BLOCKS:
-        return layers, ops.pack_linear_weight(head, torch.int8, blocks=True, int8_activations=a8)
-    return layers, pack(head)
-
-
-def cast(model, dtype: torch.dtype):
-    """Cast a model quantized in float32 to ``dtype`` (bfloat16: what a CPU's activations run in), keeping the
-    packed weights of :func:`panels` made from the float32 values: bfloat16 cannot hold every ``d * q + m``, so
-    quantizing again after the cast would not give back the same blocks (a GGUF file's own). Returns ``model``."""
-    packed = panels(model)
-    model.to(dtype)
-    model.specdec_exact_panels = (tensors_key(model), packed)
-    return model
+    return layers, pack(model.get_output_embeddings().weight)
 
 
 def kind(model) -> Optional[str]:
@@ -184,17 +215,11 @@ def kind(model) -> Optional[str]:
 
 def weight_bytes(model) -> int:
     """Bytes of linear weights a one-token step reads: the decoder layers' projections and the output layer as the
-    lean model's fused op holds them (int8 plus a float32 scale per row for ``"q8"``; for ``"q4"`` / ``"q4a8"``
-    4-bit blocks of 32 with two float16 per block for the layers, 8-bit blocks with one for the output layer; else
-    the model's dtype)."""
-    total, k = 0, kind(model)
-    layers = len(_layer_weights(model))
-    for i, w in enumerate(_linear_weights(model)):
-        rows, cols = w.shape
-        if k in _BLOCKS:
-            total += rows * cols // ops.BLOCK * ((ops.BLOCK // 2 + 4) if i < layers else (ops.BLOCK + 2))
-        elif k == "q8":
-            total += rows * (cols + 4)
-        else:
-            total += w.numel() * w.element_size()
-    return total
+    lean model's fused op holds them (a quantized model's packed tensors: int8 plus a float32 scale per row for
+    ``"q8"``; for ``"q4"`` / ``"q4a8"`` 4-bit blocks of 32 with two float16 per block for the layers, 8-bit blocks
+    with one for the output layer; else the model's dtype)."""
+    held = getattr(_decoder(model), "specdec_packed", None)
+    if held is not None:
+        layers, head = held
+        return sum(t.numel() * t.element_size() for t in (*(t for layer in layers for t in layer), head))
+    return sum(w.numel() * w.element_size() for w in _linear_weights(_decoder(model)))

@@ -18,6 +18,8 @@ from typing import Union
 
 import torch
 
+from ..engine.models import output_rows
+from ..engine.packed import PackedEmbedding
 from ..engine.subset_head import SubsetLMHead
 
 KEY = "specdec_draft"
@@ -79,13 +81,15 @@ def attach_target_rows(draft, target, token_ids: torch.Tensor) -> None:
     """Give ``draft`` the target's token embedding (shared where the dtypes agree, else a cast copy) and a
     :class:`SubsetLMHead` of the target's output rows ``token_ids``, both frozen, in the draft's dtype."""
     dtype = draft.model.norm.weight.dtype
-    emb = target.get_input_embeddings().weight
-    out = target.get_output_embeddings().weight
-    shared = emb if emb.dtype == dtype else emb.detach().to(dtype)
-    draft.model.embed_tokens.weight = torch.nn.Parameter(shared, requires_grad=False)
-    rows = out.detach()[token_ids.to(out.device)].to(dtype)
-    draft.lm_head = SubsetLMHead(rows, token_ids, emb.shape[0]).requires_grad_(False)
-    draft.config.vocab_size = emb.shape[0]
+    emb = target.get_input_embeddings()
+    if isinstance(emb, PackedEmbedding):  # a quantized target's embedding, read from its blocks: shared
+        draft.model.embed_tokens = emb if emb.dtype == dtype else emb.shared(dtype)
+    else:
+        shared = emb.weight if emb.weight.dtype == dtype else emb.weight.detach().to(dtype)
+        draft.model.embed_tokens.weight = torch.nn.Parameter(shared, requires_grad=False)
+    rows = output_rows(target, token_ids).to(dtype)
+    draft.lm_head = SubsetLMHead(rows, token_ids, emb.num_embeddings).requires_grad_(False)
+    draft.config.vocab_size = emb.num_embeddings
 
 
 def load_draft(path: Union[str, Path], target, dtype: torch.dtype = torch.float32, check: bool = True):

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..engine.models import output_rows
 from .draft_store import attach_target_rows
 
 TOP_K = 32  # teacher probabilities kept per position
@@ -120,7 +121,7 @@ def teacher_targets(target, seqs, token_ids: torch.Tensor, work: Path, batch_tok
         blob = torch.load(path)
         if blob["token_ids"].equal(token_ids) and len(blob["idx"]) == len(seqs):
             return blob
-    rows = target.get_output_embeddings().weight[token_ids]  # [N, H]
+    rows = output_rows(target, token_ids)  # [N, H]
     idx_out: list = [None] * len(seqs)
     logp_out: list = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))

@@ -43,8 +43,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..engine import SpeculativeGenerator
-from ..engine.models import fingerprint, model_name
+from ..engine.models import fingerprint, hidden_size, model_name
 from ..engine.sampling import SamplingConfig, process_logits
+from ..engine.runner import model_device
 from ..prompts import encode_prompt
 
 DECODING = ("greedy", "sample")
@@ -164,7 +165,7 @@ def _settings(cfg: HeadDataConfig, target, draft, prompts: Sequence[str]) -> dic
     digest = hashlib.sha1("\x00".join(prompts).encode()).hexdigest()[:16]
     return {"config": asdict(cfg), "target_model": model_name(target), "draft_model": model_name(draft),
             "draft_fingerprint": fingerprint(draft), "num_prompts": len(prompts), "prompts_sha1": digest,
-            "draft_hidden_size": draft.get_output_embeddings().weight.shape[1]}
+            "draft_hidden_size": hidden_size(draft)}
 
 
 def shard_range(num_prompts: int, shard: int, num_shards: int) -> range:
@@ -258,8 +259,8 @@ def generate_head_data(target, draft, tokenizer, prompts: Sequence[str], cfg: Op
     responder = SpeculativeGenerator(target, draft, policy="fixed", k=4)
     eos = tokenizer.eos_token_id
     pad = eos if eos is not None else 0
-    dev_t = target.get_input_embeddings().weight.device
-    dev_d = draft.get_input_embeddings().weight.device
+    dev_t = model_device(target)
+    dev_d = model_device(draft)
     rows: dict[str, list] = {k: [] for k in ("ids", "starts", "x", "y", "lab", "acc", "take")}
     t0 = time.time()
 

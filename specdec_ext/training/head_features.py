@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from ..engine.runner import model_device
 from ..engine.sampling import process_logits
 from ..head.features import CONFIDENCE_FEATURES, FEATURES, confidence_features, history_offline
 from ..head.module import INPUT_POSITIONS
@@ -52,7 +53,7 @@ def draft_features(draft, data: HeadDataset, position: str = "proposal", batch_t
     cfg = data.config
     captured = {}
     hook = draft.get_output_embeddings().register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))
-    dev = draft.get_input_embeddings().weight.device
+    dev = model_device(draft)
     out = {k: [] for k in ("hidden", "features", "labels", "accept", "example", "index")}
     try:
         bar = tqdm(total=len(data), desc="draft features", disable=not progress, unit="ex")

@@ -1,0 +1,66 @@
+"""engine/packed.py: the modules a quantized model holds in place of its float matrices. packed_rows gives back any
+packing's rows as its unpacking does, PackedLinear multiplies as ops.packed_linear, and a quantized model's own
+(transformers') forward through them computes the lean model's function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_ext import ops, reference
+from specdec_ext.engine import weights
+from specdec_ext.engine.model import LeanModel
+from specdec_ext.engine.packed import PackedLinear, packed_rows
+from models import make_target
+
+needs_kernel = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="needs the compiled extension")
+
+LAYOUTS = {  # name -> pack_linear_weight arguments
+    "float32": dict(dtype=torch.float32), "bfloat16": dict(dtype=torch.bfloat16), "int8 rows": dict(dtype=torch.int8),
+    "Q4_1": dict(dtype=torch.uint8), "Q8_0": dict(dtype=torch.int8, blocks=True),
+    "Q4_1 a8": dict(dtype=torch.uint8, int8_activations=True),
+    "Q8_0 a8": dict(dtype=torch.int8, blocks=True, int8_activations=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_rows_are_the_unpacked_weights_rows_in_every_layout(layout):
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))  # 40 rows: the last panel half padding
+    packed = ops.pack_linear_weight(w, **LAYOUTS[layout])
+    whole = reference.unpack_linear_weight(packed, 40).float()
+    ids = torch.tensor([[39, 0, 17], [16, 16, 5]])
+    got = packed_rows(packed, ids, 40)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 64) and torch.equal(got, whole[ids])
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 40\) \(the weight's rows\), got ids in \[0, 40\]"):
+        packed_rows(packed, torch.tensor([0, 40]), 40)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["int8 rows", "Q4_1", "Q4_1 a8"])
+def test_a_packed_linear_multiplies_as_the_packed_op_and_keeps_its_bytes_through_a_cast(layout):
+    gen = torch.Generator().manual_seed(2)
+    w, bias, x = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen), torch.randn(3, 5, 64, generator=gen)
+    packed = ops.pack_linear_weight(w, **LAYOUTS[layout])
+    module = PackedLinear(packed, 64, 48, bias)
+    assert torch.equal(module(x), ops.packed_linear(x, packed, 48, bias))
+    torch.testing.assert_close(module(x), reference.packed_linear(x, packed, bias, 48), rtol=1e-5, atol=1e-4)
+    module.to(torch.bfloat16)
+    assert module.packed is packed and module.bias.dtype == torch.bfloat16 and module(x.bfloat16()).dtype == torch.bfloat16
+    assert torch.equal(module.rows(torch.tensor([3])), reference.unpack_linear_weight(packed, 48)[3:4].float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q8", "q4", "q4a8"])
+def test_a_quantized_models_own_forward_computes_the_lean_models_function(kind):
+    """transformers' forward of a quantized model runs its PackedLinear modules: the logits of the lean model's
+    fused forward (another order of the same operations, float32; with int8 activations an input near a rounding
+    boundary of its block may round the other way, so within 2% of the largest logit)."""
+    target = weights.quantize(make_target("llama", vocab=64, seed=3), kind)
+    assert not any(isinstance(m, torch.nn.Linear) for m in target.modules())
+    ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    lean = LeanModel(target, "target")
+    fused = lean.forward(lean.cache(2, 12), ids, keep=9, start=0)[0]
+    with torch.no_grad():
+        own = target(ids).logits
+    tol = 2e-2 if kind == "q4a8" else 1e-4
+    torch.testing.assert_close(own, fused, rtol=tol, atol=tol * float(own.abs().max()))
