@@ -7,6 +7,7 @@
 
 #include "cpu/attention_cpu.h"
 #include "cpu/layer_cpu.h"
+#include "cpu/unpack_cpu.h"
 #include "cpu/verify_cpu.h"
 #include "ops_common.h"
 
@@ -96,6 +97,13 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return t.out;
 }
 
+at::Tensor unpack_linear_weight_cpu(const at::Tensor& weight, int64_t out_features, at::ScalarType dtype) {
+  UnpackArgs a{};
+  at::Tensor out = prepare_unpack(weight, out_features, dtype, a);
+  cpu::unpack_linear_weight(a);
+  return out;
+}
+
 at::Tensor decoder_layer_cpu(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
                              const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
                              const std::optional<at::Tensor>& k_norm, const at::Tensor& o, const at::Tensor& post_norm,
@@ -146,6 +154,7 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   m.def("cache_attention(Tensor query, Tensor key, Tensor value, Tensor starts, float scale) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("unpack_linear_weight(Tensor weight, int out_features, ScalarType dtype) -> Tensor");
   m.def(
       "decoder_layer(Tensor x, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
       "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor(a!) key_cache, Tensor(b!) value_cache, "
@@ -171,6 +180,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("cache_attention", &cache_attention_cpu);
   m.impl("packed_linear", &packed_linear_cpu);
+  m.impl("unpack_linear_weight", &unpack_linear_weight_cpu);
   m.impl("decoder_layer", &decoder_layer_cpu);
   m.impl("philox_uniforms", &philox_uniforms_cpu);
   m.impl("advance_rows", &advance_rows_cpu);

@@ -626,6 +626,29 @@ inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::
   return t;
 }
 
+// unpack_linear_weight: weight packed for out_features N by ops.pack_linear_weight in a quantized layout (int8
+// panels or blocks), dtype float32 or bfloat16 -> W^T [K, N] in dtype.
+inline at::Tensor prepare_unpack(const at::Tensor& weight, int64_t out_features, at::ScalarType dtype,
+                                 UnpackArgs& a) {
+  const char* op = "unpack_linear_weight";
+  SPECDEC_CHK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte, op,
+                   ": weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got ",
+                   weight.scalar_type());
+  SPECDEC_CHK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16, op, ": dtype must be float32 or bfloat16, got ",
+                   dtype);
+  SPECDEC_CHK_VALUE(out_features >= 1, op, ": out_features must be >= 1, got ", out_features);
+  SPECDEC_CHK_VALUE(weight.dim() >= 3, op, ": weight must be a packing [P, ...], got ", weight.sizes());
+  const int64_t K = packed_in_features(weight);
+  check_packed(weight, out_features, K, op, "weight", weight);
+  at::Tensor out = at::empty({K, out_features}, weight.options().dtype(dtype));
+  a.dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  a.weights = packed_weights(weight);
+  a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
+  a.weight = weight.data_ptr();
+  a.out = out.data_ptr();
+  return out;
+}
+
 struct DecoderLayerTensors {
   at::Tensor x, lengths, slots, out;
   DecoderLayerArgs args;

@@ -400,6 +400,23 @@ def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
     return (*x.shape[:-1], out_features)
 
 
+def unpack_shapes(weight, out_features: int, dtype) -> tuple:
+    """Checks of ``unpack_linear_weight`` (the kernel's, with the same messages); returns W^T's shape ``(K, N)``."""
+    op = "unpack_linear_weight"
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"{op}: weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got "
+                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
+    if dtype not in LAYER_DTYPES:
+        raise TypeError(f"{op}: dtype must be float32 or bfloat16, got {dtype}")
+    if out_features < 1:
+        raise ValueError(f"{op}: out_features must be >= 1, got {out_features}")
+    if weight.dim() < 3:
+        raise ValueError(f"{op}: weight must be a packing [P, ...], got {list(weight.shape)}")
+    K = packed_in_features(weight)
+    _packed(weight, out_features, K, "weight", op, weight)
+    return K, out_features
+
+
 def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache,
                          value_cache, lengths, slots, cos, sin, heads: int, eps: float) -> tuple:
     """Checks of ``decoder_layer`` (the kernel's, with the same messages; the slots' and lengths' values are

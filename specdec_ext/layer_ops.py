@@ -1,8 +1,9 @@
 """Typed wrappers of the model-layer ops, with fake (meta) kernels: attention of a few queries over a KV cache
-(``decode_attention``, ``cache_attention``), matrix products over weights packed in panels (``packed_linear``) and a
-whole decoder layer in one call (``decoder_layer``). Kernels in ``csrc/cpu/attention_cpu.cpp``,
-``csrc/cpu/layer_cpu.cpp`` and ``csrc/cuda/``; schemas in ``csrc/ops.cpp``; without the compiled extension every
-wrapper falls back to ``specdec_ext.reference``. ``specdec_ext.ops`` re-exports them beside the sampling ops.
+(``decode_attention``, ``cache_attention``), matrix products over weights packed in panels (``packed_linear``), their
+unpacking (``unpack_linear_weight``) and a whole decoder layer in one call (``decoder_layer``). Kernels in
+``csrc/cpu/attention_cpu.cpp``, ``csrc/cpu/layer_cpu.cpp``, ``csrc/cpu/unpack_cpu.cpp`` and ``csrc/cuda/``; schemas in
+``csrc/ops.cpp``; without the compiled extension every wrapper falls back to ``specdec_ext.reference``.
+``specdec_ext.ops`` re-exports them beside the sampling ops.
 """
 
 from __future__ import annotations
@@ -272,6 +273,33 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
     return torch.ops.specdec_ext.packed_linear(x, weight, bias, out_features)
 
 
+def unpack_linear_weight(weight: torch.Tensor, out_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight ``W`` ``[N, K]`` that a packing of :func:`pack_linear_weight` stands for, in ``dtype``: for a
+    quantized packing (int8 rows, 4-bit or 8-bit blocks, either layout) each value ``q * scale`` or ``d * q (+ m)``
+    computed in float32 (exact), then rounded to ``dtype``; float panels are only rearranged. A quantized model's
+    prefill multiplies a layer's weights so, unpacked just before its products (``engine/model.py``).
+
+    Args:
+        weight: a packing of ``W`` ``[N, K]``.
+        out_features: N.
+        dtype: torch.float32 or torch.bfloat16.
+
+    Returns:
+        ``[N, K]`` in ``dtype``: the transpose of a contiguous ``[K, N]`` tensor (``x @ W.T`` reads it row-major;
+        the CPU kernel writes each packed line of 16 outputs as contiguous values), or for float panels their view.
+
+    Raises:
+        ValueError: shapes (naming the argument), a device other than the CPU. TypeError: dtypes."""
+    if weight.dtype in checks.LAYER_DTYPES:  # float panels [P, K, 16]: a rearrangement
+        return weight.permute(0, 2, 1).reshape(-1, weight.shape[1])[:out_features].to(dtype)
+    if not HAS_EXTENSION:
+        checks.unpack_shapes(weight, out_features, dtype)
+        return reference.unpack_linear_weight(weight, out_features).to(dtype)
+    if weight.device.type != "cpu" and not checks._is_fake(weight):
+        raise ValueError(f"unpack_linear_weight has a CPU kernel only (weight is on {weight.device})")
+    return torch.ops.specdec_ext.unpack_linear_weight(weight, out_features, dtype).t()
+
+
 def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor],
                   q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], o: torch.Tensor,
                   post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, key_cache: torch.Tensor,
@@ -329,6 +357,10 @@ if HAS_EXTENSION:
     @torch.library.register_fake("specdec_ext::packed_linear")
     def _packed_linear_fake(x, weight, bias, out_features):
         return x.new_empty(checks.packed_linear_shapes(x, weight, bias, out_features))
+
+    @torch.library.register_fake("specdec_ext::unpack_linear_weight")
+    def _unpack_linear_weight_fake(weight, out_features, dtype):
+        return weight.new_empty(checks.unpack_shapes(weight, out_features, dtype), dtype=dtype)
 
     @torch.library.register_fake("specdec_ext::decoder_layer")
     def _decoder_layer_fake(*args):

@@ -64,3 +64,47 @@ def test_a_quantized_models_own_forward_computes_the_lean_models_function(kind):
         own = target(ids).logits
     tol = 2e-2 if kind == "q4a8" else 1e-4
     torch.testing.assert_close(own, fused, rtol=tol, atol=tol * float(own.abs().max()))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpacking_gives_back_the_weights_a_packing_stands_for(layout, dtype):
+    """ops.unpack_linear_weight against the reference unpacking: bitwise (the values computed in float32, exactly,
+    then rounded to dtype), 40 rows (a panel's padding dropped), as a transposed view of a [K, N] tensor."""
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
+    packed = ops.pack_linear_weight(w, **LAYOUTS[layout])
+    got = ops.unpack_linear_weight(packed, 40, dtype)
+    assert got.shape == (40, 96) and got.dtype == dtype
+    assert torch.equal(got, reference.unpack_linear_weight(packed, 40).to(dtype))
+    if packed.dtype in (torch.int8, torch.uint8) and ops.HAS_EXTENSION:
+        assert got.t().is_contiguous()
+
+
+@needs_kernel
+def test_unpacking_refuses_what_is_not_a_packing_with_one_line_errors():
+    packed = ops.pack_linear_weight(torch.randn(32, 64), torch.uint8)
+    with pytest.raises(TypeError, match="unpack_linear_weight: dtype must be float32 or bfloat16, got Half"):
+        ops.unpack_linear_weight(packed, 32, torch.float16)
+    with pytest.raises(ValueError, match=r"unpack_linear_weight: weight \(4-bit blocks\) must be \[3, 2, 320\]"):
+        ops.unpack_linear_weight(packed, 40, torch.float32)
+    with pytest.raises(TypeError, match="unpack_linear_weight: weight must be a quantized packing"):
+        torch.ops.specdec_ext.unpack_linear_weight(torch.zeros(2, 64, 16, dtype=torch.int32), 32, torch.float32)
+    fake = torch.library.opcheck(torch.ops.specdec_ext.unpack_linear_weight, (packed, 32, torch.bfloat16))
+    assert all(v == "SUCCESS" for v in fake.values())
+
+
+@needs_kernel
+def test_a_quantized_prefill_over_unpacked_weights_is_near_its_fused_forward():
+    """A forward of more than UNPACK_ABOVE tokens multiplies each layer's unpacked weights (a library matmul);
+    fewer run the fused op: the same function in another order of operations (float32)."""
+    from specdec_ext.engine import model as lean_model
+
+    target = weights.quantize(make_target("llama", vocab=64, seed=6), "q4")
+    lean = LeanModel(target, "target")
+    n = lean_model.UNPACK_ABOVE + 6
+    ids = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        unpacked = lean.forward(lean.cache(1, n + 2), ids, keep=n, start=0)[0]
+        fused = lean._fused_forward(lean.cache(1, n + 2), ids, None, n)[0]
+    assert not torch.equal(unpacked, fused)  # the two paths did run
+    torch.testing.assert_close(unpacked, fused, rtol=1e-4, atol=1e-4 * float(fused.abs().max()))

@@ -362,8 +362,9 @@ def test_a_q4a8_target_runs_every_forward_fused_and_a_prefill_is_bitwise_its_ste
     target, _ = a8_pair
     lean = LeanModel(target, "target")
     assert lean.fused_only and lean.panels[0].qkv.shape[-2:] == (5, 64) and lean.head_panels.dim() == 4
-    assert lean.lm_head is None and all(m is None for layer in lean.layers  # no float copy of what it never reads
-                                        for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert lean.lm_head is lean.head_panels and all(  # no float copy: the model's packed tensors, no other
+        a is b for layer, panel in zip(lean.layers, lean.panels)
+        for a, b in zip((layer.qkv, layer.o, layer.gate_up, layer.down), panel))
     ids = torch.randint(2, 64, (2, 20), generator=torch.Generator().manual_seed(2))
     cache = lean.cache(2, 24)
     whole = lean.forward(cache, ids, keep=20, start=0)[0]
@@ -373,7 +374,8 @@ def test_a_q4a8_target_runs_every_forward_fused_and_a_prefill_is_bitwise_its_ste
     with torch.no_grad():
         hf = target(ids).logits
     torch.testing.assert_close(whole, hf, rtol=2e-2, atol=2e-2 * float(hf.abs().max()))
-    with pytest.raises(ValueError, match="weights are 'q4a8', held only packed, which only the fused CPU op reads"):
+    with pytest.raises(ValueError, match="weights are 'q4a8' \\(int8 activations\\), which only the fused CPU op "
+                                         "computes"):
         LeanModel(target, "target", fused=False)
 
 

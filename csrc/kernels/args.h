@@ -176,6 +176,16 @@ struct PackedLinearArgs {
   void* out;                                        // [M, N], contiguous
 };
 
+// unpack_linear_weight: the float weights W [N, K] that a quantized packing (any PackedWeights but kFloat) stands for,
+// written transposed, out = W^T [K, N] row-major, in dtype: a prefill multiplies them with a library's matmul.
+struct UnpackArgs {
+  DType dtype;                              // kFloat32 or kBFloat16 (out)
+  PackedWeights weights;                    // the packing's layout (not kFloat)
+  int64_t in_features, out_features, panels;  // K, N, P
+  const void* weight;                       // packed as PackedWeights says
+  void* out;                                // [K, N], contiguous
+};
+
 // decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache: x + attention(
 // RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache. Every floating tensor has
 // the layer's dtype (float32 or bfloat16), the four packed weights too, or all four int8 panels or blocks of one kind;

@@ -118,6 +118,19 @@ FUSED_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
 FUSED_MAX_BYTES = 2 << 30
 
 
+# A model whose weights are held only packed (quantized) runs forwards of more than this many tokens in all (prefills)
+# over each layer's weights unpacked just before its products (ops.unpack_linear_weight, then oneDNN's matmul on
+# them), fewer through the fused op. SmolLM2-135M "q4" on a 2-core Intel Xeon with AMX, bfloat16: unpacking all 30
+# layers costs about 60 ms a forward; a 256-token prefill 0.35 s fused (730 tokens/s) against 0.15 s for the matmuls;
+# level near 70 tokens.
+UNPACK_ABOVE = 64
+
+
+def _unpacked_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x`` times the float weight a layer's packing ``w`` (every out width a multiple of 16) stands for."""
+    return F.linear(x, ops.unpack_linear_weight(w, w.shape[0] * ops.PANEL, x.dtype))
+
+
 class Panels(NamedTuple):
     """A layer's weights as ``ops.decoder_layer`` reads them: ``ops.pack_linear_weight`` of QKV, the output
     projection, gate/up and down."""
@@ -152,7 +165,9 @@ class LeanModel:
     ``"sdpa"``, torch's ``scaled_dot_product_attention`` everywhere. ``fused``: forwards of at most
     :data:`FUSED_MAX_ROWS` tokens (for its dtype) run each layer as one ``ops.decoder_layer`` call (and the LM head as
     ``ops.packed_linear``) over a copy of the weights in panels (True; None: wherever :meth:`fusable`; False: never);
-    every forward of a model with int8 activations (``engine.weights``' ``"q4a8"``).
+    a quantized model (``engine.weights``), which holds only those panels, runs forwards of up to
+    :data:`UNPACK_ABOVE` tokens so and longer ones over each layer's weights unpacked before its products; a model
+    with int8 activations (``"q4a8"``) runs every forward fused.
 
     Raises:
         ValueError: a model it does not reproduce (:func:`supports`), a model on the meta device, ``packed=True``
@@ -176,11 +191,15 @@ class LeanModel:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {attention!r}")
         self.attention = attention
-        # weights held only packed (engine/weights.py's quantize): no float matrix, so every forward (prefills too)
-        # runs the fused op, and no oneDNN copy is made
+        # weights held only packed (engine/weights.py's quantize): no float matrix is kept and no oneDNN copy made;
+        # forwards of up to UNPACK_ABOVE tokens run the fused op, longer ones (prefills) multiply each layer's
+        # weights unpacked just before its products; int8 activations' function is the fused op's alone: it runs
+        # every forward
         self.fused_only = weights.held_packed(model)
+        self.int8_activations = weights.kind(model) in weights.INT8_ACTIVATIONS
         self.packed = uses_packed(self.device, self.dtype, packed) and not self.fused_only
-        self._linear: Callable = onednn_linear.linear if self.packed else F.linear
+        self._linear: Callable = (_unpacked_linear if self.fused_only else
+                                  onednn_linear.linear if self.packed else F.linear)
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.gqa = bool(self.n_heads != self.n_kv)  # a constant where a compiled forward reads it
@@ -201,9 +220,9 @@ class LeanModel:
                              f"{FUSED_MAX_BYTES} bytes of linear weights (the {name} model: {self.dtype} on "
                              f"{self.device}, attention={attention!r})")
         self.fused = can_fuse if fused is None else bool(fused)
-        if self.fused_only and not self.fused:
-            raise ValueError(f"the {name} model's weights are {weights.kind(model)!r}, held only packed, which only "
-                             "the fused CPU op reads: it needs fused=None or True, the compiled extension and "
+        if self.int8_activations and not self.fused:
+            raise ValueError(f"the {name} model's weights are {weights.kind(model)!r} (int8 activations), which only "
+                             "the fused CPU op computes: it needs fused=None or True, the compiled extension and "
                              f"attention='auto' (got fused={fused!r}, attention={attention!r})")
         self.panels, self.head_panels = self._panels(model) if self.fused else (None, None)
         # called as tap(slots, starts, x) by each forward before its final norm (a feature draft's record of the
@@ -248,29 +267,26 @@ class LeanModel:
             return hit[1]
         prep = onednn_linear.pack if self.packed else (lambda w: w)
 
-        def pack(*ms):  # the modules' weights concatenated (and packed); None where only the fused op runs
-            if self.fused_only:
-                return None
+        def pack(*ms):  # the modules' weights concatenated (and packed)
             return prep(torch.cat([m.weight for m in ms], 0).contiguous() if len(ms) > 1 else ms[0].weight)
 
         base = model.model
+        held = weights.panels(model) if self.fused_only else None
         with torch.no_grad():
             layers = []
-            for layer in base.layers:
+            for i, layer in enumerate(base.layers):
                 a, m = layer.self_attn, layer.mlp
                 biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+                qkv, o, gate_up, down = held[0][i] if held else (
+                    pack(a.q_proj, a.k_proj, a.v_proj), pack(a.o_proj), pack(m.gate_proj, m.up_proj), pack(m.down_proj))
                 layers.append(Layer(
-                    layer.input_layernorm.weight,
-                    pack(a.q_proj, a.k_proj, a.v_proj),
+                    layer.input_layernorm.weight, qkv,
                     torch.cat(biases, 0) if all(b is not None for b in biases) else None,
                     a.q_norm.weight if hasattr(a, "q_norm") else None,
                     a.k_norm.weight if hasattr(a, "k_norm") else None,
-                    pack(a.o_proj),
-                    layer.post_attention_layernorm.weight,
-                    pack(m.gate_proj, m.up_proj),
-                    pack(m.down_proj),
+                    o, layer.post_attention_layernorm.weight, gate_up, down,
                 ))
-            lm_head = pack(model.get_output_embeddings())
+            lm_head = held[1] if held else pack(model.get_output_embeddings())
             pos = torch.arange(self.max_pos, device=self.device).unsqueeze(0)
             cos, sin = base.rotary_emb(self.final_norm[None, None], pos)
             prepared = (layers, lm_head, cos[0].to(self.dtype), sin[0].to(self.dtype))  # cos/sin [max_pos, head_dim]
@@ -347,7 +363,8 @@ class LeanModel:
         ``[b, keep, H]`` (the LM head's input, which acceptance heads read). A draft with a
         :class:`~specdec_ext.engine.subset_head.SubsetLMHead` computes its N rows and gives the rest -inf."""
         b, n = tokens.shape
-        if self.fused and (b * n <= FUSED_MAX_ROWS[self.dtype] or self.fused_only):
+        if self.fused and (b * n <= FUSED_MAX_ROWS[self.dtype] or self.int8_activations
+                           or (self.fused_only and b * n <= UNPACK_ABOVE)):
             return self._fused_forward(cache, tokens, rows, keep, embeds)
         M = cache.max_len
         W = M + 1 if width is None else width
@@ -403,7 +420,10 @@ class LeanModel:
             cache.lengths.index_add_(0, index, torch.full_like(index, n))
         else:
             cache.lengths[span] += n
-        logits = self._linear(hn, self.lm_head).float()
+        if self.fused_only:  # the kept positions only: the packed product
+            logits = ops.packed_linear(hn, self.head_panels, self.vocab_rows).float()
+        else:
+            logits = self._linear(hn, self.lm_head).float()
         return (logits if self.subset is None else self.subset.scatter(logits)), hn
 
     def _fused_forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows, keep: int,
