@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import platform
 import statistics
 import time
@@ -415,6 +416,38 @@ def summarize(records: list[RunRecord], methods: list[Method], baseline: str = "
             })
         rows.append(row)
     return rows
+
+
+def resident_mib() -> Optional[float]:
+    """This process's resident memory (MiB, /proc/self/statm), or None where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def pair_memory(pair, resident_before: Optional[float] = None, resident_loaded: Optional[float] = None) -> dict:
+    """What the loaded pair holds (MiB): its tensors (parameters and buffers, each storage once: a draft sharing the
+    target's embedding counts it once) per model and in all, and, given the process's resident memory before and
+    after loading it, their difference and the growth from before loading to now (after the runs: KV caches,
+    prepared weights, the runtime's buffers)."""
+    seen: dict = {}
+    per = {}
+    for name in ("target", "draft", "feature"):
+        model = getattr(pair, name, None)
+        if model is None:
+            continue
+        start = sum(seen.values())
+        for t in (*model.parameters(), *model.buffers()):
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        per[name] = (sum(seen.values()) - start) / 2**20
+    out = {"tensors_MiB": {**per, "total": sum(seen.values()) / 2**20}}
+    now = resident_mib()
+    if resident_before is not None and resident_loaded is not None and now is not None:
+        out["resident_growth_after_load_MiB"] = resident_loaded - resident_before
+        out["resident_growth_at_end_MiB"] = now - resident_before
+    return out
 
 
 def machine_description(pair) -> dict:

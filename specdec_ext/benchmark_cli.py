@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .benchmark import (DEFAULT_KS, DEFAULT_THRESHOLDS, LOOKUP_KS, PAPER_THRESHOLDS, format_table, machine_description,
-                        run_benchmark, save_json, standard_methods, summarize)
+                        pair_memory, run_benchmark, save_json, standard_methods, summarize)
 from .engine.admission import ADMISSION_MODES, DEFAULT_ADMISSION
 
 
@@ -168,7 +168,7 @@ def llama_cpp_arms(args, pair, ids, methods, records) -> dict:
         methods.append(Method(name, "llama.cpp", family="llama.cpp", param=lookup or None, target="gguf"))
         records += [RunRecord(name, i, len(r["tokens"]), r["wall_s"], 0, 0, tokens=r["tokens"], forward_s=r["wall_s"],
                               engine={"prefill_ms": 1e3 * r["prefill_s"]}) for i, r in enumerate(res["records"])]
-        out[name] = {"repack": res["repack"], "note": res["note"]}
+        out[name] = {"repack": res["repack"], "note": res["note"], **res["memory"]}
         if res["note"]:
             print(res["note"])
     return out
@@ -310,8 +310,9 @@ def selection(methods, out: Path, prefix: str = "", window: int = 100) -> tuple:
     return report, lines, name
 
 
-def run(args, pair):
-    """``specdec bench`` with the models the command line loaded (``cli._models``)."""
+def run(args, pair, memory: tuple = (None, None)):
+    """``specdec bench`` with the models the command line loaded (``cli._models``); ``memory``: the process's
+    resident memory (MiB) before and after loading them, for ``meta.memory``."""
     from .prompts import load_prompts
 
     t0 = time.time()
@@ -376,6 +377,7 @@ def run(args, pair):
     meta["decode_prefill"] = decode_prefill(records, [len(i) for i in ids])
     if llama is not None:
         meta["llama_cpp"] = llama
+    meta["memory"] = pair_memory(pair, *memory)
     chosen, chosen_lines, chosen_plot = selection(methods, args.out, prefix=f"{tag}-")
     if chosen:
         meta["auto_selection"] = chosen

@@ -166,9 +166,14 @@ def _own_params(pair) -> int:
 
 
 def cmd_bench(args):
+    import transformers  # noqa: F401 (imported before the memory the pair's loading adds is measured)
+
+    from .benchmark import resident_mib
     from .benchmark_cli import run
 
-    run(args, _models(args, need_head=True))
+    before = resident_mib()
+    pair = _models(args, need_head=True)
+    run(args, pair, memory=(before, resident_mib()))
 
 
 def _shard(args):

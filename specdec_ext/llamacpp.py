@@ -38,7 +38,10 @@ def run(model: str, prompts: list, max_new_tokens: int, threads: int, lookup: in
     process. ``lookup``: tokens its prompt-lookup decoding proposes a round (0: plain decoding).
 
     Returns ``{"records": [{"tokens", "wall_s", "prefill_s", "decode_s"} per prompt], "repack": "on" | "off",
-    "note": why the repack is off, or ""}``. Times in seconds.
+    "note": why the repack is off, or "", "memory": the child's resident memory growth (MiB) from after importing
+    llama.cpp to after loading the file (``resident_growth_after_load_MiB``) and to after the prompts
+    (``resident_growth_at_end_MiB``; its KV cache of 4,096 positions included), where /proc tells it}``. Times in
+    seconds.
 
     Raises RuntimeError (one line, with the child's last line of stderr) where it fails with the repack off too."""
     note = ""
@@ -49,8 +52,10 @@ def run(model: str, prompts: list, max_new_tokens: int, threads: int, lookup: in
         proc = subprocess.run(cmd, input=json.dumps(prompts), capture_output=True, text=True, timeout=timeout_s,
                               env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         if proc.returncode == 0:
-            records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-            return {"records": records, "repack": "on" if repack else "off", "note": note}
+            lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+            memory = next((line["memory"] for line in lines if "memory" in line), {})
+            records = [line for line in lines if "memory" not in line]
+            return {"records": records, "repack": "on" if repack else "off", "note": note, "memory": memory}
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         why = (f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
                else f"exit status {proc.returncode}")
@@ -94,7 +99,13 @@ def _main(argv=None) -> None:
     ap.add_argument("--no-repack", action="store_true")
     args = ap.parse_args(argv)
     prompts = json.loads(sys.stdin.read())
+    import llama_cpp  # noqa: F401 (imported before the memory the model's loading adds is measured)
+
+    from .benchmark import resident_mib
+
+    before = resident_mib()
     llm = _load(args.model, args.threads, args.lookup, not args.no_repack)
+    loaded = resident_mib()
     for ids in prompts:
         out, first = [], None
         t0 = time.perf_counter()
@@ -107,6 +118,10 @@ def _main(argv=None) -> None:
         t1 = time.perf_counter()
         print(json.dumps({"tokens": out, "wall_s": t1 - t0, "prefill_s": first - t0, "decode_s": t1 - first}),
               flush=True)
+    end = resident_mib()
+    if before is not None:
+        print(json.dumps({"memory": {"resident_growth_after_load_MiB": loaded - before,
+                                     "resident_growth_at_end_MiB": end - before}}), flush=True)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,7 @@ def test_bench_without_llama_cpp_skips_its_arms_in_one_line_and_times_decode_and
     rates = data["meta"]["decode_prefill"]["plain"]
     assert rates["decode_tokens_per_s"] > 0 and rates["prefill_tokens_per_s"] > 0
     assert not any(r["method"].startswith("llama.cpp") for r in data["summary"])
+    assert data["meta"]["memory"]["tensors_MiB"]["target"] > 0
 
 
 @needs_pair

@@ -58,6 +58,7 @@ def test_llama_cpp_decodes_the_real_file_greedily():
     assert len(plain["records"]) == 1 and len(plain["records"][0]["tokens"]) == 6
     assert lookup["records"][0]["tokens"] == plain["records"][0]["tokens"]  # its lookup decoding is greedy-exact
     assert plain["records"][0]["prefill_s"] > 0 and plain["records"][0]["decode_s"] > 0
+    assert plain["memory"]["resident_growth_at_end_MiB"] >= plain["memory"]["resident_growth_after_load_MiB"] > 0
 
 
 def test_bench_puts_llama_cpp_beside_our_arms(capsys, tmp_path, monkeypatch):
@@ -75,7 +76,8 @@ def test_bench_puts_llama_cpp_beside_our_arms(capsys, tmp_path, monkeypatch):
     def fake_run(model, prompts, max_new_tokens, threads, lookup=0, eos=None):
         seen.append((model, lookup))
         return {"records": [{"tokens": [7] * max_new_tokens, "wall_s": 0.5, "prefill_s": 0.1, "decode_s": 0.4}
-                            for _ in prompts], "repack": "off", "note": "repack failed here"}
+                            for _ in prompts], "repack": "off", "note": "repack failed here",
+                "memory": {"resident_growth_after_load_MiB": 100.0, "resident_growth_at_end_MiB": 200.0}}
 
     monkeypatch.setattr(llamacpp, "missing", lambda: None)
     monkeypatch.setattr(llamacpp, "run", fake_run)
@@ -92,6 +94,10 @@ def test_bench_puts_llama_cpp_beside_our_arms(capsys, tmp_path, monkeypatch):
     rates = data["meta"]["decode_prefill"]
     assert rates["llama.cpp prompt lookup"]["decode_tokens_per_s"] == pytest.approx(4 / 0.4)
     assert rates["plain"]["prefill_tokens_per_s"] > 0
+    memory = data["meta"]["memory"]  # what the loaded pair holds, beside what llama.cpp's process grew by
+    assert memory["tensors_MiB"]["total"] >= memory["tensors_MiB"]["target"] > 0
+    assert all(isinstance(memory[k], float) for k in ("resident_growth_after_load_MiB", "resident_growth_at_end_MiB"))
+    assert data["meta"]["llama_cpp"]["llama.cpp plain"]["resident_growth_at_end_MiB"] == 200.0
     monkeypatch.undo()
     monkeypatch.setattr(llamacpp, "missing", lambda: None)
     code = cli.main(argv)

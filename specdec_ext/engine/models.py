@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .packed import packed_rows
+from .packed import PackedLinear, packed_rows
 
 
 def vocab_size(model) -> int:
@@ -95,8 +95,10 @@ def output_rows(model, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def param_count(model) -> int:
-    """The number of the model's parameters (elements, over every tensor)."""
-    return sum(p.numel() for p in model.parameters())
+    """The number of the model's parameters (elements, over every tensor; a quantized model's packed matrices as the
+    weights they stand for, a tied embedding read from the output layer's blocks once)."""
+    packed = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, PackedLinear))
+    return packed + sum(p.numel() for p in model.parameters())
 
 
 def context_length(model) -> Optional[int]:
