@@ -49,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from specdec_ext.engine import weights
 from specdec_ext.engine.backends import LeanBackend
 from specdec_ext.engine.graphs import StepGraphs
+from specdec_ext.engine.models import param_count
 from specdec_ext.engine.round import BUCKETS, StepRunner
 from specdec_ext.engine.runner import sdpa_backends
 
@@ -186,7 +187,7 @@ def probe(shape: str, device: str, context: int, k: int, repeats: int, compile_b
         compiled = runner._forward(backend)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    row = {"shape": shape, "attention": attention, "parameters": sum(p.numel() for p in model.parameters()),
+    row = {"shape": shape, "attention": attention, "parameters": param_count(model),
            "weight_bytes": weight_bytes(model), "context": context, "k": k, "steps": {}}
     with torch.inference_mode():
         backend.start(1, context + k + 2)  # the cache's tensors made here, as a call's are

@@ -108,3 +108,30 @@ def test_a_quantized_prefill_over_unpacked_weights_is_near_its_fused_forward():
         fused = lean._fused_forward(lean.cache(1, n + 2), ids, None, n)[0]
     assert not torch.equal(unpacked, fused)  # the two paths did run
     torch.testing.assert_close(unpacked, fused, rtol=1e-4, atol=1e-4 * float(fused.abs().max()))
+
+
+@needs_kernel
+def test_an_embedding_read_from_the_output_layers_blocks_replays_in_recorded_steps():
+    """A GGUF-like target (its tied output layer already Q8_0 values) reads its embedding from those blocks, reading
+    nothing on the host inside a step: steps recorded as graphs replay it and emit the eager steps' greedy tokens,
+    which equal the target's own plain decoding."""
+    from models import make_pair
+    from support import graphed, make_gen
+
+    from specdec_ext import SpeculativeGenerator
+    from specdec_ext.engine.packed import PackedEmbedding
+
+    target, draft = make_pair("llama", vocab=64)
+    with torch.no_grad():
+        emb = target.model.embed_tokens.weight
+        emb.copy_(ops.dequantize_blocks(*ops.quantize_blocks(emb, 8)))
+    target.lm_head.weight = emb
+    weights.quantize(target, "q4")
+    assert isinstance(target.model.embed_tokens, PackedEmbedding)
+    ids = torch.randint(2, 64, (2, 6), generator=torch.Generator().manual_seed(8))
+    gen = graphed(make_gen(target, draft, "fixed", {"k": 3}))
+    eager = make_gen(target, draft, "fixed", {"k": 3}).generate(ids, max_new_tokens=12, temperature=0).new_tokens
+    assert gen.generate(ids, max_new_tokens=12, temperature=0).new_tokens == eager
+    assert gen.steps.graphs.captures > 0
+    plain = SpeculativeGenerator(target, None, policy="autoregressive")
+    assert eager == plain.generate(ids, max_new_tokens=12, temperature=0).new_tokens

@@ -18,14 +18,16 @@ import torch
 from .. import checks, ops, reference
 
 
-def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int) -> torch.Tensor:
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, check: bool = True) -> torch.Tensor:
     """Rows ``ids`` of the float32 matrix ``W`` ``[N, K]`` that ``packed`` (any layout of ``ops.pack_linear_weight``)
     stands for: ``[*ids.shape, K]`` float32, reading only the panels that hold them (8-bit blocks, a tied embedding's
-    layout: only the rows' own bytes, a few torch ops). ``ids`` int64 in ``[0, N)``.
+    layout: only the rows' own bytes, a few torch ops). ``ids`` int64 in ``[0, N)``. ``check=False``: no range
+    check (it reads the ids on the host, which a recorded or captured step may not; an id past the last panel still
+    raises IndexError, one in its padding reads zeros).
 
-    Raises ValueError for an id out of range."""
+    Raises ValueError for an id out of range (``check``)."""
     flat = ids.reshape(-1)
-    if flat.numel():
+    if check and flat.numel():
         low, high = torch.aminmax(flat)
         if int(low) < 0 or int(high) >= out_features:
             raise ValueError(f"ids must be in [0, {out_features}) (the weight's rows), got ids in [{int(low)}, "
@@ -101,8 +103,8 @@ class PackedEmbedding(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.like.dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return packed_rows(self.packed, ids, self.num_embeddings).to(self.like.dtype)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # in a step: no host read (packed_rows' check=False)
+        return packed_rows(self.packed, ids, self.num_embeddings, check=False).to(self.like.dtype)
 
     def shared(self, dtype: torch.dtype) -> "PackedEmbedding":
         """This embedding in ``dtype``, reading the same blocks (a draft's, which shares its target's)."""
