@@ -24,10 +24,10 @@ copy of a matrix is kept, and transformers' own forward of the model computes th
 A tied input embedding whose output layer quantizes to itself (a GGUF file's Q8_0 ``token_embd``, as with
 ``quantize(..., exact=True)``, which changes nothing or returns None) reads its rows from those blocks
 (``engine.packed.PackedEmbedding``), shared with a distilled draft; otherwise it stays float. The real pair's loaded
-tensors: 92 MiB for the target (its GGUF file: 94 MiB), 109 MiB with the distilled and feature drafts. With no
-float matrix, every forward of a quantized model, prefills included, runs the fused op (a prefill of 256 tokens at
-about 700 tokens/s for ``"q4"``, 1,200 for ``"q4a8"``, on a 2-core Xeon). The model keeps its float weights'
-fingerprint (``engine.models.fingerprint``), so the drafts and heads made for it still load.
+tensors: 92 MiB for the target (its GGUF file: 94 MiB), 109 MiB with the distilled and feature drafts. Decode
+steps and verifications run the fused op; prefills multiply each layer's weights unpacked just before its products
+(``engine.model.UNPACK_ABOVE``), except with int8 activations, whose every forward is the fused op's. The model keeps
+its float weights' fingerprint (``engine.models.fingerprint``), so the drafts and heads made for it still load.
 
 Speculative decoding stays lossless for this target: every forward of a round computes the quantized model's
 function, so greedy tokens equal the quantized model's own plain decoding and sampled tokens follow its
@@ -83,8 +83,9 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     :class:`~.packed.PackedEmbedding` over the same blocks. ``weights``: ``"q8"`` (int8, one float32 scale per output
     feature) or ``"q4"`` (decoder layers in 4-bit blocks of 32 with a float16 scale and minimum, GGUF's Q4_1; the
     output layer in 8-bit blocks of 32, Q8_0), or ``"q4a8"`` (those weights, multiplied by int8 activations). A
-    feature draft's decoder is quantized, its ``fc`` stays float; a draft's ``SubsetLMHead`` holds its rows packed. Cast the model to bfloat16 afterwards if wanted: the packed
-    weights stay as made from the values given. Returns ``model``.
+    feature draft's decoder is quantized, its ``fc`` stays float; a draft's ``SubsetLMHead`` holds its rows packed.
+    Cast the model to bfloat16 afterwards if wanted: the packed weights stay as made from the values given (a GGUF
+    file's blocks from its float32 values). Returns ``model``.
     Quantizing a model already quantized this way changes nothing. ``exact``: only where the quantization gives back
     every weight as it is (a GGUF file's Q4_1 layers and Q8_0 output layer, loaded in float32); otherwise (weights
     that do not fit blocks of 32 included) the model is left as it was and None is returned.
@@ -154,8 +155,8 @@ def _hold(model, parent, names: tuple) -> torch.Tensor:
     aligned = all(m.out_features % ops.PANEL == 0 for m in linears[:-1])
     start = 0
     for n, m in zip(names, linears):
-        packed = joined[start // ops.PANEL: -(-(start + m.out_features) // ops.PANEL)] if aligned else _pack(model,
-                                                                                                            m.weight)
+        end = -(-(start + m.out_features) // ops.PANEL)  # the panels holding rows start .. start + out - 1
+        packed = joined[start // ops.PANEL: end] if aligned else _pack(model, m.weight)
         setattr(parent, n, PackedLinear(packed, m.in_features, m.out_features, m.bias))
         start += m.out_features
     return joined
@@ -196,7 +197,7 @@ def panels(model) -> tuple[list[tuple], torch.Tensor]:
     ``ops.pack_linear_weight`` (Wq, Wk, Wv and Wgate, Wup concatenated) and the output layer's packing. A quantized
     model's are those it holds (int8 rows for ``"q8"``, 4-bit blocks and the output layer in 8-bit blocks for
     ``"q4"``; ``"q4a8"``: in the layouts for int8 activations); a float model's are packed here, in its dtype."""
-    held = getattr(model, "specdec_packed", None)
+    held = getattr(_decoder(model), "specdec_packed", None)
     if held is not None:
         return held
     pack = (lambda w: ops.pack_linear_weight(w))
