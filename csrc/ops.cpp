@@ -97,11 +97,10 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return t.out;
 }
 
-at::Tensor unpack_linear_weight_cpu(const at::Tensor& weight, int64_t out_features, at::ScalarType dtype) {
+void unpack_linear_weight_cpu(const at::Tensor& weight, int64_t out_features, at::Tensor& out) {
   UnpackArgs a{};
-  at::Tensor out = prepare_unpack(weight, out_features, dtype, a);
+  prepare_unpack(weight, out_features, out, a);
   cpu::unpack_linear_weight(a);
-  return out;
 }
 
 at::Tensor decoder_layer_cpu(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
@@ -154,7 +153,7 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   m.def("cache_attention(Tensor query, Tensor key, Tensor value, Tensor starts, float scale) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor");
-  m.def("unpack_linear_weight(Tensor weight, int out_features, ScalarType dtype) -> Tensor");
+  m.def("unpack_linear_weight(Tensor weight, int out_features, Tensor(a!) out) -> ()");
   m.def(
       "decoder_layer(Tensor x, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
       "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor(a!) key_cache, Tensor(b!) value_cache, "

@@ -627,10 +627,10 @@ inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::
 }
 
 // unpack_linear_weight: weight packed for out_features N by ops.pack_linear_weight in a quantized layout (int8
-// panels or blocks), dtype float32 or bfloat16 -> W^T [K, N] in dtype.
-inline at::Tensor prepare_unpack(const at::Tensor& weight, int64_t out_features, at::ScalarType dtype,
-                                 UnpackArgs& a) {
+// panels or blocks) -> W^T into out [K, N], contiguous, float32 or bfloat16.
+inline void prepare_unpack(const at::Tensor& weight, int64_t out_features, const at::Tensor& out, UnpackArgs& a) {
   const char* op = "unpack_linear_weight";
+  const at::ScalarType dtype = out.scalar_type();
   SPECDEC_CHK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte, op,
                    ": weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got ",
                    weight.scalar_type());
@@ -640,13 +640,14 @@ inline at::Tensor prepare_unpack(const at::Tensor& weight, int64_t out_features,
   SPECDEC_CHK_VALUE(weight.dim() >= 3, op, ": weight must be a packing [P, ...], got ", weight.sizes());
   const int64_t K = packed_in_features(weight);
   check_packed(weight, out_features, K, op, "weight", weight);
-  at::Tensor out = at::empty({K, out_features}, weight.options().dtype(dtype));
+  SPECDEC_CHK_VALUE(out.dim() == 2 && out.size(0) == K && out.size(1) == out_features && out.is_contiguous(), op,
+                    ": out must be [", K, ", ", out_features, "] (W^T), contiguous, got ", out.sizes());
+  check_device(out, weight, "out", "weight");
   a.dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
   a.weights = packed_weights(weight);
   a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
   a.weight = weight.data_ptr();
   a.out = out.data_ptr();
-  return out;
 }
 
 struct DecoderLayerTensors {

@@ -417,6 +417,14 @@ def unpack_shapes(weight, out_features: int, dtype) -> tuple:
     return K, out_features
 
 
+def unpack_out(out, K: int, N: int, dtype) -> None:
+    """Checks of ``unpack_linear_weight``'s ``out`` (the kernel's, with the same message)."""
+    if not isinstance(out, torch.Tensor) or out.dtype != dtype:
+        raise TypeError(f"unpack_linear_weight: out must be {dtype}, got {getattr(out, 'dtype', type(out).__name__)}")
+    if out.dim() != 2 or tuple(out.shape) != (K, N) or not out.is_contiguous():
+        raise ValueError(f"unpack_linear_weight: out must be [{K}, {N}] (W^T), contiguous, got {list(out.shape)}")
+
+
 def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache,
                          value_cache, lengths, slots, cos, sin, heads: int, eps: float) -> tuple:
     """Checks of ``decoder_layer`` (the kernel's, with the same messages; the slots' and lengths' values are

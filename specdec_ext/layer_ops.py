@@ -273,7 +273,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
     return torch.ops.specdec_ext.packed_linear(x, weight, bias, out_features)
 
 
-def unpack_linear_weight(weight: torch.Tensor, out_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def unpack_linear_weight(weight: torch.Tensor, out_features: int, dtype: torch.dtype = torch.float32,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float weight ``W`` ``[N, K]`` that a packing of :func:`pack_linear_weight` stands for, in ``dtype``: for a
     quantized packing (int8 rows, 4-bit or 8-bit blocks, either layout) each value ``q * scale`` or ``d * q (+ m)``
     computed in float32 (exact), then rounded to ``dtype``; float panels are only rearranged. A quantized model's
@@ -283,21 +284,28 @@ def unpack_linear_weight(weight: torch.Tensor, out_features: int, dtype: torch.d
         weight: a packing of ``W`` ``[N, K]``.
         out_features: N.
         dtype: torch.float32 or torch.bfloat16.
+        out: ``[K, N]`` contiguous in ``dtype``, written (a buffer used again saves the page faults of a fresh one,
+            most of the time a new one takes), or None.
 
     Returns:
-        ``[N, K]`` in ``dtype``: the transpose of a contiguous ``[K, N]`` tensor (``x @ W.T`` reads it row-major;
-        the CPU kernel writes each packed line of 16 outputs as contiguous values), or for float panels their view.
+        ``[N, K]`` in ``dtype``: the transpose of a contiguous ``[K, N]`` tensor (``out`` where given; ``x @ W.T``
+        reads it row-major: the CPU kernel writes each packed line of 16 outputs as contiguous values), or for float
+        panels their view.
 
     Raises:
         ValueError: shapes (naming the argument), a device other than the CPU. TypeError: dtypes."""
     if weight.dtype in checks.LAYER_DTYPES:  # float panels [P, K, 16]: a rearrangement
         return weight.permute(0, 2, 1).reshape(-1, weight.shape[1])[:out_features].to(dtype)
+    K, N = checks.unpack_shapes(weight, out_features, dtype)
+    if out is None:
+        out = torch.empty(K, N, dtype=dtype, device=weight.device)
+    checks.unpack_out(out, K, N, dtype)
     if not HAS_EXTENSION:
-        checks.unpack_shapes(weight, out_features, dtype)
-        return reference.unpack_linear_weight(weight, out_features).to(dtype)
+        return out.copy_(reference.unpack_linear_weight(weight, out_features).t()).t()
     if weight.device.type != "cpu" and not checks._is_fake(weight):
         raise ValueError(f"unpack_linear_weight has a CPU kernel only (weight is on {weight.device})")
-    return torch.ops.specdec_ext.unpack_linear_weight(weight, out_features, dtype).t()
+    torch.ops.specdec_ext.unpack_linear_weight(weight, out_features, out)
+    return out.t()
 
 
 def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor],
@@ -359,8 +367,9 @@ if HAS_EXTENSION:
         return x.new_empty(checks.packed_linear_shapes(x, weight, bias, out_features))
 
     @torch.library.register_fake("specdec_ext::unpack_linear_weight")
-    def _unpack_linear_weight_fake(weight, out_features, dtype):
-        return weight.new_empty(checks.unpack_shapes(weight, out_features, dtype), dtype=dtype)
+    def _unpack_linear_weight_fake(weight, out_features, out):
+        K, N = checks.unpack_shapes(weight, out_features, out.dtype)
+        checks.unpack_out(out, K, N, out.dtype)
 
     @torch.library.register_fake("specdec_ext::decoder_layer")
     def _decoder_layer_fake(*args):

@@ -68,9 +68,10 @@ def test_a_quantized_models_own_forward_computes_the_lean_models_function(kind):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unpacking_gives_back_the_weights_a_packing_stands_for(layout, dtype):
+def test_unpacking_gives_back_the_weights_a_packing_stands_for(layout, dtype, monkeypatch):
     """ops.unpack_linear_weight against the reference unpacking: bitwise (the values computed in float32, exactly,
-    then rounded to dtype), 40 rows (a panel's padding dropped), as a transposed view of a [K, N] tensor."""
+    then rounded to dtype), 40 rows (two full panels, where the CPU has AVX-512 its kernel's, and a panel's padding
+    dropped), as a transposed view of a [K, N] tensor; the baseline kernel (ATEN_CPU_CAPABILITY=avx2) the same bits."""
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
     packed = ops.pack_linear_weight(w, **LAYOUTS[layout])
     got = ops.unpack_linear_weight(packed, 40, dtype)
@@ -78,18 +79,28 @@ def test_unpacking_gives_back_the_weights_a_packing_stands_for(layout, dtype):
     assert torch.equal(got, reference.unpack_linear_weight(packed, 40).to(dtype))
     if packed.dtype in (torch.int8, torch.uint8) and ops.HAS_EXTENSION:
         assert got.t().is_contiguous()
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+        assert torch.equal(ops.unpack_linear_weight(packed, 40, dtype).contiguous().view(torch.uint8),
+                           got.contiguous().view(torch.uint8))
 
 
 @needs_kernel
 def test_unpacking_refuses_what_is_not_a_packing_with_one_line_errors():
     packed = ops.pack_linear_weight(torch.randn(32, 64), torch.uint8)
-    with pytest.raises(TypeError, match="unpack_linear_weight: dtype must be float32 or bfloat16, got Half"):
+    with pytest.raises(TypeError, match="unpack_linear_weight: dtype must be float32 or bfloat16, got torch.float16"):
         ops.unpack_linear_weight(packed, 32, torch.float16)
+    with pytest.raises(ValueError, match=r"unpack_linear_weight: out must be \[64, 32\] \(W\^T\), contiguous, got "
+                                         r"\[32, 64\]"):
+        ops.unpack_linear_weight(packed, 32, out=torch.empty(32, 64))
     with pytest.raises(ValueError, match=r"unpack_linear_weight: weight \(4-bit blocks\) must be \[3, 2, 320\]"):
         ops.unpack_linear_weight(packed, 40, torch.float32)
     with pytest.raises(TypeError, match="unpack_linear_weight: weight must be a quantized packing"):
-        torch.ops.specdec_ext.unpack_linear_weight(torch.zeros(2, 64, 16, dtype=torch.int32), 32, torch.float32)
-    fake = torch.library.opcheck(torch.ops.specdec_ext.unpack_linear_weight, (packed, 32, torch.bfloat16))
+        torch.ops.specdec_ext.unpack_linear_weight(torch.zeros(2, 64, 16, dtype=torch.int32), 32, torch.empty(64, 32))
+    with pytest.raises(ValueError, match=r"unpack_linear_weight: out must be \[64, 32\] \(W\^T\), contiguous"):
+        torch.ops.specdec_ext.unpack_linear_weight(packed, 32, torch.empty(32, 64).t())  # the kernel's own check
+    out = torch.empty(64, 32, dtype=torch.bfloat16)
+    assert ops.unpack_linear_weight(packed, 32, torch.bfloat16, out=out).data_ptr() == out.data_ptr()
+    fake = torch.library.opcheck(torch.ops.specdec_ext.unpack_linear_weight, (packed, 32, out))
     assert all(v == "SUCCESS" for v in fake.values())
 
 

@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import checks, ops
 from . import onednn_linear, weights
 from .attention import kernel_takes
 from .cache import StaticCache
@@ -119,16 +119,12 @@ FUSED_MAX_BYTES = 2 << 30
 
 
 # A model whose weights are held only packed (quantized) runs forwards of more than this many tokens in all (prefills)
-# over each layer's weights unpacked just before its products (ops.unpack_linear_weight, then oneDNN's matmul on
+# over each layer's weights unpacked just before its products (ops.unpack_linear_weight, then a library matmul on
 # them), fewer through the fused op. SmolLM2-135M "q4" on a 2-core Intel Xeon with AMX, bfloat16: unpacking all 30
-# layers costs about 60 ms a forward; a 256-token prefill 0.35 s fused (730 tokens/s) against 0.15 s for the matmuls;
-# level near 70 tokens.
+# layers takes about 25 ms a forward and the matmul packs each weight again for itself, so the two paths are level
+# near 64 tokens (17 tokens: 31 against 88 ms; 64: 93 against 98 ms); a 256-token prefill 0.19-0.21 s against the
+# fused op's 0.37 s (1.2-1.35k against 0.69k tokens/s; float weights packed once for oneDNN: 1.7k).
 UNPACK_ABOVE = 64
-
-
-def _unpacked_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x`` times the float weight a layer's packing ``w`` (every out width a multiple of 16) stands for."""
-    return F.linear(x, ops.unpack_linear_weight(w, w.shape[0] * ops.PANEL, x.dtype))
 
 
 class Panels(NamedTuple):
@@ -198,8 +194,9 @@ class LeanModel:
         self.fused_only = weights.held_packed(model)
         self.int8_activations = weights.kind(model) in weights.INT8_ACTIVATIONS
         self.packed = uses_packed(self.device, self.dtype, packed) and not self.fused_only
-        self._linear: Callable = (_unpacked_linear if self.fused_only else
+        self._linear: Callable = (self._unpacked_linear if self.fused_only else
                                   onednn_linear.linear if self.packed else F.linear)
+        self._unpacked: dict = {}  # (K, N, dtype) -> the [K, N] buffer a layer's weights are unpacked into
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.gqa = bool(self.n_heads != self.n_kv)  # a constant where a compiled forward reads it
@@ -310,6 +307,18 @@ class LeanModel:
         half = x.shape[-1] // 2
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
+
+    def _unpacked_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x`` times the float weight a layer's packing ``w`` (every out width a multiple of 16) stands for,
+        unpacked into a buffer kept per shape (one for all layers: each product is done before the next unpacks;
+        about 7 MB for SmolLM2-135M in bfloat16), which spares a fresh one's page faults, most of an unpacking's
+        time."""
+        K, N = checks.packed_in_features(w), w.shape[0] * ops.PANEL
+        buf = self._unpacked.get((K, N, x.dtype))
+        if buf is None:
+            buf = self._unpacked[(K, N, x.dtype)] = torch.empty(K, N, dtype=x.dtype, device=x.device)
+        ops.unpack_linear_weight(w, N, x.dtype, out=buf)
+        return x @ buf  # W^T row-major: a plain matmul (F.linear would take the transposed view and copy it)
 
     def _project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, n, in]`` times the (packed) weight ``w``: ``[B, n, out]``. On a CPU, a forward of more than
