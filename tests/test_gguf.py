@@ -182,6 +182,8 @@ def test_q4_weights_are_a_q4_1_files_own_blocks(tmp_path, monkeypatch):
     assert lean.panels[0].down.dtype == torch.uint8 and lean.head_panels.shape[2] == 544  # Q8_0 blocks
     bf16 = load_models(path, target_dtype=torch.bfloat16).target  # packed before the cast
     assert bf16.dtype == torch.bfloat16 and LeanModel(bf16, "target").panels[1].down is weights.panels(bf16)[0][1][3]
+    rope = bf16.model.rotary_emb.inv_freq  # kept in float32, as from_pretrained(dtype=bfloat16) keeps it
+    assert rope.dtype == torch.float32 and torch.equal(rope, plain.model.rotary_emb.inv_freq)
     assert all(torch.equal(a, b) for a, b in zip(weights.panels(bf16)[0][1], lean.panels[1]))
 
 

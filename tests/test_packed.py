@@ -146,3 +146,20 @@ def test_an_embedding_read_from_the_output_layers_blocks_replays_in_recorded_ste
     assert gen.steps.graphs.captures > 0
     plain = SpeculativeGenerator(target, None, policy="autoregressive")
     assert eager == plain.generate(ids, max_new_tokens=12, temperature=0).new_tokens
+
+
+def test_a_cast_keeps_the_rotary_frequencies_in_float32():
+    """engine.models.to_dtype: bfloat16 weights, the RoPE inverse frequencies as they were (Module.to would round them
+    to bfloat16, moving the positions' angles), so the lean model's cos / sin tables are the float32 model's rounded
+    once."""
+    from specdec_ext.engine.models import to_dtype
+
+    target = make_target("llama", vocab=64, seed=9)
+    rope = target.model.rotary_emb.inv_freq.clone()
+    tables = LeanModel(target, "target").cos
+    to_dtype(target, torch.bfloat16)
+    assert target.dtype == torch.bfloat16 and target.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert target.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(target.model.rotary_emb.inv_freq, rope)
+    assert torch.equal(LeanModel(target, "target").cos, tables.to(torch.bfloat16))
+    assert not torch.equal(rope.to(torch.bfloat16).float(), rope)  # what Module.to would have kept

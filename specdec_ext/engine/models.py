@@ -94,6 +94,22 @@ def output_rows(model, token_ids: torch.Tensor) -> torch.Tensor:
     return head.weight.detach()[token_ids.to(head.weight.device)]
 
 
+_ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def to_dtype(model, dtype: torch.dtype, device=None):
+    """``model.to(device, dtype)`` with its rotary embeddings' inverse frequencies kept in float32, as transformers'
+    ``from_pretrained(dtype=...)`` keeps them: ``Module.to`` would round them to bfloat16 (2^-9 relative, so the
+    fastest pair of dimensions would turn ~1 rad off by position 500). Returns ``model``."""
+    kept = {name: b.float() for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] in _ROTARY_BUFFERS}
+    model.to(device=device, dtype=dtype)
+    for name, b in kept.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[attr] = b.to(device) if device is not None else b
+    return model
+
+
 def param_count(model) -> int:
     """The number of the model's parameters (elements, over every tensor; a quantized model's packed matrices as the
     weights they stand for, a tied embedding read from the output layer's blocks once)."""

@@ -18,7 +18,7 @@ from typing import Union
 
 import torch
 
-from ..engine.models import output_rows
+from ..engine.models import output_rows, to_dtype
 from ..engine.packed import PackedEmbedding
 from ..engine.subset_head import SubsetLMHead
 
@@ -129,7 +129,7 @@ def load_draft(path: Union[str, Path], target, dtype: torch.dtype = torch.float3
         raise ValueError(f"{path}: the stored tensors do not fit its config.json ({str(e).splitlines()[0][:200]})") \
             from None
     token_ids = blob["lm_head.token_ids"].long()
-    draft = draft.to(dtype=dtype, device=target.device)
+    draft = to_dtype(draft, dtype, target.device)
     attach_target_rows(draft, target, token_ids)
     draft.config._name_or_path = path.name
     if meta.get("kind") == "eagle":

@@ -135,7 +135,7 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..engine.models import fingerprint, hidden_size
+    from ..engine.models import fingerprint, hidden_size, to_dtype
     from ..engine.runner import model_device
     from ..head import AcceptanceHead
     from ..training.draft_store import is_stored_draft, load_draft
@@ -165,9 +165,9 @@ def load_models(target: str | Path, draft: Optional[str | Path] = None, head: Op
 
         if quantized.quantize(t, weights, exact=auto) is None:
             weights = None  # "auto": not the blocks the file would give back exactly
-            t = t.to(target_dtype)
+            to_dtype(t, target_dtype)
         elif target_dtype != torch.float32:
-            t = t.to(target_dtype)  # the packed weights stay as made from the float32 values
+            to_dtype(t, target_dtype)  # the packed weights stay as made from the float32 values
     d = None
     if is_stored_draft(draft):  # a distilled draft that reads the target's embedding (`specdec train-draft`)
         d = load_draft(draft, t, draft_dtype, check=not allow_other_draft)
