@@ -318,7 +318,7 @@ class LeanModel:
         if buf is None:
             buf = self._unpacked[(K, N, x.dtype)] = torch.empty(K, N, dtype=x.dtype, device=x.device)
         ops.unpack_linear_weight(w, N, x.dtype, out=buf)
-        return x @ buf  # W^T row-major: a plain matmul (F.linear would take the transposed view and copy it)
+        return F.linear(x, buf.t())
 
     def _project(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, n, in]`` times the (packed) weight ``w``: ``[B, n, out]``. On a CPU, a forward of more than
