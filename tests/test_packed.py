@@ -163,3 +163,17 @@ def test_a_cast_keeps_the_rotary_frequencies_in_float32():
     assert torch.equal(target.model.rotary_emb.inv_freq, rope)
     assert torch.equal(LeanModel(target, "target").cos, tables.to(torch.bfloat16))
     assert not torch.equal(rope.to(torch.bfloat16).float(), rope)  # what Module.to would have kept
+
+
+@needs_kernel
+def test_a_quantized_model_runs_unfused_over_unpacked_weights():
+    """attention="sdpa" (no fused op): every forward, a step too, multiplies the unpacked weights, and the LM head
+    the packed one; the logits of the fused forward within float32 rounding."""
+    target = weights.quantize(make_target("llama", vocab=64, seed=10), "q8")
+    ids = torch.randint(2, 64, (2, 5), generator=torch.Generator().manual_seed(11))
+    fused, sdpa = LeanModel(target, "target"), LeanModel(target, "target", attention="sdpa")
+    assert fused.fused and not sdpa.fused and sdpa.fused_only
+    with torch.no_grad():
+        want = fused.forward(fused.cache(2, 8), ids, keep=5, start=0)[0]
+        got = sdpa.forward(sdpa.cache(2, 8), ids, keep=5, start=0)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

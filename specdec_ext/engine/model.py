@@ -39,7 +39,7 @@ from . import onednn_linear, weights
 from .attention import kernel_takes
 from .cache import StaticCache
 from .models import tensors_key
-from .packed import PackedEmbedding, PackedLinear
+from .packed import PackedEmbedding
 from .runner import sliding_layout, usable_device
 from .subset_head import SubsetLMHead
 from .tensor_parallel import tp_size
@@ -255,8 +255,8 @@ class LeanModel:
     def _prepare(self, model) -> tuple:
         """The per-layer weights (QKV and gate/up concatenated, packed when ``packed``), the LM head and the RoPE
         tables, kept per model while its weights stay the same tensors at the same version. A model whose weights are
-        held only packed (quantized), which runs only the fused op, gets its norms and biases alone (the matrices
-        None)."""
+        held only packed (quantized) gets the packings it holds (no copy: its forwards run the fused op, or unpack
+        a layer's weights before its products)."""
         kept = _PREPARED.setdefault(model, {})  # packed -> (fingerprint, prepared): both kinds, for side-by-side runs
         key, kind = tensors_key(model), "fused only" if self.fused_only else self.packed
         hit = kept.get(kind)
@@ -430,7 +430,7 @@ class LeanModel:
         else:
             cache.lengths[span] += n
         if self.fused_only:  # the kept positions only: the packed product
-            logits = ops.packed_linear(hn, self.head_panels, self.vocab_rows).float()
+            logits = ops.packed_linear(hn, self.lm_head, self.vocab_rows).float()
         else:
             logits = self._linear(hn, self.lm_head).float()
         return (logits if self.subset is None else self.subset.scatter(logits)), hn
