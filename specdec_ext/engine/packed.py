@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .. import checks, ops, reference
+from .. import checks, ops
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, check: bool = True) -> torch.Tensor:
@@ -44,7 +44,7 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, chec
         w = (q.reshape(flat.numel(), nb, ops.BLOCK).float() * d.float()[..., None]).flatten(1)
     else:
         picked = torch.arange(flat.numel(), device=flat.device) * ops.PANEL + lane
-        w = reference.unpack_linear_weight(packed[panel], flat.numel() * ops.PANEL)[picked].float()
+        w = ops.unpack_linear_weight(packed[panel], flat.numel() * ops.PANEL, torch.float32)[picked]
     return w.view(*ids.shape, -1)
 
 
