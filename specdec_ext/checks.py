@@ -400,12 +400,14 @@ def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
     return (*x.shape[:-1], out_features)
 
 
-def unpack_shapes(weight, out_features: int, dtype) -> tuple:
-    """Checks of ``unpack_linear_weight`` (the kernel's, with the same messages); returns W^T's shape ``(K, N)``."""
+def unpack_shapes(weight, out_features: int, dtype, floats: bool = False) -> tuple:
+    """Checks of ``unpack_linear_weight`` (the kernel's, with the same messages; ``floats``: float panels allowed,
+    which the wrapper rearranges without the kernel); returns W^T's shape ``(K, N)``."""
     op = "unpack_linear_weight"
-    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.int8, torch.uint8):
-        raise TypeError(f"{op}: weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got "
-                        f"{getattr(weight, 'dtype', type(weight).__name__)}")
+    allowed = (torch.int8, torch.uint8, *(LAYER_DTYPES if floats else ()))
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in allowed:
+        raise TypeError(f"{op}: weight must be a quantized packing (int8 panels, uint8 or int8 blocks)"
+                        f"{' or float panels' if floats else ''}, got {getattr(weight, 'dtype', type(weight).__name__)}")
     if dtype not in LAYER_DTYPES:
         raise TypeError(f"{op}: dtype must be float32 or bfloat16, got {dtype}")
     if out_features < 1:

@@ -294,9 +294,13 @@ def unpack_linear_weight(weight: torch.Tensor, out_features: int, dtype: torch.d
 
     Raises:
         ValueError: shapes (naming the argument), a device other than the CPU. TypeError: dtypes."""
+    K, N = checks.unpack_shapes(weight, out_features, dtype, floats=True)
     if weight.dtype in checks.LAYER_DTYPES:  # float panels [P, K, 16]: a rearrangement
-        return weight.permute(0, 2, 1).reshape(-1, weight.shape[1])[:out_features].to(dtype)
-    K, N = checks.unpack_shapes(weight, out_features, dtype)
+        w = weight.permute(0, 2, 1).reshape(-1, K)[:N]
+        if out is None:
+            return w.to(dtype)
+        checks.unpack_out(out, K, N, dtype)
+        return out.copy_(w.t()).t()
     if out is None:
         out = torch.empty(K, N, dtype=dtype, device=weight.device)
     checks.unpack_out(out, K, N, dtype)

@@ -77,6 +77,8 @@ def test_unpacking_gives_back_the_weights_a_packing_stands_for(layout, dtype, mo
     got = ops.unpack_linear_weight(packed, 40, dtype)
     assert got.shape == (40, 96) and got.dtype == dtype
     assert torch.equal(got, reference.unpack_linear_weight(packed, 40).to(dtype))
+    out = torch.empty(96, 40, dtype=dtype)  # into a buffer: the same values, in it
+    assert torch.equal(ops.unpack_linear_weight(packed, 40, dtype, out=out), got) and torch.equal(out.t(), got)
     if packed.dtype in (torch.int8, torch.uint8) and ops.HAS_EXTENSION:
         assert got.t().is_contiguous()
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
@@ -89,6 +91,11 @@ def test_unpacking_refuses_what_is_not_a_packing_with_one_line_errors():
     packed = ops.pack_linear_weight(torch.randn(32, 64), torch.uint8)
     with pytest.raises(TypeError, match="unpack_linear_weight: dtype must be float32 or bfloat16, got torch.float16"):
         ops.unpack_linear_weight(packed, 32, torch.float16)
+    floats = ops.pack_linear_weight(torch.randn(32, 64), torch.float32)
+    with pytest.raises(ValueError, match=r"unpack_linear_weight: weight must be \[3, 64, 16\]"):
+        ops.unpack_linear_weight(floats, 40)  # float panels checked too
+    with pytest.raises(TypeError, match="unpack_linear_weight: dtype must be float32 or bfloat16"):
+        ops.unpack_linear_weight(floats, 32, torch.int8)
     with pytest.raises(ValueError, match=r"unpack_linear_weight: out must be \[64, 32\] \(W\^T\), contiguous, got "
                                          r"\[32, 64\]"):
         ops.unpack_linear_weight(packed, 32, out=torch.empty(32, 64))
