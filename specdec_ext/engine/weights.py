@@ -118,72 +118,68 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
     if odd is not None:
         raise ValueError(f"weights={weights!r} needs every linear layer's in features a multiple of {ops.BLOCK} (the "
                          f"{name} model has one of {odd.shape[1]}); use weights='q8'")
-    layers = len(_layer_weights(model))
-
-    def values(i, w):  # the quantized values of the i-th of _linear_weights, float32
-        if blocks:
-            return ops.dequantize_blocks(*ops.quantize_blocks(w, 4 if i < layers else 8))
-        q, scale = ops.quantize_rows(w)
-        return q.float() * scale[:, None]
-
-    linear = _linear_weights(model)
-    if exact and not all(torch.equal(values(i, w).to(w.dtype), w) for i, w in enumerate(linear)):
+    packs = []  # (module, names, their weights concatenated and packed), per layer: QKV, O, gate/up, down
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.self_attn, ("o_proj",)),
+                              (layer.mlp, ("gate_proj", "up_proj")), (layer.mlp, ("down_proj",))):
+            w = torch.cat([getattr(parent, n).weight for n in names], 0) if len(names) > 1 else \
+                getattr(parent, names[0]).weight
+            joined = _pack(weights, w)
+            if exact and not _gives_back(joined, w):
+                return None
+            packs.append((parent, names, joined))
+    out = model.get_output_embeddings()
+    head = _pack(weights, out.weight, head=True)
+    keeps_head = _gives_back(head, out.weight)
+    if exact and not keeps_head:
         return None
-    keeps_head = exact or torch.equal(values(len(linear) - 1, linear[-1]).to(linear[-1].dtype), linear[-1])
     model.specdec_float_fingerprint = fingerprint(model)
     setattr(model, _ATTR, weights)
     setattr(outer, _ATTR, weights)
-    _hold_packed(model, keeps_embedding=keeps_head)
+    for parent, names, joined in packs:
+        _hold(weights, parent, names, joined)
+    held = PackedLinear(head, out.in_features, out.weight.shape[0], getattr(out, "bias", None))
+    if isinstance(out, SubsetLMHead):  # a draft's head over a vocabulary subset: its rows packed
+        out.hold(held)
+    else:  # a tied embedding whose values the head's blocks give back reads them (a GGUF file's Q8_0 token_embd)
+        emb = model.get_input_embeddings()
+        tied = getattr(emb, "weight", None) is out.weight
+        model.set_output_embeddings(held)
+        if tied and keeps_head:
+            model.set_input_embeddings(PackedEmbedding(head, out.out_features, out.in_features, emb.weight.dtype))
+        elif tied:
+            model.config.tie_word_embeddings = False
+    model.specdec_packed = ([tuple(joined for _, _, joined in packs[i: i + 4]) for i in range(0, len(packs), 4)],
+                            head)
     return outer
 
 
-def _pack(model, w: torch.Tensor, head: bool = False) -> torch.Tensor:
-    """``w`` packed as the fused op reads ``model``'s kind of weights (the output layer in 8-bit blocks for q4)."""
-    k = kind(model)
-    if k in _BLOCKS:
+def _pack(kind_: str, w: torch.Tensor, head: bool = False) -> torch.Tensor:
+    """``w`` packed as the fused op reads weights of kind ``kind_`` (the output layer in 8-bit blocks for q4)."""
+    if kind_ in _BLOCKS:
         return ops.pack_linear_weight(w, torch.int8 if head else torch.uint8, blocks=True,
-                                      int8_activations=k in INT8_ACTIVATIONS)
-    return ops.pack_linear_weight(w, torch.int8 if k == "q8" else None)
+                                      int8_activations=kind_ in INT8_ACTIVATIONS)
+    return ops.pack_linear_weight(w, torch.int8)
 
 
-def _hold(model, parent, names: tuple) -> torch.Tensor:
-    """Replace ``parent``'s linear layers ``names`` by :class:`PackedLinear` modules; returns their weights
-    concatenated and packed (what the fused op reads), of which the modules hold views (their own packing where an
-    out width is not a multiple of the panel's 16 rows)."""
+def _gives_back(packed: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the values ``packed`` stands for are ``w``'s own (in ``w``'s dtype): its quantization changes
+    nothing."""
+    return torch.equal(ops.unpack_linear_weight(packed, w.shape[0], torch.float32).to(w.dtype), w)
+
+
+def _hold(kind_: str, parent, names: tuple, joined: torch.Tensor) -> None:
+    """Replace ``parent``'s linear layers ``names`` by :class:`PackedLinear` modules holding views of ``joined``,
+    their weights concatenated and packed (their own packing where an out width is not a multiple of the panel's 16
+    rows)."""
     linears = [getattr(parent, n) for n in names]
-    joined = _pack(model, torch.cat([m.weight for m in linears], 0) if len(linears) > 1 else linears[0].weight)
     aligned = all(m.out_features % ops.PANEL == 0 for m in linears[:-1])
     start = 0
     for n, m in zip(names, linears):
         end = -(-(start + m.out_features) // ops.PANEL)  # the panels holding rows start .. start + out - 1
-        packed = joined[start // ops.PANEL: end] if aligned else _pack(model, m.weight)
+        packed = joined[start // ops.PANEL: end] if aligned else _pack(kind_, m.weight)
         setattr(parent, n, PackedLinear(packed, m.in_features, m.out_features, m.bias))
         start += m.out_features
-    return joined
-
-
-def _hold_packed(model, keeps_embedding: bool) -> None:
-    """Hold a quantized model's linear weights only packed (:func:`quantize`); ``keeps_embedding``: whether the
-    output layer's quantization gives back its values (then a tied input embedding reads its blocks)."""
-    layers = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        layers.append((_hold(model, a, ("q_proj", "k_proj", "v_proj")), _hold(model, a, ("o_proj",)),
-                       _hold(model, m, ("gate_proj", "up_proj")), _hold(model, m, ("down_proj",))))
-    out = model.get_output_embeddings()
-    head = _pack(model, out.weight, head=True)
-    held = PackedLinear(head, out.in_features, out.weight.shape[0], getattr(out, "bias", None))
-    if isinstance(out, SubsetLMHead):  # a draft's head over a vocabulary subset: its rows packed
-        out.hold(held)
-    else:
-        emb = model.get_input_embeddings()
-        tied = getattr(emb, "weight", None) is out.weight
-        model.set_output_embeddings(held)
-        if tied and keeps_embedding:
-            model.set_input_embeddings(PackedEmbedding(head, out.out_features, out.in_features, emb.weight.dtype))
-        elif tied:
-            model.config.tie_word_embeddings = False
-    model.specdec_packed = (layers, head)
 
 
 def held_packed(model) -> bool:
