@@ -262,20 +262,16 @@ class LeanModel:
         hit = kept.get(kind)
         if hit is not None and hit[0] == key:
             return hit[1]
-        prep = onednn_linear.pack if self.packed else (lambda w: w)
-
-        def pack(*ms):  # the modules' weights concatenated (and packed)
-            return prep(torch.cat([m.weight for m in ms], 0).contiguous() if len(ms) > 1 else ms[0].weight)
-
+        pack = onednn_linear.pack if self.packed else (lambda w: w)
         base = model.model
         held = weights.panels(model) if self.fused_only else None
         with torch.no_grad():
             layers = []
             for i, layer in enumerate(base.layers):
-                a, m = layer.self_attn, layer.mlp
+                a = layer.self_attn
                 biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-                qkv, o, gate_up, down = held[0][i] if held else (
-                    pack(a.q_proj, a.k_proj, a.v_proj), pack(a.o_proj), pack(m.gate_proj, m.up_proj), pack(m.down_proj))
+                qkv, o, gate_up, down = held[0][i] if held else tuple(  # QKV and gate/up concatenated
+                    pack(weights.joined(p, names)) for p, names in weights.projections(layer))
                 layers.append(Layer(
                     layer.input_layernorm.weight, qkv,
                     torch.cat(biases, 0) if all(b is not None for b in biases) else None,
@@ -283,7 +279,7 @@ class LeanModel:
                     a.k_norm.weight if hasattr(a, "k_norm") else None,
                     o, layer.post_attention_layernorm.weight, gate_up, down,
                 ))
-            lm_head = held[1] if held else pack(model.get_output_embeddings())
+            lm_head = held[1] if held else pack(model.get_output_embeddings().weight)
             pos = torch.arange(self.max_pos, device=self.device).unsqueeze(0)
             cos, sin = base.rotary_emb(self.final_norm[None, None], pos)
             prepared = (layers, lm_head, cos[0].to(self.dtype), sin[0].to(self.dtype))  # cos/sin [max_pos, head_dim]

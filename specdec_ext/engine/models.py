@@ -89,7 +89,7 @@ def output_rows(model, token_ids: torch.Tensor) -> torch.Tensor:
     """Rows ``token_ids`` ``[N]`` int64 of the output layer's weight ``[N, H]``, in the model's float dtype (a
     quantized model's, held packed: the values its blocks stand for)."""
     head = model.get_output_embeddings()
-    if hasattr(head, "rows"):  # engine.packed.PackedLinear
+    if isinstance(head, PackedLinear):
         return head.rows(token_ids).to(model.model.norm.weight.dtype)
     return head.weight.detach()[token_ids.to(head.weight.device)]
 

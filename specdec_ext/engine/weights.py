@@ -69,6 +69,24 @@ def _decoder(model):
     return model
 
 
+def projections(layer) -> tuple:
+    """A decoder layer's linear projections in the four matrices the fused op reads: ``(module, names)`` for Wq, Wk,
+    Wv (concatenated), Wo, Wgate, Wup (concatenated) and Wdown."""
+    a, m = layer.self_attn, layer.mlp
+    return ((a, ("q_proj", "k_proj", "v_proj")), (a, ("o_proj",)), (m, ("gate_proj", "up_proj")), (m, ("down_proj",)))
+
+
+def joined(parent, names: tuple) -> torch.Tensor:
+    """The weights of ``parent``'s linear layers ``names``, concatenated along the out features."""
+    ws = [getattr(parent, n).weight for n in names]
+    return torch.cat(ws, 0) if len(ws) > 1 else ws[0]
+
+
+def _held(model):
+    """The packings a quantized model holds (:func:`quantize`), or None."""
+    return getattr(_decoder(model), "specdec_packed", None)
+
+
 def fits_blocks(model) -> bool:
     """Whether ``"q4"`` can hold ``model``: every linear layer's in features a multiple of 32."""
     return all(w.shape[1] % ops.BLOCK == 0 for w in _linear_weights(_decoder(model)))
@@ -120,36 +138,33 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
                          f"{name} model has one of {odd.shape[1]}); use weights='q8'")
     packs = []  # (module, names, their weights concatenated and packed), per layer: QKV, O, gate/up, down
     for layer in model.model.layers:
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.self_attn, ("o_proj",)),
-                              (layer.mlp, ("gate_proj", "up_proj")), (layer.mlp, ("down_proj",))):
-            w = torch.cat([getattr(parent, n).weight for n in names], 0) if len(names) > 1 else \
-                getattr(parent, names[0]).weight
-            joined = _pack(weights, w)
-            if exact and not _gives_back(joined, w):
+        for parent, names in projections(layer):
+            w = joined(parent, names)
+            packed = _pack(weights, w)
+            if exact and not _gives_back(packed, w):
                 return None
-            packs.append((parent, names, joined))
-    out = model.get_output_embeddings()
+            packs.append((parent, names, packed))
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = getattr(emb, "weight", None) is out.weight
     head = _pack(weights, out.weight, head=True)
-    keeps_head = _gives_back(head, out.weight)
+    keeps_head = (exact or tied) and _gives_back(head, out.weight)  # (only a tied embedding reads the head's blocks)
     if exact and not keeps_head:
         return None
     model.specdec_float_fingerprint = fingerprint(model)
     setattr(model, _ATTR, weights)
     setattr(outer, _ATTR, weights)
-    for parent, names, joined in packs:
-        _hold(weights, parent, names, joined)
+    for parent, names, packed in packs:
+        _hold(weights, parent, names, packed)
     held = PackedLinear(head, out.in_features, out.weight.shape[0], getattr(out, "bias", None))
     if isinstance(out, SubsetLMHead):  # a draft's head over a vocabulary subset: its rows packed
         out.hold(held)
     else:  # a tied embedding whose values the head's blocks give back reads them (a GGUF file's Q8_0 token_embd)
-        emb = model.get_input_embeddings()
-        tied = getattr(emb, "weight", None) is out.weight
         model.set_output_embeddings(held)
         if tied and keeps_head:
             model.set_input_embeddings(PackedEmbedding(head, out.out_features, out.in_features, emb.weight.dtype))
         elif tied:
             model.config.tie_word_embeddings = False
-    model.specdec_packed = ([tuple(joined for _, _, joined in packs[i: i + 4]) for i in range(0, len(packs), 4)],
+    model.specdec_packed = ([tuple(packed for _, _, packed in packs[i: i + 4]) for i in range(0, len(packs), 4)],
                             head)
     return outer
 
@@ -168,8 +183,8 @@ def _gives_back(packed: torch.Tensor, w: torch.Tensor) -> bool:
     return torch.equal(ops.unpack_linear_weight(packed, w.shape[0], torch.float32).to(w.dtype), w)
 
 
-def _hold(kind_: str, parent, names: tuple, joined: torch.Tensor) -> None:
-    """Replace ``parent``'s linear layers ``names`` by :class:`PackedLinear` modules holding views of ``joined``,
+def _hold(kind_: str, parent, names: tuple, together: torch.Tensor) -> None:
+    """Replace ``parent``'s linear layers ``names`` by :class:`PackedLinear` modules holding views of ``together``,
     their weights concatenated and packed (their own packing where an out width is not a multiple of the panel's 16
     rows)."""
     linears = [getattr(parent, n) for n in names]
@@ -177,14 +192,14 @@ def _hold(kind_: str, parent, names: tuple, joined: torch.Tensor) -> None:
     start = 0
     for n, m in zip(names, linears):
         end = -(-(start + m.out_features) // ops.PANEL)  # the panels holding rows start .. start + out - 1
-        packed = joined[start // ops.PANEL: end] if aligned else _pack(kind_, m.weight)
+        packed = together[start // ops.PANEL: end] if aligned else _pack(kind_, m.weight)
         setattr(parent, n, PackedLinear(packed, m.in_features, m.out_features, m.bias))
         start += m.out_features
 
 
 def held_packed(model) -> bool:
     """Whether ``model``'s linear weights are held only packed (:func:`quantize`): no float matrix to multiply."""
-    return getattr(_decoder(model), "specdec_packed", None) is not None
+    return _held(model) is not None
 
 
 @torch.no_grad()
@@ -193,16 +208,12 @@ def panels(model) -> tuple[list[tuple], torch.Tensor]:
     ``ops.pack_linear_weight`` (Wq, Wk, Wv and Wgate, Wup concatenated) and the output layer's packing. A quantized
     model's are those it holds (int8 rows for ``"q8"``, 4-bit blocks and the output layer in 8-bit blocks for
     ``"q4"``; ``"q4a8"``: in the layouts for int8 activations); a float model's are packed here, in its dtype."""
-    held = getattr(_decoder(model), "specdec_packed", None)
+    held = _held(model)
     if held is not None:
         return held
-    pack = (lambda w: ops.pack_linear_weight(w))
-    layers = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        layers.append((pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)), pack(a.o_proj.weight),
-                       pack(torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)), pack(m.down_proj.weight)))
-    return layers, pack(model.get_output_embeddings().weight)
+    layers = [tuple(ops.pack_linear_weight(joined(p, names)) for p, names in projections(layer))
+              for layer in model.model.layers]
+    return layers, ops.pack_linear_weight(model.get_output_embeddings().weight)
 
 
 def kind(model) -> Optional[str]:
@@ -215,7 +226,7 @@ def weight_bytes(model) -> int:
     lean model's fused op holds them (a quantized model's packed tensors: int8 plus a float32 scale per row for
     ``"q8"``; for ``"q4"`` / ``"q4a8"`` 4-bit blocks of 32 with two float16 per block for the layers, 8-bit blocks
     with one for the output layer; else the model's dtype)."""
-    held = getattr(_decoder(model), "specdec_packed", None)
+    held = _held(model)
     if held is not None:
         layers, head = held
         return sum(t.numel() * t.element_size() for t in (*(t for layer in layers for t in layer), head))
