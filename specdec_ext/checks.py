@@ -427,6 +427,26 @@ def unpack_out(out, K: int, N: int, dtype) -> None:
         raise ValueError(f"unpack_linear_weight: out must be [{K}, {N}] (W^T), contiguous, got {list(out.shape)}")
 
 
+LAYER_LISTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "key_cache",
+               "value_cache")
+
+
+def decoder_layers_lists(*lists) -> int:
+    """Checks of ``decoder_layers``' per-layer lists (in :data:`LAYER_LISTS` order, the kernel's messages): each a
+    list or tuple, ``input_norm`` not empty, all of its length; returns that length, the layer count L."""
+    op = "decoder_layers"
+    for name, entries in zip(LAYER_LISTS, lists):
+        if not isinstance(entries, (list, tuple)):
+            raise TypeError(f"{op}: {name} must be a list with an entry per layer, got {type(entries).__name__}")
+    L = len(lists[0])
+    if L < 1:
+        raise ValueError(f"{op}: input_norm must hold a tensor per layer (at least one), got none")
+    for name, entries in zip(LAYER_LISTS[1:], lists[1:]):
+        if len(entries) != L:
+            raise ValueError(f"{op}: {name} must hold {L} entries (one per layer, as input_norm), got {len(entries)}")
+    return L
+
+
 def decoder_layer_shapes(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache,
                          value_cache, lengths, slots, cos, sin, heads: int, eps: float) -> tuple:
     """Checks of ``decoder_layer`` (the kernel's, with the same messages; the slots' and lengths' values are

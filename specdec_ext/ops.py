@@ -33,8 +33,8 @@ import torch
 from . import checks, errors, reference
 from ._library import HAS_EXTENSION, library_path
 from .layer_ops import (  # noqa: F401 (re-exported: the model-layer ops live in layer_ops)
-    BLOCK, PANEL, cache_attention, decode_attention, decoder_layer, dequantize_blocks, pack_linear_weight,
-    packed_linear, quantize_blocks, quantize_rows, unpack_linear_weight)
+    BLOCK, PANEL, cache_attention, decode_attention, decoder_layer, decoder_layers, dequantize_blocks,
+    pack_linear_weight, packed_linear, quantize_blocks, quantize_rows, unpack_linear_weight)
 
 
 
@@ -58,6 +58,7 @@ __all__ = [
     "packed_linear",
     "unpack_linear_weight",
     "decoder_layer",
+    "decoder_layers",
     "draw_philox_seed_offset",
     "philox_uniforms",
     "advance_rows",

@@ -579,3 +579,14 @@ def decoder_layer(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, ga
     mid = xf + _linear(attn.float().reshape(B, n, heads * D), o, None, H)
     g, u = _linear(_rms(mid, f(post_norm), eps), gate_up, None, 2 * inter).chunk(2, dim=-1)
     return (mid + _linear(torch.nn.functional.silu(g) * u, down, None, H)).to(dt)
+
+
+def decoder_layers(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache,
+                   lengths, slots, cos, sin, heads, eps):
+    """Reference of ``ops.decoder_layers``: :func:`decoder_layer` of each layer in turn, layer l's entries of the
+    lists, the output of one the input of the next."""
+    lists = (input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache)
+    checks.decoder_layers_lists(*lists)
+    for layer in zip(*lists):
+        x = decoder_layer(x, *layer, lengths, slots, cos, sin, heads, eps)
+    return x

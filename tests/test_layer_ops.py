@@ -1,4 +1,4 @@
-"""``ops.packed_linear`` and ``ops.decoder_layer`` (the CPU kernels of a decode step's layers) against their
+"""``ops.packed_linear``, ``ops.decoder_layer`` and ``ops.decoder_layers`` (the CPU kernels of a decode step's layers) against their
 pure-PyTorch references; a row's result independent of the rows beside it; errors, fake kernels and opcheck; and
 the lean model's fused path against its torch-op path."""
 
@@ -154,6 +154,72 @@ def test_decoder_layer_errors_name_the_argument():
         ops.pack_linear_weight(torch.zeros(4))
 
 
+def stack_case(kind, layers=3):
+    """decoder_layers' per-layer lists (checks.LAYER_LISTS' order, caches last) for ``layers`` random layers of
+    :func:`layer_case` (``kind`` as in test_decoder_layer_matches_reference; ``"q4a8"``: float32 rows over 4-bit
+    blocks for int8 activations), and the shared cos, sin and heads."""
+    dtype = torch.bfloat16 if kind.endswith("bf16") else torch.float32
+    cases = [layer_case(seed=s, bias=kind == "qwen2-bias", qk_norm=kind.startswith("qwen3"), dtype=dtype)
+             for s in range(layers)]
+    if kind == "q4a8":
+        g = torch.Generator().manual_seed(5)
+        for w, _, _, _, _ in cases:
+            for name, (N, K) in dict(qkv=(128, 64), o=(64, 64), gate_up=(128, 64), down=(64, 64)).items():
+                w[name] = ops.pack_linear_weight(rand(g, N, K, scale=0.3), torch.uint8, int8_activations=True)
+    names = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")
+    lists = [[w[name] for w, *_ in cases] for name in names]
+    lists += [[c[1][0] for c in cases], [c[1][1] for c in cases]]
+    _, _, cos, sin, heads = cases[0]
+    return lists, cos, sin, heads, dtype
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["llama", "qwen2-bias", "qwen3-bf16", "llama-bf16", "q4a8"])
+def test_decoder_layers_is_bitwise_its_layers_one_call_each(kind):
+    """A stack of 3 layers in one call gives bitwise the output and caches of 3 ``decoder_layer`` calls (rows in
+    their own slots or others', one token or several), and the reference's values."""
+    lists, cos, sin, heads, dtype = stack_case(kind)
+    g = torch.Generator().manual_seed(2)
+    for B, n, lengths, slots in [(1, 1, [3, 0, 0], None), (2, 4, [5, 2, 9], torch.tensor([2, 0]))]:
+        x, lengths = rand(g, B, n, 64).to(dtype), torch.tensor(lengths)
+        mine, theirs, ref = ([[c.clone() for c in lists[i]] for i in (9, 10)] for _ in range(3))
+        got = ops.decoder_layers(x, *lists[:9], *mine, lengths, slots, cos, sin, heads, 1e-5)
+        want = x
+        for layer in range(3):
+            want = ops.decoder_layer(want, *(t[layer] for t in lists[:9]), theirs[0][layer], theirs[1][layer],
+                                     lengths, slots, cos, sin, heads, 1e-5)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(mine[0] + mine[1], theirs[0] + theirs[1]))
+        expected = reference.decoder_layers(x, *lists[:9], *ref, lengths, slots, cos, sin, heads, 1e-5)
+        # int8 activations: an input rounded to either side of a half step of its block's grid moves an output by
+        # about a weight times that step, and 3 layers carry it on (test_weights checks one layer tighter)
+        tol = (dict(atol=5e-2 * float(expected.abs().max()), rtol=0) if kind == "q4a8" else
+               dict(atol=5e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4))
+        torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@needs_ext
+def test_decoder_layers_errors_name_the_list():
+    lists, cos, sin, heads, _ = stack_case("llama")
+    x, lengths = torch.zeros(1, 1, 64), torch.zeros(3, dtype=torch.int64)
+    short = [list(t) for t in lists]
+    short[7] = short[7][:2]
+    extra = [list(t) for t in lists]
+    extra[10] = extra[10] + extra[10][:1]
+    bad_layer = [list(t) for t in lists]
+    bad_layer[1][2] = bad_layer[1][2][:, :32]
+    cases = {r"gate_up must hold 3 entries \(one per layer, as input_norm\), got 2": (short, ValueError),
+             r"value_cache must hold 3 entries \(one per layer, as input_norm\), got 4": (extra, ValueError),
+             "input_norm must hold a tensor per layer": ([[] for _ in lists], ValueError),
+             r"qkv must be \[8, 64, 16\]": (bad_layer, ValueError)}
+    for message, (args, error) in cases.items():
+        for fn in (ops.decoder_layers, reference.decoder_layers, torch.ops.specdec_ext.decoder_layers):
+            with pytest.raises(error, match=message):
+                fn(x, *args, lengths, None, cos, sin, heads, 1e-5)
+    with pytest.raises(TypeError, match="down must be a list with an entry per layer, got Tensor"):
+        ops.decoder_layers(x, *lists[:8], lists[8][0], *lists[9:], lengths, None, cos, sin, heads, 1e-5)
+
+
 @needs_ext
 def test_layer_ops_fake_kernels_and_opcheck():
     weights, caches, cos, sin, heads = layer_case(bias=True)
@@ -162,6 +228,9 @@ def test_layer_ops_fake_kernels_and_opcheck():
     args = (x, w["input_norm"], w["qkv"], w["qkv_bias"], w["q_norm"], w["k_norm"], w["o"], w["post_norm"],
             w["gate_up"], w["down"], caches[0].clone(), caches[1].clone(), lengths, None, cos, sin, heads, 1e-5)
     torch.library.opcheck(torch.ops.specdec_ext.decoder_layer.default, args)
+    lists, cos, sin, heads, _ = stack_case("qwen2-bias", layers=2)
+    torch.library.opcheck(torch.ops.specdec_ext.decoder_layers.default,
+                          (x, *lists, lengths, None, cos, sin, heads, 1e-5))
     torch.library.opcheck(torch.ops.specdec_ext.packed_linear.default, (x, w["gate_up"], None, 96))
     fn = torch.compile(lambda a: ops.packed_linear(a, w["gate_up"], 96) * 2, backend="eager", fullgraph=True)
     torch.testing.assert_close(fn(x), ops.packed_linear(x, w["gate_up"], 96) * 2)

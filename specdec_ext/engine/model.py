@@ -12,9 +12,9 @@ On a CPU the matmuls go through oneDNN with weights packed once (``torch.ops.mkl
 few rows of a decoding step, torch's default ``F.linear`` (MKL's sgemm) is far from the hardware's speed on some
 processors (an fp32 ``[4, 256] x [256, 8192]`` LM-head matmul: 0.8-1.2 ms through ``F.linear``, 0.12 ms packed, on a
 2-core AMD EPYC; ``1bd1639:docs/results/draft_linear.json``), and attention runs through ``ops.decode_attention``
-for decode steps and verifications. In float32 a forward of a few tokens (a decode step, a verification) runs each
-layer as one ``ops.decoder_layer`` call instead (``csrc/cpu/layer_cpu.cpp``: the weights read once from panels at the
-rate the CPU streams memory, no per-op dispatch; a model quantized by ``engine.weights.quantize`` is read there as
+for decode steps and verifications. In float32 a forward of a few tokens (a decode step, a verification) runs its
+layers as one ``ops.decoder_layers`` call instead (``csrc/cpu/layer_cpu.cpp``, each layer ``ops.decoder_layer``'s
+function: the weights read once from panels at the rate the CPU streams memory, one dispatch a forward; a model quantized by ``engine.weights.quantize`` is read there as
 int8 panels or blocks). A model whose weights multiply int8 activations (``"q4a8"``) runs every forward, prefills
 included, through the fused op: its function is that op's, which transformers' modules do not compute. The prepared
 weights are kept per model and rebuilt when a weight changes.
@@ -159,7 +159,7 @@ class LeanModel:
     (``ops.decode_attention``) where it can serve and SDPA elsewhere; ``"cache"``, ``ops.cache_attention`` (each
     row's live columns only; the flash-decoding kernel on a GPU, not yet the default there: unmeasured on one);
     ``"sdpa"``, torch's ``scaled_dot_product_attention`` everywhere. ``fused``: forwards of at most
-    :data:`FUSED_MAX_ROWS` tokens (for its dtype) run each layer as one ``ops.decoder_layer`` call (and the LM head as
+    :data:`FUSED_MAX_ROWS` tokens (for its dtype) run their layers as one ``ops.decoder_layers`` call (the LM head as
     ``ops.packed_linear``) over a copy of the weights in panels (True; None: wherever :meth:`fusable`; False: never);
     a quantized model (``engine.weights``), which holds only those panels, runs forwards of up to
     :data:`UNPACK_ABOVE` tokens so and longer ones over each layer's weights unpacked before its products; a model
@@ -222,13 +222,17 @@ class LeanModel:
                              "the fused CPU op computes: it needs fused=None or True, the compiled extension and "
                              f"attention='auto' (got fused={fused!r}, attention={attention!r})")
         self.panels, self.head_panels = self._panels(model) if self.fused else (None, None)
+        # ops.decoder_layers' per-layer arguments but the caches (checks.LAYER_LISTS' order), one list each
+        self.stack = tuple(list(t) for t in zip(*(
+            (layer.input_norm, panel.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, panel.o, layer.post_norm,
+             panel.gate_up, panel.down) for layer, panel in zip(self.layers, self.panels)))) if self.fused else None
         # called as tap(slots, starts, x) by each forward before its final norm (a feature draft's record of the
         # target's hidden states, engine/feature_draft.py): slots ``[b]`` int64, starts ``[b]`` the rows' lengths
         # before the forward, x ``[b, n, H]`` the last layer's output at those positions. None: nothing is called.
         self.tap: Optional[Callable] = None
 
     def fusable(self, model) -> bool:
-        """Whether this model's decode steps can run as ``ops.decoder_layer`` calls (the class docstring's ``fused``):
+        """Whether this model's decode steps can run through ``ops.decoder_layers`` (the class docstring's ``fused``):
         float32 or bfloat16 on a CPU with the compiled extension, ``attention="auto"``, an even head dimension, every
         projection's out features a multiple of 16, and at most :data:`FUSED_MAX_BYTES` of linear weights to copy
         into panels."""
@@ -433,8 +437,9 @@ class LeanModel:
 
     def _fused_forward(self, cache: StaticCache, tokens: torch.Tensor, rows: Rows, keep: int,
                        embeds: Optional[torch.Tensor] = None):
-        """:meth:`forward` with each layer one ``ops.decoder_layer`` call and the LM head ``ops.packed_linear``: the
-        same function, the lengths read from the cache by the kernel (so ``width`` and ``start`` are not needed)."""
+        """:meth:`forward` with the layers one ``ops.decoder_layers`` call (each layer ``ops.decoder_layer``'s
+        function) and the LM head ``ops.packed_linear``: the same function, the lengths read from the cache by the
+        kernel (so ``width`` and ``start`` are not needed)."""
         b, n = tokens.shape
         if isinstance(rows, torch.Tensor):
             slots = rows
@@ -443,10 +448,8 @@ class LeanModel:
         else:
             slots = torch.arange(rows.start, rows.start + b, device=tokens.device)
         x = self._embed(tokens) if embeds is None else embeds
-        for li, (layer, panel) in enumerate(zip(self.layers, self.panels)):
-            x = ops.decoder_layer(x, layer.input_norm, panel.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, panel.o,
-                                  layer.post_norm, panel.gate_up, panel.down, cache.k[li], cache.v[li], cache.lengths,
-                                  slots, self.cos, self.sin, self.n_heads, self.eps)
+        x = ops.decoder_layers(x, *self.stack, cache.k, cache.v, cache.lengths, slots, self.cos, self.sin, self.n_heads,
+                               self.eps)
         if self.tap is not None:
             slot = slots if slots is not None else torch.arange(b, device=tokens.device)
             self.tap(slot, cache.lengths[slot], x)
