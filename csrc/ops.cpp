@@ -103,6 +103,13 @@ void unpack_linear_weight_cpu(const at::Tensor& weight, int64_t out_features, at
   cpu::unpack_linear_weight(a);
 }
 
+at::Tensor packed_rows_cpu(const at::Tensor& weight, const at::Tensor& ids, int64_t out_features,
+                           at::ScalarType dtype) {
+  PackedRowsTensors t = prepare_packed_rows(weight, ids, out_features, dtype);
+  cpu::packed_rows(t.args);
+  return t.out;
+}
+
 at::Tensor decoder_layer_cpu(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& qkv,
                              const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
                              const std::optional<at::Tensor>& k_norm, const at::Tensor& o, const at::Tensor& post_norm,
@@ -186,6 +193,7 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("cache_attention(Tensor query, Tensor key, Tensor value, Tensor starts, float scale) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor");
   m.def("unpack_linear_weight(Tensor weight, int out_features, Tensor(a!) out) -> ()");
+  m.def("packed_rows(Tensor weight, Tensor ids, int out_features, ScalarType dtype) -> Tensor");
   m.def(
       "decoder_layer(Tensor x, Tensor input_norm, Tensor qkv, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
       "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor(a!) key_cache, Tensor(b!) value_cache, "
@@ -216,6 +224,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("cache_attention", &cache_attention_cpu);
   m.impl("packed_linear", &packed_linear_cpu);
   m.impl("unpack_linear_weight", &unpack_linear_weight_cpu);
+  m.impl("packed_rows", &packed_rows_cpu);
   m.impl("decoder_layer", &decoder_layer_cpu);
   m.impl("decoder_layers", &decoder_layers_cpu);
   m.impl("philox_uniforms", &philox_uniforms_cpu);

@@ -650,6 +650,50 @@ inline void prepare_unpack(const at::Tensor& weight, int64_t out_features, const
   a.out = out.data_ptr();
 }
 
+// packed_rows: weight a quantized packing for out_features N (as unpack_linear_weight takes it), ids int64 on the CPU,
+// each in [0, N), dtype float32 or bfloat16 -> [*ids.shape, K] in dtype.
+struct PackedRowsTensors {
+  at::Tensor ids, out;
+  PackedRowsArgs args;
+};
+
+inline PackedRowsTensors prepare_packed_rows(const at::Tensor& weight, const at::Tensor& ids, int64_t out_features,
+                                             at::ScalarType dtype) {
+  const char* op = "packed_rows";
+  SPECDEC_CHK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte, op,
+                   ": weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got ",
+                   weight.scalar_type());
+  SPECDEC_CHK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16, op, ": dtype must be float32 or bfloat16, got ",
+                   dtype);
+  SPECDEC_CHK_VALUE(out_features >= 1, op, ": out_features must be >= 1, got ", out_features);
+  SPECDEC_CHK_VALUE(weight.dim() >= 3 && weight.is_contiguous(), op, ": weight must be a contiguous packing [P, ...], got ",
+                    weight.sizes());
+  const int64_t K = packed_in_features(weight);
+  check_packed(weight, out_features, K, op, "weight", weight);
+  SPECDEC_CHK_TYPE(ids.scalar_type() == at::kLong, op, ": ids must be int64, got ", ids.scalar_type());
+  check_device(ids, weight, "ids", "weight");
+  PackedRowsTensors t;
+  t.ids = ids.contiguous();
+  const int64_t* id = t.ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t.ids.numel(); ++i)
+    SPECDEC_CHK_VALUE(id[i] >= 0 && id[i] < out_features, op, ": ids must be in [0, ", out_features,
+                      ") (the weight's rows), got ", id[i]);
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  t.out = at::empty(shape, weight.options().dtype(dtype));
+  PackedRowsArgs& a = t.args;
+  a.packing.dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  a.packing.weights = packed_weights(weight);
+  a.packing.in_features = K; a.packing.out_features = out_features; a.packing.panels = weight.size(0);
+  a.packing.weight = weight.data_ptr();
+  a.packing.out = nullptr;
+  a.panel_bytes = weight.stride(0) * weight.element_size();
+  a.ids = id;
+  a.count = t.ids.numel();
+  a.out = t.out.data_ptr();
+  return t;
+}
+
 struct DecoderLayerTensors {
   at::Tensor x, lengths, slots, out;
   DecoderLayerArgs args;

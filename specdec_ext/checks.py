@@ -400,10 +400,10 @@ def packed_linear_shapes(x, weight, bias, out_features: int) -> tuple:
     return (*x.shape[:-1], out_features)
 
 
-def unpack_shapes(weight, out_features: int, dtype, floats: bool = False) -> tuple:
-    """Checks of ``unpack_linear_weight`` (the kernel's, with the same messages; ``floats``: float panels allowed,
-    which the wrapper rearranges without the kernel); returns W^T's shape ``(K, N)``."""
-    op = "unpack_linear_weight"
+def unpack_shapes(weight, out_features: int, dtype, floats: bool = False, op: str = "unpack_linear_weight") -> tuple:
+    """Checks of ``unpack_linear_weight`` (or ``op``: ``packed_rows``, which takes the same arguments), the kernel's,
+    with the same messages (``floats``: float panels allowed, which the wrapper rearranges without the kernel);
+    returns W^T's shape ``(K, N)``."""
     allowed = (torch.int8, torch.uint8, *(LAYER_DTYPES if floats else ()))
     if not isinstance(weight, torch.Tensor) or weight.dtype not in allowed:
         raise TypeError(f"{op}: weight must be a quantized packing (int8 panels, uint8 or int8 blocks)"
@@ -417,6 +417,17 @@ def unpack_shapes(weight, out_features: int, dtype, floats: bool = False) -> tup
     K = packed_in_features(weight)
     _packed(weight, out_features, K, "weight", op, weight)
     return K, out_features
+
+
+def packed_row_ids(ids, out_features: int) -> None:
+    """Checks of ``packed_rows``' ids (the kernel's, with the same messages): int64, each in ``[0, out_features)``
+    (their values read where they can be: off the meta device)."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        raise TypeError(f"packed_rows: ids must be int64, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if not _is_fake(ids) and ids.numel():
+        bad = ids.reshape(-1)[(ids.reshape(-1) < 0) | (ids.reshape(-1) >= out_features)]
+        if bad.numel():
+            raise ValueError(f"packed_rows: ids must be in [0, {out_features}) (the weight's rows), got {int(bad[0])}")
 
 
 def unpack_out(out, K: int, N: int, dtype) -> None:

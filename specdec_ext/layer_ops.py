@@ -312,6 +312,33 @@ def unpack_linear_weight(weight: torch.Tensor, out_features: int, dtype: torch.d
     return out.t()
 
 
+def packed_rows(weight: torch.Tensor, ids: torch.Tensor, out_features: int,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` of the float weight ``W`` ``[N, K]`` that a packing of :func:`pack_linear_weight` stands for:
+    :func:`unpack_linear_weight`'s values (computed in float32, rounded to ``dtype``), reading only the panels that
+    hold them (a quantized packing: each id's panel unpacked alone by the CPU kernel, a few us for K = 576). An
+    input embedding tied to a quantized output layer (a GGUF file's Q8_0 ``token_embd``) reads its rows so, in one
+    call and without a float copy of the matrix.
+
+    Args:
+        weight: a packing of ``W`` ``[N, K]`` (any layout of :func:`pack_linear_weight`).
+        ids: int64 ``[...]``, each in ``[0, N)``.
+        out_features: N.
+        dtype: torch.float32 or torch.bfloat16.
+
+    Returns:
+        ``[*ids.shape, K]`` in ``dtype``.
+
+    Raises:
+        ValueError: an id out of range, shapes (naming the argument), a device other than the CPU.
+        TypeError: dtypes."""
+    if not HAS_EXTENSION or weight.dtype in checks.LAYER_DTYPES:  # float panels: a gather of torch ops
+        return reference.packed_rows(weight, ids, out_features, dtype)
+    if weight.device.type != "cpu" and not checks._is_fake(weight):
+        raise ValueError(f"packed_rows has a CPU kernel only (weight is on {weight.device})")
+    return torch.ops.specdec_ext.packed_rows(weight, ids, out_features, dtype)
+
+
 def decoder_layer(x: torch.Tensor, input_norm: torch.Tensor, qkv: torch.Tensor, qkv_bias: Optional[torch.Tensor],
                   q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], o: torch.Tensor,
                   post_norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, key_cache: torch.Tensor,
@@ -411,6 +438,12 @@ if HAS_EXTENSION:
     def _unpack_linear_weight_fake(weight, out_features, out):
         K, N = checks.unpack_shapes(weight, out_features, out.dtype)
         checks.unpack_out(out, K, N, out.dtype)
+
+    @torch.library.register_fake("specdec_ext::packed_rows")
+    def _packed_rows_fake(weight, ids, out_features, dtype):
+        K, _ = checks.unpack_shapes(weight, out_features, dtype, op="packed_rows")
+        checks.packed_row_ids(ids, out_features)
+        return ids.new_empty((*ids.shape, K), dtype=dtype)
 
     @torch.library.register_fake("specdec_ext::decoder_layer")
     def _decoder_layer_fake(*args):

@@ -34,7 +34,7 @@ from . import checks, errors, reference
 from ._library import HAS_EXTENSION, library_path
 from .layer_ops import (  # noqa: F401 (re-exported: the model-layer ops live in layer_ops)
     BLOCK, PANEL, cache_attention, decode_attention, decoder_layer, decoder_layers, dequantize_blocks,
-    pack_linear_weight, packed_linear, quantize_blocks, quantize_rows, unpack_linear_weight)
+    pack_linear_weight, packed_linear, packed_rows, quantize_blocks, quantize_rows, unpack_linear_weight)
 
 
 
@@ -57,6 +57,7 @@ __all__ = [
     "dequantize_blocks",
     "packed_linear",
     "unpack_linear_weight",
+    "packed_rows",
     "decoder_layer",
     "decoder_layers",
     "draw_philox_seed_offset",

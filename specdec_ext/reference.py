@@ -475,6 +475,20 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tenso
     return packed.permute(0, 2, 1).reshape(P * L, K)[:out_features]
 
 
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, dtype=torch.float32) -> torch.Tensor:
+    """Reference of ``ops.packed_rows``: rows ``ids`` of :func:`unpack_linear_weight`'s ``W`` (float32, then
+    ``dtype``), ``[*ids.shape, K]``, unpacking only the panels that hold them."""
+    K, _ = checks.unpack_shapes(packed, out_features, dtype, floats=True, op="packed_rows")
+    checks.packed_row_ids(ids, out_features)
+    flat = ids.reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(*ids.shape, K, dtype=dtype, device=packed.device)
+    panel, lane = flat // 16, flat % 16
+    picked = torch.arange(flat.numel(), device=flat.device) * 16 + lane
+    rows = unpack_linear_weight(packed[panel], flat.numel() * 16)[picked]
+    return rows.float().to(dtype).view(*ids.shape, K)
+
+
 def block_parts(packed: torch.Tensor, out_features: int):
     """``(q, d, m)`` of a weight packed in blocks (``ops.pack_linear_weight``, any of its block layouts): q ``[N, K]``
     (uint8 in [0, 15] or int8), d ``[N, K / 32]`` and m (4-bit; None for 8-bit) as float32."""

@@ -1,4 +1,4 @@
-"""engine/packed.py: the modules a quantized model holds in place of its float matrices. packed_rows gives back any
+"""engine/packed.py: the modules a quantized model holds in place of its float matrices. ops.packed_rows gives back any
 packing's rows as its unpacking does, PackedLinear multiplies as ops.packed_linear, and a quantized model's own
 (transformers') forward through them computes the lean model's function."""
 
@@ -10,7 +10,7 @@ import torch
 from specdec_ext import ops, reference
 from specdec_ext.engine import weights
 from specdec_ext.engine.model import LeanModel
-from specdec_ext.engine.packed import PackedLinear, packed_rows
+from specdec_ext.engine.packed import PackedLinear
 from models import make_target
 
 needs_kernel = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="needs the compiled extension")
@@ -24,15 +24,37 @@ LAYOUTS = {  # name -> pack_linear_weight arguments
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_rows_are_the_unpacked_weights_rows_in_every_layout(layout):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_are_the_unpacked_weights_rows_in_every_layout(layout, dtype):
+    """ops.packed_rows (the kernel: each id's panel unpacked alone) and its reference give bitwise the rows of the
+    whole unpacking, in ``dtype``, for ids in a full panel and in the half-padding last one, repeated ids included."""
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))  # 40 rows: the last panel half padding
     packed = ops.pack_linear_weight(w, **LAYOUTS[layout])
-    whole = reference.unpack_linear_weight(packed, 40).float()
+    whole = reference.unpack_linear_weight(packed, 40).float().to(dtype)
     ids = torch.tensor([[39, 0, 17], [16, 16, 5]])
-    got = packed_rows(packed, ids, 40)
-    assert got.dtype == torch.float32 and got.shape == (2, 3, 64) and torch.equal(got, whole[ids])
-    with pytest.raises(ValueError, match=r"ids must be in \[0, 40\) \(the weight's rows\), got ids in \[0, 40\]"):
-        packed_rows(packed, torch.tensor([0, 40]), 40)
+    for fn in (ops.packed_rows, reference.packed_rows):
+        got = fn(packed, ids, 40, dtype)
+        assert got.dtype == dtype and got.shape == (2, 3, 64) and torch.equal(got, whole[ids])
+        assert fn(packed, ids[:, :0], 40, dtype).shape == (2, 0, 64)
+        with pytest.raises(ValueError, match=r"packed_rows: ids must be in \[0, 40\) \(the weight's rows\), got 40"):
+            fn(packed, torch.tensor([0, 40]), 40)
+        with pytest.raises(ValueError, match=r"ids must be in \[0, 40\) \(the weight's rows\), got -1"):
+            fn(packed, torch.tensor([-1]), 40)
+        with pytest.raises(TypeError, match="packed_rows: ids must be int64, got "):
+            fn(packed, ids.int(), 40)
+        with pytest.raises(TypeError, match="packed_rows: dtype must be float32 or bfloat16, got "):
+            fn(packed, ids, 40, torch.float16)
+
+
+@needs_kernel
+def test_packed_rows_kernel_opcheck_and_errors():
+    packed = ops.pack_linear_weight(torch.randn(40, 64), torch.int8, blocks=True, int8_activations=True)
+    torch.library.opcheck(torch.ops.specdec_ext.packed_rows.default, (packed, torch.tensor([3, 39]), 40,
+                                                                       torch.bfloat16))
+    with pytest.raises(ValueError, match=r"packed_rows: weight \(.*\) must be \[4, "):
+        ops.packed_rows(packed, torch.tensor([1]), 60)
+    with pytest.raises(TypeError, match="packed_rows: weight must be a quantized packing"):
+        torch.ops.specdec_ext.packed_rows(torch.zeros(3, 64, 16), torch.tensor([1]), 40, torch.float32)
 
 
 @needs_kernel

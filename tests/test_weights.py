@@ -13,7 +13,7 @@ from specdec_ext import SpeculativeGenerator, ops, reference
 from specdec_ext.engine import weights
 from specdec_ext.engine.cache import StaticCache
 from specdec_ext.engine.model import LeanModel
-from specdec_ext.engine.packed import PackedEmbedding, PackedLinear, packed_rows
+from specdec_ext.engine.packed import PackedEmbedding, PackedLinear
 from specdec_ext.engine.models import fingerprint
 from specdec_ext.engine.sampling import SamplingConfig
 from specdec_ext.zoo import load_models

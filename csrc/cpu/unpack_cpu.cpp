@@ -1,6 +1,7 @@
 // CPU kernel of unpack_linear_weight: the float weights a quantized packing stands for (int8 rows with a float32 scale
 // each, GGUF-style 4-bit and 8-bit blocks of 32 inputs with float16 scales, in either of their layouts), written as
-// W^T [K, N].
+// W^T [K, N]; and of packed_rows: a few rows of those weights (a tied embedding's, read from its output layer's
+// blocks), each id's panel unpacked alone.
 //
 // Why: a quantized model holds only its packed weights (engine/weights.py). A decode step multiplies them as they are
 // (layer_cpu.cpp, blocks_cpu.cpp), but a prefill of hundreds of tokens reuses each weight across its rows, where a
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -177,23 +179,49 @@ SPECDEC_AVX512_FN void unpack_panel_avx512(const UnpackArgs& a, int64_t p) {
 
 }  // namespace
 
+namespace {
+
+// Panel p of a.weight unpacked into a.out (AVX-512 for the full panels of the layouts it reads).
+void unpack_one(const UnpackArgs& a, int64_t p) {
+  const bool full = (p + 1) * kPanel <= a.out_features;
+  const bool bf16 = a.dtype == DType::kBFloat16;
+#if defined(SPECDEC_AVX512)
+  if (full && avx512_usable() &&
+      (a.weights == PackedWeights::kInt8Rows || a.weights == PackedWeights::kQ4Blocks ||
+       a.weights == PackedWeights::kQ8Blocks)) {
+    bf16 ? unpack_panel_avx512<c10::BFloat16>(a, p) : unpack_panel_avx512<float>(a, p);
+    return;
+  }
+#endif
+  bf16 ? unpack_panel<c10::BFloat16>(a, p) : unpack_panel<float>(a, p);
+}
+
+}  // namespace
+
 void unpack_linear_weight(const UnpackArgs& a) {
-  bool fast = false;  // the AVX-512 kernel: full panels of the layouts it reads
-#if defined(SPECDEC_AVX512)
-  fast = avx512_usable() && (a.weights == PackedWeights::kInt8Rows || a.weights == PackedWeights::kQ4Blocks ||
-                             a.weights == PackedWeights::kQ8Blocks);
-#endif
   at::parallel_for(0, a.panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const bool full = (p + 1) * kPanel <= a.out_features;
-      const bool bf16 = a.dtype == DType::kBFloat16;
-#if defined(SPECDEC_AVX512)
-      if (fast && full) {
-        bf16 ? unpack_panel_avx512<c10::BFloat16>(a, p) : unpack_panel_avx512<float>(a, p);
-        continue;
-      }
-#endif
-      bf16 ? unpack_panel<c10::BFloat16>(a, p) : unpack_panel<float>(a, p);
+    for (int64_t p = begin; p < end; ++p) unpack_one(a, p);
+  });
+}
+
+// Each id's panel unpacked alone into a [K, width] buffer (its 16 rows: a few us for K = 576), then the id's lane
+// copied out; blocks of ids in parallel (a decode step's few ids stay on the calling thread).
+void packed_rows(const PackedRowsArgs& a) {
+  const int64_t K = a.packing.in_features, N = a.packing.out_features;
+  const int64_t bytes = a.packing.dtype == DType::kBFloat16 ? 2 : 4;
+  at::parallel_for(0, a.count, 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> panel(K * kPanel * bytes);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = a.ids[i] / kPanel, lane = a.ids[i] % kPanel;
+      UnpackArgs one = a.packing;
+      one.out_features = std::min(kPanel, N - p * kPanel);
+      one.panels = 1;
+      one.weight = static_cast<const uint8_t*>(a.packing.weight) + p * a.panel_bytes;
+      one.out = panel.data();
+      unpack_one(one, 0);
+      uint8_t* row = static_cast<uint8_t*>(a.out) + i * K * bytes;
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(row + k * bytes, panel.data() + (k * one.out_features + lane) * bytes, bytes);
     }
   });
 }

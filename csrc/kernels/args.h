@@ -186,6 +186,17 @@ struct UnpackArgs {
   void* out;                                // [K, N], contiguous
 };
 
+// packed_rows: rows ids of the float weights W [N, K] that a quantized packing stands for (unpack_linear_weight's
+// values, rounded to its dtype), written as [count, K]: an input embedding tied to a quantized output layer reads its
+// rows so, without a float copy of the matrix.
+struct PackedRowsArgs {
+  UnpackArgs packing;   // the packing, K, N, P and the rows' dtype (its out unused)
+  int64_t panel_bytes;  // bytes from one panel to the next
+  const int64_t* ids;   // [count], each in [0, N)
+  int64_t count;
+  void* out;            // [count, K], contiguous
+};
+
 // decoder_layer: one Llama/Qwen2/Qwen3 decoder layer for a few tokens per row over a static KV cache: x + attention(
 // RoPE(norm(x) Wqkv)) Wo, then + MLP, writing the tokens' keys and values into the cache. Every floating tensor has
 // the layer's dtype (float32 or bfloat16), the four packed weights too, or all four int8 panels or blocks of one kind;

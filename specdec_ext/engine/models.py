@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .packed import PackedLinear, packed_rows
+from .. import ops
+from .packed import PackedLinear
 
 
 def vocab_size(model) -> int:
@@ -153,7 +154,7 @@ def fingerprint(model) -> str:
         weight = getattr(module, "weight", None)
         if weight is None:  # engine.packed's modules (a quantized model's): the rows its blocks stand for
             n = getattr(module, "out_features", None) or module.num_embeddings
-            picked = packed_rows(module.packed, torch.arange(n)[rows], n)
+            picked = ops.packed_rows(module.packed, torch.arange(n)[rows], n)
         else:
             if hasattr(weight, "full_tensor"):  # a tensor-parallel (DTensor) weight: the whole matrix, as on one device
                 weight = weight.full_tensor()

@@ -15,37 +15,7 @@ from typing import Optional
 
 import torch
 
-from .. import checks, ops
-
-
-def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, check: bool = True) -> torch.Tensor:
-    """Rows ``ids`` of the float32 matrix ``W`` ``[N, K]`` that ``packed`` (any layout of ``ops.pack_linear_weight``)
-    stands for: ``[*ids.shape, K]`` float32, reading only the panels that hold them (8-bit blocks, a tied embedding's
-    layout: only the rows' own bytes, a few torch ops). ``ids`` int64 in ``[0, N)``. ``check=False``: no range
-    check (it reads the ids on the host, which a recorded or captured step may not; an id past the last panel still
-    raises IndexError, one in its padding reads zeros).
-
-    Raises ValueError for an id out of range (``check``)."""
-    flat = ids.reshape(-1)
-    if check and flat.numel():
-        low, high = torch.aminmax(flat)
-        if int(low) < 0 or int(high) >= out_features:
-            raise ValueError(f"ids must be in [0, {out_features}) (the weight's rows), got ids in [{int(low)}, "
-                             f"{int(high)}]")
-    panel, lane = flat // ops.PANEL, flat % ops.PANEL
-    if checks._blocks(packed) == 8:  # Q8_0: each block's 512 bytes of q, then 16 float16 scales
-        P, nb = packed.shape[:2]
-        raw = packed.view(P, nb, -1)
-        if packed.dim() == 4:  # chunks of 64 bytes: byte 4 l + i of chunk c holds row l's input 4 c + i
-            q = raw[:, :, :512].view(P, nb, 8, ops.PANEL, 4)[panel, :, :, lane]  # [n, nb, 8, 4]
-        else:  # lines of 16 bytes: line j holds every row's input j
-            q = raw[:, :, :512].view(P, nb, 32, ops.PANEL)[panel, :, :, lane]  # [n, nb, 32]
-        d = raw[:, :, 512:544].view(torch.float16).view(P, nb, ops.PANEL)[panel, :, lane]  # [n, nb]
-        w = (q.reshape(flat.numel(), nb, ops.BLOCK).float() * d.float()[..., None]).flatten(1)
-    else:
-        picked = torch.arange(flat.numel(), device=flat.device) * ops.PANEL + lane
-        w = ops.unpack_linear_weight(packed[panel], flat.numel() * ops.PANEL, torch.float32)[picked]
-    return w.view(*ids.shape, -1)
+from .. import ops
 
 
 class PackedLinear(torch.nn.Module):
@@ -73,8 +43,8 @@ class PackedLinear(torch.nn.Module):
         return ops.packed_linear(x, self.packed, self.out_features, bias)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the float32 weight ``[*ids.shape, K]`` (:func:`packed_rows`)."""
-        return packed_rows(self.packed, ids, self.out_features)
+        """Rows ``ids`` of the float32 weight ``[*ids.shape, K]`` (``ops.packed_rows``)."""
+        return ops.packed_rows(self.packed, ids, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -103,8 +73,8 @@ class PackedEmbedding(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.like.dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # in a step: no host read (packed_rows' check=False)
-        return packed_rows(self.packed, ids, self.num_embeddings, check=False).to(self.like.dtype)
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # one op, no host read: it replays in recorded steps
+        return ops.packed_rows(self.packed, ids, self.num_embeddings, self.like.dtype)
 
     def shared(self, dtype: torch.dtype) -> "PackedEmbedding":
         """This embedding in ``dtype``, reading the same blocks (a draft's, which shares its target's)."""
