@@ -312,6 +312,19 @@ def test_a_cast_keeps_the_blocks_packed_from_float32_and_the_modules_read_the_fu
                        ops.dequantize_blocks(*ops.quantize_blocks(w, 4)))
 
 
+def test_a_quantized_model_refuses_to_save_a_checkpoint_without_its_weights(tmp_path):
+    """A quantized model holds its matrices as non-persistent packings, which save_pretrained would leave out: it
+    raises, naming what to do, and writes nothing."""
+    target = weights.quantize(make_target("llama", vocab=64), "q4")
+    with pytest.raises(ValueError, match=r"save_pretrained: the target model's weights are held only packed "
+                                         r"\(weights='q4'\), which a checkpoint does not store"):
+        target.save_pretrained(tmp_path / "q4")
+    assert not (tmp_path / "q4").exists()
+    float_model = make_target("llama", vocab=64)
+    float_model.save_pretrained(tmp_path / "float")  # a float model saves as before
+    assert (tmp_path / "float" / "config.json").exists()
+
+
 def test_the_loaders_refuse_quantized_weights_they_cannot_give(tmp_path):
     with pytest.raises(ValueError, match=r"weights must be None or 'float' \(the float weights\), 'auto' or one of "
                                          r"'q8', 'q4', 'q4a8', got 'int4'"):

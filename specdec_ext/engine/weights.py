@@ -36,6 +36,7 @@ distribution (tests/test_weights.py). Quantization changes the model: its text i
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -166,7 +167,14 @@ def quantize(model, weights: str, name: str = "target", exact: bool = False):
             model.config.tie_word_embeddings = False
     model.specdec_packed = ([tuple(packed for _, _, packed in packs[i: i + 4]) for i in range(0, len(packs), 4)],
                             head)
+    for m in {outer, model}:  # a checkpoint would hold no matrices: the packings are not persistent buffers
+        m.save_pretrained = functools.partial(_no_checkpoint, name, weights)
     return outer
+
+
+def _no_checkpoint(name: str, weights: str, *args, **kwargs):
+    raise ValueError(f"save_pretrained: the {name} model's weights are held only packed (weights={weights!r}), which "
+                     "a checkpoint does not store; save the float model before quantizing it (or keep its GGUF file)")
 
 
 def _pack(kind_: str, w: torch.Tensor, head: bool = False) -> torch.Tensor:
