@@ -476,16 +476,12 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int) -> torch.Tenso
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, dtype=torch.float32) -> torch.Tensor:
-    """Reference of ``ops.packed_rows``: rows ``ids`` of :func:`unpack_linear_weight`'s ``W`` (float32, then
-    ``dtype``), ``[*ids.shape, K]``, unpacking only the panels that hold them."""
+    """Reference of ``ops.packed_rows``: rows ``ids`` of :func:`unpack_linear_weight`'s ``W`` in ``dtype``."""
     K, _ = checks.unpack_shapes(packed, out_features, dtype, floats=True, op="packed_rows")
     checks.packed_row_ids(ids, out_features)
     flat = ids.reshape(-1)
-    if flat.numel() == 0:
-        return torch.empty(*ids.shape, K, dtype=dtype, device=packed.device)
-    panel, lane = flat // 16, flat % 16
-    picked = torch.arange(flat.numel(), device=flat.device) * 16 + lane
-    rows = unpack_linear_weight(packed[panel], flat.numel() * 16)[picked]
+    picked = torch.arange(flat.numel(), device=flat.device) * 16 + flat % 16  # each id's row among its panel's
+    rows = unpack_linear_weight(packed[flat // 16], flat.numel() * 16)[picked] if flat.numel() else torch.zeros(0, K)
     return rows.float().to(dtype).view(*ids.shape, K)
 
 
@@ -595,12 +591,10 @@ def decoder_layer(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, ga
     return (mid + _linear(torch.nn.functional.silu(g) * u, down, None, H)).to(dt)
 
 
-def decoder_layers(x, input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache,
-                   lengths, slots, cos, sin, heads, eps):
-    """Reference of ``ops.decoder_layers``: :func:`decoder_layer` of each layer in turn, layer l's entries of the
-    lists, the output of one the input of the next."""
-    lists = (input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache)
-    checks.decoder_layers_lists(*lists)
-    for layer in zip(*lists):
-        x = decoder_layer(x, *layer, lengths, slots, cos, sin, heads, eps)
+def decoder_layers(x, *args):
+    """Reference of ``ops.decoder_layers`` (x, the 11 lists of ``checks.LAYER_LISTS``, then lengths, slots, cos, sin,
+    heads, eps): :func:`decoder_layer` of each layer in turn, the output of one the input of the next."""
+    checks.decoder_layers_lists(*args[:11])
+    for layer in zip(*args[:11]):
+        x = decoder_layer(x, *layer, *args[11:])
     return x
