@@ -626,11 +626,10 @@ inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::
   return t;
 }
 
-// unpack_linear_weight: weight packed for out_features N by ops.pack_linear_weight in a quantized layout (int8
-// panels or blocks) -> W^T into out [K, N], contiguous, float32 or bfloat16.
-inline void prepare_unpack(const at::Tensor& weight, int64_t out_features, const at::Tensor& out, UnpackArgs& a) {
-  const char* op = "unpack_linear_weight";
-  const at::ScalarType dtype = out.scalar_type();
+// unpack_linear_weight's and packed_rows' checks of a quantized packing for out_features N, read as dtype (float32
+// or bfloat16); returns its K.
+inline int64_t check_quantized_packing(const at::Tensor& weight, int64_t out_features, at::ScalarType dtype,
+                                       const char* op) {
   SPECDEC_CHK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte, op,
                    ": weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got ",
                    weight.scalar_type());
@@ -640,6 +639,15 @@ inline void prepare_unpack(const at::Tensor& weight, int64_t out_features, const
   SPECDEC_CHK_VALUE(weight.dim() >= 3, op, ": weight must be a packing [P, ...], got ", weight.sizes());
   const int64_t K = packed_in_features(weight);
   check_packed(weight, out_features, K, op, "weight", weight);
+  return K;
+}
+
+// unpack_linear_weight: weight packed for out_features N by ops.pack_linear_weight in a quantized layout (int8
+// panels or blocks) -> W^T into out [K, N], contiguous, float32 or bfloat16.
+inline void prepare_unpack(const at::Tensor& weight, int64_t out_features, const at::Tensor& out, UnpackArgs& a) {
+  const char* op = "unpack_linear_weight";
+  const at::ScalarType dtype = out.scalar_type();
+  const int64_t K = check_quantized_packing(weight, out_features, dtype, op);
   SPECDEC_CHK_VALUE(out.dim() == 2 && out.size(0) == K && out.size(1) == out_features && out.is_contiguous(), op,
                     ": out must be [", K, ", ", out_features, "] (W^T), contiguous, got ", out.sizes());
   check_device(out, weight, "out", "weight");
@@ -660,16 +668,8 @@ struct PackedRowsTensors {
 inline PackedRowsTensors prepare_packed_rows(const at::Tensor& weight, const at::Tensor& ids, int64_t out_features,
                                              at::ScalarType dtype) {
   const char* op = "packed_rows";
-  SPECDEC_CHK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte, op,
-                   ": weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got ",
-                   weight.scalar_type());
-  SPECDEC_CHK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16, op, ": dtype must be float32 or bfloat16, got ",
-                   dtype);
-  SPECDEC_CHK_VALUE(out_features >= 1, op, ": out_features must be >= 1, got ", out_features);
-  SPECDEC_CHK_VALUE(weight.dim() >= 3 && weight.is_contiguous(), op, ": weight must be a contiguous packing [P, ...], got ",
-                    weight.sizes());
-  const int64_t K = packed_in_features(weight);
-  check_packed(weight, out_features, K, op, "weight", weight);
+  const int64_t K = check_quantized_packing(weight, out_features, dtype, op);
+  SPECDEC_CHK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous, got strides ", weight.strides());
   SPECDEC_CHK_TYPE(ids.scalar_type() == at::kLong, op, ": ids must be int64, got ", ids.scalar_type());
   check_device(ids, weight, "ids", "weight");
   PackedRowsTensors t;
