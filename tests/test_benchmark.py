@@ -500,7 +500,8 @@ def test_scale_probe_counts_the_weights_a_step_reads_and_replays_the_eager_steps
     for step in row["steps"].values():
         assert step["max_abs_diff"] == 0.0 and step["eager_ms"] > 0 and step["graph_ms"] > 0
         assert step["graph_compiled_ms"] > 0 and step["compiled_max_abs_diff"] < 1e-2  # the forward compiled, bf16
-        assert step["eager_launches"] >= 6 * layers and step["graph_launches"] >= 6 * layers  # norms, matmuls, ...
+        # at least the embedding, the layers (one fused call on a CPU), the final norm and the LM head
+        assert step["eager_launches"] >= 4 and step["graph_launches"] >= 4
         assert step["eager_launches_per_layer"] == step["eager_launches"] / layers
     assert row["steps"]["1-token"]["eager_launches"] == row["steps"]["4-token"]["eager_launches"]
     bandwidth = out["meta"]["copy_bandwidth_GBps"] * 1e9

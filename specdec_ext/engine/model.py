@@ -299,8 +299,10 @@ class LeanModel:
         return StaticCache(len(self.layers), slots, self.n_kv, max_len, self.head_dim, self.dtype, self.device)
 
     def _rms(self, x, w):
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # transformers' LlamaRMSNorm (x * rsqrt(mean(x^2) + eps) in float32, rounded, times w); F.rms_norm without a
+        # weight gives those float32 values bitwise (torch 2.13, CPU) in one op instead of five: 0.1 ms of a 5 ms
+        # step, where the weight stream has left the host's caches cold
+        return w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     @staticmethod
     def _rope(x, cos, sin):  # x [B, h, n, d]; cos/sin [B, 1, n, d]
