@@ -105,9 +105,10 @@ struct Activations {
   }
 };
 
+// A block's lines from `at` on (fetch_ahead's address).
 template <int Bits>
-SPECDEC_ALWAYS_INLINE void prefetch_block(const uint8_t* p) {
-  for (int64_t c = 0; c < Block<Bits>::kBytes; c += 64) prefetch_line(p + kPrefetchBytes + c);
+SPECDEC_ALWAYS_INLINE void prefetch_block(const char* at) {
+  for (int64_t c = 0; c < Block<Bits>::kBytes; c += 64) prefetch_line(at + c);
 }
 
 SPECDEC_ALWAYS_INLINE float half_at(const uint8_t* p) {
@@ -137,7 +138,7 @@ SPECDEC_ALWAYS_INLINE void panel_rows(const Rows& x, const uint8_t* w, int64_t p
   const uint8_t* wp = w + p * x.nb * B::kBytes;
   for (int64_t b = 0; b < x.nb; ++b) {
     const uint8_t* blk = wp + b * B::kBytes;
-    prefetch_block<Bits>(blk);
+    prefetch_block<Bits>(fetch_ahead(wp, b * B::kBytes, x.nb * B::kBytes, 1));
     Sum s[MB][kPanel] = {};
     if constexpr (A8) {
       for (int64_t c = 0; c < B::kChunks; ++c)
@@ -251,7 +252,7 @@ SPECDEC_AVX512_FN void group(const Rows& x, const uint8_t* w, int64_t p, int64_t
   for (int64_t b = 0; b < x.nb; ++b) {
     __m512 s[G][MB];
     for (int g = 0; g < G; ++g) {
-      prefetch_block<Bits>(wp + g * stride + b * B::kBytes);
+      prefetch_block<Bits>(fetch_ahead(wp + g * stride, b * B::kBytes, stride, G));
       for (int m = 0; m < MB; ++m) s[g][m] = _mm512_setzero_ps();
     }
     const float* xb = x.x + b * kQBlock;
@@ -307,7 +308,7 @@ SPECDEC_VNNI_FN void group_a8(const Rows& x, const uint8_t* w, int64_t p, int64_
   for (int64_t b = 0; b < x.nb; ++b) {
     __m512i s[G][MB];
     for (int g = 0; g < G; ++g) {
-      prefetch_block<Bits>(wp + g * stride + b * B::kBytes);
+      prefetch_block<Bits>(fetch_ahead(wp + g * stride, b * B::kBytes, stride, G));
       for (int m = 0; m < MB; ++m) s[g][m] = _mm512_setzero_si512();
     }
     const int8_t* rb = x.r + b * kQBlock;

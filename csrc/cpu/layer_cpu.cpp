@@ -229,12 +229,12 @@ struct Vectors {
     Line acc[G][MB] = {};
     const int64_t stride = panel_stride<W>(K);
     const W* wp = w + p * stride;
-    const char* ahead = reinterpret_cast<const char*>(wp) + kPrefetchBytes;
     // k steps per 64-byte line: 1 (float32), 2 (bfloat16), 4 (int8)
     constexpr int64_t kPerLine = 64 / (kPanel * sizeof(W));
     for (int64_t k = 0; k < K; ++k) {
       for (int g = 0; g < G; ++g) {
-        if (k % kPerLine == 0) prefetch_line(ahead + (g * stride + k * kPanel) * sizeof(W));
+        if (k % kPerLine == 0)
+          prefetch_line(fetch_ahead(wp + g * stride, k * kPanel * sizeof(W), stride * sizeof(W), G));
         Line line;
         load(wp + g * stride + k * kPanel, &line);
         for (int m = 0; m < MB; ++m) acc[g][m] += line * x[m * ldx + k];
