@@ -79,6 +79,45 @@ struct Rows {
   }
 };
 
+#if defined(SPECDEC_AVX512)
+// quantize_block's values for a block of 32 finite inputs with a finite max |x| > 0 (false, nothing written, for any
+// other: the scalar loop's cases): the same products x_k (127 / max |x|), rounded half to even by vcvtps2dq under the
+// default rounding mode as std::nearbyint rounds them, so bitwise the scalar result in a few instructions (~1 us of
+// the 4 a layer's products took to quantize their rows).
+SPECDEC_AVX512_FN inline bool quantize_block_avx512(const float* xb, int8_t* r, float* a, int32_t* sum) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  if (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) return false;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return false;
+  const __m512 inv = _mm512_set1_ps(127.0f / amax);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(r), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(r + 16), _mm512_cvtepi32_epi8(q1));
+  *a = amax / 127.0f;
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  return true;
+}
+#endif
+
+// Block b of a row's int8 activations (Rows' r, a, rsum) from its 32 inputs xb.
+inline void quantize_block(const float* xb, int8_t* r, float* a, int32_t* rsum, bool avx512) {
+#if defined(SPECDEC_AVX512)
+  if (avx512 && quantize_block_avx512(xb, r, a, rsum)) return;
+#endif
+  float amax = 0.0f;
+  for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+  // A block of zeros (or of non-finite values: a = inf or NaN) holds r = 0.
+  const float inv = amax > 0.0f && std::isfinite(amax) ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kQBlock; ++k) {
+    const int8_t v = static_cast<int8_t>(inv != 0.0f ? std::nearbyint(xb[k] * inv) : 0.0f);
+    r[k] = v;
+    sum += v;
+  }
+  *a = amax / 127.0f;
+  *rsum = sum;
+}
+
 // The int8 activations of M rows: r, a and rsum of Rows for every block of every row.
 struct Activations {
   std::vector<int8_t> r;
@@ -86,26 +125,19 @@ struct Activations {
   std::vector<int32_t> rsum;
 
   Activations(const float* x, int64_t ldx, int64_t M, int64_t K) : r(M * K), a(M * K / kQBlock), rsum(a.size()) {
+#if defined(SPECDEC_AVX512)
+    const bool avx512 = M > 0 && avx512_usable();
+#else
+    const bool avx512 = false;
+#endif
+    const int64_t nb = K / kQBlock;
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < K / kQBlock; ++b) {
-        const float* xb = x + m * ldx + b * kQBlock;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-        // A block of zeros (or of non-finite values: a = inf or NaN) holds r = 0.
-        const float inv = amax > 0.0f && std::isfinite(amax) ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int64_t k = 0; k < kQBlock; ++k) {
-          const int8_t v = static_cast<int8_t>(inv != 0.0f ? std::nearbyint(xb[k] * inv) : 0.0f);
-          r[m * K + b * kQBlock + k] = v;
-          sum += v;
-        }
-        a[m * (K / kQBlock) + b] = amax / 127.0f;
-        rsum[m * (K / kQBlock) + b] = sum;
-      }
+      for (int64_t b = 0; b < nb; ++b)
+        quantize_block(x + m * ldx + b * kQBlock, &r[m * K + b * kQBlock], &a[m * nb + b], &rsum[m * nb + b],
+                       avx512);
   }
 };
 
-// A block's lines from `at` on (fetch_ahead's address).
 template <int Bits>
 SPECDEC_ALWAYS_INLINE void prefetch_block(const char* at) {
   for (int64_t c = 0; c < Block<Bits>::kBytes; c += 64) prefetch_line(at + c);
