@@ -1,6 +1,7 @@
 """Typed wrappers of the model-layer ops, with fake (meta) kernels: attention of a few queries over a KV cache
 (``decode_attention``, ``cache_attention``), matrix products over weights packed in panels (``packed_linear``), their
-unpacking (``unpack_linear_weight``) and a whole decoder layer in one call (``decoder_layer``). Kernels in
+unpacking (``unpack_linear_weight``, ``packed_rows``: a few rows) and a whole decoder layer in one call
+(``decoder_layer``; ``decoder_layers``: a stack of them). Kernels in
 ``csrc/cpu/attention_cpu.cpp``, ``csrc/cpu/layer_cpu.cpp``, ``csrc/cpu/unpack_cpu.cpp`` and ``csrc/cuda/``; schemas in
 ``csrc/ops.cpp``; without the compiled extension every wrapper falls back to ``specdec_ext.reference``.
 ``specdec_ext.ops`` re-exports them beside the sampling ops.

@@ -14,10 +14,11 @@ processors (an fp32 ``[4, 256] x [256, 8192]`` LM-head matmul: 0.8-1.2 ms throug
 2-core AMD EPYC; ``1bd1639:docs/results/draft_linear.json``), and attention runs through ``ops.decode_attention``
 for decode steps and verifications. In float32 a forward of a few tokens (a decode step, a verification) runs its
 layers as one ``ops.decoder_layers`` call instead (``csrc/cpu/layer_cpu.cpp``, each layer ``ops.decoder_layer``'s
-function: the weights read once from panels at the rate the CPU streams memory, one dispatch a forward; a model quantized by ``engine.weights.quantize`` is read there as
-int8 panels or blocks). A model whose weights multiply int8 activations (``"q4a8"``) runs every forward, prefills
-included, through the fused op: its function is that op's, which transformers' modules do not compute. The prepared
-weights are kept per model and rebuilt when a weight changes.
+function: the weights read once from panels at the rate the CPU streams memory, one dispatch a forward; a model
+quantized by ``engine.weights.quantize`` is read there as int8 panels or blocks). A model whose weights multiply
+int8 activations (``"q4a8"``) runs every forward, prefills included, through the fused op: its function is that op's,
+which transformers' modules do not compute. The prepared weights are kept per model and rebuilt when a weight
+changes.
 
 It computes the distribution the model defines in another order of operations than ``transformers``' modules: in
 float32 the greedy tokens equal ``transformers``' ``generate()`` (tested), in bfloat16 near-ties may round either
