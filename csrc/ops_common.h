@@ -627,9 +627,9 @@ inline PackedLinearTensors prepare_packed_linear(const at::Tensor& x, const at::
 }
 
 // unpack_linear_weight's and packed_rows' checks of a quantized packing for out_features N, read as dtype (float32
-// or bfloat16); returns its K.
-inline int64_t check_quantized_packing(const at::Tensor& weight, int64_t out_features, at::ScalarType dtype,
-                                       const char* op) {
+// or bfloat16); returns the UnpackArgs that describe it (out not set).
+inline UnpackArgs quantized_packing(const at::Tensor& weight, int64_t out_features, at::ScalarType dtype,
+                                    const char* op) {
   SPECDEC_CHK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte, op,
                    ": weight must be a quantized packing (int8 panels, uint8 or int8 blocks), got ",
                    weight.scalar_type());
@@ -639,22 +639,24 @@ inline int64_t check_quantized_packing(const at::Tensor& weight, int64_t out_fea
   SPECDEC_CHK_VALUE(weight.dim() >= 3, op, ": weight must be a packing [P, ...], got ", weight.sizes());
   const int64_t K = packed_in_features(weight);
   check_packed(weight, out_features, K, op, "weight", weight);
-  return K;
+  UnpackArgs a{};
+  a.dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  a.weights = packed_weights(weight);
+  a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
+  a.weight = weight.data_ptr();
+  a.out = nullptr;
+  return a;
 }
 
 // unpack_linear_weight: weight packed for out_features N by ops.pack_linear_weight in a quantized layout (int8
 // panels or blocks) -> W^T into out [K, N], contiguous, float32 or bfloat16.
 inline void prepare_unpack(const at::Tensor& weight, int64_t out_features, const at::Tensor& out, UnpackArgs& a) {
   const char* op = "unpack_linear_weight";
-  const at::ScalarType dtype = out.scalar_type();
-  const int64_t K = check_quantized_packing(weight, out_features, dtype, op);
+  a = quantized_packing(weight, out_features, out.scalar_type(), op);
+  const int64_t K = a.in_features;
   SPECDEC_CHK_VALUE(out.dim() == 2 && out.size(0) == K && out.size(1) == out_features && out.is_contiguous(), op,
                     ": out must be [", K, ", ", out_features, "] (W^T), contiguous, got ", out.sizes());
   check_device(out, weight, "out", "weight");
-  a.dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-  a.weights = packed_weights(weight);
-  a.in_features = K; a.out_features = out_features; a.panels = weight.size(0);
-  a.weight = weight.data_ptr();
   a.out = out.data_ptr();
 }
 
@@ -668,25 +670,20 @@ struct PackedRowsTensors {
 inline PackedRowsTensors prepare_packed_rows(const at::Tensor& weight, const at::Tensor& ids, int64_t out_features,
                                              at::ScalarType dtype) {
   const char* op = "packed_rows";
-  const int64_t K = check_quantized_packing(weight, out_features, dtype, op);
+  PackedRowsTensors t;
+  PackedRowsArgs& a = t.args;
+  a.packing = quantized_packing(weight, out_features, dtype, op);
   SPECDEC_CHK_VALUE(weight.is_contiguous(), op, ": weight must be contiguous, got strides ", weight.strides());
   SPECDEC_CHK_TYPE(ids.scalar_type() == at::kLong, op, ": ids must be int64, got ", ids.scalar_type());
   check_device(ids, weight, "ids", "weight");
-  PackedRowsTensors t;
   t.ids = ids.contiguous();
   const int64_t* id = t.ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < t.ids.numel(); ++i)
     SPECDEC_CHK_VALUE(id[i] >= 0 && id[i] < out_features, op, ": ids must be in [0, ", out_features,
                       ") (the weight's rows), got ", id[i]);
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(K);
+  shape.push_back(a.packing.in_features);
   t.out = at::empty(shape, weight.options().dtype(dtype));
-  PackedRowsArgs& a = t.args;
-  a.packing.dtype = dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-  a.packing.weights = packed_weights(weight);
-  a.packing.in_features = K; a.packing.out_features = out_features; a.packing.panels = weight.size(0);
-  a.packing.weight = weight.data_ptr();
-  a.packing.out = nullptr;
   a.panel_bytes = weight.stride(0) * weight.element_size();
   a.ids = id;
   a.count = t.ids.numel();

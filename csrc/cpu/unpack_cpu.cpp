@@ -177,10 +177,6 @@ SPECDEC_AVX512_FN void unpack_panel_avx512(const UnpackArgs& a, int64_t p) {
 }
 #endif
 
-}  // namespace
-
-namespace {
-
 // Panel p of a.weight unpacked into a.out (AVX-512 for the full panels of the layouts it reads).
 void unpack_one(const UnpackArgs& a, int64_t p) {
   const bool full = (p + 1) * kPanel <= a.out_features;
