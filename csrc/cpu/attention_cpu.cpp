@@ -140,22 +140,87 @@ SPECDEC_AVX512_FN void weighted_blocks(const float* w, int64_t ldw, const T* v, 
 
 // Pass 2 of a causal task with AVX-512 (D a multiple of 16): acc[r, :] = sum_{j < seen[r]} w[r, j] v_j, each element
 // one chain of fused multiply-adds in j order (as the generic loop, which skips zero weights: the same sums), each row
-// reading only the columns it sees. Four rows share each value load up to the fewest columns any of them sees, then
+// reading only the columns it sees. Up to four rows share each value load up to the fewest columns any of them sees, then
 // each goes on alone: at most 16 accumulators (4 rows x 64 elements).
 template <typename T>
 SPECDEC_AVX512_FN void weighted_values_avx512(const float* w, int64_t ldw, const T* v, int64_t ldv,
                                               const int64_t* seen, int64_t D, int64_t Rt, float* acc) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t blocks = std::min<int64_t>(4, (D - d0) / 16);
-    int64_t r = 0;
-    for (; r + 4 <= Rt; r += 4) {
-      const int64_t common = *std::min_element(seen + r, seen + r + 4);
-      weighted_blocks<4>(w + r * ldw, ldw, v, ldv, 0, common, D, d0, blocks, acc + r * D, false);
-      for (int64_t q = r; q < r + 4; ++q)
+    for (int64_t r = 0; r < Rt; r += 4) {
+      const int64_t rb = std::min<int64_t>(4, Rt - r), common = *std::min_element(seen + r, seen + r + rb);
+      const float* wr = w + r * ldw;
+      switch (rb) {
+        case 4: weighted_blocks<4>(wr, ldw, v, ldv, 0, common, D, d0, blocks, acc + r * D, false); break;
+        case 3: weighted_blocks<3>(wr, ldw, v, ldv, 0, common, D, d0, blocks, acc + r * D, false); break;
+        case 2: weighted_blocks<2>(wr, ldw, v, ldv, 0, common, D, d0, blocks, acc + r * D, false); break;
+        default: weighted_blocks<1>(wr, ldw, v, ldv, 0, common, D, d0, blocks, acc + r * D, false); break;
+      }
+      for (int64_t q = r; q < r + rb; ++q)
         if (seen[q] > common)
           weighted_blocks<1>(w + q * ldw, ldw, v, ldv, common, seen[q], D, d0, blocks, acc + q * D, true);
     }
-    for (; r < Rt; ++r) weighted_blocks<1>(w + r * ldw, ldw, v, ldv, 0, seen[r], D, d0, blocks, acc + r * D, false);
+  }
+}
+
+// The sum of each of 16 columns' 16 float32 lanes, lane c of the result column c's: every column by the same tree
+// whatever its place among the 16, ((l0 + l2) + (l1 + l3)) within each 128-bit block, then (B0 + B1) + (B2 + B3)
+// across the blocks: unpacks and shuffles that reduce the 16 columns together (45 instructions, against 16 x 8 for
+// a horizontal reduction of each).
+SPECDEC_AVX512_FN inline __m512 sum_lanes16(const __m512 (&acc)[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per block: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                             _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per block: columns 4i .. 4i + 3
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // blocks [B0 + B1, B2 + B3] of quads 2i, then of 2i + 1
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// out[j] = scale * (q . k_cols[j]) for j < m, q and the key rows (at k + cols[j] * ldk) bfloat16, D = 32 * Chunks
+// (Chunks 0: any multiple of 32, a loop): lane l of a column adds the pairs d = 2l + 1, 2l, then 2l + 33, 2l + 32, ...
+// (vdpbf16ps: the products of bfloat16s are exact in float32), its lanes summed by sum_lanes16. A score depends on its
+// query and key rows alone: a one-token step, a verification and a masked call give it the same bits. The keys are
+// read where they lie, in the cache's bfloat16: no float32 copy. Past the last column a group of 16 scores its last
+// column again (the 16 accumulators stay in registers, unrolled), which the masked store drops.
+template <int Chunks>
+SPECDEC_BF16_FN void score_columns_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t ldk,
+                                        const int64_t* cols, int64_t m, int64_t D, float scale, float* out) {
+  for (int64_t j0 = 0; j0 < m; j0 += 16) {
+    const int64_t nc = std::min<int64_t>(16, m - j0);
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) {
+      const c10::BFloat16* kc = k + cols[j0 + std::min<int64_t>(c, nc - 1)] * ldk;
+      acc[c] = _mm512_setzero_ps();
+      if constexpr (Chunks > 0) {
+#pragma GCC unroll 8
+        for (int d = 0; d < 32 * Chunks; d += 32)
+          acc[c] = _mm512_dpbf16_ps(acc[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + d)),
+                                    reinterpret_cast<__m512bh>(_mm512_loadu_si512(kc + d)));
+      } else {
+        for (int64_t d = 0; d < D; d += 32)
+          acc[c] = _mm512_dpbf16_ps(acc[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + d)),
+                                    reinterpret_cast<__m512bh>(_mm512_loadu_si512(kc + d)));
+      }
+    }
+    _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << nc) - 1),
+                          _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+// score_columns_bf16 unrolled for the usual head sizes (64, 128).
+inline void score_columns_bf16_any(const c10::BFloat16* q, const c10::BFloat16* k, int64_t ldk, const int64_t* cols,
+                                   int64_t m, int64_t D, float scale, float* out) {
+  switch (D) {
+    case 64: return score_columns_bf16<2>(q, k, ldk, cols, m, D, scale, out);
+    case 128: return score_columns_bf16<4>(q, k, ldk, cols, m, D, scale, out);
+    default: return score_columns_bf16<0>(q, k, ldk, cols, m, D, scale, out);
   }
 }
 #endif
@@ -177,12 +242,20 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
   std::vector<const bool*> mrow(R);
   std::vector<int64_t> last(R);  // without a mask: the last column each query row sees
   std::vector<int64_t> seen(R);
+  std::vector<const T*> qrow(R);  // each row's query
+#if defined(SPECDEC_AVX512)
+  // bfloat16 queries and keys: scores by score_columns_bf16 (the same for every call and path of the CPU it runs on)
+  const bool bf16_scores = std::is_same_v<T, c10::BFloat16> && D % 32 == 0 && bf16_dot_usable();
+#else
+  constexpr bool bf16_scores = false;
+#endif
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / (Hkv * parts), kh = task / parts % Hkv, part = task % parts;
     const int64_t r0 = R * part / parts, Rt = R * (part + 1) / parts - r0;  // this part's rows r0 .. r0 + Rt - 1
     for (int64_t r = 0; r < Rt; ++r) {
       const int64_t h = kh * G + (r0 + r) / n, i = (r0 + r) % n;
-      load_row(q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2], D, &qf[r * D]);
+      qrow[r] = q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2];
+      load_row(qrow[r], D, &qf[r * D]);
       for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
       if (a.mask != nullptr) {
         mrow[r] = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
@@ -204,7 +277,14 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
         for (int64_t r = 0; r < Rt; ++r) any |= mrow[r][c * mc];
       if (any) cols[m++] = c;
     }
-    for (int64_t j = 0; j < m; j += kScoreColumns) {  // the keys of 8 seen columns (zeros past the last), every row
+#if defined(SPECDEC_AVX512)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bf16_scores)
+        for (int64_t r = 0; r < Rt; ++r)
+          score_columns_bf16_any(qrow[r], kb, a.k_stride[2], cols.data(), m, D, a.scale, &scores[r * stride]);
+    }
+#endif
+    for (int64_t j = 0; !bf16_scores && j < m; j += kScoreColumns) {  // the keys of 8 seen columns (zeros past the last), every row
       const int64_t nc = std::min<int64_t>(kScoreColumns, m - j);
       const float* kp = keys.data();
       int64_t ldk = D;

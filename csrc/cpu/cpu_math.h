@@ -44,6 +44,14 @@ inline bool vnni_usable() {
   static const bool supported = __builtin_cpu_supports("avx512vnni");
   return supported && avx512_usable();
 }
+
+// A function compiled for AVX-512 with its bfloat16 dot products (vdpbf16ps: 32 bfloat16 pairs multiplied and added
+// two by two into 16 float32 lanes), called where bf16_dot_usable(): Intel since Cooper Lake, AMD since Zen 4.
+#define SPECDEC_BF16_FN __attribute__((target("avx512f,avx512bf16")))
+inline bool bf16_dot_usable() {
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported && avx512_usable();
+}
 #endif
 
 // Inlined into its caller whatever its size: a helper of a SPECDEC_CPU_CLONES function is compiled into each clone
