@@ -143,15 +143,18 @@ at::Tensor decoder_layers_cpu(const at::Tensor& x, at::TensorList input_norm, at
   for (const auto& [name, size] : lists)
     SPECDEC_CHK_VALUE(size == L, "decoder_layers: ", name, " must hold ", L, " entries (one per layer, as input_norm), got ",
                       size);
-  at::Tensor h = x;
+  std::vector<DecoderLayerTensors> stack;  // every layer checked (and its output allocated) before any runs
+  std::vector<DecoderLayerArgs> args;
+  stack.reserve(L);
+  args.reserve(L);
   for (int64_t l = 0; l < L; ++l) {
-    DecoderLayerTensors t = prepare_decoder_layer(h, input_norm[l], qkv[l], qkv_bias.get(l), q_norm.get(l),
-                                                  k_norm.get(l), o[l], post_norm[l], gate_up[l], down[l], key_cache[l],
-                                                  value_cache[l], lengths, slots, cos, sin, heads, eps);
-    cpu::decoder_layer(t.args);
-    h = t.out;
+    stack.push_back(prepare_decoder_layer(l == 0 ? x : stack.back().out, input_norm[l], qkv[l], qkv_bias.get(l),
+                                          q_norm.get(l), k_norm.get(l), o[l], post_norm[l], gate_up[l], down[l],
+                                          key_cache[l], value_cache[l], lengths, slots, cos, sin, heads, eps));
+    args.push_back(stack.back().args);
   }
-  return h;
+  cpu::decoder_layers(args.data(), L);
+  return stack.back().out;
 }
 
 void advance_rows_cpu(at::Tensor& last, const std::optional<at::Tensor>& prev, const std::optional<at::Tensor>& room,

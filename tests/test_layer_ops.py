@@ -199,6 +199,35 @@ def test_decoder_layers_is_bitwise_its_layers_one_call_each(kind):
 
 
 @needs_ext
+@pytest.mark.parametrize("kind", ["llama", "qwen3-bf16", "q4a8"])
+def test_decoder_layers_threads_share_the_work_not_the_bits(kind):
+    """The layers' threads (one parallel region, each thread's share of every product, attention and RoPE, a barrier
+    between steps) give bitwise one thread's output and caches: 2 threads, 3 (shares of unequal size), and 5 (more
+    threads than some products have panels: threads with nothing to do still meet at every barrier). The second case's
+    first row runs past the cache's last column: its last 3 tokens write the scratch column, the last one's values
+    kept, whichever thread writes them."""
+    lists, cos, sin, heads, dtype = stack_case(kind)
+    g = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    for B, n, lengths, slots in [(1, 1, [3, 0, 0], None), (2, 4, [5, 2, 9], torch.tensor([2, 0]))]:
+        x, lengths = rand(g, B, n, 64).to(dtype), torch.tensor(lengths)
+        outs = {}
+        try:
+            for count in (1, 2, 3, 5):
+                torch.set_num_threads(count)
+                caches = [[c.clone() for c in lists[i]] for i in (9, 10)]
+                outs[count] = (ops.decoder_layers(x, *lists[:9], *caches, lengths, slots, cos, sin, heads, 1e-5),
+                               caches)
+        finally:
+            torch.set_num_threads(threads)
+        want, want_caches = outs[1]
+        assert want.abs().sum() > 0
+        for count, (got, caches) in outs.items():
+            assert torch.equal(got, want), count
+            assert all(torch.equal(a, b) for a, b in zip(caches[0] + caches[1], want_caches[0] + want_caches[1]))
+
+
+@needs_ext
 def test_decoder_layers_errors_name_the_list():
     lists, cos, sin, heads, _ = stack_case("llama")
     x, lengths = torch.zeros(1, 1, 64), torch.zeros(3, dtype=torch.int64)

@@ -359,21 +359,27 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
 }
 
 template <typename T>
-void decode_attention_impl(const DecodeAttentionArgs& a) {
+void decode_attention_impl(const DecodeAttentionArgs& a, const Team* team) {
   const int64_t Hkv = a.kv_heads, R = a.q_heads / Hkv * a.queries;
   // Tasks: (row b, KV head, part of its R query rows). With fewer (row, KV head) pairs than twice the threads (one
   // request: a few KV heads on a few cores), each pair's query rows are split in parts, so the threads share the
   // work evenly; a part reads the pair's keys and values again (from cache: a layer's are a few hundred KB).
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = team != nullptr ? team->size : std::max<int64_t>(1, at::get_num_threads());
   int64_t parts = 1;
   while (a.batch * Hkv * parts < 2 * threads && parts * 2 <= R) parts *= 2;
-  at::parallel_for(0, a.batch * Hkv * parts, 1,
-                   [&](int64_t begin, int64_t end) { attention_tasks<T>(a, parts, begin, end); });
+  const int64_t tasks = a.batch * Hkv * parts;
+  if (team != nullptr) {
+    if (team->begin(tasks) < team->end(tasks)) attention_tasks<T>(a, parts, team->begin(tasks), team->end(tasks));
+    return;
+  }
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) { attention_tasks<T>(a, parts, begin, end); });
 }
 
 }  // namespace
 
-void decode_attention(const DecodeAttentionArgs& a) { SPECDEC_DISPATCH(a.dtype, decode_attention_impl, a); }
+void decode_attention(const DecodeAttentionArgs& a, const Team* team) {
+  SPECDEC_DISPATCH(a.dtype, decode_attention_impl, a, team);
+}
 
 }  // namespace cpu
 }  // namespace specdec

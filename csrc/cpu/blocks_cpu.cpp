@@ -429,45 +429,43 @@ void rows_avx512(int64_t begin, int64_t end, const Rows& x, int64_t M, const uin
 
 template <int Bits, bool A8>
 void blocks_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
-                 int64_t ldy, const float* bias) {
+                 int64_t ldy, const float* bias, const Team* team) {
   const int64_t P = (N + kPanel - 1) / kPanel, nb = K / kQBlock;
+  if (team != nullptr && team->begin(P) == team->end(P)) return;
   std::vector<float> xs(Bits == 4 ? M * nb : 0);
   if (Bits == 4) block_sums(x, ldx, M, nb, xs.data());
   const Activations act = A8 ? Activations(x, ldx, M, K) : Activations(x, ldx, 0, K);
   const Rows rows{x, ldx, K, nb, xs.data(), A8 ? act.r.data() : nullptr, act.a.data(), act.rsum.data()};
+  auto panels = [&](int64_t begin, int64_t end) {
 #if defined(SPECDEC_AVX512)
-  if (A8 ? vnni_usable() : avx512_usable()) {
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      rows_avx512<Bits, A8>(begin, end, rows, M, w, N, y, ldy, bias);
-    });
-    return;
-  }
+    if (A8 ? vnni_usable() : avx512_usable()) return rows_avx512<Bits, A8>(begin, end, rows, M, w, N, y, ldy, bias);
 #endif
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     panels_generic<Bits, A8>(begin, end, rows, M, w, N, y, ldy, bias);
-  });
+  };
+  if (team != nullptr) return panels(team->begin(P), team->end(P));
+  at::parallel_for(0, P, 1, panels);
 }
 
 }  // namespace
 
 void q4_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy,
-             const float* bias) {
-  blocks_gemm<4, false>(x, ldx, M, K, w, N, y, ldy, bias);
+             const float* bias, const Team* team) {
+  blocks_gemm<4, false>(x, ldx, M, K, w, N, y, ldy, bias, team);
 }
 
 void q8_blocks_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, int64_t N, float* y,
-                    int64_t ldy, const float* bias) {
-  blocks_gemm<8, false>(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias);
+                    int64_t ldy, const float* bias, const Team* team) {
+  blocks_gemm<8, false>(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias, team);
 }
 
 void q4_a8_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y,
-                int64_t ldy, const float* bias) {
-  blocks_gemm<4, true>(x, ldx, M, K, w, N, y, ldy, bias);
+                int64_t ldy, const float* bias, const Team* team) {
+  blocks_gemm<4, true>(x, ldx, M, K, w, N, y, ldy, bias, team);
 }
 
 void q8_a8_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, int64_t N, float* y, int64_t ldy,
-                const float* bias) {
-  blocks_gemm<8, true>(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias);
+                const float* bias, const Team* team) {
+  blocks_gemm<8, true>(x, ldx, M, K, reinterpret_cast<const uint8_t*>(w), N, y, ldy, bias, team);
 }
 
 }  // namespace cpu

@@ -62,12 +62,12 @@ inline bool bf16_dot_usable() {
 #define SPECDEC_ALWAYS_INLINE inline
 #endif
 
-// Runs FN<T>(ARGS) with T the C++ type of `dtype`.
-#define SPECDEC_DISPATCH(dtype, FN, ARGS)                                            \
+// Runs FN<T>(args...) with T the C++ type of `dtype`.
+#define SPECDEC_DISPATCH(dtype, FN, ...)                                             \
   switch (dtype) {                                                                  \
-    case DType::kFloat32: FN<float>(ARGS); break;                                   \
-    case DType::kBFloat16: FN<c10::BFloat16>(ARGS); break;                          \
-    case DType::kFloat16: FN<c10::Half>(ARGS); break;                               \
+    case DType::kFloat32: FN<float>(__VA_ARGS__); break;                            \
+    case DType::kBFloat16: FN<c10::BFloat16>(__VA_ARGS__); break;                   \
+    case DType::kFloat16: FN<c10::Half>(__VA_ARGS__); break;                        \
   }
 
 // The float32 whose upper 16 bits are u: a bfloat16's value from its bits (a shift that vectorises).

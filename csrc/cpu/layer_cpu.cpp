@@ -24,7 +24,9 @@
 // dispatcher): RMS norm, the fused QKV product (+ bias), each head's q/k RMS norm (Qwen3), RoPE (rotate_half, as
 // transformers' Llama), the keys and values written into the cache, attention (the decode_attention kernel, causal
 // over each row's cache slot), the output product and its residual, then RMS norm, the gate/up product,
-// SiLU(gate) * up, the down product and its residual.
+// SiLU(gate) * up, the down product and its residual. decoder_layers runs a stack of them in one parallel region, its
+// threads a team (csrc/cpu/team.h): each computes its share of every product, of the heads' q/k norms, RoPE and cache
+// writes and of attention, and the norms, residuals and SiLU itself, a sync after each shared step.
 #include "cpu/layer_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -39,6 +41,7 @@
 #include "cpu/blocks_cpu.h"
 #include "cpu/cpu_math.h"
 #include "cpu/panels.h"
+#include "cpu/team.h"
 
 namespace specdec {
 namespace cpu {
@@ -47,7 +50,7 @@ namespace {
 // The weight types W of blocks of 32 inputs (csrc/cpu/blocks_cpu.cpp): the bytes of a PackedWeights kind and the
 // product that reads them.
 template <typename Byte, void (*Gemm)(const float*, int64_t, int64_t, int64_t, const Byte*, int64_t, float*, int64_t,
-                                      const float*)>
+                                      const float*, const Team*)>
 struct Blocks {
   Byte byte;
 };
@@ -293,29 +296,26 @@ SPECDEC_AVX512_FN void gemm_panels_avx512(int64_t begin, int64_t end, const floa
 #endif
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T (+ bias), W packed [P, K, 16] (int8: [P, K + 4, 16]);
-// panels split among threads.
+// panels split among at::parallel_for's threads, or with a team the calling thread's share of them alone.
 template <typename W>
 void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t ldy,
-                 const float* bias) {
+                 const float* bias, const Team* team = nullptr) {
   const int64_t P = (N + kPanel - 1) / kPanel;
+  auto panels = [&](int64_t begin, int64_t end) {
 #if defined(SPECDEC_AVX512)
-  if (avx512_usable()) {
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      gemm_panels_avx512<W>(begin, end, x, ldx, M, K, w, N, y, ldy, bias);
-    });
-    return;
-  }
+    if (avx512_usable()) return gemm_panels_avx512<W>(begin, end, x, ldx, M, K, w, N, y, ldy, bias);
 #endif
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     gemm_panels<W>(begin, end, x, ldx, M, K, w, N, y, ldy, bias);
-  });
+  };
+  if (team != nullptr) return panels(team->begin(P), team->end(P));
+  at::parallel_for(0, P, 1, panels);
 }
 
 // Blocks: csrc/cpu/blocks_cpu.cpp.
 template <typename Byte, auto Gemm>
 void packed_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const Blocks<Byte, Gemm>* w, int64_t N, float* y,
-                 int64_t ldy, const float* bias) {
-  Gemm(x, ldx, M, K, reinterpret_cast<const Byte*>(w), N, y, ldy, bias);
+                 int64_t ldy, const float* bias, const Team* team = nullptr) {
+  Gemm(x, ldx, M, K, reinterpret_cast<const Byte*>(w), N, y, ldy, bias, team);
 }
 
 // out[r, :] = w * x[r, :] / sqrt(mean(x[r, :]^2) + eps) for R rows of length H (row strides ldx, ldo).
@@ -374,8 +374,40 @@ void packed_linear_impl(const PackedLinearArgs& a) {
   from_float(y.data(), M * N, static_cast<T*>(a.out));
 }
 
+// What the threads of a team share across a stack's layers (each writes its share of them, and all read them after a
+// sync), sized for the widest layer.
+template <typename T>
+struct Shared {
+  std::vector<float> qkv, attn, mid, gate_up, out;
+  std::vector<T> q_t, attn_t;  // bfloat16 layers: the rounded queries and attention output
+
+  Shared(const DecoderLayerArgs* layers, int64_t L) {
+    const int64_t M = layers[0].batch * layers[0].tokens, H = layers[0].hidden;
+    int64_t qkv_width = 0, q_width = 0, gate_up_width = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const DecoderLayerArgs& a = layers[l];
+      qkv_width = std::max(qkv_width, (a.heads + 2 * a.kv_heads) * a.head_dim);
+      q_width = std::max(q_width, a.heads * a.head_dim);
+      gate_up_width = std::max(gate_up_width, 2 * a.intermediate);
+    }
+    qkv.resize(M * qkv_width);
+    attn.resize(M * q_width);
+    mid.resize(M * H);
+    gate_up.resize(M * gate_up_width);
+    out.resize(M * H);
+    if constexpr (!std::is_same_v<T, float>) {
+      q_t.resize(M * q_width);
+      attn_t.resize(M * q_width);
+    }
+  }
+};
+
+// One layer on one thread of the team: x [M, H] holds the layer's input as float32 and becomes its output (rounded to
+// T, as the next layer reads it); every thread computes the norms, residuals and SiLU alike into its own buffers (no
+// sync waits on one thread's), and its share of each product, of the q/k norms, RoPE and cache writes, and of
+// attention, a sync after each. a.out gets this thread's share of the output rows.
 template <typename T, typename W>
-void decoder_layer_impl(const DecoderLayerArgs& a) {
+void layer_on_thread(const DecoderLayerArgs& a, const Team& team, Shared<T>& sh, std::vector<float>& x) {
   const int64_t B = a.batch, n = a.tokens, M = B * n, H = a.hidden;
   const int64_t Hq = a.heads, Hkv = a.kv_heads, D = a.head_dim, I = a.intermediate, C = a.columns;
   const int64_t QKV = (Hq + 2 * Hkv) * D;
@@ -388,54 +420,56 @@ void decoder_layer_impl(const DecoderLayerArgs& a) {
   const std::vector<float> input_norm = floats<T>(a.input_norm, H), post_norm = floats<T>(a.post_norm, H);
   const std::vector<float> qkv_bias = floats<T>(a.qkv_bias, QKV);
   const std::vector<float> q_norm = floats<T>(a.q_norm, D), k_norm = floats<T>(a.k_norm, D);
-  std::vector<float> x(M * H), normed(M * H), qkv(M * QKV), attn(M * Hq * D), mid(M * H), gate_up(M * 2 * I);
-  std::vector<float> act(M * I), out(M * H), tmp(D), cs(D), sn(D);
-  std::vector<T> q_t(std::is_same_v<T, float> ? 0 : M * Hq * D), attn_t(std::is_same_v<T, float> ? 0 : M * Hq * D);
+  std::vector<float> normed(M * H), res(M * H), act(M * I), tmp(D), cs(D), sn(D);
+  std::vector<float> attn_own(std::is_same_v<T, float> ? 0 : M * Hq * D);
   std::vector<int64_t> starts(B), slots(B);
+  float* qkv = sh.qkv.data();
 
-  to_float(static_cast<const T*>(a.x), M * H, x.data());
   rms_rows(x.data(), H, M, H, input_norm.data(), a.eps, normed.data(), H);
-  packed_gemm(normed.data(), H, M, H, wqkv, QKV, qkv.data(), QKV, data_or_null(qkv_bias));
+  packed_gemm(normed.data(), H, M, H, wqkv, QKV, qkv, QKV, data_or_null(qkv_bias), &team);
+  team.sync();
 
-  // each row's positions; q/k norms and RoPE; keys and values into the cache (positions past the last regular
-  // column write the scratch column C - 1; RoPE past the table reads its last row)
-  const T* cos = static_cast<const T*>(a.cos);
-  const T* sin = static_cast<const T*>(a.sin);
+  // each row's positions; per head, row after row: q/k norm and RoPE, the keys and values into the cache (positions
+  // past the last regular column write the scratch column C - 1, the last such token's last, as rows sharing a slot;
+  // RoPE past the table reads its last row)
   for (int64_t b = 0; b < B; ++b) {
     slots[b] = a.row_slots != nullptr ? a.row_slots[b] : b;
     starts[b] = a.lengths[slots[b]];
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t pos = starts[b] + i, rot = std::min(pos, a.positions - 1);
+  }
+  const T* cos = static_cast<const T*>(a.cos);
+  const T* sin = static_cast<const T*>(a.sin);
+  for (int64_t h = team.begin(Hq + Hkv); h < team.end(Hq + Hkv); ++h) {  // q heads, then k heads
+    const std::vector<float>& norm = h < Hq ? q_norm : k_norm;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t b = m / n, pos = starts[b] + m % n, rot = std::min(pos, a.positions - 1);
       to_float(cos + rot * D, D, cs.data());
       to_float(sin + rot * D, D, sn.data());
-      const int64_t col = std::min(pos, C - 1);
-      float* row = qkv.data() + (b * n + i) * QKV;
-      for (int64_t h = 0; h < Hq + Hkv; ++h) {  // q heads, then k heads
-        float* head = row + h * D;
-        const std::vector<float>& norm = h < Hq ? q_norm : k_norm;
-        if (!norm.empty()) rms_rows(head, D, 1, D, norm.data(), a.eps, head, D);
-        rope_row(head, cs.data(), sn.data(), D, tmp.data());
+      float* row = qkv + m * QKV;
+      float* head = row + h * D;
+      if (!norm.empty()) rms_rows(head, D, 1, D, norm.data(), a.eps, head, D);
+      rope_row(head, cs.data(), sn.data(), D, tmp.data());
+      if (h >= Hq) {
+        const int64_t at = ((slots[b] * Hkv + h - Hq) * C + std::min(pos, C - 1)) * D;
+        from_float(head, D, key_cache + at);
+        from_float(row + (Hkv + h) * D, D, value_cache + at);  // value head h - Hq
+      } else if constexpr (!std::is_same_v<T, float>) {
+        from_float(head, D, sh.q_t.data() + m * Hq * D + h * D);
       }
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t at = ((slots[b] * Hkv + h) * C + col) * D;
-        from_float(row + (Hq + h) * D, D, key_cache + at);
-        from_float(row + (Hq + Hkv + h) * D, D, value_cache + at);
-      }
-      if constexpr (!std::is_same_v<T, float>) from_float(row, Hq * D, q_t.data() + (b * n + i) * Hq * D);
     }
   }
+  team.sync();
 
   DecodeAttentionArgs att{};
   att.dtype = std::is_same_v<T, float> ? DType::kFloat32 : DType::kBFloat16;
   att.batch = B; att.q_heads = Hq; att.kv_heads = Hkv; att.queries = n; att.columns = C; att.head_dim = D;
   if constexpr (std::is_same_v<T, float>) {  // the queries where the product wrote them
-    att.q = qkv.data();
+    att.q = qkv;
     att.q_stride[0] = n * QKV; att.q_stride[1] = D; att.q_stride[2] = QKV;
-    att.out = attn.data();
+    att.out = sh.attn.data();
   } else {  // rounded, [B, n, Hq, D]
-    att.q = q_t.data();
+    att.q = sh.q_t.data();
     att.q_stride[0] = n * Hq * D; att.q_stride[1] = D; att.q_stride[2] = Hq * D;
-    att.out = attn_t.data();
+    att.out = sh.attn_t.data();
   }
   att.k = key_cache;
   att.v = value_cache;
@@ -446,17 +480,43 @@ void decoder_layer_impl(const DecoderLayerArgs& a) {
   att.starts = starts.data();
   att.rows = slots.data();
   att.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));  // D ** -0.5, as the model
-  decode_attention(att);
-  if constexpr (!std::is_same_v<T, float>) to_float(attn_t.data(), M * Hq * D, attn.data());
+  decode_attention(att, &team);
+  team.sync();
+  const float* attn = sh.attn.data();
+  if constexpr (!std::is_same_v<T, float>) {
+    to_float(sh.attn_t.data(), M * Hq * D, attn_own.data());
+    attn = attn_own.data();
+  }
 
-  packed_gemm(attn.data(), Hq * D, M, Hq * D, wo, H, mid.data(), H, static_cast<const float*>(nullptr));
-  for (int64_t i = 0; i < M * H; ++i) mid[i] += x[i];  // the attention block's residual
-  rms_rows(mid.data(), H, M, H, post_norm.data(), a.eps, normed.data(), H);
-  packed_gemm(normed.data(), H, M, H, wgu, 2 * I, gate_up.data(), 2 * I, static_cast<const float*>(nullptr));
-  for (int64_t m = 0; m < M; ++m) silu_mul(gate_up.data() + m * 2 * I, I, act.data() + m * I);
-  packed_gemm(act.data(), I, M, I, wdown, H, out.data(), H, static_cast<const float*>(nullptr));
-  for (int64_t i = 0; i < M * H; ++i) out[i] += mid[i];  // the MLP's residual
-  from_float(out.data(), M * H, static_cast<T*>(a.out));
+  packed_gemm(attn, Hq * D, M, Hq * D, wo, H, sh.mid.data(), H, static_cast<const float*>(nullptr), &team);
+  team.sync();
+  for (int64_t i = 0; i < M * H; ++i) res[i] = sh.mid[i] + x[i];  // the attention block's residual
+  rms_rows(res.data(), H, M, H, post_norm.data(), a.eps, normed.data(), H);
+  packed_gemm(normed.data(), H, M, H, wgu, 2 * I, sh.gate_up.data(), 2 * I, static_cast<const float*>(nullptr), &team);
+  team.sync();
+  for (int64_t m = 0; m < M; ++m) silu_mul(sh.gate_up.data() + m * 2 * I, I, act.data() + m * I);
+  packed_gemm(act.data(), I, M, I, wdown, H, sh.out.data(), H, static_cast<const float*>(nullptr), &team);
+  team.sync();
+  T* out = static_cast<T*>(a.out);
+  const int64_t first = team.begin(M * H), last = team.end(M * H);
+  for (int64_t i = 0; i < M * H; ++i) {  // the MLP's residual, rounded to the layer's dtype
+    const T y = static_cast<T>(sh.out[i] + res[i]);
+    if (i >= first && i < last) out[i] = y;
+    x[i] = widen(y);
+  }
+}
+
+// A stack of L layers (layers[l + 1].x is layers[l].out), all of one dtype and weight kind, in one team: one parallel
+// region, a sync after each of a layer's 6 shared steps.
+template <typename T, typename W>
+void decoder_layers_impl(const DecoderLayerArgs* layers, int64_t L) {
+  Shared<T> shared(layers, L);
+  const int64_t MH = layers[0].batch * layers[0].tokens * layers[0].hidden;
+  run_team([&](const Team& team) {
+    std::vector<float> x(MH);
+    to_float(static_cast<const T*>(layers[0].x), MH, x.data());
+    for (int64_t l = 0; l < L; ++l) layer_on_thread<T, W>(layers[l], team, shared, x);
+  });
 }
 
 // Kernel<T, W>::run(a) for the activations' dtype T (float32, bfloat16) and the weights' W (T, int8, or blocks).
@@ -483,16 +543,34 @@ struct PackedLinearKernel {
   static void run(const PackedLinearArgs& a) { packed_linear_impl<T, W>(a); }
 };
 
+// by_dtypes' Args for decoder_layers: the stack's first layer names the dtype and weights of all.
+struct LayerStack {
+  const DecoderLayerArgs* layers;
+  int64_t count;
+  DType dtype;
+  PackedWeights weights;
+};
+
 template <typename T, typename W>
-struct DecoderLayerKernel {
-  static void run(const DecoderLayerArgs& a) { decoder_layer_impl<T, W>(a); }
+struct DecoderLayersKernel {
+  static void run(const LayerStack& s) { decoder_layers_impl<T, W>(s.layers, s.count); }
 };
 
 }  // namespace
 
 void packed_linear(const PackedLinearArgs& a) { by_dtypes<PackedLinearKernel>(a); }
 
-void decoder_layer(const DecoderLayerArgs& a) { by_dtypes<DecoderLayerKernel>(a); }
+void decoder_layers(const DecoderLayerArgs* layers, int64_t L) {
+  if (L < 1) return;
+  for (int64_t l = 1; l < L; ++l)
+    if (layers[l].dtype != layers[0].dtype || layers[l].weights != layers[0].weights) {  // a team for each layer
+      for (int64_t i = 0; i < L; ++i) decoder_layers(layers + i, 1);
+      return;
+    }
+  by_dtypes<DecoderLayersKernel>(LayerStack{layers, L, layers[0].dtype, layers[0].weights});
+}
+
+void decoder_layer(const DecoderLayerArgs& a) { decoder_layers(&a, 1); }
 
 }  // namespace cpu
 }  // namespace specdec
