@@ -388,40 +388,52 @@ void packed_linear_impl(const PackedLinearArgs& a) {
   from_float(y.data(), M * N, static_cast<T*>(a.out));
 }
 
+// The widest of a stack's layers, which the buffers of a team and of each of its threads are sized for.
+struct Widths {
+  int64_t rows, hidden, qkv = 0, q = 0, intermediate = 0, head_dim = 0;
+  Widths(const DecoderLayerArgs* layers, int64_t L)
+      : rows(layers[0].batch * layers[0].tokens), hidden(layers[0].hidden) {
+    for (int64_t l = 0; l < L; ++l) {
+      const DecoderLayerArgs& a = layers[l];
+      qkv = std::max(qkv, (a.heads + 2 * a.kv_heads) * a.head_dim);
+      q = std::max(q, a.heads * a.head_dim);
+      intermediate = std::max(intermediate, a.intermediate);
+      head_dim = std::max(head_dim, a.head_dim);
+    }
+  }
+};
+
 // What the threads of a team share across a stack's layers (each writes its share of them, and all read them after a
-// sync), sized for the widest layer.
+// sync).
 template <typename T>
 struct Shared {
   std::vector<float> qkv, attn, mid, gate_up, out;
   std::vector<T> q_t, attn_t;  // bfloat16 layers: the rounded queries and attention output
 
-  Shared(const DecoderLayerArgs* layers, int64_t L) {
-    const int64_t M = layers[0].batch * layers[0].tokens, H = layers[0].hidden;
-    int64_t qkv_width = 0, q_width = 0, gate_up_width = 0;
-    for (int64_t l = 0; l < L; ++l) {
-      const DecoderLayerArgs& a = layers[l];
-      qkv_width = std::max(qkv_width, (a.heads + 2 * a.kv_heads) * a.head_dim);
-      q_width = std::max(q_width, a.heads * a.head_dim);
-      gate_up_width = std::max(gate_up_width, 2 * a.intermediate);
-    }
-    qkv.resize(M * qkv_width);
-    attn.resize(M * q_width);
-    mid.resize(M * H);
-    gate_up.resize(M * gate_up_width);
-    out.resize(M * H);
-    if constexpr (!std::is_same_v<T, float>) {
-      q_t.resize(M * q_width);
-      attn_t.resize(M * q_width);
-    }
-  }
+  explicit Shared(const Widths& w)
+      : qkv(w.rows * w.qkv), attn(w.rows * w.q), mid(w.rows * w.hidden), gate_up(w.rows * 2 * w.intermediate),
+        out(w.rows * w.hidden), q_t(std::is_same_v<T, float> ? 0 : w.rows * w.q),
+        attn_t(std::is_same_v<T, float> ? 0 : w.rows * w.q) {}
 };
 
-// One layer on one thread of the team: x [M, H] holds the layer's input as float32 and becomes its output (rounded to
-// T, as the next layer reads it); every thread computes the norms, residuals and SiLU alike into its own buffers (no
-// sync waits on one thread's), and its share of each product, of the q/k norms, RoPE and cache writes, and of
+// Each thread's own buffers, allocated once for a stack: x, the layer's input as float32 (then its output); the
+// normed rows, the attention block's residual, SiLU(gate) * up and (bfloat16) the attention output as float32, which
+// every thread computes alike; RoPE's scratch; each row's slot and first position.
+struct Own {
+  std::vector<float> x, normed, res, act, attn, tmp, cs, sn;
+  std::vector<int64_t> starts, slots;
+
+  Own(const Widths& w, int64_t batch)
+      : x(w.rows * w.hidden), normed(w.rows * w.hidden), res(w.rows * w.hidden), act(w.rows * w.intermediate),
+        attn(w.rows * w.q), tmp(w.head_dim), cs(w.head_dim), sn(w.head_dim), starts(batch), slots(batch) {}
+};
+
+// One layer on one thread of the team: own.x [M, H] holds the layer's input as float32 and becomes its output (rounded
+// to T, as the next layer reads it); every thread computes the norms, residuals and SiLU alike into its own buffers
+// (no sync waits on one thread's), and its share of each product, of the q/k norms, RoPE and cache writes, and of
 // attention, a sync after each. a.out gets this thread's share of the output rows.
 template <typename T, typename W>
-void layer_on_thread(const DecoderLayerArgs& a, const Team& team, Shared<T>& sh, std::vector<float>& x) {
+void layer_on_thread(const DecoderLayerArgs& a, const Team& team, Shared<T>& sh, Own& own) {
   const int64_t B = a.batch, n = a.tokens, M = B * n, H = a.hidden;
   const int64_t Hq = a.heads, Hkv = a.kv_heads, D = a.head_dim, I = a.intermediate, C = a.columns;
   const int64_t QKV = (Hq + 2 * Hkv) * D;
@@ -434,9 +446,15 @@ void layer_on_thread(const DecoderLayerArgs& a, const Team& team, Shared<T>& sh,
   const std::vector<float> input_norm = floats<T>(a.input_norm, H), post_norm = floats<T>(a.post_norm, H);
   const std::vector<float> qkv_bias = floats<T>(a.qkv_bias, QKV);
   const std::vector<float> q_norm = floats<T>(a.q_norm, D), k_norm = floats<T>(a.k_norm, D);
-  std::vector<float> normed(M * H), res(M * H), act(M * I), tmp(D), cs(D), sn(D);
-  std::vector<float> attn_own(std::is_same_v<T, float> ? 0 : M * Hq * D);
-  std::vector<int64_t> starts(B), slots(B);
+  std::vector<float>& x = own.x;
+  std::vector<float>& normed = own.normed;
+  std::vector<float>& res = own.res;
+  std::vector<float>& act = own.act;
+  std::vector<float>& tmp = own.tmp;
+  std::vector<float>& cs = own.cs;
+  std::vector<float>& sn = own.sn;
+  std::vector<int64_t>& starts = own.starts;
+  std::vector<int64_t>& slots = own.slots;
   float* qkv = sh.qkv.data();
 
   rms_rows(x.data(), H, M, H, input_norm.data(), a.eps, normed.data(), H);
@@ -498,8 +516,8 @@ void layer_on_thread(const DecoderLayerArgs& a, const Team& team, Shared<T>& sh,
   team.sync();
   const float* attn = sh.attn.data();
   if constexpr (!std::is_same_v<T, float>) {
-    to_float(sh.attn_t.data(), M * Hq * D, attn_own.data());
-    attn = attn_own.data();
+    to_float(sh.attn_t.data(), M * Hq * D, own.attn.data());
+    attn = own.attn.data();
   }
 
   packed_gemm(attn, Hq * D, M, Hq * D, wo, H, sh.mid.data(), H, static_cast<const float*>(nullptr), &team);
@@ -523,12 +541,12 @@ void layer_on_thread(const DecoderLayerArgs& a, const Team& team, Shared<T>& sh,
 // region, a sync after each of a layer's 6 shared steps.
 template <typename T, typename W>
 void decoder_layers_impl(const DecoderLayerArgs* layers, int64_t L) {
-  Shared<T> shared(layers, L);
-  const int64_t MH = layers[0].batch * layers[0].tokens * layers[0].hidden;
+  const Widths widths(layers, L);
+  Shared<T> shared(widths);
   run_team([&](const Team& team) {
-    std::vector<float> x(MH);
-    to_float(static_cast<const T*>(layers[0].x), MH, x.data());
-    for (int64_t l = 0; l < L; ++l) layer_on_thread<T, W>(layers[l], team, shared, x);
+    Own own(widths, layers[0].batch);
+    to_float(static_cast<const T*>(layers[0].x), widths.rows * widths.hidden, own.x.data());
+    for (int64_t l = 0; l < L; ++l) layer_on_thread<T, W>(layers[l], team, shared, own);
   });
 }
 
