@@ -255,8 +255,10 @@ SPECDEC_CPU_CLONES void attention_tasks(const DecodeAttentionArgs& a, int64_t pa
     for (int64_t r = 0; r < Rt; ++r) {
       const int64_t h = kh * G + (r0 + r) / n, i = (r0 + r) % n;
       qrow[r] = q + b * a.q_stride[0] + h * a.q_stride[1] + i * a.q_stride[2];
-      load_row(qrow[r], D, &qf[r * D]);
-      for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
+      if (!bf16_scores) {  // the generic scores' query, scaled, as float32
+        load_row(qrow[r], D, &qf[r * D]);
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] *= a.scale;
+      }
       if (a.mask != nullptr) {
         mrow[r] = a.mask + b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
       } else {

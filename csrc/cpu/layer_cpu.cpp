@@ -390,9 +390,9 @@ void packed_linear_impl(const PackedLinearArgs& a) {
 
 // The widest of a stack's layers, which the buffers of a team and of each of its threads are sized for.
 struct Widths {
-  int64_t rows, hidden, qkv = 0, q = 0, intermediate = 0, head_dim = 0;
+  int64_t batch, rows, hidden, qkv = 0, q = 0, intermediate = 0, head_dim = 0;
   Widths(const DecoderLayerArgs* layers, int64_t L)
-      : rows(layers[0].batch * layers[0].tokens), hidden(layers[0].hidden) {
+      : batch(layers[0].batch), rows(layers[0].batch * layers[0].tokens), hidden(layers[0].hidden) {
     for (int64_t l = 0; l < L; ++l) {
       const DecoderLayerArgs& a = layers[l];
       qkv = std::max(qkv, (a.heads + 2 * a.kv_heads) * a.head_dim);
@@ -423,9 +423,9 @@ struct Own {
   std::vector<float> x, normed, res, act, attn, tmp, cs, sn;
   std::vector<int64_t> starts, slots;
 
-  Own(const Widths& w, int64_t batch)
+  explicit Own(const Widths& w)
       : x(w.rows * w.hidden), normed(w.rows * w.hidden), res(w.rows * w.hidden), act(w.rows * w.intermediate),
-        attn(w.rows * w.q), tmp(w.head_dim), cs(w.head_dim), sn(w.head_dim), starts(batch), slots(batch) {}
+        attn(w.rows * w.q), tmp(w.head_dim), cs(w.head_dim), sn(w.head_dim), starts(w.batch), slots(w.batch) {}
 };
 
 // One layer on one thread of the team: own.x [M, H] holds the layer's input as float32 and becomes its output (rounded
@@ -544,7 +544,7 @@ void decoder_layers_impl(const DecoderLayerArgs* layers, int64_t L) {
   const Widths widths(layers, L);
   Shared<T> shared(widths);
   run_team([&](const Team& team) {
-    Own own(widths, layers[0].batch);
+    Own own(widths);
     to_float(static_cast<const T*>(layers[0].x), widths.rows * widths.hidden, own.x.data());
     for (int64_t l = 0; l < L; ++l) layer_on_thread<T, W>(layers[l], team, shared, own);
   });
